@@ -1,0 +1,22 @@
+"""kl_kernels: fused KL-penalty kernels for RL from feedback on language models.
+
+Public API:
+
+* :func:`kl_reward`: per-token KL estimate and KL-penalized reward on ragged, assistant-masked
+  batches (packed, padded, nested or list layouts), forward and backward.
+* :mod:`kl_kernels.ragged`: the canonical ragged-batch form (values + int64 offsets) and its
+  converters.
+* :func:`info`: which backends (torch, cpu, cuda, triton) can run here, and why not.
+
+Importing never fails because a compiled extension is missing or cannot load; that is reported
+by :func:`info` and by the dispatcher.
+"""
+
+from . import ragged
+from ._info import info
+from .backends import BackendUnavailableError
+from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
+from .version import __version__
+
+__all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
+           "BackendUnavailableError", "__version__"]

@@ -1,0 +1,41 @@
+"""``kl_kernels.info()``: what is built, what can run here, and why not."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import torch
+
+from . import _extensions
+from .backends import ENV_VAR
+from .kl_reward.backends import REGISTRY
+from .version import __version__
+
+
+def info() -> dict:
+    """Build and runtime facts of this installation.
+
+    Returns a dict with ``version``, ``torch``, ``python``, ``platform``, the
+    ``KL_KERNELS_BACKEND`` override, each compiled extension's own report (``extensions``:
+    ``_C``, ``_cuda``) and, for each backend (``torch``, ``cpu``, ``cuda``, ``triton``),
+    ``{"available": bool, "reason": str | None, "devices", "dtypes", "layouts", "notes"}``,
+    where ``reason`` lists every cause of unavailability.
+
+    Example::
+
+        >>> import kl_kernels
+        >>> kl_kernels.info()["backends"]["torch"]["available"]
+        True
+    """
+    return {
+        "version": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "backend_override": os.environ.get(ENV_VAR) or None,
+        "extensions": {name: _extensions.probe(name) for name in ("_C", "_cuda")},
+        "backends": {b.name: b.describe() for b in sorted(REGISTRY, key=lambda b: ("torch", "cpu", "cuda", "triton").index(b.name))},
+    }

@@ -1,0 +1,113 @@
+"""Backend declarations and dispatch, shared by every op.
+
+Each op keeps an ordered registry of :class:`Backend` objects (its preference order). A backend
+*declares* what it supports (devices, dtypes, layouts, a token limit) and how to check that it
+is present (extension built and loaded, kernel compiled, device visible). Dispatch:
+
+* ``backend="auto"``: the first backend that accepts the inputs. The environment variable
+  ``KL_KERNELS_BACKEND`` overrides ``"auto"`` (and only ``"auto"``) with an explicit name.
+* an explicit name: that backend, or :class:`BackendUnavailableError` listing every reason it
+  cannot run these inputs.
+
+Nothing here imports a compiled extension at import time; availability is computed lazily and
+cached, so a missing extension never breaks ``import kl_kernels``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+ENV_VAR = "KL_KERNELS_BACKEND"
+BACKEND_NAMES = ("torch", "cpu", "cuda", "triton")
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run the given inputs; the message lists why."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A declared implementation of one op.
+
+    ``availability`` returns the reasons the backend cannot run at all on this machine (empty
+    list = available); ``run`` takes the op's normalized problem.
+    """
+
+    name: str
+    devices: frozenset
+    dtypes: frozenset
+    layouts: frozenset
+    availability: Callable[[], list]
+    run: Callable
+    max_tokens: int | None = None
+    notes: str = ""
+
+    def unavailable_reasons(self) -> list[str]:
+        return list(self.availability())
+
+    def rejection_reasons(self, *, device: torch.device, dtypes: Iterable[torch.dtype], layout: str,
+                          num_tokens: int) -> list[str]:
+        """Every reason this backend cannot run inputs with these properties."""
+        reasons = self.unavailable_reasons()
+        if device.type not in self.devices:
+            reasons.append(f"inputs are on {device.type}, {self.name} runs on {sorted(self.devices)}")
+        bad = sorted({str(d).replace("torch.", "") for d in dtypes if d not in self.dtypes})
+        if bad:
+            ok = sorted(str(d).replace("torch.", "") for d in self.dtypes)
+            reasons.append(f"dtype {', '.join(bad)} not supported by {self.name} (supports {', '.join(ok)})")
+        if layout not in self.layouts:
+            reasons.append(f"layout {layout!r} not supported by {self.name} (supports {sorted(self.layouts)})")
+        if self.max_tokens is not None and num_tokens > self.max_tokens:
+            reasons.append(f"{num_tokens} tokens exceed {self.name}'s limit of {self.max_tokens}")
+        return reasons
+
+    def describe(self) -> dict:
+        reasons = self.unavailable_reasons()
+        return {
+            "available": not reasons,
+            "reason": "; ".join(reasons) if reasons else None,
+            "devices": sorted(self.devices),
+            "dtypes": sorted(str(d).replace("torch.", "") for d in self.dtypes),
+            "layouts": sorted(self.layouts),
+            "notes": self.notes,
+        }
+
+
+def requested_backend(backend: str) -> str:
+    """Resolve the user's ``backend`` argument against ``KL_KERNELS_BACKEND``."""
+    if not isinstance(backend, str) or backend not in ("auto", *BACKEND_NAMES):
+        raise ValueError(f"backend must be one of 'auto', {', '.join(map(repr, BACKEND_NAMES))}; got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env and env != "auto":
+            if env not in BACKEND_NAMES:
+                raise ValueError(f"environment variable {ENV_VAR} must be one of 'auto', "
+                                 f"{', '.join(map(repr, BACKEND_NAMES))}; got {env!r}")
+            return env
+    return backend
+
+
+def select(registry: list[Backend], backend: str, *, op: str, **properties) -> Backend:
+    """Pick the backend that runs an op on inputs with the given properties (see module doc)."""
+    name = requested_backend(backend)
+    if name != "auto":
+        chosen = next((b for b in registry if b.name == name), None)
+        if chosen is None:
+            raise BackendUnavailableError(f"{op}: no backend named {name!r} exists for this op")
+        reasons = chosen.rejection_reasons(**properties)
+        if reasons:
+            source = f" (from {ENV_VAR})" if backend == "auto" else ""
+            raise BackendUnavailableError(
+                f"{op}: backend {name!r}{source} cannot run these inputs:\n  - " + "\n  - ".join(reasons))
+        return chosen
+    all_reasons = []
+    for candidate in registry:
+        reasons = candidate.rejection_reasons(**properties)
+        if not reasons:
+            return candidate
+        all_reasons.append(f"{candidate.name}: " + "; ".join(reasons))
+    raise BackendUnavailableError(f"{op}: no backend can run these inputs:\n  - " + "\n  - ".join(all_reasons))

@@ -1,0 +1,110 @@
+"""The public ``kl_reward`` function: validate, normalize the layout, dispatch, restore."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .. import backends as _dispatch
+from .backends import REGISTRY
+from .problem import KLRewardOutput, build_problem
+
+
+def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None,
+              offsets=None, lengths=None, padding_side="left", prompt_lens=None,
+              reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False,
+              detach=True, backend="auto") -> KLRewardOutput:
+    r"""Assistant-masked, ragged-batch KL estimate and KL-penalized reward, in one call.
+
+    Per token ``t`` of sequence ``b``, with ``d = log_probs - ref_log_probs`` (math in float32,
+    float64 for float64 inputs)::
+
+        kl_t     = m_t * est(clamp(d_t, *clamp_input))        (then clamped by clamp_output)
+        reward_t = R_t - coef_b * kl_t
+
+    where ``m_t`` is the final mask (valid, in ``mask``, past ``prompt_lens[b]``) and ``est`` is
+    ``"k1"`` ``d``, ``"abs"`` ``|d|``, ``"k2"`` ``d^2/2`` or ``"k3"`` ``expm1(-d) + d``.
+    ``"k1+"``, ``"abs+"``, ``"k3+"`` give the estimator's value with the gradient of k2
+    (straight-through, as verl). Masked and padding tokens have ``kl`` exactly 0.
+
+    Layouts (read from the inputs; outputs come back in the same layout):
+
+    * packed: ``log_probs [N]`` with ``offsets [B + 1]`` (int64 cu_seqlens);
+    * padded: ``log_probs [B, T]``; ``lengths [B]`` (optional, else all ``T`` columns are valid)
+      with ``padding_side`` ``"left"`` (valid tokens are the last ``lengths[b]``) or ``"right"``;
+    * ``torch.nested`` tensors (jagged or strided) ``[B, j]``;
+    * a list of ``B`` 1-D tensors.
+
+    Args:
+        log_probs: policy log-probs of the sampled tokens (float32, bfloat16, float16; float64
+            with ``backend="torch"``).
+        ref_log_probs: reference-model log-probs, same layout and shape (any of those dtypes).
+        reward: ``None`` (``reward = -coef * kl``); per-token, in the log-probs layout, optionally
+            with a trailing dim of 1 that is kept (TorchRL's ``[..., T, 1]``); or per-sequence
+            ``[B]``, ``[B, 1]`` or ``[B, 1, 1]``.
+        coef: KL coefficient: float, 0-dim tensor or per-sequence ``[B]`` tensor (tensors are read
+            on their device: no host sync).
+        estimator: ``"k1"`` (default), ``"abs"``, ``"k2"``, ``"k3"``, ``"k1+"``, ``"abs+"``, ``"k3+"``.
+        mask: assistant mask, bool, same layout; ``None`` counts every valid token.
+        offsets: packed layout only.
+        lengths: padded layout only; ints or int tensor ``[B]``, ``0 <= lengths <= T``.
+        padding_side: ``"left"`` (default, as TorchRL) or ``"right"``.
+        prompt_lens: ``[B]`` ints: the first ``prompt_lens[b]`` valid tokens of ``b`` never count.
+        reward_placement: ``"token"`` (per-token reward), ``"sequence"`` (per-sequence reward
+            broadcast to every position of the row, TorchRL's expand), ``"last"`` (per-sequence
+            reward on the last counted token, else the last valid token; verl/OpenRLHF), or
+            ``"auto"`` (default): per-token shapes give ``"token"``, padded ``[B, 1]``/``[B, 1, 1]``
+            broadcast as ``"sequence"``; anything ambiguous raises, asking for a placement.
+        clamp_input: ``(lo, hi)`` bounds for ``d`` (either may be ``None``); verl's k3 uses
+            ``(-20, 20)``.
+        clamp_output: ``(lo, hi)`` bounds for the estimate; verl and OpenRLHF use ``(-10, 10)``.
+        return_ref: also return ``ref_log_probs`` with non-counted tokens zeroed (TorchRL's third
+            output).
+        detach: ``True`` (default, as TorchRL) returns tensors without autograd history;
+            ``False`` lets gradients flow to ``log_probs`` and ``ref_log_probs``. The reward and
+            ``coef`` are data: they never receive gradients.
+        backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides it), ``"torch"``, ``"cpu"``,
+            ``"cuda"`` or ``"triton"``. An explicit backend that cannot run raises
+            :class:`~kl_kernels.BackendUnavailableError` with every reason.
+
+    Returns:
+        :class:`KLRewardOutput` ``(kl, reward, ref_log_probs, kl_sum, count)``: ``kl`` in the
+        log-probs dtype; ``reward`` in the promotion of the reward's and the log-probs' dtypes
+        (so a float32 reward is never rounded to bfloat16); ``ref_log_probs`` (or ``None``) in
+        its dtype; ``kl_sum [B]`` float32 (float64 for float64 inputs); ``count [B]`` int64.
+
+    NaN or inf in a *counted* token propagates to ``kl``, ``reward`` and ``kl_sum`` of that
+    sequence (it is never hidden); in non-counted tokens it is ignored. ``k3`` of ``d = -inf`` is
+    NaN (``inf - inf``): bound it with ``clamp_input``.
+
+    Raises:
+        TypeError / ValueError: bad input, naming the argument and what was expected, before any
+            kernel runs. Inputs are never modified.
+
+    Example::
+
+        >>> import torch
+        >>> from kl_kernels import kl_reward
+        >>> lp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.1, -0.2]])
+        >>> ref = torch.tensor([[-1.2, -0.5, -1.0], [-0.3, -0.4, -0.2]])
+        >>> out = kl_reward(lp, ref, torch.tensor([[1.0], [0.0]]), coef=0.1,
+        ...                 lengths=torch.tensor([2, 3]), padding_side="left")
+        >>> out.kl
+        tensor([[ 0.0000,  0.0000, -1.0000],
+                [ 0.0000,  0.3000,  0.0000]])
+        >>> out.reward
+        tensor([[ 1.0000,  1.0000,  1.1000],
+                [ 0.0000, -0.0300,  0.0000]])
+        >>> out.count
+        tensor([2, 3])
+    """
+    problem, layout = build_problem(
+        log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
+        lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
+        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach)
+    impl = _dispatch.select(REGISTRY, backend, op="kl_reward", device=problem.device, dtypes=problem.dtypes,
+                            layout=problem.layout, num_tokens=problem.num_tokens)
+    with torch.no_grad() if detach else nullcontext():
+        raw = impl.run(problem)
+    return layout.restore(raw)

@@ -1,0 +1,84 @@
+"""The backends of ``kl_reward``, in ``"auto"`` preference order, with what each supports.
+
+=========  =========  ========================  ============================================
+backend    devices    dtypes                    status in this version
+=========  =========  ========================  ============================================
+cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``): not yet built
+triton     cuda       fp32, bf16, fp16          Triton kernel: not yet written
+cpu        cpu        fp32, bf16, fp16          fused C++ kernel (``_C``): not yet built
+torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference: always available
+=========  =========  ========================  ============================================
+
+A compiled backend is available only when its extension loads *and* holds the kernel: the
+Python side looks the kernel up by name, so a build with only the probe is reported as such and
+never used. Asking for an unavailable backend raises
+:class:`~kl_kernels.backends.BackendUnavailableError` with every reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from .. import _extensions
+from ..backends import Backend, BackendUnavailableError
+from .reference import kl_reward_reference
+
+KERNEL_FORWARD = "kl_reward_forward"  # symbol the compiled extensions will export
+HALF_AND_SINGLE = frozenset({torch.float32, torch.bfloat16, torch.float16})
+BOTH_LAYOUTS = frozenset({"packed", "padded"})
+
+
+def _torch_cuda_reason() -> list[str]:
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return [f"torch {torch.__version__} is a CPU-only build (no CUDA)"]
+    if not torch.cuda.is_available():
+        return ["torch sees no CUDA device (torch.cuda.is_available() is False)"]
+    return []
+
+
+def _cpu_reasons() -> list[str]:
+    _, reason = _extensions.kernel("_C", KERNEL_FORWARD)
+    return [reason] if reason else []
+
+
+def _cuda_reasons() -> list[str]:
+    _, reason = _extensions.kernel("_cuda", KERNEL_FORWARD)
+    reasons = [reason] if reason else []
+    if _extensions.load("_cuda")[0] is not None:
+        runtime_error = _extensions.probe("_cuda").get("error")
+        if runtime_error:
+            reasons.append(f"CUDA runtime of kl_kernels._cuda: {runtime_error}")
+    return reasons + _torch_cuda_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_reasons() -> list[str]:
+    reasons = ["this version of kl_kernels has no Triton kl_reward kernel yet"]
+    if not _triton_installed():
+        reasons.append("triton is not installed (pip install 'kl_kernels[triton]')")
+    return reasons + _torch_cuda_reason()
+
+
+def _not_built(name: str):
+    def run(problem):  # never reached through dispatch: availability already says why
+        raise BackendUnavailableError(f"kl_reward: the {name} backend is not built in this version")
+    return run
+
+
+REGISTRY: list[Backend] = [
+    Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cuda_reasons, _not_built("cuda"),
+            notes="fused CUDA C++ kernel"),
+    Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _triton_reasons, _not_built("triton"),
+            notes="Triton kernel"),
+    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, _not_built("cpu"),
+            notes="fused multi-threaded C++ kernel"),
+    Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
+            kl_reward_reference, notes="vectorized torch reference (float64-capable)"),
+]

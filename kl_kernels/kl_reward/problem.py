@@ -1,0 +1,461 @@
+"""Validate ``kl_reward``'s arguments and normalize them into one :class:`KLRewardProblem`.
+
+Every check happens here, before any backend runs: a backend only ever sees a problem in one
+of two native layouts (``"packed"``: ``[N]`` + ``offsets``; ``"padded"``: ``[B, T]`` +
+optional ``lengths``), with the reward already classified (per-token or per-sequence ``[B]``)
+and every tensor on one device. Lists and nested tensors are packed here (zero-copy for jagged
+nested tensors) and :class:`OutputLayout` turns the results back into the caller's layout.
+
+Bad input raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, value or
+device) naming the argument and what was expected. Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .. import ragged
+
+ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k3+")
+STRAIGHT_THROUGH = frozenset({"k1+", "abs+", "k3+"})
+PLACEMENTS = ("auto", "token", "sequence", "last")
+LOGPROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DTYPE_NAMES = "float32, bfloat16, float16 (or float64 with the torch backend)"
+
+
+class KLRewardOutput(NamedTuple):
+    """Result of :func:`kl_kernels.kl_reward`.
+
+    * ``kl``: per-token KL estimate, caller's layout, log-prob dtype; exactly 0 where not counted.
+    * ``reward``: ``reward - coef * kl`` (per the placement), caller's layout; a trailing dim of 1
+      when the reward had one.
+    * ``ref_log_probs``: reference log-probs with non-counted tokens zeroed (``return_ref=True``),
+      else ``None``.
+    * ``kl_sum``: ``[B]`` per-sequence sum of ``kl`` (float32; float64 for float64 inputs).
+    * ``count``: ``[B]`` int64 number of counted tokens (the final mask).
+    """
+
+    kl: object
+    reward: object
+    ref_log_probs: object
+    kl_sum: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass
+class KLRewardProblem:
+    """Normalized arguments of one ``kl_reward`` call, in a layout a kernel reads natively.
+
+    ``layout == "packed"``: ``log_probs``/``ref_log_probs``/``mask``/token rewards are ``[N]``
+    and ``offsets`` is ``[B + 1]``. ``layout == "padded"``: they are ``[B, T]``; ``lengths``
+    (``[B]``, or ``None`` = all ``T`` columns valid) and ``padding_side`` give validity.
+    ``reward`` is ``None``, per-token (``placement == "token"``) or ``[B]`` (``"sequence"`` or
+    ``"last"``), already in ``reward_dtype``. ``coef`` is a float or a detached 0-d / ``[B]``
+    tensor. ``prompt_lens`` is ``None`` or ``[B]`` int64.
+    """
+
+    layout: str
+    log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor
+    mask: torch.Tensor | None
+    offsets: torch.Tensor | None
+    lengths: torch.Tensor | None
+    padding_side: str
+    prompt_lens: torch.Tensor | None
+    reward: torch.Tensor | None
+    placement: str | None
+    reward_dtype: torch.dtype
+    coef: float | torch.Tensor
+    estimator: str
+    clamp_input: tuple | None
+    clamp_output: tuple | None
+    return_ref: bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.shape[0] - 1 if self.layout == "packed" else self.log_probs.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.log_probs.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.log_probs.device
+
+    @property
+    def math_dtype(self) -> torch.dtype:
+        """float32 math, float64 when an input is float64 (the reference's oracle mode)."""
+        dtypes = {self.log_probs.dtype, self.ref_log_probs.dtype}
+        return torch.float64 if torch.float64 in dtypes else torch.float32
+
+    @property
+    def dtypes(self) -> set:
+        out = {self.log_probs.dtype, self.ref_log_probs.dtype}
+        if self.reward is not None:
+            out.add(self.reward.dtype)
+        return out
+
+
+class RawOutputs(NamedTuple):
+    """What a backend returns: per-token tensors in the problem's layout, sums ``[B]``."""
+
+    kl: torch.Tensor
+    reward: torch.Tensor
+    ref_log_probs: torch.Tensor | None
+    kl_sum: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """How to hand per-token results back: the caller's layout and the reward's trailing dim."""
+
+    kind: str  # "packed", "padded", "list", "nested_jagged", "nested_strided"
+    offsets: torch.Tensor | None
+    reward_trailing: bool
+
+    def restore(self, raw: RawOutputs) -> KLRewardOutput:
+        reward = raw.reward.unsqueeze(-1) if self.reward_trailing else raw.reward
+        ref = self._tokens(raw.ref_log_probs) if raw.ref_log_probs is not None else None
+        return KLRewardOutput(self._tokens(raw.kl), self._tokens(reward), ref, raw.kl_sum, raw.count)
+
+    def _tokens(self, x: torch.Tensor):
+        if self.kind in ("packed", "padded"):
+            return x
+        return ragged.unpack(x, ragged.RaggedLayout(self.kind, self.offsets))
+
+
+# --------------------------------------------------------------------------- option checks
+
+
+def _check_options(estimator, reward_placement, padding_side, clamp_input, clamp_output, return_ref, detach):
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(map(repr, ESTIMATORS))}; got {estimator!r}")
+    if reward_placement not in PLACEMENTS:
+        raise ValueError(f"reward_placement must be one of {', '.join(map(repr, PLACEMENTS))}; "
+                         f"got {reward_placement!r}")
+    if padding_side not in ragged.PADDING_SIDES:
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    for name, flag in (("return_ref", return_ref), ("detach", detach)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    return _check_clamp("clamp_input", clamp_input), _check_clamp("clamp_output", clamp_output)
+
+
+def _check_clamp(name, bounds):
+    if bounds is None:
+        return None
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise ValueError(f"{name} must be None or a pair (lo, hi) of floats (either may be None), got {bounds!r}")
+    out = []
+    for b in bounds:
+        if b is None:
+            out.append(None)
+            continue
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or math.isnan(float(b)):
+            raise ValueError(f"{name} bounds must be real numbers or None, got {bounds!r}")
+        out.append(float(b))
+    lo, hi = out
+    if lo is None and hi is None:
+        return None
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{name} must satisfy lo <= hi, got {bounds!r}")
+    return lo, hi
+
+
+# --------------------------------------------------------------------------- tensor checks
+
+
+def _check_logprob_tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.dtype not in LOGPROB_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor ({_DTYPE_NAMES}), got {x.dtype}")
+
+
+def _check_mask_tensor(mask, shape, name="mask"):
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (use mask.bool()), got {mask.dtype}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of log_probs {list(shape)}, got {list(mask.shape)}")
+
+
+def _int_vector(x, name, batch, device):
+    """Lengths-like argument: tensor or sequence of ints -> int64 ``[B]`` tensor on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        if isinstance(x, (list, tuple)) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in x):
+            x = torch.tensor(list(x), dtype=torch.int64, device=device)
+        else:
+            raise TypeError(f"{name} must be an integer tensor [B] or a sequence of ints, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor [B], got {x.dtype}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but log_probs is on {device}: "
+                         "every tensor argument must be on the same device")
+    return x.to(torch.int64)
+
+
+def _same_device(device, **tensors):
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but log_probs is on {device}: "
+                             "every tensor argument must be on the same device")
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _pack_ragged_arg(x, name, lp_offsets, kind):
+    """A list / nested argument in the same ragged structure as log_probs -> packed values."""
+    if kind == "list":
+        if not isinstance(x, (list, tuple)):
+            raise TypeError(f"{name} must be a list of tensors like log_probs, got {type(x).__name__}")
+        r = ragged.from_list(x, name=name)
+    else:
+        if not (isinstance(x, torch.Tensor) and x.is_nested):
+            raise TypeError(f"{name} must be a nested tensor like log_probs, got "
+                            f"{'a regular tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if (x.layout == torch.jagged) != (kind == "nested_jagged"):
+            raise ValueError(f"{name} must use the same nested layout as log_probs ({kind.split('_')[1]})")
+        r = ragged.from_nested(x, name=name)
+    if r.batch_size != lp_offsets.shape[0] - 1:
+        raise ValueError(f"{name} has {r.batch_size} sequences but log_probs has {lp_offsets.shape[0] - 1}")
+    if r.num_tokens and r.offsets.device != lp_offsets.device:
+        raise ValueError(f"{name} is on {r.offsets.device} but log_probs is on {lp_offsets.device}: "
+                         "every tensor argument must be on the same device")
+    if not torch.equal(r.offsets.to(lp_offsets.device), lp_offsets):
+        lens_x, lens_lp = r.lengths.tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
+        b = next(i for i, (u, v) in enumerate(zip(lens_x, lens_lp)) if u != v)
+        raise ValueError(f"{name} must have the sequence lengths of log_probs: sequence {b} has "
+                         f"{lens_x[b]} tokens in {name} but {lens_lp[b]} in log_probs")
+    return r.values
+
+
+def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side):
+    """Return (kind, lp, ref, mask, offsets, lengths) with lp/ref/mask in a native layout."""
+    if isinstance(log_probs, (list, tuple)) or (isinstance(log_probs, torch.Tensor) and log_probs.is_nested):
+        kind = "list" if isinstance(log_probs, (list, tuple)) else (
+            "nested_jagged" if log_probs.layout == torch.jagged else "nested_strided")
+        for arg, val in (("offsets", offsets), ("lengths", lengths)):
+            if val is not None:
+                raise ValueError(f"{arg} must be None when log_probs is a {kind.replace('_', ' ')}: "
+                                 "the sequence lengths come from log_probs itself")
+        if kind == "list":
+            for i, t in enumerate(log_probs):
+                _check_logprob_tensor(t, f"log_probs[{i}]")
+                if t.dim() != 1:
+                    raise ValueError(f"log_probs[{i}] must be 1-D [L], got shape {list(t.shape)}")
+            if len({t.dtype for t in log_probs}) > 1:
+                raise TypeError("log_probs tensors must share one dtype")
+            packed = ragged.from_list(log_probs, name="log_probs")
+            if not log_probs:  # an empty batch: float32 on the CPU, like torch.zeros(0)
+                packed = ragged.Ragged(packed.values.float(), packed.offsets)
+        else:
+            _check_logprob_tensor(log_probs, "log_probs")
+            if log_probs.dim() != 2:
+                raise ValueError(f"nested log_probs must be [B, j] (1-D per sequence), got {log_probs.dim()} dims")
+            packed = ragged.from_nested(log_probs, name="log_probs")
+        lp, offsets = packed
+        ref = _pack_ragged_arg(ref_log_probs, "ref_log_probs", offsets, kind)
+        _check_logprob_tensor(ref, "ref_log_probs")
+        if mask is not None:
+            mask = _pack_ragged_arg(mask, "mask", offsets, kind)
+            _check_mask_tensor(mask, lp.shape)
+        return kind, lp, ref, mask, offsets, None
+
+    _check_logprob_tensor(log_probs, "log_probs")
+    _check_logprob_tensor(ref_log_probs, "ref_log_probs")
+    if ref_log_probs.is_nested:
+        raise TypeError("ref_log_probs must be a regular tensor like log_probs, got a nested tensor")
+    if log_probs.dim() == 1:
+        if offsets is None:
+            raise ValueError("1-D log_probs is the packed layout and needs offsets [B + 1] (int64 cu_seqlens); "
+                             "for one sequence pass offsets=torch.tensor([0, N])")
+        if lengths is not None:
+            raise ValueError("lengths is for the padded layout [B, T]; the packed layout takes offsets only")
+        ragged.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
+        kind = "packed"
+    elif log_probs.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets is for the packed layout (1-D log_probs [N]); "
+                             "padded [B, T] inputs take lengths [B] and padding_side")
+        kind = "padded"
+        if lengths is not None:
+            lengths = _int_vector(lengths, "lengths", log_probs.shape[0], log_probs.device)
+            lengths = ragged._check_lengths(lengths, log_probs.shape[0], log_probs.shape[1])
+    else:
+        raise ValueError("log_probs must be packed [N] (with offsets), padded [B, T], a nested tensor or a list of "
+                         f"1-D tensors; got shape {list(log_probs.shape)}")
+    if tuple(ref_log_probs.shape) != tuple(log_probs.shape):
+        raise ValueError(f"ref_log_probs must have the shape of log_probs {list(log_probs.shape)}, "
+                         f"got {list(ref_log_probs.shape)}")
+    if mask is not None:
+        _check_mask_tensor(mask, log_probs.shape)
+    return kind, log_probs, ref_log_probs, mask, offsets, lengths
+
+
+# --------------------------------------------------------------------------- reward
+
+
+def _classify_reward(reward, kind, tok_shape, batch, placement, offsets):
+    """Return (reward tensor in problem layout, placement, trailing-dim flag)."""
+    per_token_given = isinstance(reward, (list, tuple)) or (isinstance(reward, torch.Tensor) and reward.is_nested)
+    if per_token_given:
+        if kind not in ("list", "nested_jagged", "nested_strided"):
+            raise TypeError(f"reward is a {'list' if isinstance(reward, (list, tuple)) else 'nested tensor'} "
+                            "but log_probs is a dense tensor: give the reward as a tensor")
+        ndims = {t.dim() for t in reward} if isinstance(reward, (list, tuple)) else {reward.dim() - 1}
+        if ndims not in ({1}, {2}):
+            raise ValueError("a per-token reward must be [L] or [L, 1] per sequence, consistently")
+        trailing = ndims == {2}
+        values = _pack_ragged_arg(reward, "reward", offsets, kind)
+        if trailing:
+            if values.dim() != 2 or values.shape[1] != 1:
+                raise ValueError(f"a per-token reward must be [L] or [L, 1] per sequence, got a trailing dim of "
+                                 f"{list(values.shape[1:])}")
+            values = values.squeeze(-1)
+        if placement not in ("auto", "token"):
+            raise ValueError(f"reward_placement={placement!r} needs a per-sequence reward [B], [B, 1] or [B, 1, 1]; "
+                             "a per-token reward (list or nested) takes 'token' or 'auto'")
+        return values, "token", trailing
+
+    if not isinstance(reward, torch.Tensor):
+        raise TypeError(f"reward must be None, a tensor, a nested tensor or a list of tensors, got {type(reward).__name__}")
+    shape = tuple(reward.shape)
+    tok_shape = tuple(tok_shape)
+    token_matches = []
+    if kind in ("packed", "padded"):
+        if shape == tok_shape:
+            token_matches.append(False)
+        if shape == tok_shape + (1,):
+            token_matches.append(True)
+    seq_forms = {(batch,): (False, False), (batch, 1): (False, True), (batch, 1, 1): (True, True)}
+    seq_match = seq_forms.get(shape)  # (trailing, broadcastable against the padded shape)
+    accepted = (f"per-token {list(tok_shape)} or {list(tok_shape + (1,))}, or per-sequence [B], [B, 1] or "
+                f"[B, 1, 1] with B = {batch}") if kind in ("packed", "padded") else (
+        f"per-token (a {kind.replace('_', ' ')} like log_probs) or per-sequence [B], [B, 1] or [B, 1, 1] with B = {batch}")
+
+    if placement == "token":
+        if not token_matches:
+            raise ValueError(f"reward_placement='token' needs a per-token reward ({accepted.split(', or')[0]}), "
+                             f"got shape {list(shape)}")
+        trailing = token_matches[0]
+        return (reward.squeeze(-1) if trailing else reward), "token", trailing
+    if placement in ("sequence", "last"):
+        if seq_match is None:
+            raise ValueError(f"reward_placement={placement!r} needs a per-sequence reward [B], [B, 1] or [B, 1, 1] "
+                             f"with B = {batch}, got shape {list(shape)}")
+        return reward.reshape(batch), placement, seq_match[0]
+    # auto
+    if token_matches and seq_match is not None:
+        raise ValueError(f"reward of shape {list(shape)} is ambiguous: it fits both a per-token reward and a "
+                         "per-sequence one; pass reward_placement='token', 'sequence' or 'last'")
+    if token_matches:
+        trailing = token_matches[0]
+        return (reward.squeeze(-1) if trailing else reward), "token", trailing
+    if seq_match is not None:
+        trailing, broadcastable = seq_match
+        if kind == "padded" and broadcastable:
+            # [B, 1] / [B, 1, 1] against [B, T] / [B, T, 1] is plain broadcasting: TorchRL's expand.
+            return reward.reshape(batch), "sequence", trailing
+        raise ValueError(f"a per-sequence reward of shape {list(shape)} can be broadcast to every token "
+                         "(reward_placement='sequence', as TorchRL) or put on the last counted token "
+                         "(reward_placement='last', as verl/OpenRLHF): pass one explicitly")
+    raise ValueError(f"reward must be {accepted}; got shape {list(shape)}")
+
+
+def _reward_dtype(reward, lp_dtype):
+    if reward.dtype.is_complex:
+        raise TypeError(f"reward must be a real tensor, got {reward.dtype}")
+    if reward.dtype.is_floating_point:
+        # An fp32 reward is not rounded to bf16 log-prob precision: torch's type promotion.
+        return torch.promote_types(reward.dtype, lp_dtype)
+    return lp_dtype  # integer / bool scores
+
+
+def _normalize_coef(coef, batch, device):
+    if isinstance(coef, torch.Tensor):
+        if coef.dtype == torch.bool or coef.dtype.is_complex:
+            raise TypeError(f"coef must be a real tensor, got {coef.dtype}")
+        if coef.dim() != 0 and tuple(coef.shape) != (batch,):
+            raise ValueError(f"coef must be a float, a 0-dim tensor or a per-sequence [B] tensor (B = {batch}); "
+                             f"got shape {list(coef.shape)}")
+        if coef.device != device:
+            raise ValueError(f"coef is on {coef.device} but log_probs is on {device}: "
+                             "every tensor argument must be on the same device")
+        coef = coef.detach()
+        return coef if coef.dtype.is_floating_point else coef.to(torch.float32)
+    if isinstance(coef, bool) or not isinstance(coef, numbers.Real):
+        raise TypeError(f"coef must be a float, a 0-dim tensor or a per-sequence [B] tensor, got {type(coef).__name__}")
+    return float(coef)
+
+
+def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device):
+    prompt_lens = _int_vector(prompt_lens, "prompt_lens", batch, device)
+    if batch and not torch.compiler.is_compiling():
+        if kind == "padded":
+            seq_len = lengths if lengths is not None else torch.full((batch,), width, device=device)
+            what = "lengths" if lengths is not None else f"T = {width}"
+        else:
+            seq_len, what = ragged.offsets_to_lengths(offsets), "the sequence lengths"
+        negative, too_long = torch.stack([(prompt_lens < 0).any(), (prompt_lens > seq_len).any()]).tolist()
+        if negative:
+            raise ValueError("prompt_lens must be >= 0")
+        if too_long:
+            b = int((prompt_lens > seq_len).nonzero()[0, 0])
+            raise ValueError(f"prompt_lens must be <= {what}: sequence {b} has prompt_lens {int(prompt_lens[b])} "
+                             f"but only {int(seq_len[b])} tokens")
+    return prompt_lens
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
+                  prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach):
+    """Validate everything and return ``(KLRewardProblem, OutputLayout)``."""
+    clamp_input, clamp_output = _check_options(estimator, reward_placement, padding_side, clamp_input,
+                                               clamp_output, return_ref, detach)
+    if isinstance(log_probs, (list, tuple)) != isinstance(ref_log_probs, (list, tuple)):
+        raise TypeError("log_probs and ref_log_probs must use the same layout (both lists, both nested or both dense)")
+    if isinstance(log_probs, torch.Tensor) and log_probs.is_nested:
+        if not (isinstance(ref_log_probs, torch.Tensor) and ref_log_probs.is_nested):
+            raise TypeError("ref_log_probs must be a nested tensor like log_probs")
+    if not isinstance(log_probs, (list, tuple, torch.Tensor)):
+        raise TypeError(f"log_probs must be a tensor, a nested tensor or a list of tensors, got {type(log_probs).__name__}")
+
+    device = log_probs[0].device if isinstance(log_probs, (list, tuple)) and log_probs else (
+        log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu"))
+    _same_device(device, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets, lengths=lengths,
+                 prompt_lens=prompt_lens, reward=reward, coef=coef)
+    kind, lp, ref, mask, offsets, lengths = _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths,
+                                                              padding_side)
+    layout = "padded" if kind == "padded" else "packed"
+    batch = lp.shape[0] if layout == "padded" else offsets.shape[0] - 1
+    width = lp.shape[1] if layout == "padded" else None
+    if prompt_lens is not None:
+        prompt_lens = _check_prompt_lens(prompt_lens, layout, offsets, lengths, width, batch, device)
+
+    placement, trailing, reward_dtype = None, False, lp.dtype
+    if reward is not None:
+        reward, placement, trailing = _classify_reward(reward, kind, lp.shape, batch, reward_placement, offsets)
+        reward_dtype = _reward_dtype(reward, lp.dtype)
+        # The reward is data, not a parameter: gradients flow to the log-probs only.
+        reward = reward.detach().to(reward_dtype)
+
+    problem = KLRewardProblem(
+        layout=layout, log_probs=lp, ref_log_probs=ref, mask=mask, offsets=offsets if layout == "packed" else None,
+        lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward=reward, placement=placement,
+        reward_dtype=reward_dtype, coef=_normalize_coef(coef, batch, device), estimator=estimator,
+        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref)
+    return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, trailing)

@@ -1,0 +1,145 @@
+"""The torch reference of ``kl_reward``: the semantics every fused kernel must match.
+
+Vectorized torch ops only (no Python loop over sequences), both native layouts, any float
+dtype: with float64 inputs the math runs in float64. It is also the ``"torch"`` backend, and
+gradients come from autograd through exactly these formulas.
+
+Per token ``t`` of sequence ``b`` (``d = log_probs - ref_log_probs``)::
+
+    m_t     = valid_t and mask_t and (pos_t >= prompt_lens[b])     # final mask
+    x_t     = clamp(d_t, *clamp_input)                            # if given
+    e_t     = est(x_t)          k1: x   abs: |x|   k2: x^2/2   k3: expm1(-x) + x
+    e_t     = clamp(e_t, *clamp_output)                           # if given
+    kl_t    = e_t if m_t else 0                                   # exactly 0, even for NaN inputs
+    reward_t = R_t - c_b * kl_t                                   # R per the placement
+    kl_sum_b = sum_t kl_t (float32)      count_b = sum_t m_t
+
+Placements: ``"token"`` ``R_t = reward_t``; ``"sequence"`` ``R_t = reward_b`` on every position of the
+row; ``"last"`` ``R_t = reward_b`` on the last counted token of ``b`` (the last valid token if none
+is counted; dropped for an empty sequence), 0 elsewhere; no reward: ``R_t = 0``.
+
+Backward (what autograd computes here and the kernels implement): with
+``g_t = grad_kl_t + grad_kl_sum_b - c_b * grad_reward_t`` and ``m_t`` true,
+
+    dL/dlog_probs_t     =  g_t * est'(d_t)
+    dL/dref_log_probs_t = -g_t * est'(d_t) + grad_ref_out_t
+
+where ``est'`` is the derivative through both clamps (0 outside ``[lo, hi]``, boundaries
+included as ``torch.clamp``): k1 ``1``, abs ``sign(x)``, k2 ``x``, k3 ``1 - exp(-x)``. The
+straight-through variants ``k1+``, ``abs+``, ``k3+`` keep their forward value but use the k2
+gradient of the *unclamped* difference, ``est'(d) = d`` (verl's convention). Non-counted tokens
+get zero gradient. Reward and coef are data: no gradient flows to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ragged
+from .problem import STRAIGHT_THROUGH, KLRewardProblem, RawOutputs
+
+
+def estimate(x: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The estimator's value on the (clamped) log-ratio ``x``; ``+`` variants use the base form."""
+    base = estimator.rstrip("+")
+    if base == "k1":
+        return x
+    if base == "abs":
+        return x.abs()
+    if base == "k2":
+        return 0.5 * x * x
+    if base == "k3":
+        return torch.expm1(-x) + x  # expm1 keeps k3 accurate near 0, where exp(-x) - 1 cancels
+    raise ValueError(f"unknown estimator {estimator!r}")
+
+
+def _token_frame(p: KLRewardProblem):
+    """Validity, position-in-sequence and a per-sequence broadcaster for the problem's layout."""
+    device = p.device
+    if p.layout == "padded":
+        batch, width = p.log_probs.shape
+        valid, pos = ragged.padded_validity(p.lengths, batch, width, p.padding_side, device=device)
+        valid = valid if p.lengths is not None else None
+        return valid, pos, (lambda v: v.unsqueeze(1)), None
+    seq, pos = ragged.token_index(p.offsets, p.num_tokens)
+    return None, pos, (lambda v: v[seq]), seq
+
+
+def _final_mask(p: KLRewardProblem, valid, pos, per_seq):
+    m = valid
+    if p.mask is not None:
+        m = p.mask if m is None else m & p.mask
+    if p.prompt_lens is not None:
+        outside_prompt = pos >= per_seq(p.prompt_lens)
+        m = outside_prompt if m is None else m & outside_prompt
+    if m is None:
+        m = torch.ones(p.log_probs.shape, dtype=torch.bool, device=p.device)
+    return m
+
+
+def _last_token(p: KLRewardProblem, m, valid, seq):
+    """Bool, per token: is it where a per-sequence reward goes under ``placement="last"``."""
+    if p.layout == "padded":
+        batch, width = m.shape
+        if width == 0:
+            return torch.zeros_like(m)
+        col = torch.arange(width, device=m.device)
+        last_counted = torch.where(m, col, -1).amax(1)
+        if p.lengths is None:
+            last_valid = torch.full((batch,), width - 1, device=m.device)
+        elif p.padding_side == "right":
+            last_valid = p.lengths - 1
+        else:
+            last_valid = torch.where(p.lengths > 0, width - 1, -1)
+        last = torch.where(last_counted >= 0, last_counted, last_valid)
+        return col == last.unsqueeze(1)
+    tok = torch.arange(m.shape[0], device=m.device)
+    batch = p.batch_size
+    last_counted = torch.full((batch,), -1, device=m.device, dtype=torch.int64).scatter_reduce(
+        0, seq, torch.where(m, tok, -1), "amax")
+    lengths = ragged.offsets_to_lengths(p.offsets)
+    last_valid = torch.where(lengths > 0, p.offsets[1:] - 1, -1)
+    last = torch.where(last_counted >= 0, last_counted, last_valid)
+    return tok == last[seq]
+
+
+def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
+    """Compute ``kl_reward`` on a normalized problem with torch ops (see the module doc)."""
+    md = p.math_dtype
+    valid, pos, per_seq, seq = _token_frame(p)
+    m = _final_mask(p, valid, pos, per_seq)
+
+    # Zero the difference outside the mask *before* the estimator: padding may hold NaN/inf,
+    # and where() alone would still send NaN * 0 gradients back through those positions.
+    d = torch.where(m, p.log_probs.to(md) - p.ref_log_probs.to(md), 0.0)
+    x = torch.clamp(d, *p.clamp_input) if p.clamp_input is not None else d
+    value = estimate(x, p.estimator)
+    if p.clamp_output is not None:
+        value = torch.clamp(value, *p.clamp_output)
+    if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
+        k2 = 0.5 * d * d
+        value = value.detach() + (k2 - k2.detach())  # forward: exactly `value`; backward: d
+    kl = torch.where(m, value, 0.0)
+
+    if p.layout == "padded":
+        kl_sum = kl.sum(1)
+        count = m.sum(1)
+    else:
+        kl_sum = torch.segment_reduce(kl, "sum", offsets=p.offsets)
+        count = torch.zeros(p.batch_size, dtype=torch.int64, device=p.device).index_add_(0, seq, m.to(torch.int64))
+
+    coef = p.coef
+    if isinstance(coef, torch.Tensor):
+        coef = coef.to(md) if coef.dim() == 0 else per_seq(coef.to(md))
+    penalty = coef * kl
+    if p.placement is None:
+        reward = -penalty
+    elif p.placement == "token":
+        reward = p.reward.to(md) - penalty
+    elif p.placement == "sequence":
+        reward = per_seq(p.reward.to(md)) - penalty
+    else:  # "last"
+        reward = torch.where(_last_token(p, m, valid, seq), per_seq(p.reward.to(md)), 0.0) - penalty
+
+    ref_out = torch.where(m, p.ref_log_probs, 0.0) if p.return_ref else None
+    return RawOutputs(kl.to(p.log_probs.dtype), reward.to(p.reward_dtype), ref_out, kl_sum, count)

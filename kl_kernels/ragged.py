@@ -1,0 +1,359 @@
+"""Ragged batches: one canonical form and zero-copy-where-possible converters.
+
+A batch of ``B`` sequences of lengths ``L_0 .. L_{B-1}`` is held canonically as
+
+* ``values``  ``[N, *F]``: the tokens of all sequences back to back (``N = sum L_b``), and
+* ``offsets`` ``[B + 1]`` int64: sequence ``b`` is ``values[offsets[b]:offsets[b + 1]]``
+  (FlashAttention's ``cu_seqlens``; ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``).
+
+Converters go to and from the layouts RL code uses:
+
+============================  ===========================================  ==============
+layout                        to canonical                                 copy?
+============================  ===========================================  ==============
+padded ``[B, T, *F]``         :func:`from_padded` (``lengths`` or mask)    gathers (copy)
+list of ``[L_b, *F]``         :func:`from_list`                            concatenates
+``torch.nested`` jagged       :func:`from_nested`                          zero-copy
+``torch.nested`` strided      :func:`from_nested`                          zero-copy if contiguous
+============================  ===========================================  ==============
+
+and back with :func:`to_padded`, :func:`to_list` (views), :func:`to_nested` (jagged: views;
+strided: a copy). :func:`pack` / :func:`unpack` do the round trip and remember the caller's
+layout, so results can be handed back the way the inputs came.
+
+Padding sides: with ``padding_side="right"`` the ``L_b`` valid tokens of row ``b`` are columns
+``0 .. L_b - 1``; with ``"left"`` they are the last ``L_b`` columns (prompts in RLHF batches
+are left-padded, responses right-padded).
+
+Example::
+
+    >>> import torch
+    >>> from kl_kernels import ragged
+    >>> x = torch.tensor([[0., 1., 2.], [0., 0., 3.]])
+    >>> r = ragged.from_padded(x, lengths=torch.tensor([2, 1]), padding_side="left")
+    >>> r.values, r.offsets
+    (tensor([1., 2., 3.]), tensor([0, 2, 3]))
+    >>> ragged.to_padded(r.values, r.offsets, padding_side="right")
+    tensor([[1., 2.],
+            [3., 0.]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+__all__ = [
+    "Ragged",
+    "RaggedLayout",
+    "PADDING_SIDES",
+    "lengths_to_offsets",
+    "offsets_to_lengths",
+    "token_index",
+    "padded_validity",
+    "check_offsets",
+    "from_padded",
+    "to_padded",
+    "from_list",
+    "to_list",
+    "from_nested",
+    "to_nested",
+    "pack",
+    "unpack",
+]
+
+PADDING_SIDES = ("left", "right")
+
+
+class Ragged(NamedTuple):
+    """Canonical ragged batch: packed ``values [N, *F]`` and int64 ``offsets [B + 1]``."""
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Per-sequence lengths ``[B]`` (int64)."""
+        return offsets_to_lengths(self.offsets)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.values.shape[0]
+
+
+# --------------------------------------------------------------------------- index helpers
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """``[B]`` lengths -> ``[B + 1]`` int64 offsets starting at 0."""
+    lengths = torch.as_tensor(lengths)
+    out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.to(torch.int64), dim=0, out=out[1:])
+    return out
+
+
+def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    """``[B + 1]`` offsets -> ``[B]`` lengths (int64)."""
+    return offsets[1:] - offsets[:-1]
+
+
+def token_index(offsets: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed token, its sequence id and its position inside the sequence.
+
+    Uses a binary search rather than ``repeat_interleave`` so the output size is static
+    (``num_tokens``), which keeps it traceable by ``torch.compile``. Empty sequences are
+    skipped correctly (``right=True`` picks the last offset equal to the token index).
+    """
+    tok = torch.arange(num_tokens, device=offsets.device, dtype=torch.int64)
+    seq = torch.searchsorted(offsets, tok, right=True) - 1
+    return seq, tok - offsets[seq]
+
+
+def padded_validity(lengths: torch.Tensor | None, batch: int, width: int, padding_side: str,
+                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validity mask ``[B, T]`` and position-in-sequence ``[B, T]`` of a padded batch.
+
+    ``lengths=None`` means every column is valid. Positions of padding columns are
+    meaningless (they are never read through the mask).
+    """
+    _check_padding_side(padding_side)
+    dev = lengths.device if lengths is not None else device
+    col = torch.arange(width, device=dev, dtype=torch.int64).unsqueeze(0)
+    if lengths is None:
+        return torch.ones(batch, width, dtype=torch.bool, device=dev), col.expand(batch, width)
+    lengths = lengths.to(torch.int64).unsqueeze(1)
+    if padding_side == "right":
+        return col < lengths, col.expand(batch, width)
+    start = width - lengths
+    return col >= start, col - start
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:
+    """Raise if ``offsets`` is not a valid ``[B + 1]`` int64 offsets vector for ``num_tokens``.
+
+    Structure (type, dtype, rank, device) is always checked; the values (start at 0,
+    non-decreasing, end at ``num_tokens``) are checked too, at the cost of one host
+    synchronisation on accelerators. Under ``torch.compile`` the value checks are skipped so as
+    not to break the graph.
+    """
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D int64 tensor [B + 1], got {type(offsets).__name__}")
+    if offsets.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64 (cu_seqlens as int64), got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(offsets.shape)}")
+    if device is not None and offsets.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device} like the values, got {offsets.device}")
+    if torch.compiler.is_compiling():
+        return
+    first, last = offsets[0], offsets[-1]
+    decreasing = (offsets[1:] < offsets[:-1]).any() if offsets.shape[0] > 1 else torch.zeros((), dtype=torch.bool)
+    # One host sync for all three facts.
+    first_v, last_v, decreasing_v = torch.stack(
+        [first, last, decreasing.to(torch.int64).to(offsets.device)]).tolist()
+    if first_v != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {first_v}")
+    if decreasing_v:
+        raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0)")
+    if last_v != num_tokens:
+        raise ValueError(f"{name} must end at the number of tokens N = {num_tokens}, got {name}[-1] = {last_v}")
+
+
+def _check_padding_side(padding_side) -> None:
+    if padding_side not in PADDING_SIDES:
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+
+
+def _check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths") -> torch.Tensor:
+    lengths = torch.as_tensor(lengths)
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor [B], got {lengths.dtype}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
+    if batch and not torch.compiler.is_compiling():
+        lo, hi = torch.stack([lengths.min(), lengths.max()]).tolist()
+        if lo < 0:
+            raise ValueError(f"{name} must be >= 0, got a length of {lo}")
+        if hi > width:
+            raise ValueError(f"{name} must be <= T = {width} (the padded width), got a length of {hi}")
+    return lengths.to(torch.int64)
+
+
+# --------------------------------------------------------------------------- padded
+
+
+def from_padded(x: torch.Tensor, lengths: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                padding_side: str = "left") -> Ragged:
+    """Padded ``[B, T, *F]`` -> :class:`Ragged`.
+
+    Validity comes from ``lengths [B]`` (with ``padding_side``) or from a boolean validity
+    ``mask [B, T]`` (tokens kept in row-major order; give exactly one of the two). This
+    gathers, so it copies.
+    """
+    _check_padding_side(padding_side)
+    if x.dim() < 2:
+        raise ValueError(f"x must be padded [B, T, *F], got shape {tuple(x.shape)}")
+    batch, width = x.shape[:2]
+    if (lengths is None) == (mask is None):
+        raise ValueError("from_padded needs exactly one of lengths [B] or a validity mask [B, T]")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be bool [B, T], got {mask.dtype}")
+        if mask.shape != (batch, width):
+            raise ValueError(f"mask must have shape [B, T] = [{batch}, {width}], got {tuple(mask.shape)}")
+        valid, lengths = mask, mask.sum(1)
+    else:
+        lengths = _check_lengths(lengths, batch, width)
+        valid, _ = padded_validity(lengths, batch, width, padding_side)
+    return Ragged(x[valid], lengths_to_offsets(lengths))
+
+
+def to_padded(values: torch.Tensor, offsets: torch.Tensor, *, padding_side: str = "left",
+              width: int | None = None, padding_value: float = 0.0) -> torch.Tensor:
+    """Packed ``values [N, *F]`` + ``offsets`` -> padded ``[B, T, *F]``.
+
+    ``width`` defaults to the longest sequence (one host sync to read it); padding positions hold
+    ``padding_value``. Differentiable with respect to ``values``.
+    """
+    _check_padding_side(padding_side)
+    lengths = offsets_to_lengths(offsets)
+    batch = lengths.shape[0]
+    if width is None:
+        width = int(lengths.max()) if batch else 0
+    seq, pos = token_index(offsets, values.shape[0])
+    if padding_side == "left":
+        pos = pos + (width - lengths)[seq]
+    out = values.new_full((batch, width, *values.shape[1:]), padding_value)
+    return out.index_put((seq, pos), values)
+
+
+# --------------------------------------------------------------------------- lists
+
+
+def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragged:
+    """List of ``[L_b, *F]`` tensors -> :class:`Ragged` (concatenates: a copy)."""
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+        if t.dim() < 1:
+            raise ValueError(f"{name}[{i}] must be at least 1-D [L, *F], got a 0-d tensor")
+    if not tensors:
+        empty = torch.zeros(0)
+        return Ragged(empty, torch.zeros(1, dtype=torch.int64))
+    device = tensors[0].device
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {device}: "
+                             "all tensors must be on one device")
+    lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device)
+    return Ragged(torch.cat(tensors), lengths_to_offsets(lengths))
+
+
+def to_list(values: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
+    """:class:`Ragged` parts -> list of views ``values[offsets[b]:offsets[b+1]]``."""
+    return list(values.split(offsets_to_lengths(offsets).tolist()))
+
+
+# --------------------------------------------------------------------------- nested tensors
+
+
+def from_nested(nt: torch.Tensor, *, name: str = "tensor") -> Ragged:
+    """``torch.nested`` tensor (jagged or strided) with the ragged dim first -> :class:`Ragged`.
+
+    Jagged tensors are read through ``values()``/``offsets()`` (zero-copy); contiguous strided
+    ones through their buffer (zero-copy); anything else (holes, non-contiguous) is
+    concatenated.
+    """
+    if not getattr(nt, "is_nested", False):
+        raise TypeError(f"{name} must be a nested tensor, got a regular tensor")
+    if nt.layout == torch.jagged:
+        if getattr(nt, "_ragged_idx", 1) != 1:
+            raise ValueError(f"{name} must be ragged in dim 1 ([B, j, *F]), got a transposed jagged tensor")
+        if nt.lengths() is None:
+            return Ragged(nt.values(), nt.offsets().to(torch.int64))
+        return from_list(nt.unbind(), name=name)
+    sizes = nt._nested_tensor_size()  # [B, ndim] host tensor of per-component shapes
+    if sizes.shape[0] == 0:
+        return Ragged(torch.zeros(0, dtype=nt.dtype, device=nt.device),
+                      torch.zeros(1, dtype=torch.int64, device=nt.device))
+    if nt.is_contiguous():
+        lengths = sizes[:, 0].to(device=nt.device, dtype=torch.int64)
+        feature = tuple(sizes[0, 1:].tolist())
+        return Ragged(nt.values().view(-1, *feature), lengths_to_offsets(lengths))
+    return from_list(nt.unbind(), name=name)
+
+
+def to_nested(values: torch.Tensor, offsets: torch.Tensor, *, layout=torch.jagged) -> torch.Tensor:
+    """:class:`Ragged` parts -> ``torch.nested`` tensor of the given layout.
+
+    Jagged: a view over ``values`` (zero-copy). Strided: built from views, which copies.
+    """
+    if layout == torch.jagged:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return torch.nested.as_nested_tensor(to_list(values, offsets), layout=torch.strided)
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """What :func:`pack` saw, so :func:`unpack` can hand results back the same way.
+
+    ``kind`` is one of ``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
+    ``"nested_strided"``. For ``"padded"`` the width and padding side are kept.
+    """
+
+    kind: str
+    offsets: torch.Tensor
+    padding_side: str = "left"
+    width: int | None = None
+
+
+def pack(x, *, offsets: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+         mask: torch.Tensor | None = None, padding_side: str = "left") -> tuple[Ragged, RaggedLayout]:
+    """Any supported layout -> (:class:`Ragged`, :class:`RaggedLayout`)."""
+    if isinstance(x, (list, tuple)):
+        r = from_list(x)
+        return r, RaggedLayout("list", r.offsets)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a tensor, nested tensor or list of tensors, got {type(x).__name__}")
+    if x.is_nested:
+        r = from_nested(x)
+        kind = "nested_jagged" if x.layout == torch.jagged else "nested_strided"
+        return r, RaggedLayout(kind, r.offsets)
+    if offsets is not None:
+        check_offsets(offsets, x.shape[0], device=x.device)
+        return Ragged(x, offsets), RaggedLayout("packed", offsets)
+    if x.dim() < 2:
+        raise ValueError(f"a 1-D tensor needs offsets [B + 1] (packed layout); got shape {tuple(x.shape)}")
+    if lengths is None and mask is None:
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.int64, device=x.device)
+    r = from_padded(x, lengths, mask=mask, padding_side=padding_side)
+    return r, RaggedLayout("padded", r.offsets, padding_side, x.shape[1])
+
+
+def unpack(values: torch.Tensor, layout: RaggedLayout, *, padding_value: float = 0.0):
+    """Packed ``values`` (same token order as :func:`pack` produced) -> the caller's layout."""
+    if layout.kind == "packed":
+        return values
+    if layout.kind == "padded":
+        return to_padded(values, layout.offsets, padding_side=layout.padding_side, width=layout.width,
+                         padding_value=padding_value)
+    if layout.kind == "list":
+        return to_list(values, layout.offsets)
+    if layout.kind == "nested_jagged":
+        return to_nested(values, layout.offsets, layout=torch.jagged)
+    if layout.kind == "nested_strided":
+        return to_nested(values, layout.offsets, layout=torch.strided)
+    raise ValueError(f"unknown layout kind {layout.kind!r}")

@@ -1,0 +1,175 @@
+"""Build the two pybind11 extensions of kl_kernels.
+
+* ``kl_kernels._C``    C++17, compiled by the host compiler: always built.
+* ``kl_kernels._cuda`` CUDA, compiled by nvcc: built when nvcc is found, forced with
+  ``KL_KERNELS_BUILD_CUDA=1`` (then a missing nvcc is an error), skipped with
+  ``KL_KERNELS_BUILD_CUDA=0``. Architectures come from ``KL_KERNELS_CUDA_ARCHS``
+  (``;``-separated compute capabilities, default ``80;86;89;90;100;120``); PTX of the
+  newest is embedded too, so newer GPUs can JIT it.
+
+Neither extension links libtorch, and this script never imports torch: the kernels take raw
+pointers, sizes, strides and a stream, so one wheel works with any supported torch. The CUDA
+runtime is linked statically, so importing ``_cuda`` needs no libcudart on the target and
+no driver (the driver is only dlopen'ed by the first CUDA call).
+
+Compilation runs in parallel: the extensions build side by side, nvcc compiles its .cu files
+concurrently and, with ``--threads``, its architectures concurrently.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pybind11
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_CUDA_ARCHS = "80;86;89;90;100;120"
+
+
+def _env_flag(name: str) -> bool | None:
+    """Read a tri-state environment switch: unset/empty -> None, else a strict boolean."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return None
+    if raw in {"1", "true", "yes", "on"}:
+        return True
+    if raw in {"0", "false", "no", "off"}:
+        return False
+    sys.exit(f"kl_kernels build: {name} must be 0 or 1, got {os.environ[name]!r}")
+
+
+def _find_nvcc() -> Path | None:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return Path(home) / "bin" / "nvcc"
+    found = shutil.which("nvcc")
+    return Path(found) if found else None
+
+
+def _find_cuda_home(nvcc: Path) -> Path:
+    """Locate the toolkit root (headers and libcudart_static.a); nvcc may be a wrapper script."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                  str(nvcc.resolve().parent.parent), "/usr/local/cuda"]
+    for cand in candidates:
+        if cand and (Path(cand) / "include" / "cuda_runtime.h").exists():
+            return Path(cand)
+    sys.exit(f"kl_kernels build: found nvcc at {nvcc} but no CUDA toolkit (include/cuda_runtime.h); "
+             "set CUDA_HOME")
+
+
+def _parse_archs(spec: str) -> list[str]:
+    archs = [a.strip().replace(".", "") for a in spec.replace(",", ";").split(";") if a.strip()]
+    if not archs or not all(a.isdigit() for a in archs):
+        sys.exit(f"kl_kernels build: KL_KERNELS_CUDA_ARCHS must look like '80;90', got {spec!r}")
+    return sorted(set(archs), key=int)
+
+
+def _cuda_arch_flags(spec: str) -> list[str]:
+    archs = _parse_archs(spec)
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    newest = archs[-1]
+    flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")  # PTX for future GPUs
+    return flags
+
+
+def _cuda_requested() -> Path | None:
+    """Decide whether to build ``_cuda``; returns nvcc's path when it is built."""
+    flag = _env_flag("KL_KERNELS_BUILD_CUDA")
+    if flag is False:
+        return None
+    nvcc = _find_nvcc()
+    if nvcc is None and flag is True:
+        sys.exit("kl_kernels build: KL_KERNELS_BUILD_CUDA=1 but nvcc was not found "
+                 "(put it on PATH or set CUDA_HOME)")
+    return nvcc
+
+
+class BuildExt(build_ext):
+    """build_ext that also compiles ``.cu`` sources with nvcc, in parallel."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # extensions build side by side unless told otherwise
+            self.parallel = max(1, os.cpu_count() or 1)
+
+    def build_extension(self, ext):
+        cu_sources = [s for s in ext.sources if s.endswith(".cu")]
+        if cu_sources:
+            ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
+            ext.extra_objects = list(ext.extra_objects or []) + self._nvcc_compile(ext, cu_sources)
+        super().build_extension(ext)
+
+    def _nvcc_compile(self, ext, sources):
+        nvcc = ext.nvcc
+        out_dir = Path(self.build_temp) / "nvcc"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        includes = [f"-I{d}" for d in ext.include_dirs]
+        # No --use_fast_math: k3's expm1 must stay accurate near 0.
+        flags = ["-std=c++17", "-O3",
+                 "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+                 "--threads", str(max(1, os.cpu_count() or 1)), *ext.cuda_arch_flags]
+        flags += shlex.split(os.environ.get("KL_KERNELS_NVCC_FLAGS", ""))
+
+        def compile_one(src):
+            obj = out_dir / (Path(src).stem + ".o")
+            cmd = [str(nvcc), "-c", src, "-o", str(obj), *includes, *flags]
+            print("nvcc:", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+            return str(obj)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(sources))) as pool:
+            return list(pool.map(compile_one, sources))
+
+
+def _extensions() -> list[Extension]:
+    common_includes = [pybind11.get_include(), str(ROOT / "csrc")]
+    cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
+    exts = [
+        Extension(
+            "kl_kernels._C",
+            sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp")),
+            include_dirs=common_includes,
+            extra_compile_args=cxx_flags,
+            language="c++",
+        )
+    ]
+    nvcc = _cuda_requested()
+    if nvcc is not None:
+        cuda_home = _find_cuda_home(nvcc)
+        lib_dirs = [d for d in (cuda_home / "lib64", cuda_home / "targets" / "x86_64-linux" / "lib")
+                    if (d / "libcudart_static.a").exists()]
+        if not lib_dirs:
+            sys.exit(f"kl_kernels build: libcudart_static.a not found under {cuda_home}")
+        cuda_ext = Extension(
+            "kl_kernels._cuda",
+            sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.c*")),
+            include_dirs=[*common_includes, str(cuda_home / "include")],
+            library_dirs=[str(lib_dirs[0])],
+            # Static runtime: importing the module needs neither libcudart nor a driver.
+            libraries=["cudart_static", "dl", "rt", "pthread"],
+            extra_compile_args=cxx_flags,
+            language="c++",
+        )
+        arch_spec = os.environ.get("KL_KERNELS_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
+        cuda_ext.nvcc = nvcc
+        cuda_ext.cuda_arch_flags = _cuda_arch_flags(arch_spec)
+        # Recorded in the module so `kl-kernels info` can say what the wheel runs on.
+        cuda_ext.define_macros = [("KL_KERNELS_CUDA_ARCHS", '"%s"' % ";".join(_parse_archs(arch_spec)))]
+        exts.append(cuda_ext)
+    return exts
+
+
+setup(
+    packages=find_packages(include=["kl_kernels", "kl_kernels.*"]),
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": BuildExt},
+)
