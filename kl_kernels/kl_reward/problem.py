@@ -215,12 +215,17 @@ def _same_device(device, **tensors):
 # --------------------------------------------------------------------------- layouts
 
 
-def _pack_ragged_arg(x, name, lp_offsets, kind):
-    """A list / nested argument in the same ragged structure as log_probs -> packed values."""
+def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32):
+    """A list / nested argument in the same ragged structure as log_probs -> packed values.
+
+    ``empty_dtype`` is the dtype given to an empty list, which carries none of its own.
+    """
     if kind == "list":
         if not isinstance(x, (list, tuple)):
             raise TypeError(f"{name} must be a list of tensors like log_probs, got {type(x).__name__}")
         r = ragged.from_list(x, name=name)
+        if not x:
+            r = ragged.Ragged(r.values.to(empty_dtype), r.offsets)
     else:
         if not (isinstance(x, torch.Tensor) and x.is_nested):
             raise TypeError(f"{name} must be a nested tensor like log_probs, got "
@@ -257,19 +262,17 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
                     raise ValueError(f"log_probs[{i}] must be 1-D [L], got shape {list(t.shape)}")
             if len({t.dtype for t in log_probs}) > 1:
                 raise TypeError("log_probs tensors must share one dtype")
-            packed = ragged.from_list(log_probs, name="log_probs")
-            if not log_probs:  # an empty batch: float32 on the CPU, like torch.zeros(0)
-                packed = ragged.Ragged(packed.values.float(), packed.offsets)
+            packed = ragged.from_list(log_probs, name="log_probs")  # empty: float32 on the CPU
         else:
             _check_logprob_tensor(log_probs, "log_probs")
             if log_probs.dim() != 2:
                 raise ValueError(f"nested log_probs must be [B, j] (1-D per sequence), got {log_probs.dim()} dims")
             packed = ragged.from_nested(log_probs, name="log_probs")
         lp, offsets = packed
-        ref = _pack_ragged_arg(ref_log_probs, "ref_log_probs", offsets, kind)
+        ref = _pack_ragged_arg(ref_log_probs, "ref_log_probs", offsets, kind, lp.dtype)
         _check_logprob_tensor(ref, "ref_log_probs")
         if mask is not None:
-            mask = _pack_ragged_arg(mask, "mask", offsets, kind)
+            mask = _pack_ragged_arg(mask, "mask", offsets, kind, torch.bool)
             _check_mask_tensor(mask, lp.shape)
         return kind, lp, ref, mask, offsets, None
 
@@ -315,7 +318,7 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets):
             raise TypeError(f"reward is a {'list' if isinstance(reward, (list, tuple)) else 'nested tensor'} "
                             "but log_probs is a dense tensor: give the reward as a tensor")
         ndims = {t.dim() for t in reward} if isinstance(reward, (list, tuple)) else {reward.dim() - 1}
-        if ndims not in ({1}, {2}):
+        if ndims not in (set(), {1}, {2}):  # set(): an empty batch
             raise ValueError("a per-token reward must be [L] or [L, 1] per sequence, consistently")
         trailing = ndims == {2}
         values = _pack_ragged_arg(reward, "reward", offsets, kind)

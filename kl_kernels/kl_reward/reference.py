@@ -125,7 +125,9 @@ def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
         kl_sum = kl.sum(1)
         count = m.sum(1)
     else:
-        kl_sum = torch.segment_reduce(kl, "sum", offsets=p.offsets)
+        # segment_reduce accumulates sequentially: in float32 a 70k-token row drifts by ~1e-4
+        # relative, so the reference accumulates in float64 and stores float32.
+        kl_sum = torch.segment_reduce(kl.to(torch.float64), "sum", offsets=p.offsets).to(md)
         count = torch.zeros(p.batch_size, dtype=torch.int64, device=p.device).index_add_(0, seq, m.to(torch.int64))
 
     coef = p.coef
