@@ -1,0 +1,106 @@
+"""Backend declarations, dispatch, the KL_KERNELS_BACKEND override, info(), extension loading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kl_kernels
+from kl_kernels import BackendUnavailableError, kl_reward
+from kl_kernels.kl_reward.backends import REGISTRY
+
+LP = -torch.rand(2, 4)
+REF = -torch.rand(2, 4)
+
+
+def test_info_reports_every_backend_with_reasons():
+    info = kl_kernels.info()
+    assert set(info["backends"]) == {"torch", "cpu", "cuda", "triton"}
+    for name, b in info["backends"].items():
+        assert isinstance(b["available"], bool)
+        assert (b["reason"] is None) == b["available"], name  # unavailable always says why
+    assert info["backends"]["torch"]["available"]
+    assert info["version"] == kl_kernels.__version__ and info["torch"] == torch.__version__
+    json.dumps(info)  # plain data: the CLI prints it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the explanation on a machine without CUDA")
+def test_info_explains_why_cuda_is_unavailable_here():
+    reason = kl_kernels.info()["backends"]["cuda"]["reason"]
+    assert "CPU-only build" in reason or "no CUDA device" in reason
+
+
+def test_compiled_extension_loads_and_probes():
+    report = kl_kernels.info()["extensions"]["_C"]
+    assert report["loaded"], report
+    assert report["cplusplus"] >= 201703 and report["abi_version"] == 1
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "triton"])
+def test_explicit_unavailable_backend_raises_with_every_reason(name):
+    backend = next(b for b in REGISTRY if b.name == name)
+    reasons = backend.unavailable_reasons()
+    if not reasons and name != "cuda":
+        pytest.skip(f"{name} is available in this build")
+    with pytest.raises(BackendUnavailableError) as err:
+        kl_reward(LP, REF, backend=name)
+    for reason in reasons:
+        assert reason in str(err.value)
+    if name in ("cuda", "triton"):
+        assert "inputs are on cpu" in str(err.value)
+
+
+def test_float64_is_declared_for_torch_only():
+    for backend in REGISTRY:
+        assert (torch.float64 in backend.dtypes) == (backend.name == "torch")
+    out = kl_reward(LP.double(), REF.double())  # auto falls through to torch
+    assert out.kl.dtype == torch.float64
+
+
+def test_auto_falls_back_to_torch_and_explicit_torch_works():
+    a = kl_reward(LP, REF)
+    b = kl_reward(LP, REF, backend="torch")
+    assert torch.equal(a.kl, b.kl)
+
+
+def test_env_override(monkeypatch):
+    monkeypatch.setenv("KL_KERNELS_BACKEND", "torch")
+    kl_reward(LP, REF)
+    monkeypatch.setenv("KL_KERNELS_BACKEND", "cuda")
+    with pytest.raises(BackendUnavailableError, match=r"backend 'cuda' \(from KL_KERNELS_BACKEND\)"):
+        kl_reward(LP, REF)
+    kl_reward(LP, REF, backend="torch")  # an explicit argument beats the environment
+    monkeypatch.setenv("KL_KERNELS_BACKEND", "fortran")
+    with pytest.raises(ValueError, match="environment variable KL_KERNELS_BACKEND must be one of"):
+        kl_reward(LP, REF)
+
+
+_BLOCKER = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in {names!r}:
+            {action}
+        return None
+sys.meta_path.insert(0, Block())
+import kl_kernels, json, torch
+out = kl_kernels.kl_reward(torch.zeros(1, 2), torch.zeros(1, 2))
+print(json.dumps({{k: v["reason"] for k, v in kl_kernels.info()["backends"].items()}}))
+"""
+
+
+@pytest.mark.parametrize("action, expect", [
+    ("raise ModuleNotFoundError(name, name=name)", "is not built"),
+    ("raise OSError('libcudart.so.13: cannot open shared object file')", "failed to load: OSError"),
+], ids=["missing", "broken"])
+def test_import_survives_missing_or_broken_extensions(action, expect):
+    """`import kl_kernels` never fails because _C or _cuda is missing or cannot load."""
+    code = _BLOCKER.format(names={"kl_kernels._C", "kl_kernels._cuda"}, action=action)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    reasons = json.loads(res.stdout.strip().splitlines()[-1])
+    assert expect in reasons["cpu"] and expect in reasons["cuda"] and reasons["torch"] is None
