@@ -47,7 +47,7 @@ class Backend:
     notes: str = ""
 
     def unavailable_reasons(self) -> list[str]:
-        return list(self.availability())
+        return list(_unavailable_reasons(self.availability))
 
     def rejection_reasons(self, *, device: torch.device, dtypes: Iterable[torch.dtype], layout: str,
                           num_tokens: int) -> list[str]:
@@ -75,6 +75,16 @@ class Backend:
             "layouts": sorted(self.layouts),
             "notes": self.notes,
         }
+
+
+@torch.compiler.assume_constant_result
+def _unavailable_reasons(availability: Callable[[], list]) -> tuple:
+    """Run a backend's availability probe eagerly, also while torch.compile traces a caller.
+
+    Probing imports extensions and asks the driver, which dynamo cannot (and need not) trace:
+    the answer does not change within a process, so the traced graph takes it as a constant.
+    """
+    return tuple(availability())
 
 
 def requested_backend(backend: str) -> str:
