@@ -101,6 +101,16 @@ class BuildExt(build_ext):
         if self.parallel is None:  # extensions build side by side unless told otherwise
             self.parallel = max(1, os.cpu_count() or 1)
 
+    def run(self):
+        super().run()
+        # A skipped _cuda must not survive from an earlier build (in build/ or, for editable
+        # installs, next to the sources): the wheel would ship it and imports would load it.
+        if not any(ext.name == "kl_kernels._cuda" for ext in self.extensions):
+            places = [Path(self.build_lib) / "kl_kernels"] + ([ROOT / "kl_kernels"] if self.inplace else [])
+            for stale in (p for place in places for p in place.glob("_cuda.*")):
+                print(f"removing stale {stale} (KL_KERNELS_BUILD_CUDA=0 or no nvcc)", flush=True)
+                stale.unlink()
+
     def build_extension(self, ext):
         cu_sources = [s for s in ext.sources if s.endswith(".cu")]
         if cu_sources:

@@ -103,16 +103,20 @@ def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - offsets[:-1]
 
 
-def token_index(offsets: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each packed token, its sequence id and its position inside the sequence.
+def token_index(offsets: torch.Tensor, num_tokens: int, *, positions: bool = True):
+    """For each packed token, its sequence id (and, if ``positions``, its position in the sequence).
 
-    Uses a binary search rather than ``repeat_interleave`` so the output size is static
-    (``num_tokens``), which keeps it traceable by ``torch.compile``. Empty sequences are
-    skipped correctly (``right=True`` picks the last offset equal to the token index).
+    Sequence ids are a running count of sequence ends: O(N), a static output size (so
+    ``torch.compile`` traces it), and empty sequences need no special case because their end
+    markers pile up on the same token. Returns ``(seq, pos)``, ``pos`` ``None`` unless asked for.
     """
-    tok = torch.arange(num_tokens, device=offsets.device, dtype=torch.int64)
-    seq = torch.searchsorted(offsets, tok, right=True) - 1
-    return seq, tok - offsets[seq]
+    batch = offsets.shape[0] - 1
+    ends = torch.zeros(num_tokens + 1, dtype=torch.int64, device=offsets.device)
+    ends.index_add_(0, offsets[1:], torch.ones(batch, dtype=torch.int64, device=offsets.device))
+    seq = ends[:num_tokens].cumsum(0)
+    if not positions:
+        return seq, None
+    return seq, torch.arange(num_tokens, device=offsets.device, dtype=torch.int64) - offsets[seq]
 
 
 def padded_validity(lengths: torch.Tensor | None, batch: int, width: int, padding_side: str,

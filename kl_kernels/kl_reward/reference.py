@@ -61,7 +61,7 @@ def _token_frame(p: KLRewardProblem):
         valid, pos = ragged.padded_validity(p.lengths, batch, width, p.padding_side, device=device)
         valid = valid if p.lengths is not None else None
         return valid, pos, (lambda v: v.unsqueeze(1)), None
-    seq, pos = ragged.token_index(p.offsets, p.num_tokens)
+    seq, pos = ragged.token_index(p.offsets, p.num_tokens, positions=p.prompt_lens is not None)
     return None, pos, (lambda v: v[seq]), seq
 
 

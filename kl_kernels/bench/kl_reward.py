@@ -1,0 +1,144 @@
+"""kl_reward benchmark cases: every available backend vs eager per-sample code vs torch.compile.
+
+The task measured is TorchRL's KL-penalized reward on an RLHF batch: k1 estimate on assistant
+tokens, per-sequence score broadcast to every token (``[B, 1, 1]``), ``coef = 0.05``, masked
+reference log-probs returned. Contenders, timed side by side in one process:
+
+* ``per-sample eager (TorchRL style)``: the loop TorchRL 0.14's ``KLRewardTransform`` runs on
+  padded inputs (``masked_fill`` per sample, ``pad_sequence``, subtract, broadcast);
+* ``kl_reward[<backend>]`` for each backend that runs here, packed and padded layouts;
+* ``torch.compile(reference)``: the torch reference compiled with ``fullgraph=True``; its
+  compile time is reported separately and excluded from the steady-state timing.
+
+Before timing, each contender's outputs are checked against the eager reference.
+GB/s counts the bytes the op must move at least (inputs read once, outputs written once).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from ..kl_reward import kl_reward
+from ..kl_reward.backends import REGISTRY
+from .batches import RLHFBatch
+from .timing import measure
+
+COEF = 0.05
+
+
+def per_sample_torchrl_style(lp_padded, ref_padded, mask_padded, score_b11, coef):
+    """What TorchRL 0.14's LLM KLRewardTransform computes, the way it computes it."""
+    batch = lp_padded.shape[0]
+    ref = pad_sequence([ref_padded[i].masked_fill(~mask_padded[i], 0) for i in range(batch)],
+                       batch_first=True, padding_value=0, padding_side="left")
+    cur = pad_sequence([lp_padded[i].masked_fill(~mask_padded[i], 0) for i in range(batch)],
+                       batch_first=True, padding_value=0, padding_side="left")
+    kl = cur.unsqueeze(-1) - ref.unsqueeze(-1)
+    return kl, score_b11 - coef * kl, ref.unsqueeze(-1)  # TorchRL's kl_penalty, reward, ref_log_prob
+
+
+def _ours(batch: RLHFBatch, layout: str, backend: str) -> Callable[[], tuple]:
+    score = batch.score.view(-1, 1, 1)
+    if layout == "packed":
+        args = (batch.lp, batch.ref, score)
+        kw = dict(mask=batch.mask, offsets=batch.offsets, reward_placement="sequence")
+    else:
+        args = (batch.lp_padded, batch.ref_padded, score)
+        kw = dict(mask=batch.mask_padded, lengths=batch.lengths, padding_side="left")
+    return lambda: tuple(kl_reward(*args, coef=COEF, return_ref=True, backend=backend, **kw))
+
+
+def _compiled(batch: RLHFBatch, layout: str) -> tuple[Callable[[], tuple], float]:
+    """torch.compile of the reference (fullgraph); returns the callable and its compile time."""
+    eager = _ours(batch, layout, "torch")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda: eager(), fullgraph=True)
+    t0 = time.perf_counter()
+    fn()
+    if batch.lp.device.type == "cuda":
+        torch.cuda.synchronize()
+    return fn, time.perf_counter() - t0
+
+
+def bytes_moved(batch: RLHFBatch, layout: str) -> int:
+    """Minimal traffic: read log-probs, ref, mask, score, offsets/lengths; write kl, reward,
+    masked ref, kl_sum, count."""
+    elems = batch.lp.numel() if layout == "packed" else batch.lp_padded.numel()
+    s = batch.lp.element_size()
+    reward_s = torch.promote_types(batch.score.dtype, batch.lp.dtype).itemsize
+    b = batch.size.batch
+    reads = elems * (2 * s + 1) + b * 4 + (b + 1) * 8
+    writes = elems * (2 * s + reward_s) + b * (4 + 8)
+    return reads + writes
+
+
+def _check(reference: tuple, got: tuple, name: str) -> str:
+    """Compare the first three outputs (kl, reward, ref) with the eager reference."""
+    for what, want, have in zip(("kl", "reward", "ref_log_probs"), reference, got):
+        have = have.reshape(want.shape)
+        tol = 1e-5 if want.dtype == torch.float32 else 2e-2
+        if not torch.allclose(have.double(), want.double(), rtol=tol, atol=tol):
+            err = (have.double() - want.double()).abs().max().item()
+            raise AssertionError(f"{name}: {what} differs from the reference (max abs err {err:.3g})")
+    return "ok"
+
+
+@dataclass
+class Contender:
+    name: str
+    layout: str
+    fn: Callable[[], tuple]
+    compile_s: float | None = None
+
+
+def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) -> list[Contender]:
+    device = batch.lp.device
+    found = []
+    for backend in REGISTRY:
+        reasons = backend.rejection_reasons(device=device, dtypes={batch.lp.dtype}, layout="packed",
+                                            num_tokens=batch.num_tokens)
+        if not reasons:
+            for layout in ("packed", "padded"):
+                found.append(Contender(f"kl_reward[{backend.name}]", layout, _ours(batch, layout, backend.name)))
+    if with_compile:
+        for layout in ("packed", "padded"):
+            if progress:
+                progress(f"compiling the reference ({layout})")
+            fn, seconds = _compiled(batch, layout)
+            found.append(Contender("torch.compile(reference)", layout, fn, seconds))
+    score = batch.score.view(-1, 1, 1)
+    found.append(Contender("per-sample eager (TorchRL style)", "padded", lambda: per_sample_torchrl_style(
+        batch.lp_padded, batch.ref_padded, batch.mask_padded, score, COEF)))
+    return found
+
+
+def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,
+        progress=None) -> list[dict]:
+    """Check and time every contender on ``batch``; rows with ms, GB/s, % of copy BW, speedups."""
+    device = batch.lp.device
+    refs = {layout: _ours(batch, layout, "torch")() for layout in ("packed", "padded")}
+    rows = []
+    for c in contenders(batch, with_compile=with_compile, progress=progress):
+        if progress:
+            progress(f"{c.name} ({c.layout})")
+        check = _check(refs[c.layout], c.fn(), c.name)
+        t = measure(c.fn, device, repeats=repeats, budget_s=budget_s)
+        nbytes = bytes_moved(batch, c.layout)
+        gbs = nbytes / (t.median_ms * 1e-3) / 1e9
+        rows.append(dict(
+            size=batch.size.name, batch=batch.size.batch, tokens=batch.num_tokens,
+            padded_elems=batch.lp_padded.numel(), dtype=str(batch.lp.dtype).replace("torch.", ""),
+            impl=c.name, layout=c.layout, median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats,
+            mbytes=nbytes / 1e6, gbs=gbs, pct_copy_bw=100.0 * gbs / copy_gbs,
+            mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6, compile_s=c.compile_s, check=check))
+    per_sample = next(r["median_ms"] for r in rows if r["impl"].startswith("per-sample"))
+    compiled = {r["layout"]: r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")}
+    for r in rows:
+        r["x_vs_per_sample"] = per_sample / r["median_ms"]
+        r["x_vs_compile"] = compiled[r["layout"]] / r["median_ms"] if r["layout"] in compiled else None
+    return rows

@@ -1,0 +1,87 @@
+"""Render and store benchmark results: a table per size, JSON, CSV and (with matplotlib) a PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+COLUMNS = [
+    ("impl", "implementation", "{}"),
+    ("layout", "layout", "{}"),
+    ("median_ms", "ms", "{:.3f}"),
+    ("mtokens_per_s", "Mtok/s", "{:.1f}"),
+    ("gbs", "GB/s", "{:.2f}"),
+    ("pct_copy_bw", "% copy BW", "{:.0f}%"),
+    ("x_vs_per_sample", "x per-sample", "{:.1f}x"),
+    ("x_vs_compile", "x compile", "{:.2f}x"),
+    ("compile_s", "compile s", "{:.1f}"),
+]
+
+
+def _fmt(fmt: str, value) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(rows: list[dict], title: str) -> str:
+    """A plain-text table (always available; rich is only used for the live display)."""
+    head = [label for _, label, _ in COLUMNS]
+    body = [[_fmt(fmt, r.get(key)) for key, _, fmt in COLUMNS] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    out = [title, line(head), line(["-" * w for w in widths])]
+    out += [line(row) for row in body]
+    return "\n".join(out)
+
+
+def print_tables(rows: list[dict], machine: dict, copy_gbs: float) -> None:
+    """Plain text on purpose: rich would re-wrap wide tables to the terminal width."""
+    print(f"\nkl_kernels {machine['kl_kernels']} | torch {machine['torch']} | {machine.get('gpu') or machine['cpu']} | "
+          f"{machine['torch_threads']} threads | measured copy bandwidth {copy_gbs:.1f} GB/s")
+    for size in dict.fromkeys(r["size"] for r in rows):
+        sel = [r for r in rows if r["size"] == size]
+        r0 = sel[0]
+        print(table(sel, f"\n{size}: B={r0['batch']}, {r0['tokens']:,} tokens ({r0['padded_elems']:,} padded), "
+                         f"{r0['dtype']}"))
+
+
+def write(rows: list[dict], machine: dict, copy_gbs: float, out_dir: Path) -> list[Path]:
+    """results.json (machine + rows), results.csv and results.png (when matplotlib is present)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.csv"]
+    paths[0].write_text(json.dumps({"machine": machine, "copy_bandwidth_gbs": copy_gbs, "rows": rows}, indent=2))
+    with paths[1].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer.writeheader()
+        writer.writerows(rows)
+    png = _plot(rows, machine, copy_gbs, out_dir / "results.png")
+    if png:
+        paths.append(png)
+    return paths
+
+
+def _plot(rows, machine, copy_gbs, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG plot (pip install 'kl_kernels[bench]')", file=sys.stderr)
+        return None
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        sel = [r for r in rows if r["size"] == size]
+        labels = [f"{r['impl']}\n({r['layout']})" for r in sel]
+        ax.barh(labels, [r["gbs"] for r in sel], color="tab:blue")
+        ax.axvline(copy_gbs, color="tab:red", linestyle="--", label=f"copy {copy_gbs:.1f} GB/s")
+        ax.set_xlabel("GB/s (minimal bytes moved / median time)")
+        ax.set_title(f"{size}: B={sel[0]['batch']}, {sel[0]['tokens']:,} tokens")
+        ax.legend(loc="lower right")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"kl_reward | {machine.get('gpu') or machine['cpu']} | torch {machine['torch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,94 @@
+"""The ``kl-kernels`` command: ``info`` (what is built and can run here) and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _progress():
+    """A progress callback: rich if installed, else one line per step on stderr."""
+    try:
+        from rich.console import Console
+        from rich.markup import escape
+        console = Console(stderr=True)
+        return lambda msg: console.log(escape(msg))  # "kl_reward[torch]" is not markup
+    except ImportError:
+        return lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_info(args) -> int:
+    from . import info
+    data = info()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"kl_kernels {data['version']}  torch {data['torch']}  python {data['python']}")
+    print(f"platform   {data['platform']}")
+    if data["backend_override"]:
+        print(f"KL_KERNELS_BACKEND={data['backend_override']}")
+    for name, ext in data["extensions"].items():
+        state = "loaded" if ext.get("loaded") else "not loaded"
+        extra = f" ({ext['error']})" if ext.get("error") else ""
+        archs = f", archs {ext['cuda_archs']}" if ext.get("cuda_archs") else ""
+        print(f"extension  {name}: {state}{archs}{extra}")
+    print("backends (auto order: cuda, triton, cpu, torch):")
+    for name, b in data["backends"].items():
+        status = "available" if b["available"] else f"unavailable: {b['reason']}"
+        print(f"  {name:7s} {','.join(b['devices']):9s} {','.join(b['dtypes']):34s} {status}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench import batches, kl_reward as cases, machine, report
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sizes = args.sizes or (["small", "medium"] if args.quick else ["medium", "large"])
+    unknown = [s for s in sizes if s not in batches.SIZES]
+    if unknown:
+        print(f"unknown size(s) {unknown}; choose from {list(batches.SIZES)}", file=sys.stderr)
+        return 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    say = _progress()
+    say(f"measuring copy bandwidth on {device}")
+    copy_gbs = machine.copy_bandwidth_gbs(device, nbytes=(64 if args.quick else 256) * 2**20)
+    facts = machine.describe(device)
+    rows = []
+    for name in sizes:
+        batch = batches.make_batch(batches.SIZES[name], dtype=dtype, device=device, seed=args.seed)
+        say(f"size {name}: B={batch.size.batch}, {batch.num_tokens:,} tokens")
+        rows += cases.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile,
+                          repeats=3 if args.quick else 10, budget_s=1.0 if args.quick else 3.0,
+                          progress=lambda msg, n=name: say(f"[{n}] {msg}"))
+    report.print_tables(rows, facts, copy_gbs)
+    paths = report.write(rows, facts, copy_gbs, Path(args.out))
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kl-kernels", description="Fused KL-penalty kernels for RLHF.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="backends, build and runtime facts")
+    p_info.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p_info.set_defaults(func=cmd_info)
+    p_bench = sub.add_parser("bench", help="check and time kl_reward on RLHF-shaped batches")
+    p_bench.add_argument("--quick", action="store_true", help="small and medium sizes, fewer repeats")
+    p_bench.add_argument("--sizes", nargs="+", metavar="SIZE",
+                         help="tiny, small, medium (B=256, 100..1000 tokens), large (B=1024, 256..4096)")
+    p_bench.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p_bench.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p_bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    p_bench.add_argument("--seed", type=int, default=0)
+    p_bench.add_argument("--out", default="kl_kernels_bench", help="folder for results.json/.csv/.png")
+    p_bench.set_defaults(func=cmd_bench)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Packaging: versions in sync, build script never imports torch, wheels carry the extensions."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import zipfile
+
+import pytest
+
+import kl_kernels
+from conftest import REPO
+
+
+def test_version_in_sync():
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["version"] == kl_kernels.__version__
+
+
+def test_build_never_imports_torch():
+    for name in ("setup.py",):
+        tree = ast.parse((REPO / name).read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "torch" not in imported, f"{name} imports torch"
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert not any(r.startswith("torch") for r in requires)
+
+
+def test_no_libtorch_in_csrc():
+    for path in (REPO / "csrc").rglob("*"):
+        if path.is_file():
+            text = path.read_text()
+            assert "torch/" not in text and "ATen" not in text, f"{path} depends on libtorch"
+
+
+def _clean_copy(dest):
+    """The source files a clean checkout has (tracked by git when possible), not build outputs."""
+    try:
+        files = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        files = [str(p.relative_to(REPO)) for p in REPO.rglob("*") if p.is_file()
+                 and not any(part in ("build", ".git", "dist") or part.endswith(".egg-info") for part in p.parts)
+                 and p.suffix != ".so"]
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, dest / rel)
+    return dest
+
+
+def _wheel_names(tmp_path, env_extra, source):
+    out = tmp_path / "dist"
+    env = {**os.environ, **env_extra}
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                          "-w", str(out), "-q"], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (wheel,) = out.glob("kl_kernels-*.whl")
+    return zipfile.ZipFile(wheel).namelist()
+
+
+@pytest.mark.slow
+def test_wheel_without_cuda(tmp_path):
+    """KL_KERNELS_BUILD_CUDA=0: no _cuda in the wheel, even if an earlier build left one behind."""
+    src = _clean_copy(tmp_path / "src")
+    build_lib = src / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}" / "kl_kernels"
+    for place in (build_lib, src / "kl_kernels"):
+        place.mkdir(parents=True, exist_ok=True)
+        (place / f"_cuda{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"stale")
+    names = _wheel_names(tmp_path, {"KL_KERNELS_BUILD_CUDA": "0"}, src)
+    assert any(n.startswith("kl_kernels/_C.") and n.endswith(".so") for n in names)
+    assert not any(n.startswith("kl_kernels/_cuda.") for n in names)
+    assert not any(n.startswith(("tests/", "bench/", "python_api/")) for n in names)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_wheel_with_cuda(tmp_path):
+    names = _wheel_names(tmp_path, {"KL_KERNELS_BUILD_CUDA": "1", "KL_KERNELS_CUDA_ARCHS": "80"},
+                         _clean_copy(tmp_path / "src"))
+    assert any(n.startswith("kl_kernels/_C.") and n.endswith(".so") for n in names)
+    assert any(n.startswith("kl_kernels/_cuda.") and n.endswith(".so") for n in names)
+
+
+def test_forcing_cuda_without_nvcc_fails_clearly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env.update(KL_KERNELS_BUILD_CUDA="1", PATH=os.path.dirname(sys.executable))
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode != 0 and "KL_KERNELS_BUILD_CUDA=1 but nvcc was not found" in res.stderr

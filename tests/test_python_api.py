@@ -1,0 +1,48 @@
+"""The documentation runs: python_api/ code blocks, python_api/examples/ scripts, docstring examples."""
+
+from __future__ import annotations
+
+import doctest
+import re
+import subprocess
+import sys
+
+import pytest
+
+import kl_kernels
+from conftest import REPO
+
+PAGES = sorted((REPO / "python_api").glob("*.md"))
+EXAMPLES = sorted((REPO / "python_api" / "examples").glob("*.py"))
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def test_there_is_something_to_run():
+    assert PAGES and EXAMPLES and any(BLOCK.search(p.read_text()) for p in PAGES)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if BLOCK.search(p.read_text())], ids=lambda p: p.name)
+def test_page_code_blocks_run(page):
+    namespace: dict = {}
+    for i, block in enumerate(BLOCK.findall(page.read_text())):
+        exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)  # noqa: S102
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_example_scripts_run(script):
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("module", ["kl_kernels.ragged", "kl_kernels.kl_reward.api", "kl_kernels._info"])
+def test_docstring_examples(module):
+    mod = __import__(module, fromlist=["_"])
+    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_python_api_pages_name_every_public_symbol():
+    text = " ".join(p.read_text() for p in PAGES) + (REPO / "python_api" / "README.md").read_text()
+    for name in kl_kernels.__all__:
+        if name != "__version__":
+            assert name in text, f"{name} is public but undocumented in python_api/"
