@@ -7,8 +7,8 @@ reference log-probs returned. Contenders, timed side by side in one process:
 * ``per-sample eager (TorchRL style)``: the loop TorchRL 0.14's ``KLRewardTransform`` runs on
   padded inputs (``masked_fill`` per sample, ``pad_sequence``, subtract, broadcast);
 * ``kl_reward[<backend>]`` for each backend that runs here, packed and padded layouts;
-* ``torch.compile(reference)``: the torch reference compiled with ``fullgraph=True``; its
-  compile time is reported separately and excluded from the steady-state timing.
+* ``torch.compile(reference)``: the torch reference compiled with ``fullgraph=True``; its cold
+  compile time (inductor caches off) is reported separately and excluded from the steady state.
 
 Before timing, each contender's outputs are checked against the eager reference.
 GB/s counts the bytes the op must move at least (inputs read once, outputs written once).
@@ -59,7 +59,9 @@ def _compiled(batch: RLHFBatch, layout: str) -> tuple[Callable[[], tuple], float
     torch._dynamo.reset()
     fn = torch.compile(lambda: eager(), fullgraph=True)
     t0 = time.perf_counter()
-    fn()
+    # Cold compile time: without this, inductor's on-disk cache from an earlier run answers instead.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        fn()
     if batch.lp.device.type == "cuda":
         torch.cuda.synchronize()
     return fn, time.perf_counter() - t0
