@@ -54,9 +54,10 @@ def cmd_bench(args) -> int:
         return 2
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     say = _progress()
+    malloc = "system default (--system-malloc)" if args.system_malloc else machine.keep_freed_memory()
     say(f"measuring copy bandwidth on {device}")
     copy_gbs = machine.copy_bandwidth_gbs(device, nbytes=(64 if args.quick else 256) * 2**20)
-    facts = machine.describe(device)
+    facts = {**machine.describe(device), "malloc": malloc}
     rows = []
     for name in sizes:
         batch = batches.make_batch(batches.SIZES[name], dtype=dtype, device=device, seed=args.seed)
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
     p_bench.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p_bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p_bench.add_argument("--seed", type=int, default=0)
+    p_bench.add_argument("--system-malloc", action="store_true",
+                         help="keep glibc's default of unmapping freed temporaries (page-fault bound, noisy)")
     p_bench.add_argument("--out", default="kl_kernels_bench", help="folder for results.json/.csv/.png")
     p_bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)

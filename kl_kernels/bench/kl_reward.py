@@ -26,6 +26,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
 from .batches import RLHFBatch
+from .machine import minor_faults
 from .timing import measure
 
 COEF = 0.05
@@ -129,7 +130,9 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
         if progress:
             progress(f"{c.name} ({c.layout})")
         check = _check(refs[c.layout], c.fn(), c.name)
+        faults = minor_faults()
         t = measure(c.fn, device, repeats=repeats, budget_s=budget_s)
+        faults = (minor_faults() - faults) / (t.repeats + t.warmup)
         nbytes = bytes_moved(batch, c.layout)
         gbs = nbytes / (t.median_ms * 1e-3) / 1e9
         rows.append(dict(
@@ -137,7 +140,8 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
             padded_elems=batch.lp_padded.numel(), dtype=str(batch.lp.dtype).replace("torch.", ""),
             impl=c.name, layout=c.layout, median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats,
             mbytes=nbytes / 1e6, gbs=gbs, pct_copy_bw=100.0 * gbs / copy_gbs,
-            mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6, compile_s=c.compile_s, check=check))
+            mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6, compile_s=c.compile_s,
+            page_faults_per_call=faults, check=check))
     per_sample = next(r["median_ms"] for r in rows if r["impl"].startswith("per-sample"))
     compiled = {r["layout"]: r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")}
     for r in rows:

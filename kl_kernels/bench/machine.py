@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import subprocess
@@ -31,6 +32,33 @@ def _git_commit() -> str | None:
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def keep_freed_memory() -> str:
+    """Make glibc reuse freed large blocks instead of unmapping them (bench only).
+
+    By default glibc serves every multi-MB temporary with a fresh mmap and unmaps it on free,
+    so eager torch code pays a page fault per 4 KiB touched on every call: on the 2-core CI
+    machine that was ~70% of the eager reference's time and swung 3x between runs depending on
+    heap state. Raising the mmap and trim thresholds (what jemalloc/tcmalloc-based RL stacks get
+    anyway) measures the code, not the page-fault lottery. Returns what was done.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) and libc.mallopt(m_trim_threshold, 2**31 - 1)
+    except (OSError, AttributeError):
+        return "system default (not glibc)"
+    return "glibc, mmap threshold 32 MiB, no trimming" if ok else "system default (mallopt refused)"
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (0 where getrusage is unavailable)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
 
 
 def describe(device: torch.device) -> dict:

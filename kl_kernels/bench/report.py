@@ -17,6 +17,7 @@ COLUMNS = [
     ("x_vs_per_sample", "x per-sample", "{:.1f}x"),
     ("x_vs_compile", "x compile", "{:.2f}x"),
     ("compile_s", "compile s", "{:.1f}"),
+    ("page_faults_per_call", "faults/call", "{:.0f}"),
 ]
 
 
@@ -38,7 +39,7 @@ def table(rows: list[dict], title: str) -> str:
 def print_tables(rows: list[dict], machine: dict, copy_gbs: float) -> None:
     """Plain text on purpose: rich would re-wrap wide tables to the terminal width."""
     print(f"\nkl_kernels {machine['kl_kernels']} | torch {machine['torch']} | {machine.get('gpu') or machine['cpu']} | "
-          f"{machine['torch_threads']} threads | measured copy bandwidth {copy_gbs:.1f} GB/s")
+          f"{machine['torch_threads']} threads | measured copy bandwidth {copy_gbs:.1f} GB/s | malloc: {machine['malloc']}")
     for size in dict.fromkeys(r["size"] for r in rows):
         sel = [r for r in rows if r["size"] == size]
         r0 = sel[0]

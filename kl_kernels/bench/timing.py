@@ -15,6 +15,7 @@ class Timing:
     median_ms: float
     min_ms: float
     repeats: int
+    warmup: int
 
 
 def _sync(device: torch.device) -> None:
@@ -35,4 +36,4 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
         fn()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(statistics.median(times), min(times), len(times))
+    return Timing(statistics.median(times), min(times), len(times), warmup)
