@@ -54,6 +54,7 @@ __all__ = [
     "token_index",
     "padded_validity",
     "check_offsets",
+    "check_lengths",
     "from_padded",
     "to_padded",
     "from_list",
@@ -177,7 +178,11 @@ def _check_padding_side(padding_side) -> None:
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
 
 
-def _check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths") -> torch.Tensor:
+def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths") -> torch.Tensor:
+    """Raise unless ``lengths`` is an integer ``[B]`` tensor with ``0 <= lengths <= width``; return it as int64.
+
+    The value checks cost one host sync and are skipped under ``torch.compile``.
+    """
     lengths = torch.as_tensor(lengths)
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor [B], got {lengths.dtype}")
@@ -216,7 +221,7 @@ def from_padded(x: torch.Tensor, lengths: torch.Tensor | None = None, *, mask: t
             raise ValueError(f"mask must have shape [B, T] = [{batch}, {width}], got {tuple(mask.shape)}")
         valid, lengths = mask, mask.sum(1)
     else:
-        lengths = _check_lengths(lengths, batch, width)
+        lengths = check_lengths(lengths, batch, width)
         valid, _ = padded_validity(lengths, batch, width, padding_side)
     return Ragged(x[valid], lengths_to_offsets(lengths))
 

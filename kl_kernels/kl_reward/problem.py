@@ -199,17 +199,19 @@ def _int_vector(x, name, batch, device):
         raise TypeError(f"{name} must be an integer tensor [B], got {x.dtype}")
     if tuple(x.shape) != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but log_probs is on {device}: "
-                         "every tensor argument must be on the same device")
+    _check_device(name, x.device, device)
     return x.to(torch.int64)
+
+
+def _check_device(name, got, want):
+    if got != want:
+        raise ValueError(f"{name} is on {got} but log_probs is on {want}: every tensor argument must be on the same device")
 
 
 def _same_device(device, **tensors):
     for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.device != device:
-            raise ValueError(f"{name} is on {t.device} but log_probs is on {device}: "
-                             "every tensor argument must be on the same device")
+        if isinstance(t, torch.Tensor):
+            _check_device(name, t.device, device)
 
 
 # --------------------------------------------------------------------------- layouts
@@ -235,9 +237,8 @@ def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32):
         r = ragged.from_nested(x, name=name)
     if r.batch_size != lp_offsets.shape[0] - 1:
         raise ValueError(f"{name} has {r.batch_size} sequences but log_probs has {lp_offsets.shape[0] - 1}")
-    if r.num_tokens and r.offsets.device != lp_offsets.device:
-        raise ValueError(f"{name} is on {r.offsets.device} but log_probs is on {lp_offsets.device}: "
-                         "every tensor argument must be on the same device")
+    if r.num_tokens:
+        _check_device(name, r.offsets.device, lp_offsets.device)
     if not torch.equal(r.offsets.to(lp_offsets.device), lp_offsets):
         lens_x, lens_lp = r.lengths.tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
         b = next(i for i, (u, v) in enumerate(zip(lens_x, lens_lp)) if u != v)
@@ -295,7 +296,7 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
         kind = "padded"
         if lengths is not None:
             lengths = _int_vector(lengths, "lengths", log_probs.shape[0], log_probs.device)
-            lengths = ragged._check_lengths(lengths, log_probs.shape[0], log_probs.shape[1])
+            lengths = ragged.check_lengths(lengths, log_probs.shape[0], log_probs.shape[1])
     else:
         raise ValueError("log_probs must be packed [N] (with offsets), padded [B, T], a nested tensor or a list of "
                          f"1-D tensors; got shape {list(log_probs.shape)}")
@@ -393,9 +394,7 @@ def _normalize_coef(coef, batch, device):
         if coef.dim() != 0 and tuple(coef.shape) != (batch,):
             raise ValueError(f"coef must be a float, a 0-dim tensor or a per-sequence [B] tensor (B = {batch}); "
                              f"got shape {list(coef.shape)}")
-        if coef.device != device:
-            raise ValueError(f"coef is on {coef.device} but log_probs is on {device}: "
-                             "every tensor argument must be on the same device")
+        _check_device("coef", coef.device, device)
         coef = coef.detach()
         return coef if coef.dtype.is_floating_point else coef.to(torch.float32)
     if isinstance(coef, bool) or not isinstance(coef, numbers.Real):
