@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -34,7 +34,9 @@ class Backend:
     """A declared implementation of one op.
 
     ``availability`` returns the reasons the backend cannot run at all on this machine (empty
-    list = available); ``run`` takes the op's normalized problem.
+    list = available); ``requires`` (optional) the reasons it cannot run one given problem beyond
+    device, dtype, layout and size; ``run`` takes the op's normalized problem, which exposes
+    ``device``, ``dtypes``, ``layout`` and ``num_tokens``.
     """
 
     name: str
@@ -45,24 +47,26 @@ class Backend:
     run: Callable
     max_tokens: int | None = None
     notes: str = ""
+    requires: Callable[[object], list] | None = None
 
     def unavailable_reasons(self) -> list[str]:
         return list(_unavailable_reasons(self.availability))
 
-    def rejection_reasons(self, *, device: torch.device, dtypes: Iterable[torch.dtype], layout: str,
-                          num_tokens: int) -> list[str]:
-        """Every reason this backend cannot run inputs with these properties."""
+    def rejection_reasons(self, problem) -> list[str]:
+        """Every reason this backend cannot run ``problem``."""
         reasons = self.unavailable_reasons()
-        if device.type not in self.devices:
-            reasons.append(f"inputs are on {device.type}, {self.name} runs on {sorted(self.devices)}")
-        bad = sorted({str(d).replace("torch.", "") for d in dtypes if d not in self.dtypes})
+        if problem.device.type not in self.devices:
+            reasons.append(f"inputs are on {problem.device.type}, {self.name} runs on {sorted(self.devices)}")
+        bad = sorted({str(d).replace("torch.", "") for d in problem.dtypes if d not in self.dtypes})
         if bad:
             ok = sorted(str(d).replace("torch.", "") for d in self.dtypes)
             reasons.append(f"dtype {', '.join(bad)} not supported by {self.name} (supports {', '.join(ok)})")
-        if layout not in self.layouts:
-            reasons.append(f"layout {layout!r} not supported by {self.name} (supports {sorted(self.layouts)})")
-        if self.max_tokens is not None and num_tokens > self.max_tokens:
-            reasons.append(f"{num_tokens} tokens exceed {self.name}'s limit of {self.max_tokens}")
+        if problem.layout not in self.layouts:
+            reasons.append(f"layout {problem.layout!r} not supported by {self.name} (supports {sorted(self.layouts)})")
+        if self.max_tokens is not None and problem.num_tokens > self.max_tokens:
+            reasons.append(f"{problem.num_tokens} tokens exceed {self.name}'s limit of {self.max_tokens}")
+        if self.requires is not None:
+            reasons += self.requires(problem)
         return reasons
 
     def describe(self) -> dict:
@@ -101,14 +105,14 @@ def requested_backend(backend: str) -> str:
     return backend
 
 
-def select(registry: list[Backend], backend: str, *, op: str, **properties) -> Backend:
-    """Pick the backend that runs an op on inputs with the given properties (see module doc)."""
+def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backend:
+    """Pick the backend that runs ``problem`` for ``op`` (see the module doc)."""
     name = requested_backend(backend)
     if name != "auto":
         chosen = next((b for b in registry if b.name == name), None)
         if chosen is None:
             raise BackendUnavailableError(f"{op}: no backend named {name!r} exists for this op")
-        reasons = chosen.rejection_reasons(**properties)
+        reasons = chosen.rejection_reasons(problem)
         if reasons:
             source = f" (from {ENV_VAR})" if backend == "auto" else ""
             raise BackendUnavailableError(
@@ -116,7 +120,7 @@ def select(registry: list[Backend], backend: str, *, op: str, **properties) -> B
         return chosen
     all_reasons = []
     for candidate in registry:
-        reasons = candidate.rejection_reasons(**properties)
+        reasons = candidate.rejection_reasons(problem)
         if not reasons:
             return candidate
         all_reasons.append(f"{candidate.name}: " + "; ".join(reasons))

@@ -270,6 +270,19 @@ def assert_unmodified(snap):
             torch.testing.assert_close(t, copy, rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
 
 
+def backend_accepts(case: Case, backend: str) -> bool:
+    """Whether ``backend`` declares support for this case (the fused kernels: one log-prob dtype,
+    no float64); cases it declines are checked to be declined, not run."""
+    if backend == "torch":
+        return True
+    dtypes = {case.dtype, case.ref[0].dtype if case.ref else case.dtype}
+    if case.reward_tok:
+        dtypes.add(torch.promote_types(case.reward_tok[0].dtype, case.dtype))
+    if case.reward_seq is not None:
+        dtypes.add(torch.promote_types(case.reward_seq.dtype, case.dtype))
+    return len({case.dtype, case.ref[0].dtype if case.ref else case.dtype}) == 1 and torch.float64 not in dtypes
+
+
 def poison_allocator(*numels, device="cpu"):
     """Allocate, NaN-fill and free buffers of the outputs' sizes just before a call, so an output
     a backend allocates but never writes tends to come back as NaN rather than as zeros."""

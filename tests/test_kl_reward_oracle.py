@@ -9,8 +9,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from batches import LAYOUTS, Case, _per_sequence, build, check
-from kl_kernels import kl_reward
+from batches import LAYOUTS, Case, _per_sequence, backend_accepts, build, check
+from kl_kernels import BackendUnavailableError, kl_reward
 from strategies import cases
 
 
@@ -25,15 +25,23 @@ def _auto_is_ambiguous(case: Case, layout: str) -> bool:
     return False
 
 
+BACKENDS = ["torch", "cpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(case=cases())
-def test_matches_oracle(layout, case):
+def test_matches_oracle(layout, backend, case):
     assume(not (layout == "nested_strided" and case.batch == 0))  # torch has no empty strided nested tensor
     if _auto_is_ambiguous(case, layout):
         with pytest.raises(ValueError, match="ambiguous"):
-            kl_reward(**build(case, layout).kwargs)
+            kl_reward(**build(case, layout).kwargs, backend=backend)
         return
-    check(case, layout)
+    if not backend_accepts(case, backend):
+        with pytest.raises(BackendUnavailableError, match="dtype"):
+            kl_reward(**build(case, layout).kwargs, backend=backend)
+        return
+    check(case, layout, backend=backend)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded_left", "padded_right"])
@@ -57,45 +65,50 @@ def _long_case(n, dtype):
                 reward_seq=torch.tensor([1.0, -1.0, 0.5]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["packed", "padded_left", "padded_right", "nested_jagged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_row_longer_than_a_grid_dimension(layout, dtype):
+def test_row_longer_than_a_grid_dimension(layout, dtype, backend):
     """One row of 70001 tokens (> 65535, a prime-ish odd size) next to tiny and empty rows."""
-    check(_long_case(70001, dtype), layout)
+    check(_long_case(70001, dtype), layout, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", [x for x in LAYOUTS if x != "nested_strided"])
-def test_empty_batch(layout):
-    out = kl_reward(**build(Case(lp=[], ref=[]), layout).kwargs)
+def test_empty_batch(layout, backend):
+    out = kl_reward(**build(Case(lp=[], ref=[]), layout).kwargs, backend=backend)
     assert out.kl_sum.shape == (0,) and out.count.shape == (0,)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_all_sequences_empty(layout):
+def test_all_sequences_empty(layout, backend):
     empty = torch.zeros(0)
     case = Case(lp=[empty, empty], ref=[empty, empty], reward_kind="B", placement="last",
                 reward_seq=torch.tensor([1.0, 2.0]))
-    out, _, _ = check(case, layout)
+    out, _, _ = check(case, layout, backend=backend)
     assert out.count.tolist() == [0, 0] and out.kl_sum.tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["packed", "padded_left", "list"])
-def test_nan_in_counted_token_propagates(layout):
+def test_nan_in_counted_token_propagates(layout, backend):
     """NaN is never hidden: a NaN log-prob in a counted token gives NaN kl, reward and kl_sum."""
     lp = torch.tensor([-1.0, float("nan"), -2.0])
     ref = torch.tensor([-1.5, -1.0, -2.5])
     case = Case(lp=[lp, lp[:1]], ref=[ref, ref[:1]], reward_kind="token", placement="token",
                 reward_tok=[torch.ones(3), torch.ones(1)])
-    out, built, _ = check(case, layout)
+    out, built, _ = check(case, layout, backend=backend)
     assert math.isnan(out.kl_sum[0]) and not math.isnan(out.kl_sum[1])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["packed", "padded_right"])
-def test_nan_in_masked_token_is_ignored(layout):
+def test_nan_in_masked_token_is_ignored(layout, backend):
     lp = torch.tensor([-1.0, float("nan"), -2.0])
     ref = torch.tensor([-1.5, float("inf"), -2.5])
     case = Case(lp=[lp], ref=[ref], mask=[torch.tensor([True, False, True])], estimator="k3")
-    out, _, _ = check(case, layout)
+    out, _, _ = check(case, layout, backend=backend)
     assert math.isfinite(out.kl_sum[0])
 
 

@@ -1,12 +1,13 @@
 // pybind11 module kl_kernels._C: the CPU extension.
 //
-// At this stage it exposes only `probe()`, which proves that the extension was compiled,
-// links and loads. The fused kl_reward kernels are registered here by the kernel work
-// (issue 3); the Python side detects them by name (`hasattr(_C, "kl_reward_forward")`),
-// so a build without them is reported as "not implemented", never used by accident.
+// Exposes the fused kl_reward kernels (forward, backward) over a plain argument struct of raw
+// addresses, sizes and strides; kl_kernels/kl_reward/kernels.py is the host launcher that fills
+// it from torch tensors. No torch headers here: one build serves every torch version.
 #include <pybind11/pybind11.h>
 
+#include "common/bind_args.h"
 #include "common/build_info.h"
+#include "cpu/kl_reward_cpu.h"
 
 namespace py = pybind11;
 
@@ -20,7 +21,10 @@ py::dict probe() {
   info["compiler"] = __VERSION__;
 #endif
   info["cplusplus"] = static_cast<long>(__cplusplus);
-  info["kernels"] = py::list();  // names of the fused kernels compiled in (none yet)
+  py::list kernels;
+  kernels.append("kl_reward_forward");
+  kernels.append("kl_reward_backward");
+  info["kernels"] = kernels;
   return info;
 }
 
@@ -29,4 +33,11 @@ py::dict probe() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kl_kernels CPU extension (framework-free; no libtorch linkage)";
   m.def("probe", &probe, "Build facts of the CPU extension: compiler, C++ standard, kernels.");
+  kl::bind_args(m);
+  m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused kl_reward forward on the CPU; returns 0 or an error code (1: unsupported dtypes).");
+  m.def("kl_reward_backward", &kl::kl_reward_backward_cpu, py::arg("args"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused kl_reward backward on the CPU; returns 0 or an error code (1: unsupported dtypes).");
 }

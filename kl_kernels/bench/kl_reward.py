@@ -25,6 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
+from ..kl_reward.problem import build_problem
 from .batches import RLHFBatch
 from .machine import minor_faults
 from .timing import measure
@@ -43,15 +44,26 @@ def per_sample_torchrl_style(lp_padded, ref_padded, mask_padded, score_b11, coef
     return kl, score_b11 - coef * kl, ref.unsqueeze(-1)  # TorchRL's kl_penalty, reward, ref_log_prob
 
 
-def _ours(batch: RLHFBatch, layout: str, backend: str) -> Callable[[], tuple]:
+def _call(batch: RLHFBatch, layout: str) -> tuple[tuple, dict]:
+    """kl_reward's arguments for the benchmarked task in one layout."""
     score = batch.score.view(-1, 1, 1)
     if layout == "packed":
-        args = (batch.lp, batch.ref, score)
-        kw = dict(mask=batch.mask, offsets=batch.offsets, reward_placement="sequence")
-    else:
-        args = (batch.lp_padded, batch.ref_padded, score)
-        kw = dict(mask=batch.mask_padded, lengths=batch.lengths, padding_side="left")
-    return lambda: tuple(kl_reward(*args, coef=COEF, return_ref=True, backend=backend, **kw))
+        return (batch.lp, batch.ref, score), dict(mask=batch.mask, offsets=batch.offsets, reward_placement="sequence",
+                                                   coef=COEF, return_ref=True)
+    return (batch.lp_padded, batch.ref_padded, score), dict(mask=batch.mask_padded, lengths=batch.lengths,
+                                                             padding_side="left", coef=COEF, return_ref=True)
+
+
+def _problem(batch: RLHFBatch, layout: str):
+    args, kw = _call(batch, layout)
+    return build_problem(*args, estimator="k1", prompt_lens=None, clamp_input=None, clamp_output=None, detach=True,
+                         **{"offsets": None, "lengths": None, "mask": None, "padding_side": "left",
+                            "reward_placement": "auto", **kw})[0]
+
+
+def _ours(batch: RLHFBatch, layout: str, backend: str) -> Callable[[], tuple]:
+    args, kw = _call(batch, layout)
+    return lambda: tuple(kl_reward(*args, backend=backend, **kw))
 
 
 def _compiled(batch: RLHFBatch, layout: str) -> tuple[Callable[[], tuple], float]:
@@ -100,13 +112,11 @@ class Contender:
 
 
 def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) -> list[Contender]:
-    device = batch.lp.device
     found = []
-    for backend in REGISTRY:
-        reasons = backend.rejection_reasons(device=device, dtypes={batch.lp.dtype}, layout="packed",
-                                            num_tokens=batch.num_tokens)
-        if not reasons:
-            for layout in ("packed", "padded"):
+    for layout in ("packed", "padded"):
+        problem = _problem(batch, layout)
+        for backend in REGISTRY:
+            if not backend.rejection_reasons(problem):
                 found.append(Contender(f"kl_reward[{backend.name}]", layout, _ours(batch, layout, backend.name)))
     if with_compile:
         for layout in ("packed", "padded"):

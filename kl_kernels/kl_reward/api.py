@@ -103,8 +103,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
         clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach)
-    impl = _dispatch.select(REGISTRY, backend, op="kl_reward", device=problem.device, dtypes=problem.dtypes,
-                            layout=problem.layout, num_tokens=problem.num_tokens)
+    impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)
     return layout.restore(raw)

@@ -5,13 +5,14 @@ backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
 cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``): not yet built
 triton     cuda       fp32, bf16, fp16          Triton kernel: not yet written
-cpu        cpu        fp32, bf16, fp16          fused C++ kernel (``_C``): not yet built
+cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``)
 torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference: always available
 =========  =========  ========================  ============================================
 
-A compiled backend is available only when its extension loads *and* holds the kernel: the
-Python side looks the kernel up by name, so a build with only the probe is reported as such and
-never used. Asking for an unavailable backend raises
+The fused kernels also need ``log_probs`` and ``ref_log_probs`` in one dtype (mixed pairs go to
+the reference). A compiled backend is available only when its extension loads *and* holds the
+kernel: the Python side looks the kernel up by name, so a build without it is reported as such
+and never used. Asking for an unavailable backend raises
 :class:`~kl_kernels.backends.BackendUnavailableError` with every reason.
 """
 
@@ -24,6 +25,7 @@ import torch
 
 from .. import _extensions
 from ..backends import Backend, BackendUnavailableError
+from .ops import run_fused
 from .reference import kl_reward_reference
 
 KERNEL_FORWARD = "kl_reward_forward"  # symbol the compiled extensions will export
@@ -66,6 +68,13 @@ def _triton_reasons() -> list[str]:
     return reasons + _torch_cuda_reason()
 
 
+def _same_logprob_dtype(problem) -> list[str]:
+    if problem.log_probs.dtype != problem.ref_log_probs.dtype:
+        return [f"log_probs ({problem.log_probs.dtype}) and ref_log_probs ({problem.ref_log_probs.dtype}) differ in "
+                "dtype; the fused kernels read both in one dtype"]
+    return []
+
+
 def _not_built(name: str):
     def run(problem):  # never reached through dispatch: availability already says why
         raise BackendUnavailableError(f"kl_reward: the {name} backend is not built in this version")
@@ -77,8 +86,8 @@ REGISTRY: list[Backend] = [
             notes="fused CUDA C++ kernel"),
     Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _triton_reasons, _not_built("triton"),
             notes="Triton kernel"),
-    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, _not_built("cpu"),
-            notes="fused multi-threaded C++ kernel"),
+    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, run_fused,
+            notes="fused multi-threaded C++ kernel", requires=_same_logprob_dtype),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
             kl_reward_reference, notes="vectorized torch reference (float64-capable)"),
 ]

@@ -1,0 +1,38 @@
+// pybind11 binding of KLRewardArgs / EstimatorParams, shared by the _C and _cuda modules so both
+// expose the same argument object to Python (kl_kernels/kl_reward/kernels.py fills it).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include "common/kl_reward_args.h"
+
+namespace kl {
+
+inline void bind_args(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<EstimatorParams>(m, "EstimatorParams")
+      .def(py::init<>())
+      .def_readwrite("estimator", &EstimatorParams::estimator)
+      .def_readwrite("straight_through", &EstimatorParams::straight_through)
+      .def_readwrite("in_lo_set", &EstimatorParams::in_lo_set)
+      .def_readwrite("in_hi_set", &EstimatorParams::in_hi_set)
+      .def_readwrite("out_lo_set", &EstimatorParams::out_lo_set)
+      .def_readwrite("out_hi_set", &EstimatorParams::out_hi_set)
+      .def_readwrite("in_lo", &EstimatorParams::in_lo)
+      .def_readwrite("in_hi", &EstimatorParams::in_hi)
+      .def_readwrite("out_lo", &EstimatorParams::out_lo)
+      .def_readwrite("out_hi", &EstimatorParams::out_hi);
+  py::class_<KLRewardArgs> c(m, "KLRewardArgs");
+  c.def(py::init<>());
+#define KL_FIELD(name) c.def_readwrite(#name, &KLRewardArgs::name)
+  KL_FIELD(layout); KL_FIELD(batch); KL_FIELD(width); KL_FIELD(total); KL_FIELD(offsets); KL_FIELD(lengths);
+  KL_FIELD(left_pad); KL_FIELD(prompt_lens); KL_FIELD(dtype); KL_FIELD(reward_dtype); KL_FIELD(lp);
+  KL_FIELD(ref); KL_FIELD(mask); KL_FIELD(reward); KL_FIELD(lp_s0); KL_FIELD(lp_s1); KL_FIELD(ref_s0);
+  KL_FIELD(ref_s1); KL_FIELD(mask_s0); KL_FIELD(mask_s1); KL_FIELD(rw_s0); KL_FIELD(rw_s1); KL_FIELD(placement);
+  KL_FIELD(coef_mode); KL_FIELD(coef_scalar); KL_FIELD(coef); KL_FIELD(est); KL_FIELD(kl); KL_FIELD(reward_out);
+  KL_FIELD(ref_out); KL_FIELD(kl_sum); KL_FIELD(count); KL_FIELD(g_kl); KL_FIELD(g_reward); KL_FIELD(g_ref_out);
+  KL_FIELD(g_kl_sum); KL_FIELD(g_lp); KL_FIELD(g_ref);
+#undef KL_FIELD
+}
+
+}  // namespace kl

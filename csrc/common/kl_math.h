@@ -1,0 +1,190 @@
+// Per-token math of kl_reward, shared verbatim by the CPU (_C) and CUDA (_cuda) kernels.
+//
+// Everything here is a pure function of one token: the estimators and their derivatives, the
+// clamps, the straight-through rule, and the fp16/bf16 <-> fp32 conversions (round to nearest
+// even, as torch). The semantics are those of kl_kernels/kl_reward/reference.py:
+//
+//   x   = clamp(d, clamp_input)            d = log_prob - ref_log_prob (fp32)
+//   e   = clamp(est(x), clamp_output)      k1: x  abs: |x|  k2: x^2/2  k3: expm1(-x) + x
+//   de/dd = [lo_out <= est(x) <= hi_out] * est'(x) * [lo_in <= d <= hi_in]
+//   straight-through variants (k1+, abs+, k3+): value e, derivative d (k2's, unclamped)
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define KL_HD __host__ __device__ __forceinline__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#else
+#define KL_HD inline
+#endif
+
+namespace kl {
+
+enum Estimator : int32_t { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3 };
+
+// Dtype codes used across the Python/C++ boundary.
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct EstimatorParams {
+  int32_t estimator;         // Estimator
+  int32_t straight_through;  // 1 for k1+, abs+, k3+
+  // Clamps: a bound is active when its flag is set (NaN-free by validation).
+  int32_t in_lo_set, in_hi_set, out_lo_set, out_hi_set;
+  float in_lo, in_hi, out_lo, out_hi;
+};
+
+// ------------------------------------------------------------------------------ conversions
+
+KL_HD uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+KL_HD float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+KL_HD float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+KL_HD uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                                                     // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+KL_HD float f16_to_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  __half_raw raw;
+  raw.x = h;
+  return __half2float(__half(raw));
+#else
+  // IEEE half -> float, exact (normal, subnormal, inf, NaN).
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_f32(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    if (man == 0) return bits_f32(sign);
+    exp = 127 - 15 + 1;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    man &= 0x3ffu;
+    return bits_f32(sign | (exp << 23) | (man << 13));
+  }
+  return bits_f32(sign | ((exp + 127 - 15) << 23) | (man << 13));
+#endif
+}
+
+KL_HD uint16_t f32_to_f16(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_raw(__float2half_rn(f)).x;
+#else
+  // float -> IEEE half, round to nearest even, with overflow to inf and subnormals.
+  const uint32_t u = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t au = u & 0x7fffffffu;
+  if (au > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (au >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: inf (incl. inf)
+  if (au < 0x38800000u) {                                                 // below the smallest normal half
+    if (au < 0x33000000u) return sign;                                    // rounds to +-0
+    // value = man * 2^(exp - 150) and a subnormal half holds m * 2^-24, so m = man >> (126 - exp).
+    const uint32_t exp = au >> 23;
+    const uint32_t man = (au & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exp;  // 14..24 here
+    uint32_t half_man = man >> shift;
+    const uint32_t rem = man & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (half_man & 1u))) ++half_man;
+    return static_cast<uint16_t>(sign | half_man);
+  }
+  uint32_t v = au + 0xc8000000u;                 // rebias exponent: (127 - 15) << 23
+  v += 0x0fffu + ((v >> 13) & 1u);               // round to nearest even on the 13 dropped bits
+  return static_cast<uint16_t>(sign | (v >> 13));
+#endif
+}
+
+template <int32_t DT>
+KL_HD float load(const void* p, int64_t i) {
+  if constexpr (DT == kFloat32) return static_cast<const float*>(p)[i];
+  else if constexpr (DT == kBFloat16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  else return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+
+template <int32_t DT>
+KL_HD void store(void* p, int64_t i, float v) {
+  if constexpr (DT == kFloat32) static_cast<float*>(p)[i] = v;
+  else if constexpr (DT == kBFloat16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  else static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+}
+
+// Copy a log-prob of dtype DT unchanged (the masked ref output keeps the input's bits).
+template <int32_t DT>
+KL_HD void copy_elem(void* dst, int64_t i, const void* src, int64_t j) {
+  if constexpr (DT == kFloat32) static_cast<float*>(dst)[i] = static_cast<const float*>(src)[j];
+  else static_cast<uint16_t*>(dst)[i] = static_cast<const uint16_t*>(src)[j];
+}
+
+template <int32_t DT>
+KL_HD void store_zero(void* p, int64_t i) {
+  if constexpr (DT == kFloat32) static_cast<float*>(p)[i] = 0.0f;
+  else static_cast<uint16_t*>(p)[i] = 0;
+}
+
+// ------------------------------------------------------------------------------ estimators
+
+KL_HD float clamp_lo_hi(float v, int32_t lo_set, float lo, int32_t hi_set, float hi) {
+  // NaN stays NaN, as torch.clamp.
+  if (lo_set && v < lo) v = lo;
+  if (hi_set && v > hi) v = hi;
+  return v;
+}
+
+KL_HD float inside(float v, int32_t lo_set, float lo, int32_t hi_set, float hi) {
+  // torch.clamp's gradient mask: boundaries pass the gradient.
+  return ((lo_set && v < lo) || (hi_set && v > hi)) ? 0.0f : 1.0f;
+}
+
+KL_HD float estimate_raw(float x, int32_t estimator) {
+  switch (estimator) {
+    case kK1: return x;
+    case kAbs: return fabsf(x);
+    case kK2: return 0.5f * x * x;
+    default: return expm1f(-x) + x;  // expm1 keeps k3 accurate near 0
+  }
+}
+
+KL_HD float estimate_grad_raw(float x, int32_t estimator) {
+  switch (estimator) {
+    case kK1: return 1.0f;
+    case kAbs: return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+    case kK2: return x;
+    default: return -expm1f(-x);  // d/dx (expm1(-x) + x) = 1 - exp(-x)
+  }
+}
+
+// Value of the estimate for log-ratio d (both clamps applied).
+KL_HD float kl_value(float d, const EstimatorParams& p) {
+  const float x = clamp_lo_hi(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
+  return clamp_lo_hi(estimate_raw(x, p.estimator), p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi);
+}
+
+// d(kl)/d(d) for log-ratio d, as autograd computes it through the reference.
+KL_HD float kl_grad(float d, const EstimatorParams& p) {
+  if (p.straight_through) return d;
+  const float x = clamp_lo_hi(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
+  const float raw = estimate_raw(x, p.estimator);
+  return inside(raw, p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi) * estimate_grad_raw(x, p.estimator) *
+         inside(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
+}
+
+}  // namespace kl

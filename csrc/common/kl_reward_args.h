@@ -1,0 +1,97 @@
+// Arguments of the fused kl_reward kernels, shared by the CPU and CUDA implementations.
+//
+// Framework-free: raw addresses (as integers, so Python can fill them), element strides, dtype
+// codes. Every problem is in one of two native layouts, addressed uniformly as (row, col):
+//
+//   packed  [N]     row = 0, col = token index; offsets[B + 1] give the sequences
+//   padded  [B, T]  row = b, col = column; lengths[B] (or none: all T valid) and left_pad
+//
+// An input X is read at X[row * X_s0 + col * X_s1] (packed: X_s0 = 0, X_s1 = stride), so any
+// strides work. Outputs are contiguous in the layout's shape, at index row * T + col (packed:
+// the token index). Validation happens in Python before a kernel ever sees these.
+#pragma once
+
+#include <cstdint>
+
+#include "common/kl_math.h"
+
+namespace kl {
+
+enum Layout : int32_t { kPacked = 0, kPadded = 1 };
+enum Placement : int32_t { kNoReward = 0, kToken = 1, kSequence = 2, kLast = 3 };
+enum CoefMode : int32_t { kCoefScalar = 0, kCoefTensor0d = 1, kCoefPerSeq = 2 };
+
+struct KLRewardArgs {
+  // geometry
+  int32_t layout = kPacked;
+  int64_t batch = 0;        // B
+  int64_t width = 0;        // padded: T
+  int64_t total = 0;        // packed: N; padded: B * T
+  uintptr_t offsets = 0;    // packed: int64 [B + 1]
+  uintptr_t lengths = 0;    // padded: int64 [B], or 0 (all T columns valid)
+  int32_t left_pad = 1;     // padded: valid tokens are the last lengths[b] columns
+  uintptr_t prompt_lens = 0;  // int64 [B] or 0
+
+  // inputs
+  int32_t dtype = kFloat32;         // log_probs and ref_log_probs
+  int32_t reward_dtype = kFloat32;  // reward input and reward output
+  uintptr_t lp = 0, ref = 0, mask = 0, reward = 0;  // mask: bool bytes; reward: see placement
+  int64_t lp_s0 = 0, lp_s1 = 1, ref_s0 = 0, ref_s1 = 1, mask_s0 = 0, mask_s1 = 1, rw_s0 = 0, rw_s1 = 1;
+  int32_t placement = kNoReward;    // token: reward in the layout; sequence/last: reward[b * rw_s0]
+  int32_t coef_mode = kCoefScalar;
+  float coef_scalar = 1.0f;
+  uintptr_t coef = 0;               // float32: [1] (0-d) or [B]
+  EstimatorParams est{};
+
+  // forward outputs (contiguous)
+  uintptr_t kl = 0, reward_out = 0, ref_out = 0;  // ref_out may be 0 (return_ref=False)
+  uintptr_t kl_sum = 0, count = 0;                // float32 [B], int64 [B]
+
+  // backward: incoming gradients (contiguous, each may be 0 = zero) and outputs
+  uintptr_t g_kl = 0, g_reward = 0, g_ref_out = 0, g_kl_sum = 0;
+  uintptr_t g_lp = 0, g_ref = 0;
+};
+
+// The coefficient of sequence b.
+KL_HD float coef_of(const KLRewardArgs& a, int64_t b) {
+  if (a.coef_mode == kCoefScalar) return a.coef_scalar;
+  const float* c = reinterpret_cast<const float*>(a.coef);
+  return a.coef_mode == kCoefPerSeq ? c[b] : c[0];
+}
+
+// Geometry of sequence b: its length and, for padded rows, the column of its first valid token.
+struct SeqGeom {
+  int64_t length;
+  int64_t first_col;   // padded: column of position 0; packed: token index of position 0
+  int64_t prompt;      // tokens at positions < prompt never count
+};
+
+KL_HD SeqGeom seq_geom(const KLRewardArgs& a, int64_t b) {
+  SeqGeom g{};
+  const int64_t* pl = reinterpret_cast<const int64_t*>(a.prompt_lens);
+  g.prompt = pl ? pl[b] : 0;
+  if (a.layout == kPacked) {
+    const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+    g.first_col = off[b];
+    g.length = off[b + 1] - off[b];
+  } else {
+    const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
+    g.length = len ? len[b] : a.width;
+    g.first_col = a.left_pad ? a.width - g.length : 0;
+  }
+  return g;
+}
+
+// Sequence containing flat index i (packed token, or padded element): binary search / division.
+KL_HD int64_t seq_of(const KLRewardArgs& a, int64_t i) {
+  if (a.layout == kPadded) return a.width > 0 ? i / a.width : 0;
+  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+  int64_t lo = 0, hi = a.batch;  // find the last b with off[b] <= i (skips empty sequences)
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (off[mid] <= i) lo = mid; else hi = mid - 1;
+  }
+  return lo < a.batch ? lo : a.batch - 1;
+}
+
+}  // namespace kl

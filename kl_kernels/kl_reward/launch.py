@@ -1,0 +1,145 @@
+"""Host launcher of the fused kl_reward kernels: allocate outputs, fill the argument struct, launch.
+
+The compiled kernels (``csrc/cpu/kl_reward_cpu.cpp``, later ``csrc/cuda/``) take a plain
+``KLRewardArgs`` of raw addresses, element strides and dtype codes; this module is the only
+place that turns torch tensors into those. Inputs may have any strides; outputs are allocated
+contiguous in the layout's shape. Everything here has already been validated by ``problem.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _extensions
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ESTIMATOR_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
+PLACEMENT_CODES = {None: 0, "token": 1, "sequence": 2, "last": 3}
+LAYOUT_CODES = {"packed": 0, "padded": 1}
+
+
+def clamp_bounds(clamp) -> tuple[float, float]:
+    """(lo, hi) with missing bounds as -inf/+inf, the form the op schema carries."""
+    if clamp is None:
+        return -math.inf, math.inf
+    lo, hi = clamp
+    return (-math.inf if lo is None else lo), (math.inf if hi is None else hi)
+
+
+def _strides(x: torch.Tensor, layout: int) -> tuple[int, int]:
+    """Element strides (s0, s1) so that x is read at row * s0 + col * s1 (packed: row = 0)."""
+    if layout == 0:
+        return 0, x.stride(0)
+    return x.stride(0), x.stride(1)
+
+
+def _ptr(x: torch.Tensor | None) -> int:
+    return 0 if x is None or x.numel() == 0 else x.data_ptr()
+
+
+def _module(device: torch.device):
+    name = "_C" if device.type == "cpu" else "_cuda"
+    module, reason = _extensions.load(name)
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
+def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,
+              coef_scalar, layout, left_pad, placement, estimator, straight_through, clamp_in, clamp_out):
+    """A filled ``KLRewardArgs``; returns it with the tensors it points into (keep them alive)."""
+    a = module.KLRewardArgs()
+    a.layout = layout
+    a.batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
+    a.width = 0 if layout == 0 else log_probs.shape[1]
+    a.total = log_probs.numel()
+    keep = []
+    for name, t in (("offsets", offsets), ("lengths", lengths), ("prompt_lens", prompt_lens)):
+        if t is not None:
+            t = t.to(torch.int64).contiguous()
+            keep.append(t)
+            setattr(a, name, _ptr(t))
+    a.left_pad = int(left_pad)
+    a.dtype = DTYPE_CODES[log_probs.dtype]
+    a.lp, (a.lp_s0, a.lp_s1) = _ptr(log_probs), _strides(log_probs, layout)
+    a.ref, (a.ref_s0, a.ref_s1) = _ptr(ref_log_probs), _strides(ref_log_probs, layout)
+    if mask is not None:
+        a.mask, (a.mask_s0, a.mask_s1) = _ptr(mask), _strides(mask, layout)
+    a.placement = placement
+    if reward is not None:
+        a.reward_dtype = DTYPE_CODES[reward.dtype]
+        a.reward = _ptr(reward)
+        a.rw_s0, a.rw_s1 = _strides(reward, layout) if placement == 1 else (reward.stride(0), 0)
+    else:
+        a.reward_dtype = a.dtype
+    if coef is None:
+        a.coef_mode, a.coef_scalar = 0, float(coef_scalar)
+    else:
+        coef = coef.to(torch.float32).contiguous()  # a device op: no host sync
+        keep.append(coef)
+        a.coef_mode, a.coef = (1 if coef.dim() == 0 else 2), _ptr(coef)
+    est = module.EstimatorParams()
+    est.estimator, est.straight_through = estimator, int(straight_through)
+    (lo, hi), (olo, ohi) = clamp_in, clamp_out
+    est.in_lo_set, est.in_hi_set = int(math.isfinite(lo)), int(math.isfinite(hi))
+    est.out_lo_set, est.out_hi_set = int(math.isfinite(olo)), int(math.isfinite(ohi))
+    est.in_lo, est.in_hi, est.out_lo, est.out_hi = (v if math.isfinite(v) else 0.0 for v in (lo, hi, olo, ohi))
+    a.est = est
+    return a, keep
+
+
+def _launch(fn, args, device):
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    code = fn(args, threads)
+    if code != 0:
+        raise RuntimeError(f"kl_reward kernel failed with code {code} (unsupported dtype combination)")
+
+
+def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
+            left_pad, placement, estimator, straight_through, clamp_in, clamp_out, return_ref, reward_dtype):
+    """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count)."""
+    module = _module(log_probs.device)
+    args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
+                           lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
+                           coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=placement,
+                           estimator=estimator, straight_through=straight_through, clamp_in=clamp_in,
+                           clamp_out=clamp_out)
+    shape, dev = log_probs.shape, log_probs.device
+    kl = torch.empty(shape, dtype=log_probs.dtype, device=dev)
+    reward_out = torch.empty(shape, dtype=reward_dtype, device=dev)
+    ref_out = torch.empty(shape if return_ref else (0,), dtype=ref_log_probs.dtype, device=dev)
+    kl_sum = torch.empty(args.batch, dtype=torch.float32, device=dev)
+    count = torch.empty(args.batch, dtype=torch.int64, device=dev)
+    args.reward_dtype = DTYPE_CODES[reward_dtype]
+    args.kl, args.reward_out, args.ref_out = _ptr(kl), _ptr(reward_out), _ptr(ref_out) if return_ref else 0
+    args.kl_sum, args.count = _ptr(kl_sum), _ptr(count)
+    _launch(module.kl_reward_forward, args, dev)
+    del keep
+    return kl, reward_out, ref_out, kl_sum, count
+
+
+def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
+             estimator, straight_through, clamp_in, clamp_out, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
+    """Run the fused backward; returns (grad_log_probs, grad_ref_log_probs)."""
+    module = _module(log_probs.device)
+    args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
+                           lengths=lengths, prompt_lens=prompt_lens, reward=None, coef=coef,
+                           coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=0,
+                           estimator=estimator, straight_through=straight_through, clamp_in=clamp_in,
+                           clamp_out=clamp_out)
+    args.reward_dtype = DTYPE_CODES[reward_dtype]
+    grads = {}
+    for name, g, dtype in (("g_kl", g_kl, log_probs.dtype), ("g_reward", g_reward, reward_dtype),
+                           ("g_ref_out", g_ref_out, ref_log_probs.dtype), ("g_kl_sum", g_kl_sum, torch.float32)):
+        if g is not None:
+            g = g.to(dtype).contiguous()
+            grads[name] = g
+            setattr(args, name, _ptr(g))
+    g_lp = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
+    g_ref = torch.empty(ref_log_probs.shape, dtype=ref_log_probs.dtype, device=log_probs.device)
+    args.g_lp, args.g_ref = _ptr(g_lp), _ptr(g_ref)
+    _launch(module.kl_reward_backward, args, log_probs.device)
+    del keep, grads
+    return g_lp, g_ref

@@ -1,0 +1,95 @@
+"""``torch.library`` registration of the fused kl_reward kernels: ops, fake tensors, autograd.
+
+Two custom ops, ``kl_kernels::kl_reward_fwd`` and ``kl_kernels::kl_reward_bwd``, wrap the host
+launcher (``launch.py``). Their fake implementations give ``torch.compile`` and ``torch.export``
+output shapes without running anything, and ``register_autograd`` makes the forward
+differentiable with the fused backward. ``run_fused`` maps a normalized ``KLRewardProblem`` onto
+the forward op; the ``cpu`` and ``cuda`` backends both use it (the op picks the kernel by device).
+
+The schema carries runtime values (coef, clamps) as runtime arguments, so a changing coefficient
+never causes a recompilation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import launch
+from .problem import KLRewardProblem, RawOutputs
+
+_DEVICES = ("cpu", "cuda")
+
+
+@torch.library.custom_op("kl_kernels::kl_reward_fwd", mutates_args=(), device_types=_DEVICES)
+def kl_reward_fwd(log_probs: Tensor, ref_log_probs: Tensor, mask: Optional[Tensor], offsets: Optional[Tensor],
+                  lengths: Optional[Tensor], prompt_lens: Optional[Tensor], reward: Optional[Tensor],
+                  coef: Optional[Tensor], coef_scalar: float, layout: int, left_pad: bool, placement: int,
+                  estimator: int, straight_through: bool, clamp: Sequence[float], return_ref: bool,
+                  reward_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Fused forward: (kl, reward_out, ref_out (empty unless return_ref), kl_sum, count)."""
+    return launch.forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar,
+                          layout, left_pad, placement, estimator, straight_through, tuple(clamp[:2]),
+                          tuple(clamp[2:]), return_ref, reward_dtype)
+
+
+@kl_reward_fwd.register_fake
+def _(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
+      placement, estimator, straight_through, clamp, return_ref, reward_dtype):
+    batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
+    shape = log_probs.shape
+    return (log_probs.new_empty(shape), log_probs.new_empty(shape, dtype=reward_dtype),
+            ref_log_probs.new_empty(shape if return_ref else (0,)), log_probs.new_empty((batch,), dtype=torch.float32),
+            log_probs.new_empty((batch,), dtype=torch.int64))
+
+
+@torch.library.custom_op("kl_kernels::kl_reward_bwd", mutates_args=(), device_types=_DEVICES)
+def kl_reward_bwd(log_probs: Tensor, ref_log_probs: Tensor, mask: Optional[Tensor], offsets: Optional[Tensor],
+                  lengths: Optional[Tensor], prompt_lens: Optional[Tensor], coef: Optional[Tensor], coef_scalar: float,
+                  layout: int, left_pad: bool, estimator: int, straight_through: bool, clamp: Sequence[float],
+                  reward_dtype: torch.dtype, g_kl: Optional[Tensor], g_reward: Optional[Tensor],
+                  g_ref_out: Optional[Tensor], g_kl_sum: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Fused backward: (grad_log_probs, grad_ref_log_probs) from the outputs' gradients."""
+    return launch.backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout,
+                           left_pad, estimator, straight_through, tuple(clamp[:2]), tuple(clamp[2:]), reward_dtype,
+                           g_kl, g_reward, g_ref_out, g_kl_sum)
+
+
+@kl_reward_bwd.register_fake
+def _(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad, estimator,
+      straight_through, clamp, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
+    return log_probs.new_empty(log_probs.shape), ref_log_probs.new_empty(ref_log_probs.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    (log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
+     placement, estimator, straight_through, clamp, return_ref, reward_dtype) = inputs
+    ctx.save_for_backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef)
+    ctx.params = (coef_scalar, layout, left_pad, estimator, straight_through, list(clamp), reward_dtype)
+    ctx.return_ref = return_ref
+
+
+def _backward(ctx, g_kl, g_reward, g_ref_out, g_kl_sum, _g_count):
+    log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef = ctx.saved_tensors
+    g_lp, g_ref = torch.ops.kl_kernels.kl_reward_bwd(
+        log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, *ctx.params, g_kl, g_reward,
+        g_ref_out if ctx.return_ref else None, g_kl_sum)
+    return (g_lp, g_ref) + (None,) * 15
+
+
+kl_reward_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_fused(p: KLRewardProblem) -> RawOutputs:
+    """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_reward_fwd``."""
+    coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
+    coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
+    clamp = [*launch.clamp_bounds(p.clamp_input), *launch.clamp_bounds(p.clamp_output)]
+    kl, reward, ref_out, kl_sum, count = torch.ops.kl_kernels.kl_reward_fwd(
+        p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths, p.prompt_lens, p.reward, coef_tensor, coef_scalar,
+        launch.LAYOUT_CODES[p.layout], p.padding_side == "left", launch.PLACEMENT_CODES[p.placement],
+        launch.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
+        p.reward_dtype)
+    return RawOutputs(kl, reward, ref_out if p.return_ref else None, kl_sum, count)
