@@ -1,0 +1,200 @@
+"""The fused kernels beyond the semantic axes: registration, determinism, strides, sizes, dispatch.
+
+Semantics (every axis, gradients) are covered by test_kl_reward_oracle.py and
+test_kl_reward_grad.py, which run each backend against the oracle; this file covers what is
+specific to a compiled kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kl_kernels import BackendUnavailableError, kl_reward
+from kl_kernels.kl_reward import ops  # noqa: F401  (registers kl_kernels::kl_reward_fwd / _bwd)
+from kl_kernels.kl_reward.backends import REGISTRY
+
+FUSED = [b.name for b in REGISTRY if b.name in ("cpu", "cuda")]
+INF = float("inf")
+
+
+def _fused_devices():
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out.append(pytest.param("cuda", marks=pytest.mark.cuda))
+    return out
+
+
+def _batch(device="cpu", n_seq=37, max_len=700, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len, (n_seq,), generator=g)
+    offsets = torch.zeros(n_seq + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    n = int(offsets[-1])
+    lp = (-torch.rand(n, generator=g) * 6).to(dtype)
+    ref = (lp.float() + torch.randn(n, generator=g) * 0.5).to(dtype)
+    mask = torch.rand(n, generator=g) < 0.7
+    to = lambda x: x.to(device)  # noqa: E731
+    return to(lp), to(ref), to(mask), to(offsets), to(lengths)
+
+
+def _opcheck_samples(device):
+    lp, ref, mask, offsets, lengths = _batch(device, n_seq=5, max_len=40)
+    b = offsets.shape[0] - 1
+    score = torch.randn(b, device=device)
+    clamp = [-20.0, 20.0, -10.0, 10.0]
+    open_clamp = [-INF, INF, -INF, INF]
+    width = int(lengths.max())
+    from kl_kernels import ragged
+    pad = lambda x, v: ragged.to_padded(x, offsets, padding_side="left", width=width, padding_value=v)  # noqa: E731
+    yield "packed-k3-last", (lp, ref, mask, offsets, None, None, score, None, 0.1, 0, True, 3, 3, False, clamp, True,
+                             torch.float32)
+    yield "packed-k1-nomask", (lp, ref, None, offsets, None, None, None, torch.tensor(0.5, device=device), 0.0, 0,
+                               True, 0, 0, False, open_clamp, False, torch.float32)
+    yield "padded-token-k3plus", (pad(lp, 0.0), pad(ref, 0.0), pad(mask, False), None, lengths,
+                                  torch.minimum(lengths, torch.full_like(lengths, 3)), pad(lp, 1.0), None, 0.2, 1,
+                                  True, 1, 3, True, clamp, True, torch.float32)
+    yield "padded-seq-bf16", (pad(lp, 0.0).bfloat16(), pad(ref, 0.0).bfloat16(), None, None, lengths, None, score,
+                              torch.rand(b, device=device), 0.0, 1, False, 2, 1, False, open_clamp, True,
+                              torch.float32)
+
+
+@pytest.mark.parametrize("device", _fused_devices())
+def test_opcheck_forward_and_backward(device):
+    """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch."""
+    for name, args in _opcheck_samples(device):
+        grad_args = list(args)
+        grad_args[0] = args[0].detach().clone().requires_grad_()
+        grad_args[1] = args[1].detach().clone().requires_grad_()
+        for sample in (args, tuple(grad_args)):
+            torch.library.opcheck(torch.ops.kl_kernels.kl_reward_fwd.default, sample)
+
+
+@pytest.mark.parametrize("device", _fused_devices())
+def test_opcheck_backward_op(device):
+    lp, ref, mask, offsets, _ = _batch(device, n_seq=4, max_len=30)
+    b = offsets.shape[0] - 1
+    g = torch.randn(lp.shape, device=device)
+    args = (lp, ref, mask, offsets, None, None, None, 0.3, 0, True, 3, False, [-INF, INF, -INF, INF], torch.float32,
+            g, g, None, torch.randn(b, device=device))
+    torch.library.opcheck(torch.ops.kl_kernels.kl_reward_bwd.default, args)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_deterministic_for_any_thread_count(threads):
+    """Bitwise identical results run to run and whatever the number of threads."""
+    lp, ref, mask, offsets, _ = _batch(n_seq=300, max_len=2000)  # many tiles, rows across tiles
+    kw = dict(mask=mask, offsets=offsets, estimator="k3", return_ref=True, backend="cpu")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = kl_reward(lp, ref, torch.ones(300), reward_placement="last", **kw)
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            got = kl_reward(lp, ref, torch.ones(300), reward_placement="last", **kw)
+            for a, b in zip(want, got):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_non_contiguous_inputs(layout):
+    """Strided inputs (every other element) give the same values as contiguous copies."""
+    lp, ref, mask, offsets, lengths = _batch(n_seq=20, max_len=300)
+    if layout == "packed":
+        spread = lambda x: torch.stack([x, x], dim=1).reshape(-1)[::2]  # noqa: E731  stride 2 view
+        args = (spread(lp), spread(ref))
+        kw = dict(mask=spread(mask), offsets=offsets)
+    else:
+        from kl_kernels import ragged
+        width = int(lengths.max())
+        pad = lambda x: ragged.to_padded(x, offsets, padding_side="right", width=width)  # noqa: E731
+        spread = lambda x: pad(x).t().contiguous().t()  # noqa: E731  column-major view of [B, T]
+        args = (spread(lp), spread(ref))
+        kw = dict(mask=spread(mask), lengths=lengths, padding_side="right")
+    assert not args[0].is_contiguous()
+    got = kl_reward(*args, estimator="k3", return_ref=True, backend="cpu", **kw)
+    want = kl_reward(*(a.contiguous() for a in args), estimator="k3", return_ref=True, backend="cpu",
+                     **{k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+    for name, a, b in zip(("kl", "reward", "ref", "kl_sum", "count"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_int64_addressing_beyond_2_pow_31():
+    """Inputs read at element offsets > 2^31: a padded view whose row stride is 2^31 + 5, over an
+    untouched (lazily mapped) bf16 buffer; compared with a contiguous copy."""
+    stride = 2**31 + 5
+    width = 64
+    try:
+        storage = torch.empty(stride + width + 1, dtype=torch.bfloat16)
+    except RuntimeError as exc:  # pragma: no cover - machines that refuse the 4 GiB mapping
+        pytest.skip(f"cannot map a 4 GiB buffer here: {exc}")
+    g = torch.Generator().manual_seed(0)
+    for row in range(2):
+        storage[row * stride: row * stride + width] = (-torch.rand(width, generator=g) * 4).to(torch.bfloat16)
+    lp = storage.as_strided((2, width), (stride, 1))
+    ref = storage.as_strided((2, width), (stride, 1), storage_offset=1)
+    lengths = torch.tensor([width, width - 1])
+    got = kl_reward(lp, ref, lengths=lengths, estimator="k2", return_ref=True, backend="cpu")
+    want = kl_reward(lp.contiguous(), ref.contiguous(), lengths=lengths, estimator="k2", return_ref=True,
+                     backend="cpu")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    del storage
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_row_of_a_million_tokens(layout):
+    n = 1_000_003
+    g = torch.Generator().manual_seed(1)
+    lp = -torch.rand(n, generator=g) * 3
+    ref = -torch.rand(n, generator=g) * 3
+    if layout == "packed":
+        kw = dict(offsets=torch.tensor([0, 2, n]))
+    else:
+        lp, ref = lp.view(1, n), ref.view(1, n)
+        kw = dict(lengths=torch.tensor([n - 7]))
+    got = kl_reward(lp, ref, estimator="k3", backend="cpu", **kw)
+    want = kl_reward(lp, ref, estimator="k3", backend="torch", **kw)
+    torch.testing.assert_close(got.kl, want.kl, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got.kl_sum, want.kl_sum, rtol=1e-5, atol=1e-3)
+    assert torch.equal(got.count, want.count)
+
+
+def test_auto_prefers_the_fused_kernel_and_declines_what_it_cannot_run():
+    lp, ref, _, offsets, _ = _batch(n_seq=3, max_len=20)
+    cpu = next(b for b in REGISTRY if b.name == "cpu")
+    assert not cpu.unavailable_reasons()
+    kl_reward(lp, ref, offsets=offsets, backend="cpu")
+    with pytest.raises(BackendUnavailableError, match="dtype float64 not supported by cpu"):
+        kl_reward(lp.double(), ref.double(), offsets=offsets, backend="cpu")
+    with pytest.raises(BackendUnavailableError, match="differ in dtype"):
+        kl_reward(lp, ref.bfloat16(), offsets=offsets, backend="cpu")
+    out = kl_reward(lp, ref.bfloat16(), offsets=offsets)  # auto: falls back to the reference
+    assert out.kl.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bad_input_never_reaches_a_kernel(backend):
+    """Validation runs first for every backend: a bad offsets vector raises ValueError, not a crash."""
+    lp = torch.zeros(5)
+    with pytest.raises(ValueError, match="offsets must end at"):
+        kl_reward(lp, lp, offsets=torch.tensor([0, 2, 9]), backend=backend)
+    with pytest.raises(ValueError, match="lengths must be <= T"):
+        kl_reward(lp.view(1, 5), lp.view(1, 5), lengths=torch.tensor([6]), backend=backend)
+
+
+def test_coefficient_changes_do_not_recompile():
+    """coef is a runtime argument of the op: a new value reuses the compiled graph."""
+    from torch._dynamo.testing import CompileCounter
+    lp, ref, mask, offsets, _ = _batch(n_seq=4, max_len=50)
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(coef):
+        return kl_reward(lp, ref, mask=mask, offsets=offsets, coef=coef, backend="cpu").reward
+
+    for value in (0.1, 0.2, 0.3):
+        step(torch.tensor(value))
+    assert counter.frame_count == 1
