@@ -93,6 +93,22 @@ def _cuda_requested() -> Path | None:
     return nvcc
 
 
+def _compile_sources_in_parallel(compiler) -> None:
+    """Make ``compiler.compile`` build one extension's C++ files side by side (setuptools compiles
+    them one after another; the kernels are split into one file per dtype for this)."""
+    if getattr(compiler, "_kl_parallel", False):
+        return
+    serial = compiler.compile
+
+    def compile(sources, *args, **kwargs):
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            objects = list(pool.map(lambda src: serial([src], *args, **kwargs), sources))
+        return [obj for group in objects for obj in group]
+
+    compiler.compile = compile
+    compiler._kl_parallel = True
+
+
 class BuildExt(build_ext):
     """build_ext that also compiles ``.cu`` sources with nvcc, in parallel."""
 
@@ -112,6 +128,7 @@ class BuildExt(build_ext):
                 stale.unlink()
 
     def build_extension(self, ext):
+        _compile_sources_in_parallel(self.compiler)
         cu_sources = [s for s in ext.sources if s.endswith(".cu")]
         if cu_sources:
             ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
@@ -142,12 +159,18 @@ class BuildExt(build_ext):
 
 def _extensions() -> list[Extension]:
     common_includes = [pybind11.get_include(), str(ROOT / "csrc")]
-    cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
+    # Headers as dependencies: without them an edited header leaves stale objects behind.
+    headers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h"))
+    # -fno-trapping-math / -fno-math-errno change no value (no reassociation, NaN kept); they
+    # give up FP exception flags and errno, which GCC otherwise protects by refusing to turn the
+    # masked selects of the kernels into vector blends.
+    cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errno"]
     exts = [
         Extension(
             "kl_kernels._C",
             sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp")),
             include_dirs=common_includes,
+            depends=headers,
             extra_compile_args=cxx_flags,
             language="c++",
         )
@@ -163,6 +186,7 @@ def _extensions() -> list[Extension]:
             "kl_kernels._cuda",
             sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.c*")),
             include_dirs=[*common_includes, str(cuda_home / "include")],
+            depends=headers,
             library_dirs=[str(lib_dirs[0])],
             # Static runtime: importing the module needs neither libcudart nor a driver.
             libraries=["cudart_static", "dl", "rt", "pthread"],

@@ -93,8 +93,10 @@ def bytes_moved(batch: RLHFBatch, layout: str) -> int:
 
 
 def _check(reference: tuple, got: tuple, name: str) -> str:
-    """Compare the first three outputs (kl, reward, ref) with the eager reference."""
+    """Compare the first three outputs (kl, reward, ref) with the eager reference (None: not compared)."""
     for what, want, have in zip(("kl", "reward", "ref_log_probs"), reference, got):
+        if want is None or have is None:
+            continue
         have = have.reshape(want.shape)
         tol = 1e-5 if want.dtype == torch.float32 else 2e-2
         if not torch.allclose(have.double(), want.double(), rtol=tol, atol=tol):
@@ -130,31 +132,101 @@ def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) ->
     return found
 
 
-def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,
-        progress=None) -> list[dict]:
-    """Check and time every contender on ``batch``; rows with ms, GB/s, % of copy BW, speedups."""
+TASK_TRANSFORM = "KLRewardTransform task"
+TASK_KLCOMPUTATION = "TorchRL KLComputation task"
+
+
+def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budget_s, progress):
     device = batch.lp.device
-    refs = {layout: _ours(batch, layout, "torch")() for layout in ("packed", "padded")}
     rows = []
-    for c in contenders(batch, with_compile=with_compile, progress=progress):
+    for c in candidates:
         if progress:
-            progress(f"{c.name} ({c.layout})")
+            progress(f"{task}: {c.name} ({c.layout})")
         check = _check(refs[c.layout], c.fn(), c.name)
         faults = minor_faults()
         t = measure(c.fn, device, repeats=repeats, budget_s=budget_s)
         faults = (minor_faults() - faults) / (t.repeats + t.warmup)
-        nbytes = bytes_moved(batch, c.layout)
+        nbytes = nbytes_of(c.layout)
         gbs = nbytes / (t.median_ms * 1e-3) / 1e9
         rows.append(dict(
-            size=batch.size.name, batch=batch.size.batch, tokens=batch.num_tokens,
+            task=task, size=batch.size.name, batch=batch.size.batch, tokens=batch.num_tokens,
             padded_elems=batch.lp_padded.numel(), dtype=str(batch.lp.dtype).replace("torch.", ""),
             impl=c.name, layout=c.layout, median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats,
             mbytes=nbytes / 1e6, gbs=gbs, pct_copy_bw=100.0 * gbs / copy_gbs,
             mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6, compile_s=c.compile_s,
             page_faults_per_call=faults, check=check))
-    per_sample = next(r["median_ms"] for r in rows if r["impl"].startswith("per-sample"))
+    return rows
+
+
+def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,
+        progress=None) -> list[dict]:
+    """Check and time every contender on ``batch``; rows with ms, GB/s, % of copy BW, speedups."""
+    refs = {layout: _ours(batch, layout, "torch")() for layout in ("packed", "padded")}
+    rows = _time_rows(batch, TASK_TRANSFORM, contenders(batch, with_compile=with_compile, progress=progress), refs,
+                      lambda layout: bytes_moved(batch, layout), copy_gbs, repeats, budget_s, progress)
+    baseline = next(r["median_ms"] for r in rows if r["impl"].startswith("per-sample"))
     compiled = {r["layout"]: r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")}
     for r in rows:
-        r["x_vs_per_sample"] = per_sample / r["median_ms"]
+        r["baseline"] = "per-sample eager (TorchRL style)"
+        r["x_vs_baseline"] = baseline / r["median_ms"]
         r["x_vs_compile"] = compiled[r["layout"]] / r["median_ms"] if r["layout"] in compiled else None
+    return rows + run_klcomputation(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=progress)
+
+
+# --------------------------------------------------------------------------- TorchRL KLComputation
+
+
+def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None) -> list[dict]:
+    """TorchRL 0.14's ``KLComputation`` on a lazily stacked TensorDict (its native ragged input:
+    k1, no mask, per-token reward ``[L, 1]``) against kl_reward on the same per-sample tensors
+    (list layout: packing included) and on packed tensors. Skipped without torchrl."""
+    try:
+        from tensordict import TensorDict, lazy_stack
+        from torchrl.envs.llm.transforms.kl import KLComputation
+    except ImportError:
+        if progress:
+            progress("torchrl/tensordict not installed: skipping the KLComputation comparison")
+        return []
+    from .. import ragged
+    lps, refs_ = ragged.to_list(batch.lp, batch.offsets), ragged.to_list(batch.ref, batch.offsets)
+    rewards = [torch.zeros(t.shape[0], 1, dtype=torch.float32, device=t.device) for t in lps]
+    td = lazy_stack([TensorDict({("log_probs", "full"): a, ("ref_log_probs", "full"): b, "reward": r}, batch_size=())
+                     for a, b, r in zip(lps, refs_, rewards)])
+    transform = KLComputation(gen_log_probs_full_key=("log_probs", "full"),
+                              ref_log_probs_full_key=("ref_log_probs", "full"), coeff=COEF)
+
+    def torchrl_call():  # it writes kl_penalty and reward back into td: re-running repeats the same work
+        out = transform(td)
+        return (torch.cat(out.get("kl_penalty", as_list=True)), None, None)
+
+    packed_reward = torch.zeros(batch.lp.shape[0], 1, device=batch.lp.device)
+    found = [Contender("TorchRL KLComputation (lazy stack)", "list", torchrl_call)]
+    for backend in REGISTRY:
+        name = f"kl_reward[{backend.name}]"
+        calls = {"list": lambda b=backend.name: _first(kl_reward(lps, refs_, rewards, coef=COEF, backend=b)),
+                 "packed": lambda b=backend.name: _first(kl_reward(batch.lp, batch.ref, packed_reward, coef=COEF,
+                                                                   offsets=batch.offsets, reward_placement="token",
+                                                                   backend=b))}
+        try:
+            for layout, fn in calls.items():
+                fn()
+                found.append(Contender(name, layout, fn))
+        except Exception:  # noqa: BLE001 - a backend that cannot run here is simply not a contender
+            continue
+    want = (kl_reward(batch.lp, batch.ref, offsets=batch.offsets, coef=COEF, backend="torch").kl, None, None)
+    refs = {"list": want, "packed": want}
+    s = batch.lp.element_size()
+    nbytes = batch.num_tokens * (2 * s + 4 + s + 4) + batch.size.batch * 12  # read lp, ref, reward; write kl, reward
+    rows = _time_rows(batch, TASK_KLCOMPUTATION, found, refs, lambda layout: nbytes, copy_gbs, repeats, budget_s,
+                      progress)
+    baseline = rows[0]["median_ms"]
+    for r in rows:
+        r["baseline"] = "TorchRL KLComputation"
+        r["x_vs_baseline"] = baseline / r["median_ms"]
+        r["x_vs_compile"] = None
     return rows
+
+
+def _first(out) -> tuple:
+    kl = torch.cat(out.kl) if isinstance(out.kl, list) else out.kl
+    return (kl, None, None)

@@ -14,7 +14,7 @@ COLUMNS = [
     ("mtokens_per_s", "Mtok/s", "{:.1f}"),
     ("gbs", "GB/s", "{:.2f}"),
     ("pct_copy_bw", "% copy BW", "{:.0f}%"),
-    ("x_vs_per_sample", "x per-sample", "{:.1f}x"),
+    ("x_vs_baseline", "x baseline", "{:.1f}x"),
     ("x_vs_compile", "x compile", "{:.2f}x"),
     ("compile_s", "compile s", "{:.1f}"),
     ("page_faults_per_call", "faults/call", "{:.0f}"),
@@ -40,11 +40,11 @@ def print_tables(rows: list[dict], machine: dict, copy_gbs: float) -> None:
     """Plain text on purpose: rich would re-wrap wide tables to the terminal width."""
     print(f"\nkl_kernels {machine['kl_kernels']} | torch {machine['torch']} | {machine.get('gpu') or machine['cpu']} | "
           f"{machine['torch_threads']} threads | measured copy bandwidth {copy_gbs:.1f} GB/s | malloc: {machine['malloc']}")
-    for size in dict.fromkeys(r["size"] for r in rows):
-        sel = [r for r in rows if r["size"] == size]
+    for size, task in dict.fromkeys((r["size"], r["task"]) for r in rows):
+        sel = [r for r in rows if r["size"] == size and r["task"] == task]
         r0 = sel[0]
-        print(table(sel, f"\n{size}: B={r0['batch']}, {r0['tokens']:,} tokens ({r0['padded_elems']:,} padded), "
-                         f"{r0['dtype']}"))
+        print(table(sel, f"\n{task}, {size}: B={r0['batch']}, {r0['tokens']:,} tokens ({r0['padded_elems']:,} padded), "
+                         f"{r0['dtype']}; baseline: {r0['baseline']}"))
 
 
 def write(rows: list[dict], machine: dict, copy_gbs: float, out_dir: Path) -> list[Path]:
@@ -70,15 +70,15 @@ def _plot(rows, machine, copy_gbs, path: Path) -> Path | None:
     except ImportError:
         print("matplotlib not installed: no PNG plot (pip install 'kl_kernels[bench]')", file=sys.stderr)
         return None
-    sizes = list(dict.fromkeys(r["size"] for r in rows))
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
-    for ax, size in zip(axes[0], sizes):
-        sel = [r for r in rows if r["size"] == size]
+    panels = list(dict.fromkeys((r["size"], r["task"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (size, task) in zip(axes[0], panels):
+        sel = [r for r in rows if r["size"] == size and r["task"] == task]
         labels = [f"{r['impl']}\n({r['layout']})" for r in sel]
         ax.barh(labels, [r["gbs"] for r in sel], color="tab:blue")
         ax.axvline(copy_gbs, color="tab:red", linestyle="--", label=f"copy {copy_gbs:.1f} GB/s")
         ax.set_xlabel("GB/s (minimal bytes moved / median time)")
-        ax.set_title(f"{size}: B={sel[0]['batch']}, {sel[0]['tokens']:,} tokens")
+        ax.set_title(f"{task}\n{size}: B={sel[0]['batch']}, {sel[0]['tokens']:,} tokens", fontsize=9)
         ax.legend(loc="lower right")
         ax.tick_params(axis="y", labelsize=7)
     fig.suptitle(f"kl_reward | {machine.get('gpu') or machine['cpu']} | torch {machine['torch']}", fontsize=10)

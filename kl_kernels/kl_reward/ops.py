@@ -87,9 +87,15 @@ def run_fused(p: KLRewardProblem) -> RawOutputs:
     coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
     coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
     clamp = [*launch.clamp_bounds(p.clamp_input), *launch.clamp_bounds(p.clamp_output)]
-    kl, reward, ref_out, kl_sum, count = torch.ops.kl_kernels.kl_reward_fwd(
-        p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths, p.prompt_lens, p.reward, coef_tensor, coef_scalar,
-        launch.LAYOUT_CODES[p.layout], p.padding_side == "left", launch.PLACEMENT_CODES[p.placement],
-        launch.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
-        p.reward_dtype)
+    args = (p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths, p.prompt_lens, p.reward, coef_tensor,
+            coef_scalar, launch.LAYOUT_CODES[p.layout], p.padding_side == "left", launch.PLACEMENT_CODES[p.placement],
+            launch.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
+            p.reward_dtype)
+    needs_graph = torch.is_grad_enabled() and (p.log_probs.requires_grad or p.ref_log_probs.requires_grad)
+    if needs_graph or torch.compiler.is_compiling():
+        kl, reward, ref_out, kl_sum, count = torch.ops.kl_kernels.kl_reward_fwd(*args)
+    else:
+        # Eager and no autograd: the op would only add dispatcher overhead around the same launch.
+        kl, reward, ref_out, kl_sum, count = launch.forward(*args[:14], (clamp[0], clamp[1]), (clamp[2], clamp[3]),
+                                                            *args[15:])
     return RawOutputs(kl, reward, ref_out if p.return_ref else None, kl_sum, count)

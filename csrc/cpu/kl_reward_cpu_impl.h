@@ -1,0 +1,420 @@
+// Fused kl_reward on the CPU, the templates: one pass over the tokens, forward and backward.
+// Each dtype's instantiations live in their own translation unit (kl_reward_cpu_<dtype>.cpp),
+// so the build compiles them in parallel; kl_reward_cpu.cpp dispatches to them.
+//
+// Work is cut into fixed tiles of the flat token space (packed: N tokens; padded: B * T elements
+// row-major). Tiles do not depend on the thread count and partial per-sequence sums are combined
+// in tile order, so results are bitwise identical run to run and for any number of threads.
+// Threads (std::thread, as many as torch uses: no second OpenMP runtime) pull tiles from an
+// atomic counter, which balances the load by tokens rather than by sequences.
+//
+// Within a tile, each run of one sequence's tokens knows its counted range [jlo, jhi) up front
+// (validity and the prompt are position ranges), so padding and prompt tokens are filled without
+// reading the log-probs, and the hot loop carries no layout logic.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/kl_reward_args.h"
+#include "cpu/parallel.h"
+
+namespace kl {
+namespace cpu_detail {
+
+constexpr int64_t kTile = 16384;
+
+struct Partial {  // one sequence's share of one tile
+  int64_t seq = -1;
+  double sum = 0.0;
+  int64_t count = 0;
+  int64_t last = -1;  // position, within the sequence, of the last counted token
+};
+
+struct Run {  // consecutive tokens of one sequence inside one tile
+  int64_t seq, row, col0, out0, n, pos0;
+  SeqGeom geom;
+  bool whole;  // this run is the entire sequence (padded: the entire row)
+};
+
+// Calls f(run) for each run of the flat range [t0, t1).
+template <typename F>
+void for_each_run(const KLRewardArgs& a, int64_t t0, int64_t t1, F&& f) {
+  for (int64_t b = seq_of(a, t0); t0 < t1 && b < a.batch; ++b) {
+    const SeqGeom g = seq_geom(a, b);
+    const int64_t begin = a.layout == kPacked ? g.first_col : b * a.width;
+    const int64_t end = a.layout == kPacked ? begin + g.length : begin + a.width;
+    const int64_t stop = std::min(t1, end);
+    if (stop <= t0) continue;  // an empty sequence
+    Run r{};
+    r.seq = b;
+    r.n = stop - t0;
+    r.out0 = t0;
+    r.geom = g;
+    r.whole = t0 == begin && stop == end;
+    r.row = a.layout == kPacked ? 0 : b;
+    r.col0 = t0 - (a.layout == kPacked ? 0 : begin);
+    r.pos0 = a.layout == kPacked ? t0 - begin : r.col0 - g.first_col;
+    f(r);
+    t0 = stop;
+  }
+}
+
+// Counted candidates of a run: positions in [prompt, length), as run offsets [jlo, jhi).
+inline void counted_range(const Run& r, int64_t* jlo, int64_t* jhi) {
+  *jlo = std::clamp<int64_t>(r.geom.prompt - r.pos0, 0, r.n);
+  *jhi = std::max(*jlo, std::clamp<int64_t>(r.geom.length - r.pos0, 0, r.n));
+}
+
+// Runs fn(tile_index) for every tile on up to `threads` threads (parallel.cpp).
+template <typename F>
+void parallel_tiles(int64_t tiles, int threads, F&& fn) {
+  run_tiles(tiles, threads, std::function<void(int64_t)>(std::forward<F>(fn)));
+}
+
+// ------------------------------------------------------------------------------ forward
+
+// Contiguous fast path. The counted range is processed in blocks that stay in L1, each as a
+// few simple loops (estimate, outputs, reductions) with every choice made outside the loops, so
+// the compiler vectorizes them. The sum uses kLanes fixed accumulators: deterministic, and
+// vectorizable (a single sequential accumulator is not, without reassociation).
+constexpr int64_t kBlock = 256;
+constexpr int kLanes = 8;
+
+// The hot functions are compiled twice, for baseline x86-64 (SSE2) and for x86-64-v3 (AVX2, FMA),
+// and the loader picks one per machine: the wheel stays portable and AVX2 doubles the width.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KL_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define KL_TARGET_CLONES
+#endif
+
+template <int32_t DT, int32_t EST, bool MASK, bool CLAMP>
+inline void estimate_block(const KLRewardArgs& a, const void* lp, const void* ref, const uint8_t* mask, int64_t n,
+                           float* __restrict k, uint8_t* __restrict m) {
+  const EstimatorParams e = a.est;
+  for (int64_t i = 0; i < n; ++i) {
+    // Unconditional loads, then a select: a load under a condition cannot be vectorized.
+    const bool mi = MASK ? mask[i] != 0 : true;
+    const float diff = load<DT>(lp, i) - load<DT>(ref, i);
+    const float d = mi ? diff : 0.0f;
+    const float x = CLAMP ? clamp_lo_hi(d, e.in_lo_set, e.in_lo, e.in_hi_set, e.in_hi) : d;
+    float v;
+    if constexpr (EST == kK1) v = x;
+    else if constexpr (EST == kAbs) v = fabsf(x);
+    else if constexpr (EST == kK2) v = 0.5f * x * x;
+    else v = expm1_vec(-x) + x;
+    if constexpr (CLAMP) v = clamp_lo_hi(v, e.out_lo_set, e.out_lo, e.out_hi_set, e.out_hi);
+    k[i] = mi ? v : 0.0f;
+    m[i] = mi;
+  }
+}
+
+// Writes n staged elements to dst (the block was built in L1; one contiguous copy out).
+template <typename Bits>
+inline void emit(Bits* dst, const Bits* bits, int64_t n) {
+  std::memcpy(dst, bits, n * sizeof(Bits));
+}
+
+template <int32_t DT>
+using BitsOf = std::conditional_t<DT == kFloat32, uint32_t, uint16_t>;
+
+template <int32_t DT>
+inline BitsOf<DT> to_bits(float v) {
+  if constexpr (DT == kFloat32) return f32_bits(v);
+  else if constexpr (DT == kBFloat16) return f32_to_bf16(v);
+  else return f32_to_f16(v);
+}
+
+template <int32_t DT, int32_t RT, int32_t EST, bool MASK, bool CLAMP>
+KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run& r) {
+  using LB = BitsOf<DT>;
+  using RB = BitsOf<RT>;
+  const LB* lp = reinterpret_cast<const LB*>(a.lp) + r.row * a.lp_s0 + r.col0;
+  const LB* ref = reinterpret_cast<const LB*>(a.ref) + r.row * a.ref_s0 + r.col0;
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask) + (MASK ? r.row * a.mask_s0 + r.col0 : 0);
+  const RB* reward = reinterpret_cast<const RB*>(a.reward) + (a.placement == kToken ? r.row * a.rw_s0 + r.col0 : 0);
+  LB* kl = reinterpret_cast<LB*>(a.kl) + r.out0;
+  RB* rw = reinterpret_cast<RB*>(a.reward_out) + r.out0;
+  LB* ro = a.ref_out ? reinterpret_cast<LB*>(a.ref_out) + r.out0 : nullptr;
+  const bool token = a.placement == kToken;
+  const float rseq = a.placement == kSequence ? load<RT>(reinterpret_cast<const void*>(a.reward), r.seq * a.rw_s0) : 0.0f;
+  const float c = coef_of(a, r.seq);
+
+  alignas(64) float k[kBlock];
+  alignas(64) uint8_t m[kBlock];
+  alignas(64) LB kl_bits[kBlock];
+  alignas(64) LB ro_bits[kBlock];
+  alignas(64) RB rw_bits[kBlock];
+
+  int64_t jlo, jhi;
+  counted_range(r, &jlo, &jhi);
+  // Tokens that cannot count (padding, prompt): kl 0, ref 0, reward untouched.
+  auto fill = [&](int64_t j0, int64_t j1) {
+    for (int64_t jb = j0; jb < j1; jb += kBlock) {
+      const int64_t n = std::min(kBlock, j1 - jb);
+      for (int64_t i = 0; i < n; ++i) kl_bits[i] = 0;
+      emit(kl + jb, kl_bits, n);
+      if (ro) emit(ro + jb, kl_bits, n);
+      if (token) emit(rw + jb, reward + jb, n);
+      else {
+        const RB v = to_bits<RT>(rseq);
+        for (int64_t i = 0; i < n; ++i) rw_bits[i] = v;
+        emit(rw + jb, rw_bits, n);
+      }
+    }
+  };
+  fill(0, jlo);
+  double acc[kLanes] = {0};
+  int64_t count = 0, last = -1;
+  for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
+    const int64_t n = std::min(kBlock, jhi - jb);
+    estimate_block<DT, EST, MASK, CLAMP>(a, lp + jb, ref + jb, mask + (MASK ? jb : 0), n, k, m);
+    for (int64_t i = 0; i < n; ++i) kl_bits[i] = to_bits<DT>(k[i]);
+    emit(kl + jb, kl_bits, n);
+    if (token) for (int64_t i = 0; i < n; ++i) rw_bits[i] = to_bits<RT>(load<RT>(reward, jb + i) - c * k[i]);
+    else for (int64_t i = 0; i < n; ++i) rw_bits[i] = to_bits<RT>(rseq - c * k[i]);
+    emit(rw + jb, rw_bits, n);
+    if (ro) {  // the reference's own bits where counted (unconditional load, then select)
+      for (int64_t i = 0; i < n; ++i) {
+        const LB v = ref[jb + i];
+        ro_bits[i] = m[i] ? v : LB(0);
+      }
+      emit(ro + jb, ro_bits, n);
+    }
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += k[i + l];
+    for (int l = 0; i < n; ++i, ++l) acc[l] += k[i];
+    if constexpr (MASK) {
+      int64_t cnt = 0;
+      for (int64_t q = 0; q < n; ++q) cnt += m[q];  // a byte sum: vectorizes
+      int64_t lst = n - 1;
+      while (lst >= 0 && !m[lst]) --lst;          // the last counted token, scanning back
+      count += cnt;
+      if (lst >= 0) last = r.pos0 + jb + lst;
+    } else {
+      count += n;
+      last = r.pos0 + jb + n - 1;
+    }
+  }
+  fill(jhi, r.n);
+  Partial p;
+  p.seq = r.seq;
+  double sum = 0.0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  p.sum = sum;
+  p.count = count;
+  p.last = last;
+  return p;
+}
+
+template <int32_t DT, int32_t RT, int32_t EST>
+Partial forward_run_est(const KLRewardArgs& a, const Run& r) {
+  const bool clamp = a.est.in_lo_set || a.est.in_hi_set || a.est.out_lo_set || a.est.out_hi_set;
+  if (a.mask != 0)
+    return clamp ? forward_run_contiguous<DT, RT, EST, true, true>(a, r)
+                 : forward_run_contiguous<DT, RT, EST, true, false>(a, r);
+  return clamp ? forward_run_contiguous<DT, RT, EST, false, true>(a, r)
+               : forward_run_contiguous<DT, RT, EST, false, false>(a, r);
+}
+
+template <int32_t DT, int32_t RT>
+Partial forward_run_fast(const KLRewardArgs& a, const Run& r) {
+  switch (a.est.estimator) {
+    case kK1: return forward_run_est<DT, RT, kK1>(a, r);
+    case kAbs: return forward_run_est<DT, RT, kAbs>(a, r);
+    case kK2: return forward_run_est<DT, RT, kK2>(a, r);
+    default: return forward_run_est<DT, RT, kK3>(a, r);
+  }
+}
+
+// Generic path for any strides (non-contiguous inputs): one scalar loop.
+template <int32_t DT, int32_t RT, bool CONTIG>
+Partial forward_run(const KLRewardArgs& a, const Run& r) {
+  if constexpr (CONTIG) return forward_run_fast<DT, RT>(a, r);
+  const void* lp = reinterpret_cast<const void*>(a.lp);
+  const void* ref = reinterpret_cast<const void*>(a.ref);
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask);
+  const void* reward = reinterpret_cast<const void*>(a.reward);
+  void* kl = reinterpret_cast<void*>(a.kl);
+  void* rw = reinterpret_cast<void*>(a.reward_out);
+  void* ro = reinterpret_cast<void*>(a.ref_out);
+  const int64_t o = r.out0;
+  const int64_t lp0 = r.row * a.lp_s0 + r.col0 * a.lp_s1, ref0 = r.row * a.ref_s0 + r.col0 * a.ref_s1;
+  const int64_t m0 = r.row * a.mask_s0 + r.col0 * a.mask_s1, rw0 = r.row * a.rw_s0 + r.col0 * a.rw_s1;
+  const int64_t lps = CONTIG ? 1 : a.lp_s1, refs = CONTIG ? 1 : a.ref_s1;
+  const int64_t ms = CONTIG ? 1 : a.mask_s1, rws = CONTIG ? 1 : a.rw_s1;
+  const bool token = a.placement == kToken;
+  const float rseq = a.placement == kSequence ? load<RT>(reward, r.seq * a.rw_s0) : 0.0f;
+  const float c = coef_of(a, r.seq);
+  const EstimatorParams est = a.est;
+
+  int64_t jlo, jhi;
+  counted_range(r, &jlo, &jhi);
+  auto fill = [&](int64_t j0, int64_t j1) {  // tokens that cannot count: kl 0, reward untouched
+    for (int64_t j = j0; j < j1; ++j) {
+      store_zero<DT>(kl, o + j);
+      if (ro) store_zero<DT>(ro, o + j);
+      store<RT>(rw, o + j, token ? load<RT>(reward, rw0 + j * rws) : rseq);
+    }
+  };
+  fill(0, jlo);
+  Partial p;
+  p.seq = r.seq;
+  double sum = 0.0;
+  int64_t count = 0, last = -1;
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const bool m = mask == nullptr || mask[m0 + j * ms] != 0;
+    const float d = m ? load<DT>(lp, lp0 + j * lps) - load<DT>(ref, ref0 + j * refs) : 0.0f;
+    const float k = m ? kl_value(d, est) : 0.0f;
+    store<DT>(kl, o + j, k);
+    store<RT>(rw, o + j, (token ? load<RT>(reward, rw0 + j * rws) : rseq) - c * k);
+    if (ro) {
+      if (m) copy_elem<DT>(ro, o + j, ref, ref0 + j * refs);
+      else store_zero<DT>(ro, o + j);
+    }
+    sum += k;
+    count += m;
+    last = m ? r.pos0 + j : last;
+  }
+  fill(jhi, r.n);
+  p.sum = sum;
+  p.count = count;
+  p.last = last;
+  return p;
+}
+
+// The reward of sequence b goes on its last counted token, else its last valid one.
+template <int32_t DT, int32_t RT>
+void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
+  const SeqGeom g = seq_geom(a, b);
+  const int64_t pos = last_counted >= 0 ? last_counted : g.length - 1;
+  if (pos < 0) return;  // an empty sequence has no slot
+  const int64_t row = a.layout == kPacked ? 0 : b, col = g.first_col + pos;
+  const int64_t out = a.layout == kPacked ? col : b * a.width + col;
+  float k = 0.0f;
+  if (last_counted >= 0) {
+    const float d = load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1) -
+                    load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1);
+    k = kl_value(d, a.est);
+  }
+  const float rb = load<RT>(reinterpret_cast<const void*>(a.reward), b * a.rw_s0);
+  store<RT>(reinterpret_cast<void*>(a.reward_out), out, rb - coef_of(a, b) * k);
+}
+
+template <int32_t DT, int32_t RT, bool CONTIG>
+void forward(const KLRewardArgs& a, int threads) {
+  const int64_t tiles = (a.total + kTile - 1) / kTile;
+  std::vector<Partial> head(tiles), tail(tiles);
+  std::vector<double> sums(a.batch, 0.0);
+  std::vector<int64_t> last(a.batch, -1);
+  int64_t* count = reinterpret_cast<int64_t*>(a.count);
+  std::fill(count, count + a.batch, 0);
+  parallel_tiles(tiles, threads, [&](int64_t k) {
+    bool first = true;
+    for_each_run(a, k * kTile, std::min(a.total, (k + 1) * kTile), [&](const Run& r) {
+      const Partial p = forward_run<DT, RT, CONTIG>(a, r);
+      if (r.whole) {  // this tile alone owns the sequence
+        sums[r.seq] = p.sum;
+        count[r.seq] = p.count;
+        last[r.seq] = p.last;
+      } else {        // shared with a neighbouring tile: combined below, in tile order
+        (first ? head : tail)[k] = p;
+      }
+      first = false;
+    });
+  });
+  for (int64_t k = 0; k < tiles; ++k) {
+    for (const Partial* p : {&head[k], &tail[k]}) {
+      if (p->seq < 0) continue;
+      sums[p->seq] += p->sum;
+      count[p->seq] += p->count;
+      last[p->seq] = std::max(last[p->seq], p->last);
+    }
+  }
+  float* kl_sum = reinterpret_cast<float*>(a.kl_sum);
+  for (int64_t b = 0; b < a.batch; ++b) kl_sum[b] = static_cast<float>(sums[b]);
+  if (a.placement == kLast)
+    for (int64_t b = 0; b < a.batch; ++b) place_last<DT, RT>(a, b, last[b]);
+}
+
+// ------------------------------------------------------------------------------ backward
+
+template <int32_t DT, int32_t RT, bool CONTIG>
+void backward_run(const KLRewardArgs& a, const Run& r) {
+  const void* lp = reinterpret_cast<const void*>(a.lp);
+  const void* ref = reinterpret_cast<const void*>(a.ref);
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask);
+  const void* g_kl = reinterpret_cast<const void*>(a.g_kl);
+  const void* g_rw = reinterpret_cast<const void*>(a.g_reward);
+  const void* g_ro = reinterpret_cast<const void*>(a.g_ref_out);
+  const float* g_sum = reinterpret_cast<const float*>(a.g_kl_sum);
+  void* g_lp = reinterpret_cast<void*>(a.g_lp);
+  void* g_ref = reinterpret_cast<void*>(a.g_ref);
+  const int64_t o = r.out0;
+  const int64_t lp0 = r.row * a.lp_s0 + r.col0 * a.lp_s1, ref0 = r.row * a.ref_s0 + r.col0 * a.ref_s1;
+  const int64_t m0 = r.row * a.mask_s0 + r.col0 * a.mask_s1;
+  const int64_t lps = CONTIG ? 1 : a.lp_s1, refs = CONTIG ? 1 : a.ref_s1, ms = CONTIG ? 1 : a.mask_s1;
+  const float c = coef_of(a, r.seq);
+  const float gs = g_sum ? g_sum[r.seq] : 0.0f;
+  const EstimatorParams est = a.est;
+
+  int64_t jlo, jhi;
+  counted_range(r, &jlo, &jhi);
+  for (int64_t j = 0; j < jlo; ++j) store_zero<DT>(g_lp, o + j), store_zero<DT>(g_ref, o + j);
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const bool m = mask == nullptr || mask[m0 + j * ms] != 0;
+    if (!m) {
+      store_zero<DT>(g_lp, o + j);
+      store_zero<DT>(g_ref, o + j);
+      continue;
+    }
+    const float d = load<DT>(lp, lp0 + j * lps) - load<DT>(ref, ref0 + j * refs);
+    float g = gs;
+    if (g_kl) g += load<DT>(g_kl, o + j);
+    if (g_rw) g -= c * load<RT>(g_rw, o + j);
+    const float glp = g * kl_grad(d, est);
+    store<DT>(g_lp, o + j, glp);
+    store<DT>(g_ref, o + j, (g_ro ? load<DT>(g_ro, o + j) : 0.0f) - glp);
+  }
+  for (int64_t j = jhi; j < r.n; ++j) store_zero<DT>(g_lp, o + j), store_zero<DT>(g_ref, o + j);
+}
+
+template <int32_t DT, int32_t RT, bool CONTIG>
+void backward(const KLRewardArgs& a, int threads) {
+  const int64_t tiles = (a.total + kTile - 1) / kTile;
+  parallel_tiles(tiles, threads, [&](int64_t k) {
+    for_each_run(a, k * kTile, std::min(a.total, (k + 1) * kTile),
+                 [&](const Run& r) { backward_run<DT, RT, CONTIG>(a, r); });
+  });
+}
+
+inline bool contiguous(const KLRewardArgs& a) {
+  return a.lp_s1 == 1 && a.ref_s1 == 1 && (a.mask == 0 || a.mask_s1 == 1) &&
+         (a.placement != kToken || a.rw_s1 == 1);
+}
+
+}  // namespace cpu_detail
+
+// Forward (or backward) for log-prob dtype DT; the reward dtype is DT or float32.
+template <int32_t DT>
+int run_for_dtype(const KLRewardArgs& a, int threads, bool backward_pass) {
+  using namespace cpu_detail;
+  const bool c = contiguous(a);
+  auto go = [&](auto rt) {
+    constexpr int32_t RT = decltype(rt)::value;
+    if (backward_pass) c ? backward<DT, RT, true>(a, threads) : backward<DT, RT, false>(a, threads);
+    else c ? forward<DT, RT, true>(a, threads) : forward<DT, RT, false>(a, threads);
+    return 0;
+  };
+  if (a.reward_dtype == DT) return go(std::integral_constant<int32_t, DT>{});
+  if (a.reward_dtype == kFloat32) return go(std::integral_constant<int32_t, kFloat32>{});
+  return 1;
+}
+
+}  // namespace kl
