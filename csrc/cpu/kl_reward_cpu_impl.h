@@ -93,9 +93,21 @@ constexpr int kLanes = 8;
 #define KL_TARGET_CLONES
 #endif
 
+template <int32_t DT>
+using BitsOf = std::conditional_t<DT == kFloat32, uint32_t, uint16_t>;
+
+template <int32_t DT>
+inline BitsOf<DT> to_bits(float v) {
+  if constexpr (DT == kFloat32) return f32_bits(v);
+  else if constexpr (DT == kBFloat16) return f32_to_bf16(v);
+  else return f32_to_f16(v);
+}
+
+// The estimate of a block: k (fp32, kept in L1 for the reward and the sums), m (the final mask)
+// and the kl output, written directly, all in one vectorizable loop.
 template <int32_t DT, int32_t EST, bool MASK, bool CLAMP>
-inline void estimate_block(const KLRewardArgs& a, const void* lp, const void* ref, const uint8_t* mask, int64_t n,
-                           float* __restrict k, uint8_t* __restrict m) {
+inline void estimate_block(const KLRewardArgs& a, const BitsOf<DT>* lp, const BitsOf<DT>* ref, const uint8_t* mask,
+                           int64_t n, float* __restrict k, uint8_t* __restrict m, BitsOf<DT>* __restrict kl) {
   const EstimatorParams e = a.est;
   for (int64_t i = 0; i < n; ++i) {
     // Unconditional loads, then a select: a load under a condition cannot be vectorized.
@@ -109,25 +121,11 @@ inline void estimate_block(const KLRewardArgs& a, const void* lp, const void* re
     else if constexpr (EST == kK2) v = 0.5f * x * x;
     else v = expm1_vec(-x) + x;
     if constexpr (CLAMP) v = clamp_lo_hi(v, e.out_lo_set, e.out_lo, e.out_hi_set, e.out_hi);
-    k[i] = mi ? v : 0.0f;
+    const float ki = mi ? v : 0.0f;
+    k[i] = ki;
     m[i] = mi;
+    kl[i] = to_bits<DT>(ki);
   }
-}
-
-// Writes n staged elements to dst (the block was built in L1; one contiguous copy out).
-template <typename Bits>
-inline void emit(Bits* dst, const Bits* bits, int64_t n) {
-  std::memcpy(dst, bits, n * sizeof(Bits));
-}
-
-template <int32_t DT>
-using BitsOf = std::conditional_t<DT == kFloat32, uint32_t, uint16_t>;
-
-template <int32_t DT>
-inline BitsOf<DT> to_bits(float v) {
-  if constexpr (DT == kFloat32) return f32_bits(v);
-  else if constexpr (DT == kBFloat16) return f32_to_bf16(v);
-  else return f32_to_f16(v);
 }
 
 template <int32_t DT, int32_t RT, int32_t EST, bool MASK, bool CLAMP>
@@ -145,46 +143,38 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
   const float rseq = a.placement == kSequence ? load<RT>(reinterpret_cast<const void*>(a.reward), r.seq * a.rw_s0) : 0.0f;
   const float c = coef_of(a, r.seq);
 
-  alignas(64) float k[kBlock];
-  alignas(64) uint8_t m[kBlock];
-  alignas(64) LB kl_bits[kBlock];
-  alignas(64) LB ro_bits[kBlock];
-  alignas(64) RB rw_bits[kBlock];
-
   int64_t jlo, jhi;
   counted_range(r, &jlo, &jhi);
   // Tokens that cannot count (padding, prompt): kl 0, ref 0, reward untouched.
   auto fill = [&](int64_t j0, int64_t j1) {
-    for (int64_t jb = j0; jb < j1; jb += kBlock) {
-      const int64_t n = std::min(kBlock, j1 - jb);
-      for (int64_t i = 0; i < n; ++i) kl_bits[i] = 0;
-      emit(kl + jb, kl_bits, n);
-      if (ro) emit(ro + jb, kl_bits, n);
-      if (token) emit(rw + jb, reward + jb, n);
-      else {
-        const RB v = to_bits<RT>(rseq);
-        for (int64_t i = 0; i < n; ++i) rw_bits[i] = v;
-        emit(rw + jb, rw_bits, n);
-      }
-    }
+    if (j1 <= j0) return;
+    std::memset(kl + j0, 0, (j1 - j0) * sizeof(LB));
+    if (ro) std::memset(ro + j0, 0, (j1 - j0) * sizeof(LB));
+    if (token) std::memcpy(rw + j0, reward + j0, (j1 - j0) * sizeof(RB));
+    else std::fill(rw + j0, rw + j1, to_bits<RT>(rseq));
   };
   fill(0, jlo);
   double acc[kLanes] = {0};
   int64_t count = 0, last = -1;
+  alignas(64) float k[kBlock];
+  alignas(64) uint8_t m[kBlock];
   for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
     const int64_t n = std::min(kBlock, jhi - jb);
-    estimate_block<DT, EST, MASK, CLAMP>(a, lp + jb, ref + jb, mask + (MASK ? jb : 0), n, k, m);
-    for (int64_t i = 0; i < n; ++i) kl_bits[i] = to_bits<DT>(k[i]);
-    emit(kl + jb, kl_bits, n);
-    if (token) for (int64_t i = 0; i < n; ++i) rw_bits[i] = to_bits<RT>(load<RT>(reward, jb + i) - c * k[i]);
-    else for (int64_t i = 0; i < n; ++i) rw_bits[i] = to_bits<RT>(rseq - c * k[i]);
-    emit(rw + jb, rw_bits, n);
+    estimate_block<DT, EST, MASK, CLAMP>(a, lp + jb, ref + jb, mask + (MASK ? jb : 0), n, k, m, kl + jb);
+    RB* __restrict rwb = rw + jb;
+    if (token) {
+      const RB* __restrict rin = reward + jb;
+      for (int64_t i = 0; i < n; ++i) rwb[i] = to_bits<RT>(load<RT>(rin, i) - c * k[i]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) rwb[i] = to_bits<RT>(rseq - c * k[i]);
+    }
     if (ro) {  // the reference's own bits where counted (unconditional load, then select)
+      LB* __restrict rob = ro + jb;
+      const LB* __restrict src = ref + jb;
       for (int64_t i = 0; i < n; ++i) {
-        const LB v = ref[jb + i];
-        ro_bits[i] = m[i] ? v : LB(0);
+        const LB v = src[i];
+        rob[i] = m[i] ? v : LB(0);
       }
-      emit(ro + jb, ro_bits, n);
     }
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes)
