@@ -27,8 +27,7 @@ from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
 from ..kl_reward.problem import build_problem
 from .batches import RLHFBatch
-from .machine import minor_faults
-from .timing import measure
+from .timing import measure_interleaved
 
 COEF = 0.05
 
@@ -137,15 +136,17 @@ TASK_KLCOMPUTATION = "TorchRL KLComputation task"
 
 
 def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budget_s, progress):
-    device = batch.lp.device
-    rows = []
+    """Check every contender against the reference, then time them side by side (round-robin)."""
+    checks = []
     for c in candidates:
         if progress:
-            progress(f"{task}: {c.name} ({c.layout})")
-        check = _check(refs[c.layout], c.fn(), c.name)
-        faults = minor_faults()
-        t = measure(c.fn, device, repeats=repeats, budget_s=budget_s)
-        faults = (minor_faults() - faults) / (t.repeats + t.warmup)
+            progress(f"{task}: checking {c.name} ({c.layout})")
+        checks.append(_check(refs[c.layout], c.fn(), c.name))
+    if progress:
+        progress(f"{task}: timing {len(candidates)} contenders round-robin")
+    timings = measure_interleaved([c.fn for c in candidates], batch.lp.device, repeats=repeats, budget_s=budget_s)
+    rows = []
+    for c, check, (t, faults) in zip(candidates, checks, timings):
         nbytes = nbytes_of(c.layout)
         gbs = nbytes / (t.median_ms * 1e-3) / 1e9
         rows.append(dict(

@@ -1,4 +1,8 @@
-"""A small, honest timer: warm-up, then repeats until a count or a time budget; median and min."""
+"""A small, honest timer: warm-up, then repeats until a count or a time budget; median and min.
+
+``measure_interleaved`` times several contenders round-robin (one call of each per round), so
+that a slow phase of a shared machine hits all of them alike and their ratios stay meaningful.
+"""
 
 from __future__ import annotations
 
@@ -37,3 +41,27 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return Timing(statistics.median(times), min(times), len(times), warmup)
+
+
+def measure_interleaved(fns: list[Callable[[], object]], device: torch.device, *, warmup: int = 2,
+                        repeats: int = 10, budget_s: float = 3.0) -> list[tuple[Timing, int]]:
+    """Time each of ``fns`` round-robin; returns (Timing, minor page faults per call) per function."""
+    from .machine import minor_faults
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times = [[] for _ in fns]
+    faults = [0] * len(fns)
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < repeats and (rounds < 3 or time.perf_counter() - start < budget_s * len(fns)):
+        for i, fn in enumerate(fns):
+            f0 = minor_faults()
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[i].append((time.perf_counter() - t0) * 1e3)
+            faults[i] += minor_faults() - f0
+        rounds += 1
+    return [(Timing(statistics.median(t), min(t), len(t), warmup), f / len(t)) for t, f in zip(times, faults)]
