@@ -224,9 +224,8 @@ Partial forward_run_fast(const KLRewardArgs& a, const Run& r) {
 }
 
 // Generic path for any strides (non-contiguous inputs): one scalar loop.
-template <int32_t DT, int32_t RT, bool CONTIG>
-Partial forward_run(const KLRewardArgs& a, const Run& r) {
-  if constexpr (CONTIG) return forward_run_fast<DT, RT>(a, r);
+template <int32_t DT, int32_t RT>
+Partial forward_run_strided(const KLRewardArgs& a, const Run& r) {
   const void* lp = reinterpret_cast<const void*>(a.lp);
   const void* ref = reinterpret_cast<const void*>(a.ref);
   const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask);
@@ -237,8 +236,7 @@ Partial forward_run(const KLRewardArgs& a, const Run& r) {
   const int64_t o = r.out0;
   const int64_t lp0 = r.row * a.lp_s0 + r.col0 * a.lp_s1, ref0 = r.row * a.ref_s0 + r.col0 * a.ref_s1;
   const int64_t m0 = r.row * a.mask_s0 + r.col0 * a.mask_s1, rw0 = r.row * a.rw_s0 + r.col0 * a.rw_s1;
-  const int64_t lps = CONTIG ? 1 : a.lp_s1, refs = CONTIG ? 1 : a.ref_s1;
-  const int64_t ms = CONTIG ? 1 : a.mask_s1, rws = CONTIG ? 1 : a.rw_s1;
+  const int64_t lps = a.lp_s1, refs = a.ref_s1, ms = a.mask_s1, rws = a.rw_s1;
   const bool token = a.placement == kToken;
   const float rseq = a.placement == kSequence ? load<RT>(reward, r.seq * a.rw_s0) : 0.0f;
   const float c = coef_of(a, r.seq);
@@ -277,6 +275,12 @@ Partial forward_run(const KLRewardArgs& a, const Run& r) {
   p.count = count;
   p.last = last;
   return p;
+}
+
+template <int32_t DT, int32_t RT, bool CONTIG>
+Partial forward_run(const KLRewardArgs& a, const Run& r) {
+  if constexpr (CONTIG) return forward_run_fast<DT, RT>(a, r);
+  else return forward_run_strided<DT, RT>(a, r);
 }
 
 // The reward of sequence b goes on its last counted token, else its last valid one.
