@@ -14,15 +14,15 @@ from kl_kernels import BackendUnavailableError, kl_reward
 from kl_kernels.kl_reward import ops  # noqa: F401  (registers kl_kernels::kl_reward_fwd / _bwd)
 from kl_kernels.kl_reward.backends import REGISTRY
 
-FUSED = [b.name for b in REGISTRY if b.name in ("cpu", "cuda")]
 INF = float("inf")
 
 
 def _fused_devices():
-    out = ["cpu"]
-    if torch.cuda.is_available():
-        out.append(pytest.param("cuda", marks=pytest.mark.cuda))
-    return out
+    """cpu, and cuda on GPU machines; the cuda case skips, with the reason, until its kernel exists."""
+    cuda = next(b for b in REGISTRY if b.name == "cuda")
+    reasons = cuda.unavailable_reasons() if torch.cuda.is_available() else []
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        bool(reasons), reason="cuda backend unavailable: " + "; ".join(reasons))])]
 
 
 def _batch(device="cpu", n_seq=37, max_len=700, dtype=torch.float32, seed=0):
@@ -160,6 +160,15 @@ def test_a_row_of_a_million_tokens(layout):
     torch.testing.assert_close(got.kl, want.kl, rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(got.kl_sum, want.kl_sum, rtol=1e-5, atol=1e-3)
     assert torch.equal(got.count, want.count)
+
+
+def test_fused_op_on_a_device_without_its_kernel_says_so():
+    """The op is registered for CUDA ahead of the CUDA kernel: the launcher names what is missing."""
+    from kl_kernels.kl_reward import launch
+    if not launch._extensions.kernel("_cuda", "kl_reward_forward")[1]:
+        pytest.skip("this build has the CUDA kernel")
+    with pytest.raises(RuntimeError, match="no fused kernel for cuda tensors"):
+        launch._module(torch.device("cuda"))
 
 
 def test_auto_prefers_the_fused_kernel_and_declines_what_it_cannot_run():

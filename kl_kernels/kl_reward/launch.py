@@ -40,11 +40,13 @@ def _ptr(x: torch.Tensor | None) -> int:
 
 
 def _module(device: torch.device):
+    """The extension holding the kernels for ``device``, or a RuntimeError saying why there is none
+    (the ops are registered for CUDA ahead of the CUDA kernel; dispatch never routes there)."""
     name = "_C" if device.type == "cpu" else "_cuda"
-    module, reason = _extensions.load(name)
-    if module is None:
-        raise RuntimeError(reason)
-    return module
+    _, reason = _extensions.kernel(name, "kl_reward_forward")
+    if reason:
+        raise RuntimeError(f"kl_reward: no fused kernel for {device.type} tensors: {reason}")
+    return _extensions.load(name)[0]
 
 
 def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,
