@@ -70,10 +70,22 @@ inline void counted_range(const Run& r, int64_t* jlo, int64_t* jhi) {
   *jhi = std::max(*jlo, std::clamp<int64_t>(r.geom.length - r.pos0, 0, r.n));
 }
 
+inline int64_t tile_count(const KLRewardArgs& a) { return (a.total + kTile - 1) / kTile; }
+
+// Calls f(run, is_first_run_of_tile) for each run of tile k.
+template <typename F>
+void for_each_run_in_tile(const KLRewardArgs& a, int64_t k, F&& f) {
+  bool first = true;
+  for_each_run(a, k * kTile, std::min(a.total, (k + 1) * kTile), [&](const Run& r) {
+    f(r, first);
+    first = false;
+  });
+}
+
 // Runs fn(tile_index) for every tile on up to `threads` threads (parallel.cpp).
 template <typename F>
-void parallel_tiles(int64_t tiles, int threads, F&& fn) {
-  run_tiles(tiles, threads, std::function<void(int64_t)>(std::forward<F>(fn)));
+void parallel_tiles(const KLRewardArgs& a, int threads, F&& fn) {
+  run_tiles(tile_count(a), threads, std::function<void(int64_t)>(std::forward<F>(fn)));
 }
 
 // ------------------------------------------------------------------------------ forward
@@ -193,14 +205,9 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
     }
   }
   fill(jhi, r.n);
-  Partial p;
-  p.seq = r.seq;
   double sum = 0.0;
   for (int l = 0; l < kLanes; ++l) sum += acc[l];
-  p.sum = sum;
-  p.count = count;
-  p.last = last;
-  return p;
+  return Partial{r.seq, sum, count, last};
 }
 
 template <int32_t DT, int32_t RT, int32_t EST>
@@ -252,8 +259,6 @@ Partial forward_run_strided(const KLRewardArgs& a, const Run& r) {
     }
   };
   fill(0, jlo);
-  Partial p;
-  p.seq = r.seq;
   double sum = 0.0;
   int64_t count = 0, last = -1;
   for (int64_t j = jlo; j < jhi; ++j) {
@@ -271,10 +276,7 @@ Partial forward_run_strided(const KLRewardArgs& a, const Run& r) {
     last = m ? r.pos0 + j : last;
   }
   fill(jhi, r.n);
-  p.sum = sum;
-  p.count = count;
-  p.last = last;
-  return p;
+  return Partial{r.seq, sum, count, last};
 }
 
 template <int32_t DT, int32_t RT, bool CONTIG>
@@ -303,15 +305,14 @@ void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
 
 template <int32_t DT, int32_t RT, bool CONTIG>
 void forward(const KLRewardArgs& a, int threads) {
-  const int64_t tiles = (a.total + kTile - 1) / kTile;
+  const int64_t tiles = tile_count(a);
   std::vector<Partial> head(tiles), tail(tiles);
   std::vector<double> sums(a.batch, 0.0);
   std::vector<int64_t> last(a.batch, -1);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
   std::fill(count, count + a.batch, 0);
-  parallel_tiles(tiles, threads, [&](int64_t k) {
-    bool first = true;
-    for_each_run(a, k * kTile, std::min(a.total, (k + 1) * kTile), [&](const Run& r) {
+  parallel_tiles(a, threads, [&](int64_t k) {
+    for_each_run_in_tile(a, k, [&](const Run& r, bool first) {
       const Partial p = forward_run<DT, RT, CONTIG>(a, r);
       if (r.whole) {  // this tile alone owns the sequence
         sums[r.seq] = p.sum;
@@ -320,7 +321,6 @@ void forward(const KLRewardArgs& a, int threads) {
       } else {        // shared with a neighbouring tile: combined below, in tile order
         (first ? head : tail)[k] = p;
       }
-      first = false;
     });
   });
   for (int64_t k = 0; k < tiles; ++k) {
@@ -381,10 +381,8 @@ void backward_run(const KLRewardArgs& a, const Run& r) {
 
 template <int32_t DT, int32_t RT, bool CONTIG>
 void backward(const KLRewardArgs& a, int threads) {
-  const int64_t tiles = (a.total + kTile - 1) / kTile;
-  parallel_tiles(tiles, threads, [&](int64_t k) {
-    for_each_run(a, k * kTile, std::min(a.total, (k + 1) * kTile),
-                 [&](const Run& r) { backward_run<DT, RT, CONTIG>(a, r); });
+  parallel_tiles(a, threads, [&](int64_t k) {
+    for_each_run_in_tile(a, k, [&](const Run& r, bool) { backward_run<DT, RT, CONTIG>(a, r); });
   });
 }
 

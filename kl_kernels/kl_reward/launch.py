@@ -50,8 +50,8 @@ def _module(device: torch.device):
 
 
 def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,
-              coef_scalar, layout, left_pad, placement, estimator, straight_through, clamp_in, clamp_out):
-    """A filled ``KLRewardArgs``; returns it with the tensors it points into (keep them alive)."""
+              coef_scalar, layout, left_pad, placement, estimator, straight_through, clamp):
+    """A filled ``KLRewardArgs`` (``clamp``: [in_lo, in_hi, out_lo, out_hi], missing bounds infinite); returns it with the tensors it points into (keep them alive)."""
     a = module.KLRewardArgs()
     a.layout = layout
     a.batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
@@ -84,7 +84,7 @@ def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, promp
         a.coef_mode, a.coef = (1 if coef.dim() == 0 else 2), _ptr(coef)
     est = module.EstimatorParams()
     est.estimator, est.straight_through = estimator, int(straight_through)
-    (lo, hi), (olo, ohi) = clamp_in, clamp_out
+    lo, hi, olo, ohi = clamp
     est.in_lo_set, est.in_hi_set = int(math.isfinite(lo)), int(math.isfinite(hi))
     est.out_lo_set, est.out_hi_set = int(math.isfinite(olo)), int(math.isfinite(ohi))
     est.in_lo, est.in_hi, est.out_lo, est.out_hi = (v if math.isfinite(v) else 0.0 for v in (lo, hi, olo, ohi))
@@ -100,14 +100,13 @@ def _launch(fn, args, device):
 
 
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
-            left_pad, placement, estimator, straight_through, clamp_in, clamp_out, return_ref, reward_dtype):
+            left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype):
     """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count)."""
     module = _module(log_probs.device)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=placement,
-                           estimator=estimator, straight_through=straight_through, clamp_in=clamp_in,
-                           clamp_out=clamp_out)
+                           estimator=estimator, straight_through=straight_through, clamp=clamp)
     shape, dev = log_probs.shape, log_probs.device
     kl = torch.empty(shape, dtype=log_probs.dtype, device=dev)
     reward_out = torch.empty(shape, dtype=reward_dtype, device=dev)
@@ -123,14 +122,13 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
 
 
 def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
-             estimator, straight_through, clamp_in, clamp_out, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
+             estimator, straight_through, clamp, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
     """Run the fused backward; returns (grad_log_probs, grad_ref_log_probs)."""
     module = _module(log_probs.device)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=None, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=0,
-                           estimator=estimator, straight_through=straight_through, clamp_in=clamp_in,
-                           clamp_out=clamp_out)
+                           estimator=estimator, straight_through=straight_through, clamp=clamp)
     args.reward_dtype = DTYPE_CODES[reward_dtype]
     grads = {}
     for name, g, dtype in (("g_kl", g_kl, log_probs.dtype), ("g_reward", g_reward, reward_dtype),

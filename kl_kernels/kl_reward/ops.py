@@ -31,8 +31,7 @@ def kl_reward_fwd(log_probs: Tensor, ref_log_probs: Tensor, mask: Optional[Tenso
                   reward_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Fused forward: (kl, reward_out, ref_out (empty unless return_ref), kl_sum, count)."""
     return launch.forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar,
-                          layout, left_pad, placement, estimator, straight_through, tuple(clamp[:2]),
-                          tuple(clamp[2:]), return_ref, reward_dtype)
+                          layout, left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype)
 
 
 @kl_reward_fwd.register_fake
@@ -53,7 +52,7 @@ def kl_reward_bwd(log_probs: Tensor, ref_log_probs: Tensor, mask: Optional[Tenso
                   g_ref_out: Optional[Tensor], g_kl_sum: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Fused backward: (grad_log_probs, grad_ref_log_probs) from the outputs' gradients."""
     return launch.backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout,
-                           left_pad, estimator, straight_through, tuple(clamp[:2]), tuple(clamp[2:]), reward_dtype,
+                           left_pad, estimator, straight_through, clamp, reward_dtype,
                            g_kl, g_reward, g_ref_out, g_kl_sum)
 
 
@@ -96,6 +95,5 @@ def run_fused(p: KLRewardProblem) -> RawOutputs:
         kl, reward, ref_out, kl_sum, count = torch.ops.kl_kernels.kl_reward_fwd(*args)
     else:
         # Eager and no autograd: the op would only add dispatcher overhead around the same launch.
-        kl, reward, ref_out, kl_sum, count = launch.forward(*args[:14], (clamp[0], clamp[1]), (clamp[2], clamp[3]),
-                                                            *args[15:])
+        kl, reward, ref_out, kl_sum, count = launch.forward(*args)
     return RawOutputs(kl, reward, ref_out if p.return_ref else None, kl_sum, count)
