@@ -36,7 +36,8 @@ class Backend:
     ``availability`` returns the reasons the backend cannot run at all on this machine (empty
     list = available); ``requires`` (optional) the reasons it cannot run one given problem beyond
     device, dtype, layout and size; ``run`` takes the op's normalized problem, which exposes
-    ``device``, ``dtypes``, ``layout`` and ``num_tokens``.
+    ``device``, ``dtypes``, ``layout`` and ``num_tokens``. ``auto_devices`` narrows where
+    ``"auto"`` may choose it (e.g. Triton's CPU interpreter runs only on explicit request).
     """
 
     name: str
@@ -48,6 +49,7 @@ class Backend:
     max_tokens: int | None = None
     notes: str = ""
     requires: Callable[[object], list] | None = None
+    auto_devices: frozenset | None = None  # where "auto" may pick it (default: all its devices)
 
     def unavailable_reasons(self) -> list[str]:
         return list(_unavailable_reasons(self.availability))
@@ -67,6 +69,13 @@ class Backend:
             reasons.append(f"{problem.num_tokens} tokens exceed {self.name}'s limit of {self.max_tokens}")
         if self.requires is not None:
             reasons += self.requires(problem)
+        return reasons
+
+    def auto_rejection_reasons(self, problem) -> list[str]:
+        """rejection_reasons, plus devices where it runs only when asked for by name."""
+        reasons = self.rejection_reasons(problem)
+        if not reasons and self.auto_devices is not None and problem.device.type not in self.auto_devices:
+            reasons.append(f"on {problem.device.type} {self.name} runs only when requested by name")
         return reasons
 
     def describe(self) -> dict:
@@ -120,7 +129,7 @@ def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backen
         return chosen
     all_reasons = []
     for candidate in registry:
-        reasons = candidate.rejection_reasons(problem)
+        reasons = candidate.auto_rejection_reasons(problem)
         if not reasons:
             return candidate
         all_reasons.append(f"{candidate.name}: " + "; ".join(reasons))

@@ -291,13 +291,27 @@ def poison_allocator(*numels, device="cpu"):
             torch.full((max(n, 1),), float("nan"), dtype=dtype, device=device)
 
 
-def check(case: Case, layout: str, **call_kwargs):
-    """Run kl_reward on ``case`` in ``layout`` and compare everything with the oracle."""
+def to_device(x, device):
+    """A tensor, list of tensors, nested tensor or dict of them on ``device`` (others unchanged)."""
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(to_device(v, device) for v in x)
+    if hasattr(x, "_fields"):  # a named tuple of outputs
+        return type(x)(*(to_device(v, device) for v in x))
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return x
+
+
+def check(case: Case, layout: str, device="cpu", **call_kwargs):
+    """Run kl_reward on ``case`` in ``layout`` (inputs on ``device``) and compare everything with the oracle."""
     built = build(case, layout)
+    built.kwargs = to_device(built.kwargs, device)
     snap = snapshot(built.kwargs)
     width = built.width or 0
-    poison_allocator(sum(case.lengths), case.batch * width, case.batch)
-    out = kl_reward(**built.kwargs, **call_kwargs)
+    poison_allocator(sum(case.lengths), case.batch * width, case.batch, device=device)
+    out = to_device(kl_reward(**built.kwargs, **call_kwargs), "cpu")
     assert_unmodified(snap)
     oracle_case = built.case
     exp = expected(oracle_case)

@@ -7,10 +7,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batches import Case, _per_sequence, backend_accepts, build, expected
+from batches import Case, _per_sequence, backend_accepts, build, expected, to_device
 from kl_kernels import ESTIMATORS, kl_reward
 from strategies import cases
 from tolerances import assert_close_to_oracle
+
+
+GRAD_LAYOUTS = ["packed", "padded_left", "padded_right", "list", "nested_jagged"]
 
 
 def _gradcheck_inputs(layout, seed=0):
@@ -99,20 +102,25 @@ def _randn_like(x, g):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("layout", ["packed", "padded_left", "padded_right", "list", "nested_jagged"])
+@pytest.mark.parametrize("layout", GRAD_LAYOUTS)
 @given(case=cases(dtypes=(torch.float32, torch.bfloat16, torch.float64)), seed=st.integers(0, 2**31 - 1))
 def test_gradients_match_oracle(layout, backend, case, seed):
+    check_gradients(case, layout, backend, seed)
+
+
+def check_gradients(case, layout, backend, seed, device="cpu"):
     """Random upstream grads on kl, reward, ref output and kl_sum; input grads vs the analytic oracle."""
     if case.placement == "auto":
         case.placement = "token"  # placement inference is tested elsewhere
     if (layout == "nested_jagged" and case.batch == 0) or not backend_accepts(case, backend):
         return
     built = build(case, layout)
-    kwargs = _with_grad(built.kwargs, layout)
+    kwargs = _with_grad(to_device(built.kwargs, device), layout)
     out = kl_reward(**kwargs, detach=False, backend=backend)
     g = torch.Generator().manual_seed(seed)
-    up = {k: _randn_like(getattr(out, k), g) for k in ("kl", "reward", "ref_log_probs")}
-    up_sum = torch.randn(case.batch, generator=g, dtype=torch.float64).to(out.kl_sum.dtype)
+    up = {k: to_device(_randn_like(to_device(getattr(out, k), "cpu"), g), device)
+          for k in ("kl", "reward", "ref_log_probs")}
+    up_sum = torch.randn(case.batch, generator=g, dtype=torch.float64).to(out.kl_sum.dtype).to(device)
     loss = _dot(out.kl, up["kl"]) + _dot(out.reward, up["reward"]) + _dot(out.ref_log_probs, up["ref_log_probs"]) \
         + (out.kl_sum * up_sum).sum()
     if not loss.requires_grad:  # nothing counted anywhere: no graph, and that is correct
@@ -123,8 +131,9 @@ def test_gradients_match_oracle(layout, backend, case, seed):
     lengths = built.case.lengths
     trailing = case.reward_kind in ("token1", "B11")
     split = lambda x, tr=False: _per_sequence(x, built, lengths, trailing=tr)  # noqa: E731
-    g_lp, pad_lp = split(_grad_of(kwargs["log_probs"]))
-    g_ref, pad_ref = split(_grad_of(kwargs["ref_log_probs"]))
+    up, up_sum = to_device(up, "cpu"), up_sum.cpu()
+    g_lp, pad_lp = split(to_device(_grad_of(kwargs["log_probs"]), "cpu"))
+    g_ref, pad_ref = split(to_device(_grad_of(kwargs["ref_log_probs"]), "cpu"))
     u_kl, _ = split(up["kl"])
     u_rw, _ = split(up["reward"], trailing)
     u_ref, _ = split(up["ref_log_probs"])

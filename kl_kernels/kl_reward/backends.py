@@ -4,7 +4,9 @@
 backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
 cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``): not yet built
-triton     cuda       fp32, bf16, fp16          Triton kernel: not yet written
+triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/``); CPU
+                                                tensors too under ``TRITON_INTERPRET=1``, on
+                                                explicit request only
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``)
 torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference: always available
 =========  =========  ========================  ============================================
@@ -27,6 +29,7 @@ from .. import _extensions
 from ..backends import Backend, BackendUnavailableError
 from .ops import run_fused
 from .reference import kl_reward_reference
+from ..triton import interpreting
 
 KERNEL_FORWARD = "kl_reward_forward"  # symbol the compiled extensions will export
 HALF_AND_SINGLE = frozenset({torch.float32, torch.bfloat16, torch.float16})
@@ -62,10 +65,15 @@ def _triton_installed() -> bool:
 
 
 def _triton_reasons() -> list[str]:
-    reasons = ["this version of kl_kernels has no Triton kl_reward kernel yet"]
     if not _triton_installed():
-        reasons.append("triton is not installed (pip install 'kl_kernels[triton]')")
-    return reasons + _torch_cuda_reason()
+        return ["triton is not installed (pip install 'kl_kernels[triton]')"]
+    if interpreting():
+        return []  # CPU tensors run in the interpreter
+    return _torch_cuda_reason()
+
+
+def _run_triton(problem):
+    return run_fused(problem, triton=True)
 
 
 def _same_logprob_dtype(problem) -> list[str]:
@@ -84,8 +92,9 @@ def _not_built(name: str):
 REGISTRY: list[Backend] = [
     Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cuda_reasons, _not_built("cuda"),
             notes="fused CUDA C++ kernel"),
-    Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _triton_reasons, _not_built("triton"),
-            notes="Triton kernel"),
+    Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
+            _triton_reasons, _run_triton, requires=_same_logprob_dtype, auto_devices=frozenset({"cuda"}),
+            notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else "")),
     Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, run_fused,
             notes="fused multi-threaded C++ kernel", requires=_same_logprob_dtype),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],

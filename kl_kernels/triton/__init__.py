@@ -1,0 +1,20 @@
+"""Triton kernels of kl_kernels (optional: needs the ``triton`` extra).
+
+* ``kl_math.py``: the per-token math (estimators, clamps, derivatives, expm1), the Triton twin
+  of ``csrc/common/kl_math.h``.
+* ``kl_reward.py``: the ``kl_reward`` kernels (forward tiles, per-sequence combine, backward).
+
+Nothing here is imported by ``import kl_kernels``: the ``triton`` backend imports this package
+the first time it runs, so a machine without Triton loses only that backend. With
+``TRITON_INTERPRET=1`` set before Triton is imported, the kernels run on CPU tensors under
+Triton's interpreter (slow; for tests on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")

@@ -1,0 +1,311 @@
+"""Triton kernels of ``kl_reward``: forward tiles, per-sequence combine, backward.
+
+The flat token space (packed: ``N`` tokens; padded: ``B * T`` elements, row-major) is cut into
+tiles of ``BLOCK`` elements, one program each, so no grid dimension ever depends on a row's
+length. Each element finds its sequence (padded: a division; packed: a binary search over
+``offsets``, narrowed to the tile's own range of sequences), decides whether it counts
+(validity, prompt, mask) and writes ``kl``, ``reward_out`` and the masked ref in place.
+
+Per-sequence sums are deterministic without float atomics: prefix sums inside the tile (fp64
+for the values), read at each sequence's last element in the tile minus its first, give each
+sequence's share of the tile. A sequence that lies wholly in one tile is finished
+there; the tile's first and last segments (which may continue into neighbouring tiles) are also
+written to two slots per tile (fp64), and ``combine`` adds the slots of each spanning sequence
+in tile order, then applies the ``"last"`` placement. Two launches per forward, one backward.
+
+All index arithmetic is int64. Runtime values (sizes, strides, coef, clamps) are runtime
+arguments; only structural choices (layout, estimator, which optional tensors exist) are
+``tl.constexpr``, so a changing coefficient never recompiles. Sizes are excluded from value
+specialization (``do_not_specialize``) so ragged batches do not multiply variants.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kl_math import kl_grad, kl_value
+
+# Runtime integers that change from batch to batch: no specialization on their values.
+_SIZES = ("total", "batch", "width", "lp_s0", "ref_s0", "mask_s0", "rw_s0")
+
+
+@triton.jit
+def _last_leq(offsets_ptr, idx, lo, hi):
+    """For scalar idx: the last b in [lo, hi] with offsets[b] <= idx (skips empty sequences)."""
+    lo = idx * 0 + lo  # int64 scalars: loop-carried values keep one type
+    hi = idx * 0 + hi
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        if tl.load(offsets_ptr + mid) <= idx:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _last_leq_vec(offsets_ptr, idx, lo, hi):
+    """_last_leq for a vector idx whose answers all lie in [lo, hi] (the tile's sequences)."""
+    steps = hi * 0
+    span = hi - lo
+    while span > 0:
+        span = span >> 1
+        steps += 1
+    lo_v = tl.zeros_like(idx) + lo
+    hi_v = tl.zeros_like(idx) + hi
+    for _ in range(steps):
+        mid = lo_v + (hi_v - lo_v + 1) // 2
+        go = tl.load(offsets_ptr + mid) <= idx
+        lo_v = tl.where(go, mid, lo_v)
+        hi_v = tl.where(go, hi_v, mid - 1)
+    return lo_v
+
+
+@triton.jit
+def _frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
+           PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+           HAS_MASK: tl.constexpr, FLAT: tl.constexpr):
+    """Where each element of the tile stands: (seq, col, pos, seq_lo, seq_hi, counted).
+
+    ``col`` is the element's column in its input row (packed: the token index, row stride 0),
+    ``pos`` its position in its sequence, ``[seq_lo, seq_hi)`` the sequence's flat range and
+    ``counted`` the final mask (valid, past the prompt, mask bit set).
+    """
+    t_last = tl.minimum(t0 + offs.shape[0], total) - 1
+    if PACKED:
+        b0 = _last_leq(offsets_ptr, t0, 0, batch)
+        b1 = _last_leq(offsets_ptr, t_last, b0, batch)
+        seq = _last_leq_vec(offsets_ptr, tl.minimum(offs, t_last), b0, b1)
+        seq_lo = tl.load(offsets_ptr + seq)
+        seq_hi = tl.load(offsets_ptr + seq + 1)
+        col = offs
+        pos = offs - seq_lo
+        valid = inb
+    else:
+        seq = offs // width
+        col = offs - seq * width
+        seq_lo = seq * width
+        seq_hi = seq_lo + width
+        if HAS_LENGTHS:
+            length = tl.load(lengths_ptr + seq, mask=inb, other=0)
+        else:
+            length = width
+        if LEFT_PAD:
+            pos = col - (width - length)
+        else:
+            pos = col
+        valid = inb & (pos >= 0) & (pos < length)
+    counted = valid
+    if HAS_PROMPT:
+        counted = counted & (pos >= tl.load(prompt_ptr + seq, mask=inb, other=0))
+    if HAS_MASK:
+        if FLAT:
+            m = tl.load(mask_ptr + offs, mask=counted, other=0)
+        else:
+            m = tl.load(mask_ptr + seq * mask_s0 + col * mask_s1, mask=counted, other=0)
+        counted = counted & (m != 0)
+    return seq, col, pos, seq_lo, seq_hi, counted
+
+
+@triton.jit
+def _coef(coef_ptr, coef_scalar, seq, inb, COEF_MODE: tl.constexpr):
+    if COEF_MODE == 0:
+        return coef_scalar
+    elif COEF_MODE == 1:
+        return tl.load(coef_ptr)
+    else:
+        return tl.load(coef_ptr + seq, mask=inb, other=0.0)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def kl_reward_fwd_kernel(
+        lp_ptr, ref_ptr, mask_ptr, reward_ptr, coef_ptr, offsets_ptr, lengths_ptr, prompt_ptr,
+        kl_ptr, rw_out_ptr, ref_out_ptr, kl_sum_ptr, count_ptr, last_ptr, slot_sum_ptr, slot_count_ptr, slot_last_ptr,
+        total, batch, width, lp_s0, lp_s1, ref_s0, ref_s1, mask_s0, mask_s1, rw_s0, rw_s1,
+        coef_scalar, in_lo, in_hi, out_lo, out_hi, size_bucket,
+        PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+        HAS_MASK: tl.constexpr, PLACEMENT: tl.constexpr, COEF_MODE: tl.constexpr, RETURN_REF: tl.constexpr,
+        EST: tl.constexpr, FLAT: tl.constexpr, BLOCK: tl.constexpr):
+    """One tile: per-token outputs, whole sequences' sums, and the tile's two boundary slots.
+
+    ``size_bucket`` is unused in the body: it is the autotuner's key (a power of two of the
+    token count), so ragged batches of similar size share one tuned configuration.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    t0 = pid * BLOCK
+    offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < total
+    t_last = tl.minimum(t0 + BLOCK, total) - 1
+    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+        offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
+        PACKED, LEFT_PAD, HAS_LENGTHS, HAS_PROMPT, HAS_MASK, FLAT)
+
+    if FLAT:  # every input is contiguous in the layout's shape: plain (vectorizable) offsets
+        lp_at = lp_ptr + offs
+        ref_at = ref_ptr + offs
+        rw_at = reward_ptr + offs
+    else:
+        lp_at = lp_ptr + seq * lp_s0 + col * lp_s1
+        ref_at = ref_ptr + seq * ref_s0 + col * ref_s1
+        rw_at = reward_ptr + seq * rw_s0 + col * rw_s1
+    lp = tl.load(lp_at, mask=counted, other=0.0).to(tl.float32)
+    ref = tl.load(ref_at, mask=counted, other=0.0)
+    k = kl_value(lp - ref.to(tl.float32), in_lo, in_hi, out_lo, out_hi, EST)
+    k = tl.where(counted, k, 0.0)  # exactly 0 where not counted, whatever the clamps say
+    tl.store(kl_ptr + offs, k.to(kl_ptr.dtype.element_ty), mask=inb)
+    if RETURN_REF:
+        tl.store(ref_out_ptr + offs, tl.where(counted, ref, tl.zeros_like(ref)), mask=inb)
+
+    c = _coef(coef_ptr, coef_scalar, seq, inb, COEF_MODE)
+    if PLACEMENT == 1:    # per-token reward
+        base = tl.load(rw_at, mask=inb, other=0.0).to(tl.float32)
+    elif PLACEMENT == 2:  # per-sequence reward, broadcast
+        base = tl.load(reward_ptr + seq * rw_s0, mask=inb, other=0.0).to(tl.float32)
+    else:                 # none, or "last" (its slot is written by combine)
+        base = tl.zeros_like(k)
+    tl.store(rw_out_ptr + offs, (base - c * k).to(rw_out_ptr.dtype.element_ty), mask=inb)
+
+    # Each sequence's share of this tile, without atomics: prefix sums (fp64 for the values, so
+    # differences do not cancel) read at each segment's last element minus its first.
+    idx = tl.arange(0, BLOCK)
+    k64 = k.to(tl.float64)
+    csum = tl.cumsum(k64, 0)
+    cnt = counted.to(tl.int32)
+    ccnt = tl.cumsum(cnt, 0)
+    first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)      # the segment's first lane
+    last_lane = (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32)
+    seg_sum = csum - tl.gather(csum - k64, first, 0)
+    seg_count = ccnt - tl.gather(ccnt - cnt, first, 0)
+    end = inb & (idx == last_lane)
+    is_last_counted = counted & (tl.gather(ccnt, last_lane, 0) == ccnt)  # no counted lane after it
+    whole = (seq_lo >= t0) & (seq_hi - 1 <= t_last)
+    tl.store(kl_sum_ptr + seq, seg_sum.to(tl.float32), mask=end & whole)
+    tl.store(count_ptr + seq, seg_count.to(tl.int64), mask=end & whole)
+    tl.store(last_ptr + seq, tl.zeros_like(pos) - 1, mask=end & whole & (seg_count == 0))
+    tl.store(last_ptr + seq, pos, mask=is_last_counted & whole)
+    # Slot 2*pid: the segment holding the tile's first element; 2*pid+1: the one holding its last.
+    head = inb & (seq_lo <= t0)
+    tail = inb & (seq_hi - 1 >= t_last)
+    _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, 2 * pid, head, end, is_last_counted, seg_sum,
+                seg_count, pos)
+    _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, 2 * pid + 1, tail, end, is_last_counted, seg_sum,
+                seg_count, pos)
+
+
+@triton.jit
+def _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, slot, member, end, is_last_counted, seg_sum, seg_count,
+                pos):
+    """Write one boundary segment's (sum, count, last counted position) to ``slot``."""
+    at = tl.zeros_like(pos) + slot
+    tl.store(slot_sum_ptr + at, seg_sum, mask=member & end)
+    tl.store(slot_count_ptr + at, seg_count, mask=member & end)
+    tl.store(slot_last_ptr + at, tl.zeros_like(pos) - 1, mask=member & end & (seg_count == 0))
+    tl.store(slot_last_ptr + at, pos, mask=member & is_last_counted)
+
+
+@triton.jit(do_not_specialize=("batch", "width", "lp_s0", "ref_s0", "rw_s0"))
+def kl_reward_combine_kernel(
+        lp_ptr, ref_ptr, reward_ptr, coef_ptr, offsets_ptr, lengths_ptr, rw_out_ptr,
+        kl_sum_ptr, count_ptr, last_ptr, slot_sum_ptr, slot_count_ptr, slot_last_ptr,
+        batch, width, lp_s0, lp_s1, ref_s0, ref_s1, rw_s0,
+        coef_scalar, in_lo, in_hi, out_lo, out_hi,
+        PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, PLACE_LAST: tl.constexpr,
+        COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Per sequence: finish the sums of sequences spanning tiles (tile order, fp64), zero the
+    empty ones, and put a ``"last"``-placed reward on its token."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    inb = b < batch
+    if PACKED:
+        lo = tl.load(offsets_ptr + b, mask=inb, other=0)
+        hi = tl.load(offsets_ptr + b + 1, mask=inb, other=0)
+    else:
+        lo = b * width
+        hi = lo + width
+    n = hi - lo
+    k0 = lo // TILE
+    k1 = (hi - 1) // TILE
+    spans = inb & (n > 0) & (k1 > k0)
+    # The sequence is the last segment of its first tile, then the first segment of the others.
+    acc = tl.load(slot_sum_ptr + 2 * k0 + 1, mask=spans, other=0.0)
+    cnt = tl.load(slot_count_ptr + 2 * k0 + 1, mask=spans, other=0).to(tl.int64)
+    lst = tl.load(slot_last_ptr + 2 * k0 + 1, mask=spans, other=-1)
+    steps = tl.max(tl.where(spans, k1 - k0, 0), axis=0)
+    for j in range(1, steps + 1):
+        m = spans & (k0 + j <= k1)
+        acc += tl.load(slot_sum_ptr + 2 * (k0 + j), mask=m, other=0.0)
+        cnt += tl.load(slot_count_ptr + 2 * (k0 + j), mask=m, other=0).to(tl.int64)
+        lst = tl.maximum(lst, tl.load(slot_last_ptr + 2 * (k0 + j), mask=m, other=-1))
+    empty = inb & (n == 0)
+    tl.store(kl_sum_ptr + b, tl.where(spans, acc, 0.0).to(tl.float32), mask=spans | empty)
+    tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=spans | empty)
+    if PLACE_LAST:
+        last = tl.where(spans, lst, tl.load(last_ptr + b, mask=inb & (n > 0) & ~spans, other=-1))
+        if PACKED:
+            length = n
+        elif HAS_LENGTHS:
+            length = tl.load(lengths_ptr + b, mask=inb, other=0)
+        else:
+            length = tl.zeros_like(b) + width
+        pos = tl.where(last >= 0, last, length - 1)
+        has = inb & (pos >= 0)  # an empty sequence has no slot
+        if PACKED:
+            col = lo + pos
+            out = col
+        else:
+            if LEFT_PAD:
+                col = pos + (width - length)
+            else:
+                col = pos
+            out = lo + col
+        hit = has & (last >= 0)
+        lp = tl.load(lp_ptr + b * lp_s0 + col * lp_s1, mask=hit, other=0.0).to(tl.float32)
+        ref = tl.load(ref_ptr + b * ref_s0 + col * ref_s1, mask=hit, other=0.0).to(tl.float32)
+        k = tl.where(hit, kl_value(lp - ref, in_lo, in_hi, out_lo, out_hi, EST), 0.0)
+        rb = tl.load(reward_ptr + b * rw_s0, mask=has, other=0.0).to(tl.float32)
+        c = _coef(coef_ptr, coef_scalar, b, inb, COEF_MODE)
+        tl.store(rw_out_ptr + out, (rb - c * k).to(rw_out_ptr.dtype.element_ty), mask=has)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def kl_reward_bwd_kernel(
+        lp_ptr, ref_ptr, mask_ptr, coef_ptr, offsets_ptr, lengths_ptr, prompt_ptr,
+        g_kl_ptr, g_rw_ptr, g_ro_ptr, g_sum_ptr, g_lp_ptr, g_ref_ptr,
+        total, batch, width, lp_s0, lp_s1, ref_s0, ref_s1, mask_s0, mask_s1,
+        coef_scalar, in_lo, in_hi, out_lo, out_hi, size_bucket,
+        PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+        HAS_MASK: tl.constexpr, COEF_MODE: tl.constexpr, HAS_GKL: tl.constexpr, HAS_GRW: tl.constexpr,
+        HAS_GRO: tl.constexpr, HAS_GSUM: tl.constexpr, EST: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr,
+        FLAT: tl.constexpr, BLOCK: tl.constexpr):
+    """Gradients of log_probs and ref_log_probs; 0 wherever a token is not counted.
+
+    g = g_kl_sum[seq] + g_kl - coef * g_reward;  g_lp = g * dkl/dd;  g_ref = g_ref_out - g_lp
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    t0 = pid * BLOCK
+    offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < total
+    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+        offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
+        PACKED, LEFT_PAD, HAS_LENGTHS, HAS_PROMPT, HAS_MASK, FLAT)
+    if FLAT:
+        lp_at = lp_ptr + offs
+        ref_at = ref_ptr + offs
+    else:
+        lp_at = lp_ptr + seq * lp_s0 + col * lp_s1
+        ref_at = ref_ptr + seq * ref_s0 + col * ref_s1
+    d = tl.load(lp_at, mask=counted, other=0.0).to(tl.float32) - tl.load(ref_at, mask=counted, other=0.0).to(tl.float32)
+    g = tl.zeros_like(d)
+    if HAS_GSUM:
+        g += tl.load(g_sum_ptr + seq, mask=counted, other=0.0)
+    if HAS_GKL:
+        g += tl.load(g_kl_ptr + offs, mask=counted, other=0.0).to(tl.float32)
+    if HAS_GRW:
+        g -= _coef(coef_ptr, coef_scalar, seq, inb, COEF_MODE) * tl.load(g_rw_ptr + offs, mask=counted, other=0.0).to(tl.float32)
+    g_lp = tl.where(counted, g * kl_grad(d, in_lo, in_hi, out_lo, out_hi, EST, STRAIGHT_THROUGH), 0.0)
+    if HAS_GRO:
+        g_ref = tl.where(counted, tl.load(g_ro_ptr + offs, mask=counted, other=0.0).to(tl.float32) - g_lp, 0.0)
+    else:
+        g_ref = 0.0 - g_lp
+    tl.store(g_lp_ptr + offs, g_lp.to(g_lp_ptr.dtype.element_ty), mask=inb)
+    tl.store(g_ref_ptr + offs, g_ref.to(g_ref_ptr.dtype.element_ty), mask=inb)

@@ -1,0 +1,205 @@
+"""The Triton backend of kl_reward against the float64 oracle, its registration and guarantees.
+
+Without a GPU these run under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
+before triton is imported) on CPU tensors: small sizes and bounded hypothesis examples, because
+the interpreter executes every tile in Python. On a GPU machine the same tests run compiled on
+CUDA tensors, plus the GPU-only ones (compilation counts, a row of a million tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batches import LAYOUTS, Case, backend_accepts, build, check, to_device
+from conftest import triton_device
+from kl_kernels import BackendUnavailableError, kl_reward
+from kl_kernels.kl_reward import ops  # noqa: F401  (registers kl_kernels::kl_reward_triton_fwd / _bwd)
+from kl_kernels.kl_reward.backends import REGISTRY
+from strategies import cases
+from test_kl_reward_fused import _batch, _opcheck_samples
+from test_kl_reward_grad import GRAD_LAYOUTS, check_gradients
+from test_kl_reward_oracle import _auto_is_ambiguous, _long_case
+
+pytestmark = pytest.mark.triton
+DEVICE = triton_device() or "cpu"
+INF = float("inf")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@given(case=cases())
+@settings(max_examples=12)
+def test_matches_oracle(layout, case):
+    if layout == "nested_strided" and case.batch == 0:
+        return  # torch has no empty strided nested tensor
+    if _auto_is_ambiguous(case, layout):
+        return  # rejected during validation, before any backend (test_kl_reward_oracle.py)
+    if not backend_accepts(case, "triton"):
+        with pytest.raises(BackendUnavailableError, match="dtype"):
+            kl_reward(**to_device(build(case, layout).kwargs, DEVICE), backend="triton")
+        return
+    check(case, layout, device=DEVICE, backend="triton")
+
+
+@pytest.mark.parametrize("layout", GRAD_LAYOUTS)
+@given(case=cases(dtypes=(torch.float32, torch.bfloat16)), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=8)
+def test_gradients_match_oracle(layout, case, seed):
+    check_gradients(case, layout, "triton", seed, device=DEVICE)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded_left", "padded_right"])
+def test_row_longer_than_a_grid_dimension(layout):
+    """One row of 70001 tokens (> 65535) next to tiny and empty rows: tiles, not rows, make the grid."""
+    check(_long_case(70001, torch.float32), layout, device=DEVICE, backend="triton")
+
+
+@pytest.mark.parametrize("layout", [x for x in LAYOUTS if x != "nested_strided"])
+def test_empty_batch(layout):
+    out = kl_reward(**to_device(build(Case(lp=[], ref=[]), layout).kwargs, DEVICE), backend="triton")
+    assert out.kl_sum.shape == (0,) and out.count.shape == (0,)
+
+
+def test_opcheck_forward_and_backward():
+    """torch.library.opcheck on the Triton ops: schema, fake tensors, autograd, AOT dispatch."""
+    for name, args in _opcheck_samples(DEVICE):
+        grad_args = list(args)
+        grad_args[0] = args[0].detach().clone().requires_grad_()
+        grad_args[1] = args[1].detach().clone().requires_grad_()
+        for sample in (args, tuple(grad_args)):
+            torch.library.opcheck(torch.ops.kl_kernels.kl_reward_triton_fwd.default, sample)
+    lp, ref, mask, offsets, _ = _batch(DEVICE, n_seq=4, max_len=30)
+    g = torch.randn(lp.shape, device=DEVICE)
+    torch.library.opcheck(torch.ops.kl_kernels.kl_reward_triton_bwd.default, (
+        lp, ref, mask, offsets, None, None, None, 0.3, 0, True, 3, False, [-INF, INF, -INF, INF], torch.float32,
+        g, g, None, torch.randn(offsets.shape[0] - 1, device=DEVICE)))
+
+
+def test_deterministic():
+    """Bitwise identical results run to run (tile order sums, no float atomics)."""
+    lp, ref, mask, offsets, _ = _batch(DEVICE, n_seq=40, max_len=200)
+    reward = torch.ones(40, device=DEVICE)
+    kw = dict(mask=mask, offsets=offsets, estimator="k3", return_ref=True, reward_placement="last", backend="triton")
+    want = kl_reward(lp, ref, reward, **kw)
+    for _ in range(2):
+        for a, b in zip(want, kl_reward(lp, ref, reward, **kw)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_non_contiguous_inputs(layout):
+    """Strided inputs go through the general addressing path and match contiguous copies."""
+    lp, ref, mask, offsets, lengths = _batch(DEVICE, n_seq=12, max_len=120)
+    if layout == "packed":
+        spread = lambda x: torch.stack([x, x], dim=1).reshape(-1)[::2]  # noqa: E731  stride 2 view
+        args, kw = (spread(lp), spread(ref)), dict(mask=spread(mask), offsets=offsets)
+    else:
+        from kl_kernels import ragged
+        width = int(lengths.max())
+        pad = lambda x: ragged.to_padded(x, offsets, padding_side="right", width=width)  # noqa: E731
+        spread = lambda x: pad(x).t().contiguous().t()  # noqa: E731  column-major view of [B, T]
+        args, kw = (spread(lp), spread(ref)), dict(mask=spread(mask), lengths=lengths, padding_side="right")
+    assert not args[0].is_contiguous()
+    got = kl_reward(*args, estimator="k3", return_ref=True, backend="triton", **kw)
+    want = kl_reward(*(a.contiguous() for a in args), estimator="k3", return_ref=True, backend="triton",
+                     **{k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+    for name, a, b in zip(("kl", "reward", "ref", "kl_sum", "count"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_runtime_values_are_not_constexpr():
+    """coef, clamps and sizes are runtime arguments of every kernel; sizes are not value-specialized.
+
+    (On a GPU, test_coef_changes_do_not_recompile_kernels counts real compilations.)"""
+    import inspect
+
+    import triton.language as tl
+
+    from kl_kernels.triton import kl_reward as k
+    runtime = {"coef_scalar", "in_lo", "in_hi", "out_lo", "out_hi", "total", "batch", "width"}
+    for kernel in (k.kl_reward_fwd_kernel, k.kl_reward_combine_kernel, k.kl_reward_bwd_kernel):
+        fn = getattr(kernel, "fn", kernel)
+        params = inspect.signature(fn).parameters
+        constexpr = {n for n, p in params.items() if p.annotation in (tl.constexpr, "tl.constexpr")}
+        assert not constexpr & runtime, (kernel, constexpr & runtime)
+        assert {"EST", "PACKED"} <= constexpr
+    for kernel in (k.kl_reward_fwd_kernel, k.kl_reward_bwd_kernel):
+        names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+        spec_off = getattr(kernel, "do_not_specialize", None)
+        if spec_off is not None:  # the compiled JITFunction: indices or names of unspecialized args
+            spec_off = {names[i] if isinstance(i, int) else i for i in spec_off}
+            assert {"total", "batch", "width"} <= spec_off
+
+
+def test_coef_changes_do_not_recompile_under_torch_compile():
+    """The Triton op carries coef as a runtime argument: a new value reuses the compiled graph."""
+    from torch._dynamo.testing import CompileCounter
+    lp, ref, mask, offsets, _ = _batch(DEVICE, n_seq=3, max_len=20)
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(lp, ref, coef):
+        return kl_reward(lp, ref, mask=mask, offsets=offsets, coef=coef, estimator="k3", backend="triton").kl_sum
+
+    torch._dynamo.reset()
+    outs = [f(lp, ref, torch.tensor(c, device=DEVICE)) for c in (0.1, 0.2, 0.7)]
+    assert counter.frame_count == 1
+    want = kl_reward(lp, ref, mask=mask, offsets=offsets, estimator="k3", backend="torch").kl_sum
+    torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch():
+    """Explicit "triton" runs it; "auto" never picks the interpreter on CPU; mixed dtypes are declined."""
+    lp, ref, _, offsets, _ = _batch(DEVICE, n_seq=3, max_len=20)
+    triton_backend = next(b for b in REGISTRY if b.name == "triton")
+    assert not triton_backend.unavailable_reasons()
+    kl_reward(lp, ref, offsets=offsets, backend="triton")
+    with pytest.raises(BackendUnavailableError, match="differ in dtype"):
+        kl_reward(lp, ref.bfloat16(), offsets=offsets, backend="triton")
+    with pytest.raises(BackendUnavailableError, match="float64 not supported by triton"):
+        kl_reward(lp.double(), ref.double(), offsets=offsets, backend="triton")
+    if DEVICE == "cpu":
+        from kl_kernels import backends as dispatch
+        from kl_kernels.kl_reward.problem import build_problem
+        problem, _ = build_problem(lp, ref, None, coef=1.0, estimator="k1", mask=None, offsets=offsets,
+                                   lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto",
+                                   clamp_input=None, clamp_output=None, return_ref=False, detach=True)
+        assert dispatch.select(REGISTRY, "auto", op="kl_reward", problem=problem).name == "cpu"
+
+
+@pytest.mark.cuda
+def test_coef_changes_do_not_recompile_kernels():
+    """On a GPU: new coef values, clamps and batch sizes reuse the compiled kernels."""
+    from kl_kernels.triton import kl_reward as k
+    lp, ref, mask, offsets, _ = _batch("cuda", n_seq=30, max_len=300)
+    kl_reward(lp, ref, mask=mask, offsets=offsets, coef=0.1, estimator="k3", backend="triton")
+    sizes = [sum(len(c) for c in kernel.device_caches[0][0].values()) if hasattr(kernel, "device_caches") else None
+             for kernel in (k.kl_reward_fwd_kernel, k.kl_reward_combine_kernel)]
+    for coef, clamp in ((0.2, None), (0.35, (-5.0, 5.0)), (torch.tensor(0.5, device="cuda"), None)):
+        kl_reward(lp, ref, mask=mask, offsets=offsets, coef=coef, estimator="k3", clamp_input=clamp, backend="triton")
+    lp2, ref2, mask2, offsets2, _ = _batch("cuda", n_seq=17, max_len=250, seed=3)
+    kl_reward(lp2, ref2, mask=mask2, offsets=offsets2, coef=0.9, estimator="k3", backend="triton")
+    after = [sum(len(c) for c in kernel.device_caches[0][0].values()) if hasattr(kernel, "device_caches") else None
+             for kernel in (k.kl_reward_fwd_kernel, k.kl_reward_combine_kernel)]
+    assert after == sizes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_row_of_a_million_tokens(layout):
+    n = 1_000_003
+    g = torch.Generator().manual_seed(1)
+    lp = (-torch.rand(n, generator=g) * 3).cuda()
+    ref = (-torch.rand(n, generator=g) * 3).cuda()
+    if layout == "packed":
+        kw = dict(offsets=torch.tensor([0, 2, n], device="cuda"))
+    else:
+        lp, ref = lp.view(1, n), ref.view(1, n)
+        kw = dict(lengths=torch.tensor([n - 7], device="cuda"))
+    got = kl_reward(lp, ref, estimator="k3", backend="triton", **kw)
+    want = kl_reward(lp, ref, estimator="k3", backend="torch", **kw)
+    torch.testing.assert_close(got.kl, want.kl, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got.kl_sum, want.kl_sum, rtol=1e-5, atol=1e-3)
+    assert torch.equal(got.count, want.count)
