@@ -117,7 +117,8 @@ def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) ->
     for layout in ("packed", "padded"):
         problem = _problem(batch, layout)
         for backend in REGISTRY:
-            if not backend.rejection_reasons(problem):
+            # auto's view: a backend that runs here only on request (Triton's CPU interpreter) is no contender
+            if not backend.auto_rejection_reasons(problem):
                 found.append(Contender(f"kl_reward[{backend.name}]", layout, _ours(batch, layout, backend.name)))
     if with_compile:
         for layout in ("packed", "padded"):
@@ -202,7 +203,10 @@ def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget
 
     packed_reward = torch.zeros(batch.lp.shape[0], 1, device=batch.lp.device)
     found = [Contender("TorchRL KLComputation (lazy stack)", "list", torchrl_call)]
+    problem = _problem(batch, "packed")
     for backend in REGISTRY:
+        if backend.auto_rejection_reasons(problem):
+            continue
         name = f"kl_reward[{backend.name}]"
         calls = {"list": lambda b=backend.name: _first(kl_reward(lps, refs_, rewards, coef=COEF, backend=b)),
                  "packed": lambda b=backend.name: _first(kl_reward(batch.lp, batch.ref, packed_reward, coef=COEF,
