@@ -1,5 +1,6 @@
 // pybind11 binding of KLRewardArgs / EstimatorParams, shared by the _C and _cuda modules so both
-// expose the same argument object to Python (kl_kernels/kl_reward/kernels.py fills it).
+// expose the same argument object to Python (kl_kernels/kl_reward/launch.py fills it). module_local:
+// each module owns its binding of the one C++ type (pybind11 shares a type registry across modules).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -10,7 +11,7 @@ namespace kl {
 
 inline void bind_args(pybind11::module_& m) {
   namespace py = pybind11;
-  py::class_<EstimatorParams>(m, "EstimatorParams")
+  py::class_<EstimatorParams>(m, "EstimatorParams", py::module_local())
       .def(py::init<>())
       .def_readwrite("estimator", &EstimatorParams::estimator)
       .def_readwrite("straight_through", &EstimatorParams::straight_through)
@@ -22,7 +23,7 @@ inline void bind_args(pybind11::module_& m) {
       .def_readwrite("in_hi", &EstimatorParams::in_hi)
       .def_readwrite("out_lo", &EstimatorParams::out_lo)
       .def_readwrite("out_hi", &EstimatorParams::out_hi);
-  py::class_<KLRewardArgs> c(m, "KLRewardArgs");
+  py::class_<KLRewardArgs> c(m, "KLRewardArgs", py::module_local());
   c.def(py::init<>());
 #define KL_FIELD(name) c.def_readwrite(#name, &KLRewardArgs::name)
   KL_FIELD(layout); KL_FIELD(batch); KL_FIELD(width); KL_FIELD(total); KL_FIELD(offsets); KL_FIELD(lengths);

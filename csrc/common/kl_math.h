@@ -172,7 +172,8 @@ KL_HD float expm1_vec(float y) {
   const float s1 = bits_f32(static_cast<uint32_t>(n1 + 127) << 23);
   const float s2 = bits_f32(static_cast<uint32_t>(n2 + 127) << 23);
   const float big = er * s1 * s2 - 1.0f;
-  return fabsf(y) < 0.34657359f ? small : (y > 88.7228394f ? INFINITY : big);
+  const float out = fabsf(y) < 0.34657359f ? small : (y > 88.7228394f ? INFINITY : big);
+  return y != y ? y : out;  // NaN in, NaN out (the clamp of yc above would drop it)
 }
 
 // ------------------------------------------------------------------------------ estimators

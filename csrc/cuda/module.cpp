@@ -9,7 +9,9 @@
 
 #include <string>
 
+#include "common/bind_args.h"
 #include "common/build_info.h"
+#include "cuda/kl_reward_cuda.h"
 #include "cuda/probe.h"
 
 namespace py = pybind11;
@@ -34,7 +36,10 @@ py::dict probe(bool launch) {
     info["launch_ok"] = launch_err == 0 && result == 42;
     if (launch_err != 0) info["launch_error"] = std::string(kl_probe_error_string(launch_err));
   }
-  info["kernels"] = py::list();  // names of the fused kernels compiled in (none yet)
+  py::list kernels;
+  kernels.append("kl_reward_forward");
+  kernels.append("kl_reward_backward");
+  info["kernels"] = kernels;
   return info;
 }
 
@@ -44,4 +49,17 @@ PYBIND11_MODULE(_cuda, m) {
   m.doc() = "kl_kernels CUDA extension (framework-free; no libtorch linkage; static cudart)";
   m.def("probe", &probe, py::arg("launch") = false,
         "CUDA build and runtime facts; with launch=True, runs one tiny kernel on device 0.");
+  kl::bind_args(m);
+  m.attr("KL_REWARD_TILE") = kl::kCudaTile;
+  m.def("kl_reward_workspace_bytes", &kl::kl_reward_cuda_workspace_bytes, py::arg("args"),
+        "Bytes of device scratch kl_reward_forward needs for these arguments.");
+  m.def("kl_reward_forward", &kl::kl_reward_forward_cuda, py::arg("args"), py::arg("workspace"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused kl_reward forward, enqueued on `stream` (a cudaStream_t as an integer); no host sync. Returns 0, "
+        "1 (unsupported dtypes), 2 (too many tiles) or 1000 + a cudaError_t.");
+  m.def("kl_reward_backward", &kl::kl_reward_backward_cuda, py::arg("args"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused kl_reward backward, enqueued on `stream`; same return codes as the forward.");
+  m.def("error_string", [](int code) { return std::string(kl_probe_error_string(code)); }, py::arg("code"),
+        "The CUDA runtime's message for a cudaError_t.");
 }

@@ -1,6 +1,6 @@
 """Host launcher of the fused kl_reward kernels: allocate outputs, fill the argument struct, launch.
 
-The compiled kernels (``csrc/cpu/kl_reward_cpu.cpp``, later ``csrc/cuda/``) take a plain
+The compiled kernels (``csrc/cpu/kl_reward_cpu.cpp``, ``csrc/cuda/kl_reward_cuda.cu``) take a plain
 ``KLRewardArgs`` of raw addresses, element strides and dtype codes; this module is the only
 place that turns torch tensors into those. Inputs may have any strides; outputs are allocated
 contiguous in the layout's shape. Everything here has already been validated by ``problem.py``.
@@ -41,7 +41,7 @@ def _ptr(x: torch.Tensor | None) -> int:
 
 def _module(device: torch.device):
     """The extension holding the kernels for ``device``, or a RuntimeError saying why there is none
-    (the ops are registered for CUDA ahead of the CUDA kernel; dispatch never routes there)."""
+    (e.g. a wheel built without nvcc has no ``_cuda``; dispatch never routes there)."""
     name = "_C" if device.type == "cpu" else "_cuda"
     _, reason = _extensions.kernel(name, "kl_reward_forward")
     if reason:
@@ -92,11 +92,29 @@ def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, promp
     return a, keep
 
 
-def _launch(fn, args, device):
-    threads = torch.get_num_threads() if device.type == "cpu" else 0
-    code = fn(args, threads)
+def _launch(module, name, args, device):
+    """Run kernel ``name``: on the CPU with torch's thread count; on CUDA enqueued on torch's
+    current stream of ``device``, with scratch from torch's caching allocator (no host sync)."""
+    if device.type == "cpu":
+        code = getattr(module, name)(args, torch.get_num_threads())
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with torch.cuda.device(device):  # the kernels launch on the current device
+            if name == "kl_reward_forward":
+                workspace = torch.empty(module.kl_reward_workspace_bytes(args), dtype=torch.uint8, device=device)
+                # Allocated on this stream, so freeing it right after the enqueue is safe: the
+                # caching allocator hands the block only to work queued after this kernel.
+                code = module.kl_reward_forward(args, _ptr(workspace), stream)
+            else:
+                code = module.kl_reward_backward(args, stream)
+    if code == 1:
+        raise RuntimeError("kl_reward kernel: unsupported dtype combination")
+    if code == 2:
+        raise RuntimeError("kl_reward kernel: too many tokens for one launch")
+    if code >= 1000:
+        raise RuntimeError(f"kl_reward CUDA kernel launch failed: {module.error_string(code - 1000)}")
     if code != 0:
-        raise RuntimeError(f"kl_reward kernel failed with code {code} (unsupported dtype combination)")
+        raise RuntimeError(f"kl_reward kernel failed with code {code}")
 
 
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
@@ -116,7 +134,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
     args.reward_dtype = DTYPE_CODES[reward_dtype]
     args.kl, args.reward_out, args.ref_out = _ptr(kl), _ptr(reward_out), _ptr(ref_out) if return_ref else 0
     args.kl_sum, args.count = _ptr(kl_sum), _ptr(count)
-    _launch(module.kl_reward_forward, args, dev)
+    _launch(module, "kl_reward_forward", args, dev)
     del keep
     return kl, reward_out, ref_out, kl_sum, count
 
@@ -140,6 +158,6 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     g_lp = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
     g_ref = torch.empty(ref_log_probs.shape, dtype=ref_log_probs.dtype, device=log_probs.device)
     args.g_lp, args.g_ref = _ptr(g_lp), _ptr(g_ref)
-    _launch(module.kl_reward_backward, args, log_probs.device)
+    _launch(module, "kl_reward_backward", args, log_probs.device)
     del keep, grads
     return g_lp, g_ref

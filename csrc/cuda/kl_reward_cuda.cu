@@ -1,0 +1,486 @@
+// Fused kl_reward on CUDA: forward (tile kernel + per-sequence combine) and backward.
+//
+// The algorithm is the one of the Triton kernels (kl_kernels/triton/kl_reward.py), with the
+// per-token math of common/kl_math.h shared with the CPU kernel:
+//
+// * The flat token space (packed: N tokens; padded: B * T elements, row-major) is cut into
+//   tiles of kCudaTile elements, one block of 256 threads each, 8 consecutive elements per
+//   thread (16-byte vector loads and stores when the inputs are contiguous and aligned). The
+//   grid depends on the token count only: a row of any length spans as many tiles as it needs.
+// * Each element finds its sequence (padded: a division; packed: a binary search over offsets
+//   narrowed to the tile's range, then a forward walk) and whether it counts, and writes kl,
+//   reward_out and the masked ref in place.
+// * Per-sequence sums without float atomics: block-wide inclusive prefix sums (fp64 values,
+//   int counts) in shared memory; a sequence's share of the tile is the prefix at its last lane
+//   minus the prefix before its first. Sequences wholly inside the tile are finished there; the
+//   tile's first and last segments go to two slots per tile, which the combine kernel adds in
+//   tile order, one thread per sequence, before applying the "last" placement.
+//
+// Deterministic (fixed reduction order), no host synchronization, no allocation (the caller
+// passes a workspace), launches on the caller's stream: safe under CUDA graph capture.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/kl_reward_args.h"
+#include "cuda/kl_reward_cuda.h"
+
+namespace kl {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPer = 8;
+constexpr int kWarps = kThreads / 32;
+static_assert(kThreads * kPer == kCudaTile, "tile = threads x elements per thread");
+
+template <int32_t DT>
+using Bits = typename std::conditional<DT == kFloat32, uint32_t, uint16_t>::type;
+
+template <typename T>
+struct alignas(sizeof(T) * kPer >= 16 ? 16 : sizeof(T) * kPer) Pack {  // 8 elements, vector-loadable
+  T v[kPer];
+};
+
+template <int32_t DT>
+__device__ __forceinline__ float to_f32(Bits<DT> b) {
+  if constexpr (DT == kFloat32) return bits_f32(b);
+  else if constexpr (DT == kBFloat16) return bf16_to_f32(b);
+  else return f16_to_f32(b);
+}
+
+template <int32_t DT>
+__device__ __forceinline__ Bits<DT> from_f32(float v) {
+  if constexpr (DT == kFloat32) return f32_bits(v);
+  else if constexpr (DT == kBFloat16) return f32_to_bf16(v);
+  else return f32_to_f16(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T ld(uintptr_t base, int64_t i) {
+  return reinterpret_cast<const T*>(base)[i];
+}
+
+struct Workspace {  // carved out of the caller's buffer (8-byte aligned pieces)
+  double* slot_sum;
+  int64_t* slot_count;
+  int64_t* slot_last;
+  int64_t* last;
+};
+
+__host__ __device__ inline int64_t tiles_of(const KLRewardArgs& a) { return (a.total + kCudaTile - 1) / kCudaTile; }
+
+__host__ __device__ inline Workspace carve(const KLRewardArgs& a, uintptr_t ws) {
+  const int64_t slots = 2 * tiles_of(a);
+  Workspace w;
+  w.slot_sum = reinterpret_cast<double*>(ws);
+  w.slot_count = reinterpret_cast<int64_t*>(w.slot_sum + slots);
+  w.slot_last = w.slot_count + slots;
+  w.last = w.slot_last + slots;
+  return w;
+}
+
+// Where one element stands. lo/hi: its sequence's flat range; pos: position in the sequence.
+struct Where {
+  int64_t seq, col, pos, lo, hi;
+  bool inb, counted;
+};
+
+// The 8 consecutive elements of this thread, starting at flat index i0 (tile range [t0, t_last]).
+__device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_t b_lo, int64_t b_hi,
+                                       Where (&w)[kPer]) {
+  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+  const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
+  const int64_t* prompt = reinterpret_cast<const int64_t*>(a.prompt_lens);
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask);
+  int64_t seq;
+  if (a.layout == kPacked) {
+    const int64_t first = i0 < a.total ? i0 : a.total - 1;
+    int64_t lo = b_lo, hi = b_hi;  // last b in [lo, hi] with off[b] <= first
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (off[mid] <= first) lo = mid; else hi = mid - 1;
+    }
+    seq = lo;
+  } else {
+    seq = i0 / a.width;
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t i = i0 + j;
+    Where& e = w[j];
+    e.inb = i < a.total;
+    if (a.layout == kPacked) {
+      while (e.inb && seq + 1 < a.batch && off[seq + 1] <= i) ++seq;  // skips empty sequences
+      e.seq = seq;
+      e.lo = off[seq];
+      e.hi = off[seq + 1];
+      e.col = i;
+      e.pos = i - e.lo;
+      e.counted = e.inb;
+    } else {
+      while (i >= (seq + 1) * a.width && seq + 1 < a.batch) ++seq;
+      e.seq = seq;
+      e.lo = seq * a.width;
+      e.hi = e.lo + a.width;
+      e.col = i - e.lo;
+      const int64_t length = (e.inb && len) ? len[seq] : a.width;
+      e.pos = a.left_pad ? e.col - (a.width - length) : e.col;
+      e.counted = e.inb && e.pos >= 0 && e.pos < length;
+    }
+    if (e.counted && prompt) e.counted = e.pos >= prompt[e.seq];
+    if (e.counted && mask) e.counted = mask[e.seq * a.mask_s0 + e.col * a.mask_s1] != 0;
+  }
+}
+
+__device__ __forceinline__ float coef_at(const KLRewardArgs& a, int64_t b) { return coef_of(a, b); }
+
+// Block-wide exclusive prefix of (fp64 sum, int count) over threads, in thread order.
+__device__ __forceinline__ void block_exclusive_scan(double v, int c, double* wsum, int* wcnt, double* out_v,
+                                                     int* out_c) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double iv = v;
+  int ic = c;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const double ov = __shfl_up_sync(0xffffffffu, iv, d);
+    const int oc = __shfl_up_sync(0xffffffffu, ic, d);
+    if (lane >= d) iv += ov, ic += oc;
+  }
+  if (lane == 31) wsum[warp] = iv, wcnt[warp] = ic;
+  __syncthreads();
+  if (warp == 0) {
+    double sv = lane < kWarps ? wsum[lane] : 0.0;
+    int sc = lane < kWarps ? wcnt[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < kWarps; d <<= 1) {
+      const double ov = __shfl_up_sync(0xffffffffu, sv, d);
+      const int oc = __shfl_up_sync(0xffffffffu, sc, d);
+      if (lane >= d) sv += ov, sc += oc;
+    }
+    if (lane < kWarps) wsum[lane] = sv, wcnt[lane] = sc;  // inclusive over warps
+  }
+  __syncthreads();
+  const double wv = warp > 0 ? wsum[warp - 1] : 0.0;
+  const int wc = warp > 0 ? wcnt[warp - 1] : 0;
+  const double ev = __shfl_up_sync(0xffffffffu, iv, 1);  // exclusive within the warp
+  const int ec = __shfl_up_sync(0xffffffffu, ic, 1);
+  *out_v = lane > 0 ? wv + ev : wv;
+  *out_c = lane > 0 ? wc + ec : wc;
+}
+
+template <int32_t DT, int32_t RT, bool VEC>
+__global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr_t ws) {
+  __shared__ double prefix[kCudaTile];  // inclusive prefix sums of the tile's kl values (fp64)
+  __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
+  __shared__ double wsum[kWarps];
+  __shared__ int wcnt[kWarps];
+  __shared__ int64_t seq_range[2];
+
+  const int64_t tile = blockIdx.x;
+  const int64_t t0 = tile * kCudaTile;
+  const int64_t t_last = (t0 + kCudaTile < a.total ? t0 + kCudaTile : a.total) - 1;
+  if (a.layout == kPacked && threadIdx.x == 0) {
+    seq_range[0] = seq_of(a, t0);
+    seq_range[1] = seq_of(a, t_last);
+  }
+  __syncthreads();
+  const int64_t i0 = t0 + static_cast<int64_t>(threadIdx.x) * kPer;
+  Where w[kPer];
+  locate(a, i0, seq_range[0], seq_range[1], w);
+  const bool full = i0 + kPer <= a.total;
+
+  // Inputs: raw bits of lp and ref, the reward base.
+  Bits<DT> lp_raw[kPer], ref_raw[kPer];
+  float base[kPer];
+  if (VEC && full) {
+    const Pack<Bits<DT>> lp = *reinterpret_cast<const Pack<Bits<DT>>*>(reinterpret_cast<const Bits<DT>*>(a.lp) + i0);
+    const Pack<Bits<DT>> rf = *reinterpret_cast<const Pack<Bits<DT>>*>(reinterpret_cast<const Bits<DT>*>(a.ref) + i0);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) lp_raw[j] = lp.v[j], ref_raw[j] = rf.v[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      lp_raw[j] = w[j].counted ? ld<Bits<DT>>(a.lp, w[j].seq * a.lp_s0 + w[j].col * a.lp_s1) : Bits<DT>(0);
+      ref_raw[j] = w[j].counted ? ld<Bits<DT>>(a.ref, w[j].seq * a.ref_s0 + w[j].col * a.ref_s1) : Bits<DT>(0);
+    }
+  }
+  if (a.placement == kToken) {
+    if (VEC && full) {
+      const Pack<Bits<RT>> r =
+          *reinterpret_cast<const Pack<Bits<RT>>*>(reinterpret_cast<const Bits<RT>*>(a.reward) + i0);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) base[j] = to_f32<RT>(r.v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j)
+        base[j] = w[j].inb ? to_f32<RT>(ld<Bits<RT>>(a.reward, w[j].seq * a.rw_s0 + w[j].col * a.rw_s1)) : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      base[j] = (a.placement == kSequence && w[j].inb) ? to_f32<RT>(ld<Bits<RT>>(a.reward, w[j].seq * a.rw_s0))
+                                                       : 0.0f;
+  }
+
+  // Per-token outputs.
+  float k[kPer];
+  Bits<DT> kl_out[kPer], ref_out[kPer];
+  Bits<RT> rw_out[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const float d = to_f32<DT>(lp_raw[j]) - to_f32<DT>(ref_raw[j]);
+    k[j] = w[j].counted ? kl_value(d, a.est) : 0.0f;  // exactly 0 where not counted
+    kl_out[j] = from_f32<DT>(k[j]);
+    ref_out[j] = w[j].counted ? ref_raw[j] : Bits<DT>(0);
+    rw_out[j] = from_f32<RT>(base[j] - coef_at(a, w[j].seq) * k[j]);
+  }
+  if (VEC && full) {
+    Pack<Bits<DT>> p;
+    Pack<Bits<RT>> r;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) p.v[j] = kl_out[j], r.v[j] = rw_out[j];
+    *reinterpret_cast<Pack<Bits<DT>>*>(reinterpret_cast<Bits<DT>*>(a.kl) + i0) = p;
+    *reinterpret_cast<Pack<Bits<RT>>*>(reinterpret_cast<Bits<RT>*>(a.reward_out) + i0) = r;
+    if (a.ref_out) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) p.v[j] = ref_out[j];
+      *reinterpret_cast<Pack<Bits<DT>>*>(reinterpret_cast<Bits<DT>*>(a.ref_out) + i0) = p;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (!w[j].inb) continue;
+      reinterpret_cast<Bits<DT>*>(a.kl)[i0 + j] = kl_out[j];
+      reinterpret_cast<Bits<RT>*>(a.reward_out)[i0 + j] = rw_out[j];
+      if (a.ref_out) reinterpret_cast<Bits<DT>*>(a.ref_out)[i0 + j] = ref_out[j];
+    }
+  }
+
+  // Tile prefix sums: within the thread, then across the block.
+  double own[kPer];
+  int cown[kPer];
+  double tv = 0.0;
+  int tc = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    tv += static_cast<double>(k[j]);
+    tc += w[j].counted;
+    own[j] = tv, cown[j] = tc;
+  }
+  double before;
+  int cbefore;
+  block_exclusive_scan(tv, tc, wsum, wcnt, &before, &cbefore);
+  const int lane0 = threadIdx.x * kPer;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) prefix[lane0 + j] = before + own[j], cprefix[lane0 + j] = cbefore + cown[j];
+  __syncthreads();
+
+  // Read each segment at its last lane: whole sequences finish here, boundary ones go to slots.
+  Workspace wsp = carve(a, ws);
+  float* kl_sum = reinterpret_cast<float*>(a.kl_sum);
+  int64_t* count = reinterpret_cast<int64_t*>(a.count);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const Where& e = w[j];
+    if (!e.inb) continue;
+    const int lane = lane0 + j;
+    const int first = static_cast<int>((e.lo > t0 ? e.lo : t0) - t0);
+    const int last_lane = static_cast<int>((e.hi - 1 < t_last ? e.hi - 1 : t_last) - t0);
+    const bool end = lane == last_lane;
+    const bool last_counted = e.counted && cprefix[last_lane] == cprefix[lane];
+    if (!end && !last_counted) continue;
+    const double seg_sum = prefix[lane] - (first > 0 ? prefix[first - 1] : 0.0);
+    const int seg_count = cprefix[lane] - (first > 0 ? cprefix[first - 1] : 0);
+    const bool whole = e.lo >= t0 && e.hi - 1 <= t_last;
+    const bool head = e.lo <= t0, tail = e.hi - 1 >= t_last;
+    if (whole) {
+      if (end) {
+        kl_sum[e.seq] = static_cast<float>(seg_sum);
+        count[e.seq] = seg_count;
+        if (seg_count == 0) wsp.last[e.seq] = -1;
+      }
+      if (last_counted) wsp.last[e.seq] = e.pos;
+    }
+    for (int s = 0; s < 2; ++s) {
+      if (!(s == 0 ? head : tail)) continue;
+      const int64_t slot = 2 * tile + s;
+      if (end) {
+        wsp.slot_sum[slot] = seg_sum;
+        wsp.slot_count[slot] = seg_count;
+        if (seg_count == 0) wsp.slot_last[slot] = -1;
+      }
+      if (last_counted) wsp.slot_last[slot] = e.pos;
+    }
+  }
+}
+
+template <int32_t DT, int32_t RT>
+__global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws) {
+  const Workspace wsp = carve(a, ws);
+  float* kl_sum = reinterpret_cast<float*>(a.kl_sum);
+  int64_t* count = reinterpret_cast<int64_t*>(a.count);
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < a.batch;
+       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t lo, hi;
+    if (a.layout == kPacked) {
+      lo = reinterpret_cast<const int64_t*>(a.offsets)[b];
+      hi = reinterpret_cast<const int64_t*>(a.offsets)[b + 1];
+    } else {
+      lo = b * a.width;
+      hi = lo + a.width;
+    }
+    int64_t last = -1;
+    if (hi == lo) {  // no element: no tile saw it
+      kl_sum[b] = 0.0f;
+      count[b] = 0;
+    } else {
+      const int64_t k0 = lo / kCudaTile, k1 = (hi - 1) / kCudaTile;
+      if (k1 > k0) {  // the last segment of its first tile, then the first segment of the others
+        double sum = wsp.slot_sum[2 * k0 + 1];
+        int64_t cnt = wsp.slot_count[2 * k0 + 1];
+        last = wsp.slot_last[2 * k0 + 1];
+        for (int64_t t = k0 + 1; t <= k1; ++t) {
+          sum += wsp.slot_sum[2 * t];
+          cnt += wsp.slot_count[2 * t];
+          const int64_t l = wsp.slot_last[2 * t];
+          last = l > last ? l : last;
+        }
+        kl_sum[b] = static_cast<float>(sum);
+        count[b] = cnt;
+      } else {
+        last = wsp.last[b];
+      }
+    }
+    if (a.placement != kLast) continue;
+    const SeqGeom g = seq_geom(a, b);
+    const int64_t pos = last >= 0 ? last : g.length - 1;
+    if (pos < 0) continue;  // an empty sequence has no slot
+    const int64_t row = a.layout == kPacked ? 0 : b, col = g.first_col + pos;
+    const int64_t out = a.layout == kPacked ? col : b * a.width + col;
+    float kv = 0.0f;
+    if (last >= 0) {
+      const float d = load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1) -
+                      load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1);
+      kv = kl_value(d, a.est);
+    }
+    const float rb = load<RT>(reinterpret_cast<const void*>(a.reward), b * a.rw_s0);
+    store<RT>(reinterpret_cast<void*>(a.reward_out), out, rb - coef_of(a, b) * kv);
+  }
+}
+
+template <int32_t DT, int32_t RT>
+__global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
+  __shared__ int64_t seq_range[2];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kCudaTile;
+  const int64_t t_last = (t0 + kCudaTile < a.total ? t0 + kCudaTile : a.total) - 1;
+  if (a.layout == kPacked && threadIdx.x == 0) {
+    seq_range[0] = seq_of(a, t0);
+    seq_range[1] = seq_of(a, t_last);
+  }
+  __syncthreads();
+  const int64_t i0 = t0 + static_cast<int64_t>(threadIdx.x) * kPer;
+  Where w[kPer];
+  locate(a, i0, seq_range[0], seq_range[1], w);
+  const void* lp = reinterpret_cast<const void*>(a.lp);
+  const void* ref = reinterpret_cast<const void*>(a.ref);
+  const float* g_sum = reinterpret_cast<const float*>(a.g_kl_sum);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const Where& e = w[j];
+    if (!e.inb) continue;
+    const int64_t i = i0 + j;
+    float glp = 0.0f, gref = 0.0f;
+    if (e.counted) {
+      const float d = load<DT>(lp, e.seq * a.lp_s0 + e.col * a.lp_s1) - load<DT>(ref, e.seq * a.ref_s0 + e.col * a.ref_s1);
+      float g = g_sum ? g_sum[e.seq] : 0.0f;
+      if (a.g_kl) g += load<DT>(reinterpret_cast<const void*>(a.g_kl), i);
+      if (a.g_reward) g -= coef_of(a, e.seq) * load<RT>(reinterpret_cast<const void*>(a.g_reward), i);
+      glp = g * kl_grad(d, a.est);
+      gref = (a.g_ref_out ? load<DT>(reinterpret_cast<const void*>(a.g_ref_out), i) : 0.0f) - glp;
+    }
+    store<DT>(reinterpret_cast<void*>(a.g_lp), i, glp);
+    store<DT>(reinterpret_cast<void*>(a.g_ref), i, gref);
+  }
+}
+
+bool aligned(uintptr_t p, uintptr_t n) { return p % n == 0; }
+
+// The vector path: every per-token input and output contiguous in the layout's shape, 16-byte
+// aligned (the mask is read per element: 8 bytes per thread gain little).
+bool vectorizable(const KLRewardArgs& a) {
+  auto flat = [&](int64_t s0, int64_t s1) { return s1 == 1 && (a.layout == kPacked || s0 == a.width); };
+  bool ok = flat(a.lp_s0, a.lp_s1) && flat(a.ref_s0, a.ref_s1) && aligned(a.lp, 16) && aligned(a.ref, 16) &&
+            aligned(a.kl, 16) && aligned(a.reward_out, 16) && (a.ref_out == 0 || aligned(a.ref_out, 16));
+  if (a.placement == kToken) ok = ok && flat(a.rw_s0, a.rw_s1) && aligned(a.reward, 16);
+  return ok;
+}
+
+int status() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : 1000 + static_cast<int>(err);
+}
+
+template <int32_t DT, int32_t RT>
+int forward_typed(const KLRewardArgs& a, uintptr_t ws, cudaStream_t stream) {
+  const int64_t tiles = tiles_of(a);
+  if (tiles > 0) {
+    if (vectorizable(a)) forward_tile<DT, RT, true><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
+    else forward_tile<DT, RT, false><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
+    if (int s = status()) return s;
+  }
+  if (a.batch > 0) {
+    const int64_t blocks = (a.batch + kThreads - 1) / kThreads;
+    combine<DT, RT><<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream>>>(a, ws);
+    if (int s = status()) return s;
+  }
+  return 0;
+}
+
+template <int32_t DT, int32_t RT>
+int backward_typed(const KLRewardArgs& a, cudaStream_t stream) {
+  const int64_t tiles = tiles_of(a);
+  if (tiles == 0) return 0;
+  backward_tile<DT, RT><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a);
+  return status();
+}
+
+template <typename F>
+int by_dtype(const KLRewardArgs& a, F&& f) {
+  auto with_reward = [&](auto dt) {
+    constexpr int32_t DT = decltype(dt)::value;
+    if (a.reward_dtype == DT) return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, DT>{});
+    if (a.reward_dtype == kFloat32)
+      return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, kFloat32>{});
+    return 1;
+  };
+  switch (a.dtype) {
+    case kFloat32: return with_reward(std::integral_constant<int32_t, kFloat32>{});
+    case kBFloat16: return with_reward(std::integral_constant<int32_t, kBFloat16>{});
+    case kFloat16: return with_reward(std::integral_constant<int32_t, kFloat16>{});
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+int64_t kl_reward_cuda_workspace_bytes(const KLRewardArgs& a) {
+  return (3 * 2 * tiles_of(a) + a.batch) * 8;
+}
+
+int kl_reward_forward_cuda(const KLRewardArgs& a, uintptr_t workspace, uintptr_t stream) {
+  // The 2^31 - 1 block limit of grid x: 4.4e12 tokens, beyond any memory; checked anyway.
+  if (tiles_of(a) > 0x7fffffff) return 2;
+  return by_dtype(a, [&](auto dt, auto rt) {
+    return forward_typed<decltype(dt)::value, decltype(rt)::value>(a, workspace, reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
+int kl_reward_backward_cuda(const KLRewardArgs& a, uintptr_t stream) {
+  if (tiles_of(a) > 0x7fffffff) return 2;
+  return by_dtype(a, [&](auto dt, auto rt) {
+    return backward_typed<decltype(dt)::value, decltype(rt)::value>(a, reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
+}  // namespace kl
