@@ -1,0 +1,87 @@
+"""Reading TorchRL's LLM log-prob entries into one packed batch, and writing results back.
+
+TorchRL stores per-token entries in three ways: dense padded tensors in a dense TensorDict,
+per-sample tensors in a lazily stacked TensorDict (ragged), and nested tensors (strided or
+jagged). :func:`read` turns any of them into a :class:`Batch`: either dense ``[B, T, ...]`` or
+packed values with int64 offsets (one ``torch.cat`` for a lazy stack, zero-copy for jagged
+nested tensors), so the numeric work is one vectorized call, never a loop over samples.
+:func:`write` stores a result the way the input came.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+
+from .. import ragged
+
+
+@dataclass
+class Batch:
+    """One per-token entry: ``values`` is ``[B, T, ...]`` (``layout is None``) or packed ``[N, ...]``
+    with ``layout`` (a :class:`kl_kernels.ragged.RaggedLayout`) saying how it was stored."""
+
+    values: torch.Tensor
+    layout: ragged.RaggedLayout | None
+    lazy: bool
+
+    @property
+    def dense(self) -> bool:
+        return self.layout is None
+
+    @property
+    def offsets(self) -> torch.Tensor | None:
+        return None if self.layout is None else self.layout.offsets
+
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0] if self.dense else self.layout.offsets.shape[0] - 1
+
+    def sample_shapes(self) -> list[torch.Size]:
+        if self.dense:
+            return [self.values.shape[1:]] * self.values.shape[0]
+        lengths = ragged.offsets_to_lengths(self.offsets).tolist()
+        return [torch.Size((n, *self.values.shape[1:])) for n in lengths]
+
+
+def is_lazy(td: TensorDictBase) -> bool:
+    return isinstance(td, LazyStackedTensorDict)
+
+
+def read(td: TensorDictBase, key, *, padding_side: str = "left") -> Batch | None:
+    """The entry ``key`` of ``td`` as a :class:`Batch`, or ``None`` when absent."""
+    if is_lazy(td):
+        if key not in td.keys(include_nested=True):
+            return None
+        items = td.get(key, as_list=True)
+        if items is None:
+            return None
+        r, layout = ragged.pack(list(items))
+        return Batch(r.values, layout, lazy=True)
+    x = td.get(key, None)
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor) and x.is_nested:
+        r, layout = ragged.pack(x)
+        return Batch(r.values, layout, lazy=False)
+    return Batch(x, None, lazy=False)
+
+
+def like(batch: Batch, values: torch.Tensor):
+    """``values`` (dense like ``batch``, or packed with its offsets) in the storage of ``batch``."""
+    if batch.dense:
+        return values
+    if batch.lazy:
+        return ragged.to_list(values, batch.offsets)
+    return ragged.unpack(values, batch.layout)
+
+
+def write(td: TensorDictBase, key, batch: Batch, values: torch.Tensor) -> None:
+    """Store ``values`` under ``key`` the way ``batch`` was stored (a lazy stack gets per-sample tensors)."""
+    out = like(batch, values)
+    if batch.lazy:
+        # A strided nested tensor set into a lazy stack is split into its samples, as TorchRL does.
+        out = torch.nested.as_nested_tensor(out, layout=torch.strided)
+    td.set(key, out)

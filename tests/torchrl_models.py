@@ -1,0 +1,118 @@
+"""A small real language model with the interface TorchRL's LLM KL transforms use, no downloads.
+
+``TinyLM`` is an actual torch module (embedding + linear head): the log-prob of token t is
+``log_softmax(head(emb(token t-1)))[token t]`` (a BOS row for t = 0), computed from the token ids
+in ``("tokens", "full")``. Like TorchRL's wrappers it exposes ``in_keys``, ``out_keys``,
+``log_probs_key``, ``pad_output``, ``input_mode``, ``layout``, ``generate`` and
+``return_log_probs``, and writes ``(log_probs_key, "full")``: padded ``[B, T]`` when
+``pad_output`` (padding columns get 0), else one tensor per sample in a lazy stack.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
+
+PAD = 0
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab: int = 13, dim: int = 8, seed: int = 0, *, pad_output: bool = True,
+                 log_probs_key: str = "log_probs", input_mode: str = "tokens", generate: bool = False,
+                 return_log_probs: bool = True, layout=torch.strided):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Embedding(vocab + 1, dim)  # the last row is BOS
+        self.head = torch.nn.Linear(dim, vocab)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.vocab = vocab
+        self.pad_output = pad_output
+        self.log_probs_key = log_probs_key
+        self.input_mode = input_mode
+        self.generate = generate
+        self.return_log_probs = return_log_probs
+        self.layout = layout
+        self.in_keys = [("tokens", "full")]
+        self.out_keys = [(log_probs_key, "full")]
+
+    def token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[..., L] token ids -> [..., L] log-probs of each token given the previous one."""
+        bos = torch.full((*tokens.shape[:-1], 1), self.vocab, dtype=tokens.dtype, device=tokens.device)
+        prev = torch.cat([bos, tokens[..., :-1]], -1)
+        logp = self.head(self.emb(prev)).log_softmax(-1)
+        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, td):
+        key = (self.log_probs_key, "full")
+        if isinstance(td, LazyStackedTensorDict):
+            for sub in td.tensordicts:
+                sub.set(key, self.token_log_probs(sub.get(("tokens", "full"))))
+            return td
+        tokens = td.get(("tokens", "full"))
+        lp = self.token_log_probs(tokens)
+        attention = td.get(("masks", "all_attention_mask"), None)
+        if attention is not None:
+            lp = lp.masked_fill(~attention, 0.0)
+        td.set(key, lp)
+        return td
+
+
+def llm_batch(lengths, prompt_lengths, *, policy: TinyLM, padded: bool, padding_side: str = "left", seed: int = 0,
+              per_token_reward: bool = True, assistant_mask: bool = True):
+    """A batch as TorchRL's LLM envs store it: tokens, masks, the policy's log-probs, a reward.
+
+    ``padded``: a dense TensorDict of ``[B, T]`` entries padded on ``padding_side`` (prompt tokens
+    ``[B, P]``, ``P = max(prompt_lengths)``); otherwise a lazy stack of per-sample entries.
+    """
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for n, p in zip(lengths, prompt_lengths):
+        tokens = torch.randint(1, policy.vocab, (n,), generator=g)
+        assistant = torch.zeros(n, dtype=torch.bool)
+        assistant[p:] = torch.rand(n - p, generator=g) < 0.8  # a few tool tokens inside the response
+        reward = torch.randn(n, 1, generator=g) if per_token_reward else torch.randn(1, 1, generator=g)
+        samples.append(dict(tokens=tokens, prompt=tokens[:p], assistant=assistant, reward=reward))
+    with torch.no_grad():
+        for s in samples:
+            s["log_probs"] = policy.token_log_probs(s["tokens"])
+    if not padded:
+        tds = []
+        for s in samples:
+            d = {("tokens", "full"): s["tokens"], ("tokens", "prompt"): s["prompt"],
+                 ("masks", "all_attention_mask"): torch.ones_like(s["assistant"]),
+                 ("log_probs", "full"): s["log_probs"]}
+            if assistant_mask:
+                d[("masks", "all_assistant_mask")] = s["assistant"]
+            tds.append(TensorDict(d, batch_size=()))
+        data = lazy_stack(tds)
+        rewards = lazy_stack([TensorDict({"reward": s["reward"]}, batch_size=()) for s in samples])
+        return data, rewards
+    width = max(lengths, default=0)
+    pwidth = max(prompt_lengths, default=0)
+
+    def pad(x, w, value):
+        out = torch.full((w,), value, dtype=x.dtype)
+        if padding_side == "left":
+            out[w - x.shape[0]:] = x
+        else:
+            out[:x.shape[0]] = x
+        return out
+
+    b = len(samples)
+    d = {("tokens", "full"): torch.stack([pad(s["tokens"], width, PAD) for s in samples]) if b else
+         torch.zeros(0, 0, dtype=torch.long),
+         ("tokens", "prompt"): torch.stack([pad(s["prompt"], pwidth, PAD) for s in samples]) if b else
+         torch.zeros(0, 0, dtype=torch.long),
+         ("masks", "all_attention_mask"): torch.stack([pad(torch.ones(len(s["tokens"]), dtype=torch.bool), width,
+                                                           False) for s in samples]),
+         ("log_probs", "full"): torch.stack([pad(s["log_probs"], width, 0.0) for s in samples])}
+    if assistant_mask:
+        d[("masks", "all_assistant_mask")] = torch.stack([pad(s["assistant"], width, False) for s in samples])
+    data = TensorDict(d, batch_size=(b,))
+    if per_token_reward:
+        reward = torch.stack([pad(s["reward"].squeeze(-1), width, 0.0) for s in samples]).unsqueeze(-1)
+    else:
+        reward = torch.stack([s["reward"] for s in samples])
+    return data, TensorDict({"reward": reward}, batch_size=(b,))
