@@ -1,0 +1,333 @@
+"""kl_kernels.torchrl against TorchRL 0.14.1 where TorchRL works, and against the intended
+result (computed per sample in float64 below) where TorchRL fails or is wrong."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+torchrl = pytest.importorskip("torchrl")  # the `torchrl` extra
+from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack  # noqa: E402
+from torchrl.envs.llm.transforms import kl as trl  # noqa: E402
+from torchrl.envs.transforms.transforms import Compose  # noqa: E402
+
+import kl_kernels.torchrl as ours  # noqa: E402
+from torchrl_models import TinyLM, llm_batch  # noqa: E402
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+LENGTHS, PROMPTS = [6, 9, 4, 1, 12], [2, 3, 1, 0, 5]
+
+
+def fixed(cls):
+    """The transform with its action key fixed (TorchRL reads it from the parent env otherwise)."""
+    return type(cls.__name__, (cls,), {"action_key": ("tokens", "full")})
+
+
+def as_list(td, key):
+    return list(td.get(key, as_list=True)) if isinstance(td, LazyStackedTensorDict) else list(td.get(key).unbind(0))
+
+
+def assert_same(a, b, keys, atol=1e-6):
+    for key in keys:
+        xs, ys = as_list(a, key), as_list(b, key)
+        assert len(xs) == len(ys), key
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            assert x.shape == y.shape, (key, i, x.shape, y.shape)
+            torch.testing.assert_close(x, y, atol=atol, rtol=1e-6, msg=lambda m: f"{key}[{i}]: {m}")
+
+
+# ------------------------------------------------------------------ expected values (float64, per sample)
+
+def expected(cur, ref, mask, reward, coef):
+    """Per-sample k1 KL reward: lists of [L] tensors in, lists of ([L, 1] reward, [L, 1] kl, [L, 1] ref) out."""
+    out = []
+    for b, (c, r, m) in enumerate(zip(cur, ref, mask)):
+        kl = torch.where(m, c.double() - r.double(), 0.0)
+        rw = (reward[b].double() if reward is not None else 0.0) - coef * kl.unsqueeze(-1)
+        out.append((rw.expand(kl.shape[0], 1), kl.unsqueeze(-1), torch.where(m, r.double(), 0.0).unsqueeze(-1)))
+    return out
+
+
+def ref_rows(ref_model, data, lengths, side):
+    """The reference model's log-probs of each row's valid tokens, computed as the transform does
+    (on the padded rows: under left padding a row's first token follows padding, not BOS)."""
+    with torch.no_grad():
+        lp = ref_model.token_log_probs(data["tokens", "full"])
+    return valid_rows(lp, lengths, side)
+
+
+def valid_rows(x, lengths, side):
+    w = x.shape[1]
+    return [x[b, w - n:] if side == "left" else x[b, :n] for b, n in enumerate(lengths)]
+
+
+# ------------------------------------------------------------------ KLComputation
+
+def _klc_lazy(per_token, nan_pads=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tds = []
+    for n in LENGTHS:
+        lp, ref = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        if nan_pads and n > 2:
+            ref[-1] = float("nan")  # an alignment pad
+        rw = torch.randn(n, 1, generator=g) if per_token else torch.randn(1, 1, generator=g)
+        tds.append(TensorDict({("log_probs", "full"): lp, ("ref_log_probs", "full"): ref, "reward": rw}))
+    return lazy_stack(tds)
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["reward-per-token", "reward-per-sequence"])
+@pytest.mark.parametrize("nan_pads", [False, True], ids=["", "nan-pads"])
+def test_klcomputation_equals_torchrl_on_lazy_stacks(per_token, nan_pads):
+    td = _klc_lazy(per_token, nan_pads)
+    want = trl.KLComputation(coeff=0.3)(td.clone())
+    got = ours.KLComputation(coeff=0.3)(td.clone())
+    assert isinstance(got, LazyStackedTensorDict)
+    assert_same(got, want, ["kl_penalty", "reward"])
+
+
+def test_klcomputation_dense_without_reward_matches_torchrl_values():
+    td = TensorDict({("log_probs", "full"): torch.randn(3, 5), ("ref_log_probs", "full"): torch.randn(3, 5)},
+                    batch_size=(3,))
+    want = trl.KLComputation(add_to_reward=False)(td.clone())["kl_penalty"]  # a nested tensor of equal rows
+    got = ours.KLComputation(add_to_reward=False)(td.clone())["kl_penalty"]  # dense [B, T] (documented)
+    assert not got.is_nested and got.shape == (3, 5)
+    torch.testing.assert_close(got, torch.stack(want.unbind()))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("per_token", [True, False], ids=["reward-BT1", "reward-B11"])
+def test_klcomputation_dense_with_reward_where_torchrl_fails(side, per_token):
+    """TorchRL raises on dense inputs with a reward (nested vs dense); NaN marks the padding."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [(torch.randn(n, generator=g), torch.randn(n, generator=g)) for n in LENGTHS]
+    width = max(LENGTHS)
+
+    def pad(xs):
+        out = torch.full((len(xs), width), float("nan"))
+        for b, x in enumerate(xs):
+            out[b, width - len(x):] = x if side == "left" else out[b, width - len(x):]
+            if side == "right":
+                out[b, :len(x)] = x
+        return out
+    lp, ref = pad([s[0] for s in seqs]), pad([s[1] for s in seqs])
+    reward = torch.randn(len(LENGTHS), width, 1, generator=g) if per_token else torch.randn(len(LENGTHS), 1, 1)
+    td = TensorDict({("log_probs", "full"): lp, ("ref_log_probs", "full"): ref, "reward": reward},
+                    batch_size=(len(LENGTHS),))
+    with pytest.raises(Exception):
+        trl.KLComputation(coeff=0.5, padding_side=side)(td.clone())
+    out = ours.KLComputation(coeff=0.5, padding_side=side)(td.clone())
+    kl, rw = out["kl_penalty"], out["reward"]
+    assert kl.shape == (len(LENGTHS), width) and rw.shape == (len(LENGTHS), width, 1)
+    valid = ~(lp.isnan() | ref.isnan())
+    want_kl = torch.where(valid, lp - ref, 0.0)
+    torch.testing.assert_close(kl, want_kl)
+    torch.testing.assert_close(rw, reward - 0.5 * want_kl.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_klcomputation_nested_inputs(layout):
+    """TorchRL fails on strided nested inputs ('NestedTensorImpl doesn't support sizes') and on
+    jagged nested rewards; ours reads both and writes nested results of the same layout."""
+    g = torch.Generator().manual_seed(2)
+    lps = [torch.randn(n, generator=g) for n in LENGTHS]
+    refs = [torch.randn(n, generator=g) for n in LENGTHS]
+    rws = [torch.randn(n, 1, generator=g) for n in LENGTHS]
+    nest = lambda xs: torch.nested.nested_tensor(xs, layout=layout)  # noqa: E731
+    td = TensorDict({("log_probs", "full"): nest(lps), ("ref_log_probs", "full"): nest(refs), "reward": nest(rws)},
+                    batch_size=(len(LENGTHS),))
+    out = ours.KLComputation(coeff=0.2)(td)
+    kl, rw = out["kl_penalty"], out["reward"]
+    assert kl.is_nested and kl.layout == layout and rw.is_nested and rw.layout == layout
+    for b, (k, r) in enumerate(zip(kl.unbind(), rw.unbind())):
+        torch.testing.assert_close(k, lps[b] - refs[b])
+        torch.testing.assert_close(r, rws[b] - 0.2 * (lps[b] - refs[b]).unsqueeze(-1))
+
+
+def test_klcomputation_errors():
+    td = _klc_lazy(True)
+    with pytest.raises(ValueError, match="Log-probs not found"):
+        ours.KLComputation(gen_log_probs_full_key=("nope", "full"))(td.clone())
+    bad = lazy_stack([TensorDict({("log_probs", "full"): torch.zeros(3), ("ref_log_probs", "full"): torch.zeros(4),
+                                  "reward": torch.zeros(3, 1)})])
+    with pytest.raises(ValueError, match="Sample 0 has different shapes"):
+        ours.KLComputation()(bad)
+    flat_reward = lazy_stack([TensorDict({("log_probs", "full"): torch.zeros(3), ("ref_log_probs", "full"): torch.zeros(3),
+                                          "reward": torch.zeros(3)})])
+    with pytest.raises(ValueError, match="one more dimension than the KL"):
+        ours.KLComputation()(flat_reward)
+
+
+# ------------------------------------------------------------------ KLRewardTransform
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("per_token", [True, False], ids=["reward-BT1", "reward-B11"])
+def test_klrewardtransform_equals_torchrl_on_padded_batches(side, per_token):
+    policy, ref_model = TinyLM(seed=1), TinyLM(seed=2)
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=True, padding_side=side, per_token_reward=per_token)
+    want = fixed(trl.KLRewardTransform)(ref_model, coef=0.2, padding_side=side)._step(data.clone(), nxt.clone())
+    got = fixed(ours.KLRewardTransform)(ref_model, coef=0.2, padding_side=side)._step(data.clone(), nxt.clone())
+    assert_same(got, want, ["reward", "kl_penalty", "ref_log_probs"])
+
+
+def _lazy_expected(data, nxt, ref_model, coef, mask_of):
+    cur = as_list(data, ("log_probs", "full"))
+    with torch.no_grad():
+        ref = [ref_model.token_log_probs(t) for t in as_list(data, ("tokens", "full"))]
+    reward = as_list(nxt, "reward") if "reward" in nxt.keys() else None
+    return expected(cur, ref, [mask_of(b) for b in range(len(cur))], reward, coef)
+
+
+def _check_lazy(out, exp, with_reward=True):
+    keys = (["reward"] if with_reward else []) + ["kl_penalty", "ref_log_probs"]
+    for key in keys:
+        got = as_list(out, key)
+        for b, e in enumerate(exp):
+            want = e[["reward", "kl_penalty", "ref_log_probs"].index(key)]
+            assert got[b].shape == want.shape, (key, b, got[b].shape, want.shape)
+            torch.testing.assert_close(got[b].double(), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["reward-L1", "reward-11"])
+def test_klrewardtransform_ragged_lazy_stack_where_torchrl_fails(per_token):
+    policy, ref_model = TinyLM(seed=1, pad_output=False), TinyLM(seed=2, pad_output=False)
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=False, per_token_reward=per_token)
+    with pytest.raises(Exception):
+        fixed(trl.KLRewardTransform)(ref_model, coef=0.2)._step(data.clone(), nxt.clone())
+    out = fixed(ours.KLRewardTransform)(ref_model, coef=0.2)._step(data.clone(), nxt.clone())
+    assert isinstance(out, LazyStackedTensorDict)
+    masks = as_list(data, ("masks", "all_assistant_mask"))
+    _check_lazy(out, _lazy_expected(data, nxt, ref_model, 0.2, lambda b: masks[b]))
+
+
+def test_klrewardtransform_assistant_only_false_and_missing_reward():
+    """TorchRL: UnboundLocalError (assistant_only=False) and AttributeError (no reward)."""
+    policy, ref_model = TinyLM(seed=1), TinyLM(seed=2)
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=True)
+    with pytest.raises(UnboundLocalError):
+        fixed(trl.KLRewardTransform)(ref_model, assistant_only=False)._step(data.clone(), nxt.clone())
+    out = fixed(ours.KLRewardTransform)(ref_model, coef=0.1, assistant_only=False)._step(data.clone(), nxt.clone())
+    attention = data["masks", "all_attention_mask"]
+    cur = valid_rows(data["log_probs", "full"], LENGTHS, "left")
+    ref = ref_rows(ref_model, data, LENGTHS, "left")
+    rw = valid_rows(nxt["reward"], LENGTHS, "left")
+    exp = expected(cur, ref, [torch.ones(n, dtype=torch.bool) for n in LENGTHS], rw, 0.1)
+    for key, i in (("reward", 0), ("kl_penalty", 1), ("ref_log_probs", 2)):
+        got = valid_rows(out[key], LENGTHS, "left")
+        for b, e in enumerate(exp):
+            torch.testing.assert_close(got[b].double(), e[i], atol=1e-6, rtol=1e-6)
+        assert (out[key][~attention] == 0).all()
+
+    no_reward = TensorDict({}, batch_size=nxt.batch_size)
+    with pytest.raises(AttributeError):
+        fixed(trl.KLRewardTransform)(ref_model)._step(data.clone(), no_reward.clone())
+    out = fixed(ours.KLRewardTransform)(ref_model, coef=0.1)._step(data.clone(), no_reward.clone())
+    torch.testing.assert_close(out["reward"], -0.1 * out["kl_penalty"])
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_prompt_fallback_skips_each_sequences_prompt(side):
+    """No assistant mask: count the attention mask minus the prompt. TorchRL blanks the first P
+    columns, which under left padding are padding, not prompt; ours skips each row's prompt."""
+    policy, ref_model = TinyLM(seed=1), TinyLM(seed=2)
+    prompts = [max(PROMPTS)] * len(LENGTHS)  # a padded prompt tensor carries one width for all rows
+    prompts = [min(p, n) for p, n in zip(prompts, LENGTHS)]
+    data, nxt = llm_batch(LENGTHS, prompts, policy=policy, padded=True, padding_side=side, assistant_mask=False)
+    out = fixed(ours.KLRewardTransform)(ref_model, coef=0.3, padding_side=side)._step(data.clone(), nxt.clone())
+    p = data["tokens", "prompt"].shape[-1]
+    cur = valid_rows(data["log_probs", "full"], LENGTHS, side)
+    ref = ref_rows(ref_model, data, LENGTHS, side)
+    masks = [torch.arange(n) >= p for n in LENGTHS]
+    exp = expected(cur, ref, masks, valid_rows(nxt["reward"], LENGTHS, side), 0.3)
+    got = valid_rows(out["kl_penalty"], LENGTHS, side)
+    for b, e in enumerate(exp):
+        torch.testing.assert_close(got[b].double(), e[1], atol=1e-6, rtol=1e-6)
+    want = fixed(trl.KLRewardTransform)(ref_model, coef=0.3, padding_side=side)._step(data.clone(), nxt.clone())
+    if side == "right":  # there TorchRL's column rule is the right one
+        assert_same(out, want, ["kl_penalty", "reward", "ref_log_probs"])
+    else:  # and here it is not: it counts prompt tokens of the shorter rows
+        assert not torch.allclose(out["kl_penalty"], want["kl_penalty"])
+
+
+def test_klrewardtransform_ragged_prompt_fallback():
+    policy, ref_model = TinyLM(seed=1, pad_output=False), TinyLM(seed=2, pad_output=False)
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=False, assistant_mask=False)
+    out = fixed(ours.KLRewardTransform)(ref_model, coef=0.2)._step(data.clone(), nxt.clone())
+    _check_lazy(out, _lazy_expected(data, nxt, ref_model, 0.2, lambda b: torch.arange(LENGTHS[b]) >= PROMPTS[b]))
+
+
+def test_detach_is_honoured():
+    policy, ref_model = TinyLM(seed=1), TinyLM(seed=2)
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=True)
+    data.set(("log_probs", "full"), data["log_probs", "full"].clone().requires_grad_())
+    out = fixed(ours.KLRewardTransform)(ref_model)._step(data.clone(), nxt.clone())
+    assert not out["kl_penalty"].requires_grad
+    out = fixed(ours.KLRewardTransform)(ref_model, detach=False)._step(data.clone(), nxt.clone())
+    assert out["kl_penalty"].requires_grad
+
+
+def test_constructor_errors_match_torchrl():
+    model = TinyLM()
+    for cls in (trl.KLRewardTransform, ours.KLRewardTransform):
+        with pytest.raises(ValueError, match="Cannot provide both"):
+            cls(model, ref_model_factory=TinyLM)
+        with pytest.raises(ValueError, match="Must provide exactly one"):
+            cls()
+        with pytest.raises(ValueError, match="configured to generate"):
+            cls(TinyLM(generate=True))
+        with pytest.raises(ValueError, match="input_mode"):
+            cls(TinyLM(input_mode="text"))
+    t = ours.KLRewardTransform(ref_model_factory=TinyLM)
+    assert isinstance(t, trl.KLRewardTransform) and t.out_keys == trl.KLRewardTransform(TinyLM()).out_keys
+
+
+def test_shape_mismatch_error_carries_the_eos_hint():
+    policy, ref_model = TinyLM(seed=1, pad_output=False), TinyLM(seed=2, pad_output=False)
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=False)
+
+    class Truncating(TinyLM):
+        def forward(self, td):
+            super().forward(td)
+            for sub in td.tensordicts:
+                sub.set(("log_probs", "full"), sub.get(("log_probs", "full"))[:-1])
+            return td
+    with pytest.raises(ValueError, match="padding token is identical to the eos token"):
+        fixed(ours.KLRewardTransform)(Truncating(seed=2, pad_output=False))._step(data.clone(), nxt.clone())
+
+
+# ------------------------------------------------------------------ RetrieveLogProb / RetrieveKL
+
+@pytest.mark.parametrize("pad_output", [True, False], ids=["padded", "ragged"])
+def test_retrievelogprob_equals_torchrl(pad_output):
+    policy = TinyLM(seed=1, pad_output=pad_output)
+    model = TinyLM(seed=3, pad_output=pad_output, input_mode="history", log_probs_key="ref_log_probs")
+    data, _ = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=pad_output)
+    want = trl.RetrieveLogProb(model)(data.clone())
+    got = ours.RetrieveLogProb(model)(data.clone())
+    key = ("ref_log_probs", "full")
+    if pad_output:
+        torch.testing.assert_close(got.get(key), want.get(key))
+    else:
+        assert_same(got, want, [key])
+
+
+def test_retrievekl_is_a_compose_of_our_transforms_and_equals_torchrl():
+    gen = TinyLM(seed=1, pad_output=False, input_mode="history", log_probs_key="log_probs")
+    ref = TinyLM(seed=2, pad_output=False, input_mode="history", log_probs_key="ref_log_probs")
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=gen, padded=False)
+    td = data.clone()
+    for sub, r in zip(td.tensordicts, nxt.tensordicts):
+        sub.set("reward", r["reward"])
+    t = ours.RetrieveKL(gen, ref, coeff=0.25)
+    assert isinstance(t, Compose) and isinstance(t, trl.RetrieveKL)
+    assert [type(x) for x in t.transforms] == [ours.RetrieveLogProb, ours.RetrieveLogProb, ours.KLComputation]
+    got = t(td.clone())
+    want = trl.RetrieveKL(gen, ref, coeff=0.25)(td.clone())
+    assert_same(got, want, ["kl_penalty", "reward", ("ref_log_probs", "full")])
+
+
+def test_use_ray_service_goes_through_torchrl_ray_machinery():
+    pytest.importorskip("ray")
+    t = ours.KLRewardTransform(ref_model_factory=TinyLM, use_ray_service=True)
+    assert isinstance(t, trl.RayKLRewardTransform)
