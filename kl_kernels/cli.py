@@ -44,7 +44,7 @@ def cmd_info(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from .bench import batches, kl_reward as cases, machine, report
+    from .bench import batches, kl_reward as cases, machine, report, torchrl_transforms
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = args.sizes or (["small", "medium"] if args.quick else ["medium", "large"])
@@ -65,6 +65,9 @@ def cmd_bench(args) -> int:
         rows += cases.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile,
                           repeats=3 if args.quick else 10, budget_s=1.0 if args.quick else 3.0,
                           progress=lambda msg, n=name: say(f"[{n}] {msg}"))
+        rows += torchrl_transforms.run(batch, copy_gbs=copy_gbs, repeats=3 if args.quick else 10,
+                                       budget_s=1.0 if args.quick else 3.0,
+                                       progress=lambda msg, n=name: say(f"[{n}] {msg}"))
     report.print_tables(rows, facts, copy_gbs)
     paths = report.write(rows, facts, copy_gbs, Path(args.out))
     print("\nwrote " + ", ".join(str(p) for p in paths))

@@ -34,7 +34,8 @@ def test_example_scripts_run(script):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("module", ["kl_kernels.ragged", "kl_kernels.kl_reward.api", "kl_kernels._info"])
+@pytest.mark.parametrize("module", ["kl_kernels.ragged", "kl_kernels.kl_reward.api", "kl_kernels._info",
+                                    "kl_kernels.torchrl.transforms"])
 def test_docstring_examples(module):
     mod = __import__(module, fromlist=["_"])
     result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -50,12 +50,17 @@ def is_lazy(td: TensorDictBase) -> bool:
     return isinstance(td, LazyStackedTensorDict)
 
 
+def has(td: TensorDictBase, key) -> bool:
+    """Whether ``td`` holds ``key`` (for a lazy stack: its first sample does), without gathering it."""
+    if is_lazy(td):
+        return bool(td.tensordicts) and has(td.tensordicts[0], key)
+    return td.get(key, None) is not None
+
+
 def read(td: TensorDictBase, key, *, padding_side: str = "left") -> Batch | None:
     """The entry ``key`` of ``td`` as a :class:`Batch`, or ``None`` when absent."""
     if is_lazy(td):
-        if key not in td.keys(include_nested=True):
-            return None
-        items = td.get(key, as_list=True)
+        items = td.get(key, None, as_list=True)
         if items is None:
             return None
         r, layout = ragged.pack(list(items))

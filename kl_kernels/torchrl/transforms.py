@@ -16,7 +16,7 @@ from torchrl.envs.llm.transforms import kl as _trl
 
 from .. import ragged
 from ..kl_reward import kl_reward
-from ._io import Batch, read, write
+from ._io import Batch, has, read, write
 
 _ASSISTANT_MASK = ("masks", "all_assistant_mask")
 _ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -189,7 +189,7 @@ class KLRewardTransform(_trl.KLRewardTransform):
             original_device = tensordict.device
             tensordict = tensordict.to(io_device)
             next_tensordict = next_tensordict.to(io_device)
-        if self.action_key not in tensordict.keys(include_nested=True):  # get() would stack ragged entries
+        if not has(tensordict, self.action_key):  # (get() would try to stack a lazy stack's ragged entries)
             if not self.missing_tolerance:
                 raise RuntimeError(f"Action with key {self.action_key} not found data {tensordict}")
             if self.out_keys[0] != "reward" and self.parent is not None:

@@ -1,0 +1,133 @@
+"""Benchmark of whole transform calls: ``kl_kernels.torchrl`` against TorchRL 0.14's classes.
+
+Each contender is a full ``_step``/``forward`` call on a TensorDict batch, as an environment or a
+data pipeline makes it, timed side by side with TorchRL's class on the modes where TorchRL works:
+
+* ``KLRewardTransform`` on a dense left-padded batch: assistant mask, a per-sequence score
+  ``[B, 1, 1]``. The reference "model" hands back stored reference log-probs, so the timing is the
+  transform's own work, not a forward pass.
+* ``KLComputation`` on a lazy stack of per-sample tensors (k1, per-token reward ``[L, 1]``).
+
+Ours also runs ``KLRewardTransform`` on a lazy stack of ragged samples, where TorchRL fails; that
+row has no TorchRL baseline. Skipped when torchrl is not installed.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import ragged
+from .batches import RLHFBatch
+from .kl_reward import COEF, Contender, _time_rows
+
+TASK = "TorchRL transform call task"
+
+
+class _StoredRef(torch.nn.Module):
+    """A reference 'model' that writes precomputed log-probs: the interface TorchRL's transform
+    uses (``in_keys``, ``pad_output``, ``input_mode``, ``generate``), none of a model's cost."""
+
+    def __init__(self, ref, pad_output: bool):
+        super().__init__()
+        self.ref = ref
+        self.pad_output = pad_output
+        self.in_keys = [("tokens", "full")]
+        self.out_keys = [("log_probs", "full")]
+        self.input_mode = "tokens"
+        self.generate = False
+        self.return_log_probs = True
+
+    def forward(self, td):
+        if self.pad_output:
+            td.set(("log_probs", "full"), self.ref)
+        else:
+            for sub, r in zip(td.tensordicts, self.ref):
+                sub.set(("log_probs", "full"), r)
+        return td
+
+
+def _with_action_key(cls):
+    # Outside an environment TorchRL's transform cannot find its action key: fix it, for both.
+    return type(cls.__name__, (cls,), {"action_key": ("tokens", "full")})
+
+
+def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None) -> list[dict]:
+    try:
+        from tensordict import TensorDict, lazy_stack
+        from torchrl.envs.llm.transforms import kl as trl
+
+        from .. import torchrl as ours
+    except ImportError:
+        if progress:
+            progress("torchrl/tensordict not installed: skipping the transform comparison")
+        return []
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    b, dev = batch.size.batch, batch.lp.device
+    width = batch.lp_padded.shape[1]
+    tokens = torch.zeros(b, width, dtype=torch.long, device=dev)
+    dense = TensorDict({("tokens", "full"): tokens, ("log_probs", "full"): batch.lp_padded,
+                        ("masks", "all_assistant_mask"): batch.mask_padded}, batch_size=(b,), device=dev)
+    dense_next = TensorDict({"reward": batch.score.view(b, 1, 1)}, batch_size=(b,), device=dev)
+    theirs_dense = _with_action_key(trl.KLRewardTransform)(_StoredRef(batch.ref_padded, True), coef=COEF)
+    ours_dense = _with_action_key(ours.KLRewardTransform)(_StoredRef(batch.ref_padded, True), coef=COEF)
+
+    lp_list, ref_list = ragged.to_list(batch.lp, batch.offsets), ragged.to_list(batch.ref, batch.offsets)
+    mask_list = ragged.to_list(batch.mask, batch.offsets)
+    lazy = lazy_stack([TensorDict({("tokens", "full"): torch.zeros(lp.shape[0], dtype=torch.long, device=dev),
+                                   ("log_probs", "full"): lp, ("masks", "all_assistant_mask"): m}, batch_size=())
+                       for lp, m in zip(lp_list, mask_list)])
+    lazy_next = lazy_stack([TensorDict({"reward": s.view(1, 1)}, batch_size=()) for s in batch.score])
+    ours_lazy = _with_action_key(ours.KLRewardTransform)(_StoredRef(ref_list, False), coef=COEF)
+
+    rewards = [torch.zeros(t.shape[0], 1, device=dev) for t in lp_list]
+    klc_td = lazy_stack([TensorDict({("log_probs", "full"): a, ("ref_log_probs", "full"): r, "reward": w},
+                                    batch_size=()) for a, r, w in zip(lp_list, ref_list, rewards)])
+    theirs_klc, ours_klc = trl.KLComputation(coeff=COEF), ours.KLComputation(coeff=COEF)
+
+    def dense_call(t):
+        return lambda: _outs(t._step(dense.copy(), dense_next.copy()), padded=True)
+
+    def klc_call(t):  # writes kl_penalty and reward back: re-running repeats the same work
+        return lambda: (torch.cat(list(t(klc_td).get("kl_penalty", as_list=True))), None, None)
+
+    candidates = [
+        Contender("TorchRL KLRewardTransform", "padded", dense_call(theirs_dense)),
+        Contender("kl_kernels.torchrl.KLRewardTransform", "padded", dense_call(ours_dense)),
+        Contender("kl_kernels.torchrl.KLRewardTransform", "list",
+                  lambda: _outs(ours_lazy._step(lazy.copy(), lazy_next.copy()), padded=False)),
+        Contender("TorchRL KLComputation", "list (KLComputation)", klc_call(theirs_klc)),
+        Contender("kl_kernels.torchrl.KLComputation", "list (KLComputation)", klc_call(ours_klc)),
+    ]
+    want = _outs(theirs_dense._step(dense.copy(), dense_next.copy()), padded=True)
+    packed_want = tuple(None if x is None else _packed(x, batch) for x in want)
+    refs = {"padded": want, "list": packed_want,
+            "list (KLComputation)": (torch.cat(list(theirs_klc(klc_td.clone()).get("kl_penalty", as_list=True))),
+                                     None, None)}
+    s = batch.lp.element_size()
+
+    def nbytes(layout):
+        elems = batch.lp_padded.numel() if layout == "padded" else batch.num_tokens
+        if layout == "list (KLComputation)":
+            return batch.num_tokens * (2 * s + 4 + s + 4)
+        return elems * (2 * s + 1) + elems * (2 * s + 4) + b * 4  # read lp, ref, mask; write kl, ref, reward
+    rows = _time_rows(batch, TASK, candidates, refs, nbytes, copy_gbs, repeats, budget_s, progress)
+    base = {"padded": rows[0]["median_ms"], "list": rows[0]["median_ms"], "list (KLComputation)": rows[3]["median_ms"]}
+    for r in rows:
+        r["baseline"] = "TorchRL KLComputation" if "KLComputation" in r["layout"] else "TorchRL KLRewardTransform (padded)"
+        r["x_vs_baseline"] = base[r["layout"]] / r["median_ms"]
+        r["x_vs_compile"] = None
+    return rows
+
+
+def _outs(td, padded: bool) -> tuple:
+    """(kl, reward, ref) of a KLRewardTransform output: dense [B, T] or packed [N]."""
+    keys = ("kl_penalty", "reward", "ref_log_probs")
+    if padded:
+        return tuple(td.get(k).squeeze(-1) for k in keys)
+    return tuple(torch.cat(list(td.get(k, as_list=True))).squeeze(-1) for k in keys)
+
+
+def _packed(x: torch.Tensor, batch: RLHFBatch) -> torch.Tensor:
+    return ragged.from_padded(x, batch.lengths, padding_side="left").values
