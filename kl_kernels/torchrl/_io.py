@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unravel_key
 
 from .. import ragged
 
@@ -57,10 +57,40 @@ def has(td: TensorDictBase, key) -> bool:
     return td.get(key, None) is not None
 
 
+def _plain_samples(td: LazyStackedTensorDict) -> bool:
+    """A lazy stack of plain, unlocked TensorDicts: their entries can be read and set directly."""
+    return not td.is_locked and all(type(sub) is TensorDict and not sub.is_locked for sub in td.tensordicts)
+
+
+def _fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
+    """The per-sample tensors under ``key``, read straight from the samples' storage.
+
+    ``LazyStackedTensorDict.get(..., as_list=True)`` costs ~15 us per sample in TensorDict's
+    generic machinery (B = 1024: ~15 ms, more than the fused kernel); the samples' own dicts give
+    the same tensors for ~0.3 us each. ``None`` (use the public API) when anything is unusual."""
+    if not _plain_samples(td):
+        return None
+    path = unravel_key(key)
+    path = (path,) if isinstance(path, str) else path
+    out = []
+    for sub in td.tensordicts:
+        node = sub
+        for name in path:
+            node = node._tensordict.get(name) if isinstance(node, TensorDict) else None
+            if node is None:
+                return None
+        if not isinstance(node, torch.Tensor) or isinstance(node, TensorDictBase):
+            return None
+        out.append(node)
+    return out
+
+
 def read(td: TensorDictBase, key, *, padding_side: str = "left") -> Batch | None:
     """The entry ``key`` of ``td`` as a :class:`Batch`, or ``None`` when absent."""
     if is_lazy(td):
-        items = td.get(key, None, as_list=True)
+        items = _fast_leaves(td, key)
+        if items is None:
+            items = td.get(key, None, as_list=True)
         if items is None:
             return None
         r, layout = ragged.pack(list(items))
@@ -87,6 +117,15 @@ def write(td: TensorDictBase, key, batch: Batch, values: torch.Tensor) -> None:
     """Store ``values`` under ``key`` the way ``batch`` was stored (a lazy stack gets per-sample tensors)."""
     out = like(batch, values)
     if batch.lazy:
+        name = unravel_key(key)
+        if isinstance(name, str) and _plain_samples(td) and all(
+                sub.batch_size == () and (sub.device is None or sub.device == values.device)
+                for sub in td.tensordicts):
+            # Top-level key, plain samples of batch size (): set each sample's entry directly
+            # (what TensorDict.set ends up doing, without ~10 us of checks per sample).
+            for sub, t in zip(td.tensordicts, out):
+                sub._tensordict[name] = t
+            return
         # A strided nested tensor set into a lazy stack is split into its samples, as TorchRL does.
         out = torch.nested.as_nested_tensor(out, layout=torch.strided)
     td.set(key, out)
