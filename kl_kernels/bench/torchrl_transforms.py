@@ -23,6 +23,7 @@ from .batches import RLHFBatch
 from .kl_reward import COEF, Contender, _time_rows
 
 TASK = "TorchRL transform call task"
+OUT_REWARD = "penalized_reward"
 
 
 class _StoredRef(torch.nn.Module):
@@ -70,8 +71,11 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
     dense = TensorDict({("tokens", "full"): tokens, ("log_probs", "full"): batch.lp_padded,
                         ("masks", "all_assistant_mask"): batch.mask_padded}, batch_size=(b,), device=dev)
     dense_next = TensorDict({"reward": batch.score.view(b, 1, 1)}, batch_size=(b,), device=dev)
-    theirs_dense = _with_action_key(trl.KLRewardTransform)(_StoredRef(batch.ref_padded, True), coef=COEF)
-    ours_dense = _with_action_key(ours.KLRewardTransform)(_StoredRef(batch.ref_padded, True), coef=COEF)
+    # The penalized reward goes to its own key, so a call never reads an earlier call's output and
+    # the timed loop needs no copies of the inputs (TorchRL supports custom out_keys).
+    keys = dict(in_keys=["reward"], out_keys=[OUT_REWARD, "kl_penalty", "ref_log_probs"], coef=COEF)
+    theirs_dense = _with_action_key(trl.KLRewardTransform)(_StoredRef(batch.ref_padded, True), **keys)
+    ours_dense = _with_action_key(ours.KLRewardTransform)(_StoredRef(batch.ref_padded, True), **keys)
 
     lp_list, ref_list = ragged.to_list(batch.lp, batch.offsets), ragged.to_list(batch.ref, batch.offsets)
     mask_list = ragged.to_list(batch.mask, batch.offsets)
@@ -79,7 +83,7 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
                                    ("log_probs", "full"): lp, ("masks", "all_assistant_mask"): m}, batch_size=())
                        for lp, m in zip(lp_list, mask_list)])
     lazy_next = lazy_stack([TensorDict({"reward": s.view(1, 1)}, batch_size=()) for s in batch.score])
-    ours_lazy = _with_action_key(ours.KLRewardTransform)(_StoredRef(ref_list, False), coef=COEF)
+    ours_lazy = _with_action_key(ours.KLRewardTransform)(_StoredRef(ref_list, False), **keys)
 
     rewards = [torch.zeros(t.shape[0], 1, device=dev) for t in lp_list]
     klc_td = lazy_stack([TensorDict({("log_probs", "full"): a, ("ref_log_probs", "full"): r, "reward": w},
@@ -87,7 +91,7 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
     theirs_klc, ours_klc = trl.KLComputation(coeff=COEF), ours.KLComputation(coeff=COEF)
 
     def dense_call(t):
-        return lambda: _outs(t._step(dense.copy(), dense_next.copy()), padded=True)
+        return lambda: _outs(t._step(dense, dense_next), padded=True)
 
     def klc_call(t):  # writes kl_penalty and reward back: re-running repeats the same work
         return lambda: (torch.cat(list(t(klc_td).get("kl_penalty", as_list=True))), None, None)
@@ -96,11 +100,11 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
         Contender("TorchRL KLRewardTransform", "padded", dense_call(theirs_dense)),
         Contender("kl_kernels.torchrl.KLRewardTransform", "padded", dense_call(ours_dense)),
         Contender("kl_kernels.torchrl.KLRewardTransform", "list",
-                  lambda: _outs(ours_lazy._step(lazy.copy(), lazy_next.copy()), padded=False)),
+                  lambda: _outs(ours_lazy._step(lazy, lazy_next), padded=False)),
         Contender("TorchRL KLComputation", "list (KLComputation)", klc_call(theirs_klc)),
         Contender("kl_kernels.torchrl.KLComputation", "list (KLComputation)", klc_call(ours_klc)),
     ]
-    want = _outs(theirs_dense._step(dense.copy(), dense_next.copy()), padded=True)
+    want = _outs(theirs_dense._step(dense, dense_next), padded=True)
     packed_want = tuple(None if x is None else _packed(x, batch) for x in want)
     refs = {"padded": want, "list": packed_want,
             "list (KLComputation)": (torch.cat(list(theirs_klc(klc_td.clone()).get("kl_penalty", as_list=True))),
@@ -123,7 +127,7 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
 
 def _outs(td, padded: bool) -> tuple:
     """(kl, reward, ref) of a KLRewardTransform output: dense [B, T] or packed [N]."""
-    keys = ("kl_penalty", "reward", "ref_log_probs")
+    keys = ("kl_penalty", OUT_REWARD, "ref_log_probs")
     if padded:
         return tuple(td.get(k).squeeze(-1) for k in keys)
     return tuple(torch.cat(list(td.get(k, as_list=True))).squeeze(-1) for k in keys)
