@@ -106,10 +106,14 @@ def _check(reference: tuple, got: tuple, name: str) -> str:
 
 @dataclass
 class Contender:
+    """A timed callable. ``extract`` (optional) turns what ``fn`` returns into the (kl, reward, ref)
+    tuple that is checked, so result conversions stay out of the timed call."""
+
     name: str
     layout: str
-    fn: Callable[[], tuple]
+    fn: Callable[[], object]
     compile_s: float | None = None
+    extract: Callable[[object], tuple] | None = None
 
 
 def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) -> list[Contender]:
@@ -142,7 +146,8 @@ def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budg
     for c in candidates:
         if progress:
             progress(f"{task}: checking {c.name} ({c.layout})")
-        checks.append(_check(refs[c.layout], c.fn(), c.name))
+        out = c.fn()
+        checks.append(_check(refs[c.layout], c.extract(out) if c.extract else out, c.name))
     if progress:
         progress(f"{task}: timing {len(candidates)} contenders round-robin")
     timings = measure_interleaved([c.fn for c in candidates], batch.lp.device, repeats=repeats, budget_s=budget_s)

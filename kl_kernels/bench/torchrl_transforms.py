@@ -90,19 +90,22 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
                                     batch_size=()) for a, r, w in zip(lp_list, ref_list, rewards)])
     theirs_klc, ours_klc = trl.KLComputation(coeff=COEF), ours.KLComputation(coeff=COEF)
 
-    def dense_call(t):
-        return lambda: _outs(t._step(dense, dense_next), padded=True)
-
-    def klc_call(t):  # writes kl_penalty and reward back: re-running repeats the same work
-        return lambda: (torch.cat(list(t(klc_td).get("kl_penalty", as_list=True))), None, None)
-
+    # The timed calls return the TensorDict; reading results out of it (a torch.cat for lazy stacks)
+    # happens only for the correctness check, outside the timing.
+    dense_out = lambda td: _outs(td, padded=True)  # noqa: E731
+    lazy_out = lambda td: _outs(td, padded=False)  # noqa: E731
+    klc_out = lambda td: (torch.cat(list(td.get("kl_penalty", as_list=True))), None, None)  # noqa: E731
     candidates = [
-        Contender("TorchRL KLRewardTransform", "padded", dense_call(theirs_dense)),
-        Contender("kl_kernels.torchrl.KLRewardTransform", "padded", dense_call(ours_dense)),
-        Contender("kl_kernels.torchrl.KLRewardTransform", "list",
-                  lambda: _outs(ours_lazy._step(lazy, lazy_next), padded=False)),
-        Contender("TorchRL KLComputation", "list (KLComputation)", klc_call(theirs_klc)),
-        Contender("kl_kernels.torchrl.KLComputation", "list (KLComputation)", klc_call(ours_klc)),
+        Contender("TorchRL KLRewardTransform", "padded", lambda: theirs_dense._step(dense, dense_next),
+                  extract=dense_out),
+        Contender("kl_kernels.torchrl.KLRewardTransform", "padded", lambda: ours_dense._step(dense, dense_next),
+                  extract=dense_out),
+        Contender("kl_kernels.torchrl.KLRewardTransform", "list", lambda: ours_lazy._step(lazy, lazy_next),
+                  extract=lazy_out),
+        # KLComputation writes kl_penalty and reward back into its input: re-running repeats the same work
+        Contender("TorchRL KLComputation", "list (KLComputation)", lambda: theirs_klc(klc_td), extract=klc_out),
+        Contender("kl_kernels.torchrl.KLComputation", "list (KLComputation)", lambda: ours_klc(klc_td),
+                  extract=klc_out),
     ]
     want = _outs(theirs_dense._step(dense, dense_next), padded=True)
     packed_want = tuple(None if x is None else _packed(x, batch) for x in want)
