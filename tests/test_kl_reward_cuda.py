@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from batches import LAYOUTS, Case, backend_accepts, build, check, to_device
 from kl_kernels import BackendUnavailableError, kl_reward
 from strategies import cases
-from test_kl_reward_fused import _batch
+from test_kl_reward_fused import _batch, check_million_token_row
 from test_kl_reward_grad import GRAD_LAYOUTS, check_gradients
 from test_kl_reward_oracle import _auto_is_ambiguous, _long_case
 
@@ -56,18 +56,7 @@ def test_empty_batch(layout):
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_a_row_of_a_million_tokens(layout):
-    n = 1_000_003
-    g = torch.Generator().manual_seed(1)
-    lp = (-torch.rand(n, generator=g) * 3).cuda()
-    ref = (-torch.rand(n, generator=g) * 3).cuda()
-    kw = dict(offsets=torch.tensor([0, 2, n], device="cuda"))
-    if layout == "padded":
-        lp, ref, kw = lp.view(1, n), ref.view(1, n), dict(lengths=torch.tensor([n - 7], device="cuda"))
-    got = kl_reward(lp, ref, estimator="k3", backend="cuda", **kw)
-    want = kl_reward(lp, ref, estimator="k3", backend="torch", **kw)
-    torch.testing.assert_close(got.kl, want.kl, rtol=2e-6, atol=1e-6)
-    torch.testing.assert_close(got.kl_sum, want.kl_sum, rtol=1e-5, atol=1e-3)
-    assert torch.equal(got.count, want.count)
+    check_million_token_row(layout, "cuda", "cuda")
 
 
 def test_deterministic_and_matches_the_cpu_kernel():

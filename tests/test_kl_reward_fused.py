@@ -98,10 +98,9 @@ def test_deterministic_for_any_thread_count(threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_non_contiguous_inputs(layout):
-    """Strided inputs (every other element) give the same values as contiguous copies."""
-    lp, ref, mask, offsets, lengths = _batch(n_seq=20, max_len=300)
+def check_non_contiguous(layout, backend, device="cpu"):
+    """Strided inputs (every other element; column-major [B, T]) give the values of contiguous copies."""
+    lp, ref, mask, offsets, lengths = _batch(device, n_seq=20, max_len=300)
     if layout == "packed":
         spread = lambda x: torch.stack([x, x], dim=1).reshape(-1)[::2]  # noqa: E731  stride 2 view
         args = (spread(lp), spread(ref))
@@ -114,11 +113,16 @@ def test_non_contiguous_inputs(layout):
         args = (spread(lp), spread(ref))
         kw = dict(mask=spread(mask), lengths=lengths, padding_side="right")
     assert not args[0].is_contiguous()
-    got = kl_reward(*args, estimator="k3", return_ref=True, backend="cpu", **kw)
-    want = kl_reward(*(a.contiguous() for a in args), estimator="k3", return_ref=True, backend="cpu",
+    got = kl_reward(*args, estimator="k3", return_ref=True, backend=backend, **kw)
+    want = kl_reward(*(a.contiguous() for a in args), estimator="k3", return_ref=True, backend=backend,
                      **{k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
     for name, a, b in zip(("kl", "reward", "ref", "kl_sum", "count"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_non_contiguous_inputs(layout):
+    check_non_contiguous(layout, "cpu")
 
 
 def test_int64_addressing_beyond_2_pow_31():
@@ -144,22 +148,27 @@ def test_int64_addressing_beyond_2_pow_31():
     del storage
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_a_row_of_a_million_tokens(layout):
+def check_million_token_row(layout, backend, device="cpu"):
+    """One row of 1,000,003 tokens (packed next to a 2-token row, or padded [1, N]) vs the reference."""
     n = 1_000_003
     g = torch.Generator().manual_seed(1)
-    lp = -torch.rand(n, generator=g) * 3
-    ref = -torch.rand(n, generator=g) * 3
+    lp = (-torch.rand(n, generator=g) * 3).to(device)
+    ref = (-torch.rand(n, generator=g) * 3).to(device)
     if layout == "packed":
-        kw = dict(offsets=torch.tensor([0, 2, n]))
+        kw = dict(offsets=torch.tensor([0, 2, n], device=device))
     else:
         lp, ref = lp.view(1, n), ref.view(1, n)
-        kw = dict(lengths=torch.tensor([n - 7]))
-    got = kl_reward(lp, ref, estimator="k3", backend="cpu", **kw)
+        kw = dict(lengths=torch.tensor([n - 7], device=device))
+    got = kl_reward(lp, ref, estimator="k3", backend=backend, **kw)
     want = kl_reward(lp, ref, estimator="k3", backend="torch", **kw)
     torch.testing.assert_close(got.kl, want.kl, rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(got.kl_sum, want.kl_sum, rtol=1e-5, atol=1e-3)
     assert torch.equal(got.count, want.count)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_row_of_a_million_tokens(layout):
+    check_million_token_row(layout, "cpu")
 
 
 def test_fused_op_on_a_device_without_its_kernel_says_so():

@@ -19,7 +19,7 @@ from kl_kernels import BackendUnavailableError, kl_reward
 from kl_kernels.kl_reward import ops  # noqa: F401  (registers kl_kernels::kl_reward_triton_fwd / _bwd)
 from kl_kernels.kl_reward.backends import REGISTRY
 from strategies import cases
-from test_kl_reward_fused import _batch, _opcheck_samples
+from test_kl_reward_fused import _batch, _opcheck_samples, check_million_token_row, check_non_contiguous
 from test_kl_reward_grad import GRAD_LAYOUTS, check_gradients
 from test_kl_reward_oracle import _auto_is_ambiguous, _long_case
 
@@ -90,23 +90,7 @@ def test_deterministic():
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_non_contiguous_inputs(layout):
-    """Strided inputs go through the general addressing path and match contiguous copies."""
-    lp, ref, mask, offsets, lengths = _batch(DEVICE, n_seq=12, max_len=120)
-    if layout == "packed":
-        spread = lambda x: torch.stack([x, x], dim=1).reshape(-1)[::2]  # noqa: E731  stride 2 view
-        args, kw = (spread(lp), spread(ref)), dict(mask=spread(mask), offsets=offsets)
-    else:
-        from kl_kernels import ragged
-        width = int(lengths.max())
-        pad = lambda x: ragged.to_padded(x, offsets, padding_side="right", width=width)  # noqa: E731
-        spread = lambda x: pad(x).t().contiguous().t()  # noqa: E731  column-major view of [B, T]
-        args, kw = (spread(lp), spread(ref)), dict(mask=spread(mask), lengths=lengths, padding_side="right")
-    assert not args[0].is_contiguous()
-    got = kl_reward(*args, estimator="k3", return_ref=True, backend="triton", **kw)
-    want = kl_reward(*(a.contiguous() for a in args), estimator="k3", return_ref=True, backend="triton",
-                     **{k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
-    for name, a, b in zip(("kl", "reward", "ref", "kl_sum", "count"), got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    check_non_contiguous(layout, "triton", DEVICE)
 
 
 def test_runtime_values_are_not_constexpr():
@@ -189,17 +173,6 @@ def test_coef_changes_do_not_recompile_kernels():
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_a_row_of_a_million_tokens(layout):
-    n = 1_000_003
-    g = torch.Generator().manual_seed(1)
-    lp = (-torch.rand(n, generator=g) * 3).cuda()
-    ref = (-torch.rand(n, generator=g) * 3).cuda()
-    if layout == "packed":
-        kw = dict(offsets=torch.tensor([0, 2, n], device="cuda"))
-    else:
-        lp, ref = lp.view(1, n), ref.view(1, n)
-        kw = dict(lengths=torch.tensor([n - 7], device="cuda"))
-    got = kl_reward(lp, ref, estimator="k3", backend="triton", **kw)
-    want = kl_reward(lp, ref, estimator="k3", backend="torch", **kw)
-    torch.testing.assert_close(got.kl, want.kl, rtol=2e-6, atol=1e-6)
-    torch.testing.assert_close(got.kl_sum, want.kl_sum, rtol=1e-5, atol=1e-3)
-    assert torch.equal(got.count, want.count)
+    check_million_token_row(layout, "triton", DEVICE)
+
+
