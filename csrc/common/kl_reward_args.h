@@ -94,4 +94,24 @@ KL_HD int64_t seq_of(const KLRewardArgs& a, int64_t i) {
   return lo < a.batch ? lo : a.batch - 1;
 }
 
+// "last" placement: the reward of sequence b goes on its last counted token (position
+// last_counted), else on its last valid one; an empty sequence has no slot. Writes reward_out there:
+// reward[b] - coef_b * kl of that token (0 when it is not counted). Shared by the CPU and CUDA kernels.
+template <int32_t DT, int32_t RT>
+KL_HD void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
+  const SeqGeom g = seq_geom(a, b);
+  const int64_t pos = last_counted >= 0 ? last_counted : g.length - 1;
+  if (pos < 0) return;
+  const int64_t row = a.layout == kPacked ? 0 : b, col = g.first_col + pos;
+  const int64_t out = a.layout == kPacked ? col : b * a.width + col;
+  float k = 0.0f;
+  if (last_counted >= 0) {
+    const float d = load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1) -
+                    load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1);
+    k = kl_value(d, a.est);
+  }
+  const float rb = load<RT>(reinterpret_cast<const void*>(a.reward), b * a.rw_s0);
+  store<RT>(reinterpret_cast<void*>(a.reward_out), out, rb - coef_of(a, b) * k);
+}
+
 }  // namespace kl

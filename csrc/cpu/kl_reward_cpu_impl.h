@@ -285,24 +285,6 @@ Partial forward_run(const KLRewardArgs& a, const Run& r) {
   else return forward_run_strided<DT, RT>(a, r);
 }
 
-// The reward of sequence b goes on its last counted token, else its last valid one.
-template <int32_t DT, int32_t RT>
-void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
-  const SeqGeom g = seq_geom(a, b);
-  const int64_t pos = last_counted >= 0 ? last_counted : g.length - 1;
-  if (pos < 0) return;  // an empty sequence has no slot
-  const int64_t row = a.layout == kPacked ? 0 : b, col = g.first_col + pos;
-  const int64_t out = a.layout == kPacked ? col : b * a.width + col;
-  float k = 0.0f;
-  if (last_counted >= 0) {
-    const float d = load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1) -
-                    load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1);
-    k = kl_value(d, a.est);
-  }
-  const float rb = load<RT>(reinterpret_cast<const void*>(a.reward), b * a.rw_s0);
-  store<RT>(reinterpret_cast<void*>(a.reward_out), out, rb - coef_of(a, b) * k);
-}
-
 template <int32_t DT, int32_t RT, bool CONTIG>
 void forward(const KLRewardArgs& a, int threads) {
   const int64_t tiles = tile_count(a);

@@ -133,6 +133,20 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
   }
 }
 
+// This block's tile [t0, t_last] and this thread's 8 elements from i0 (seq_range: shared scratch).
+__device__ __forceinline__ void locate_tile(const KLRewardArgs& a, int64_t* seq_range, int64_t* t0, int64_t* t_last,
+                                            int64_t* i0, Where (&w)[kPer]) {
+  *t0 = static_cast<int64_t>(blockIdx.x) * kCudaTile;
+  *t_last = (*t0 + kCudaTile < a.total ? *t0 + kCudaTile : a.total) - 1;
+  if (a.layout == kPacked && threadIdx.x == 0) {  // the tile's sequences, found once per block
+    seq_range[0] = seq_of(a, *t0);
+    seq_range[1] = seq_of(a, *t_last);
+  }
+  __syncthreads();
+  *i0 = *t0 + static_cast<int64_t>(threadIdx.x) * kPer;
+  locate(a, *i0, seq_range[0], seq_range[1], w);
+}
+
 __device__ __forceinline__ float coef_at(const KLRewardArgs& a, int64_t b) { return coef_of(a, b); }
 
 // Block-wide exclusive prefix of (fp64 sum, int count) over threads, in thread order.
@@ -178,16 +192,9 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
   __shared__ int64_t seq_range[2];
 
   const int64_t tile = blockIdx.x;
-  const int64_t t0 = tile * kCudaTile;
-  const int64_t t_last = (t0 + kCudaTile < a.total ? t0 + kCudaTile : a.total) - 1;
-  if (a.layout == kPacked && threadIdx.x == 0) {
-    seq_range[0] = seq_of(a, t0);
-    seq_range[1] = seq_of(a, t_last);
-  }
-  __syncthreads();
-  const int64_t i0 = t0 + static_cast<int64_t>(threadIdx.x) * kPer;
+  int64_t t0, t_last, i0;
   Where w[kPer];
-  locate(a, i0, seq_range[0], seq_range[1], w);
+  locate_tile(a, seq_range, &t0, &t_last, &i0, w);
   const bool full = i0 + kPer <= a.total;
 
   // Inputs: raw bits of lp and ref, the reward base.
@@ -352,36 +359,16 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
         last = wsp.last[b];
       }
     }
-    if (a.placement != kLast) continue;
-    const SeqGeom g = seq_geom(a, b);
-    const int64_t pos = last >= 0 ? last : g.length - 1;
-    if (pos < 0) continue;  // an empty sequence has no slot
-    const int64_t row = a.layout == kPacked ? 0 : b, col = g.first_col + pos;
-    const int64_t out = a.layout == kPacked ? col : b * a.width + col;
-    float kv = 0.0f;
-    if (last >= 0) {
-      const float d = load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1) -
-                      load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1);
-      kv = kl_value(d, a.est);
-    }
-    const float rb = load<RT>(reinterpret_cast<const void*>(a.reward), b * a.rw_s0);
-    store<RT>(reinterpret_cast<void*>(a.reward_out), out, rb - coef_of(a, b) * kv);
+    if (a.placement == kLast) place_last<DT, RT>(a, b, last);
   }
 }
 
 template <int32_t DT, int32_t RT>
 __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
   __shared__ int64_t seq_range[2];
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kCudaTile;
-  const int64_t t_last = (t0 + kCudaTile < a.total ? t0 + kCudaTile : a.total) - 1;
-  if (a.layout == kPacked && threadIdx.x == 0) {
-    seq_range[0] = seq_of(a, t0);
-    seq_range[1] = seq_of(a, t_last);
-  }
-  __syncthreads();
-  const int64_t i0 = t0 + static_cast<int64_t>(threadIdx.x) * kPer;
+  int64_t t0, t_last, i0;
   Where w[kPer];
-  locate(a, i0, seq_range[0], seq_range[1], w);
+  locate_tile(a, seq_range, &t0, &t_last, &i0, w);
   const void* lp = reinterpret_cast<const void*>(a.lp);
   const void* ref = reinterpret_cast<const void*>(a.ref);
   const float* g_sum = reinterpret_cast<const float*>(a.g_kl_sum);
