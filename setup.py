@@ -171,6 +171,9 @@ def _extensions() -> list[Extension]:
             sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp")),
             include_dirs=common_includes,
             depends=headers,
+            # dlopen/dl_iterate_phdr: finding the OpenMP runtime torch loaded (parallel.cpp); part of
+            # libc since glibc 2.34, libdl before.
+            libraries=["dl"],
             extra_compile_args=cxx_flags,
             language="c++",
         )

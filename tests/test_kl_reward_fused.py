@@ -216,3 +216,34 @@ def test_coefficient_changes_do_not_recompile():
     for value in (0.1, 0.2, 0.3):
         step(torch.tensor(value))
     assert counter.frame_count == 1
+
+
+def _forked_child_sum(queue, lp, ref, offsets):
+    queue.put(kl_reward(lp, ref, offsets=offsets, backend="cpu").kl_sum.tolist())
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork()")
+def test_parallel_kernel_in_a_forked_child():
+    """The CPU kernel runs on torch's OpenMP team, which is not fork-safe; a forked child (as in a
+    fork-started DataLoader worker) must fall back to a fresh pool of its own, not hang."""
+    import multiprocessing as mp
+
+    from kl_kernels import _extensions
+    runtime = _extensions.probe("_C").get("parallel_runtime")
+    assert runtime in ("openmp (torch's)", "own thread pool")
+    lp, ref, _, offsets, _ = _batch(n_seq=40, max_len=3000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = kl_reward(lp, ref, offsets=offsets, backend="cpu").kl_sum.tolist()  # the parent's team exists now
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_forked_child_sum, args=(queue, lp, ref, offsets))
+        child.start()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            pytest.fail("kl_reward hung in a forked child")
+        assert child.exitcode == 0 and queue.get(timeout=10) == want
+    finally:
+        torch.set_num_threads(before)

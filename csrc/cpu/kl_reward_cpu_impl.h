@@ -5,8 +5,8 @@
 // Work is cut into fixed tiles of the flat token space (packed: N tokens; padded: B * T elements
 // row-major). Tiles do not depend on the thread count and partial per-sequence sums are combined
 // in tile order, so results are bitwise identical run to run and for any number of threads.
-// Threads (std::thread, as many as torch uses: no second OpenMP runtime) pull tiles from an
-// atomic counter, which balances the load by tokens rather than by sequences.
+// Threads (as many as torch uses, from torch's own OpenMP team when it has one: see parallel.cpp)
+// pull tiles from an atomic counter, which balances the load by tokens rather than by sequences.
 //
 // Within a tile, each run of one sequence's tokens knows its counted range [jlo, jhi) up front
 // (validity and the prompt are position ranges), so padding and prompt tokens are filled without

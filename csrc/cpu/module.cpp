@@ -8,6 +8,7 @@
 #include "common/bind_args.h"
 #include "common/build_info.h"
 #include "cpu/kl_reward_cpu.h"
+#include "cpu/parallel.h"
 
 namespace py = pybind11;
 
@@ -25,6 +26,7 @@ py::dict probe() {
   kernels.append("kl_reward_forward");
   kernels.append("kl_reward_backward");
   info["kernels"] = kernels;
+  info["parallel_runtime"] = kl::parallel_runtime();  // decided at first use, after torch is loaded
   return info;
 }
 

@@ -1,7 +1,12 @@
-// A persistent thread pool for the CPU kernels (see parallel.h).
+// Parallel tiles for the CPU kernels (see parallel.h): on torch's own OpenMP team when the
+// process has one, else on a persistent thread pool of our own.
 #include "cpu/parallel.h"
 
+#include <dlfcn.h>
+#include <link.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <algorithm>
 #include <atomic>
@@ -76,7 +81,59 @@ Pool& pool() {
   return *instance;
 }
 
+// torch's CPU build runs its intra-op parallelism on an OpenMP runtime it loads itself (a bundled
+// libgomp on Linux wheels). After each parallel region its worker threads spin for a while before
+// sleeping; threads of our own started then share the cores with those spinners. On the 2-core CI
+// machine that made a kernel launched right after any torch op run 2x slower on 2 threads than on 1.
+// Running our tiles as a parallel region of *that* runtime (through GOMP_parallel, the ABI entry
+// point of `#pragma omp parallel`, which libgomp and Intel's libiomp both export) hands the work to
+// the very threads that are spinning. The runtime is looked up among the libraries already loaded
+// (RTLD_NOLOAD): we never load or link an OpenMP runtime of our own.
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+
+GompParallel loaded_gomp_parallel() {
+  static const GompParallel fn = [] {
+    GompParallel found = nullptr;
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* out) -> int {
+          const char* name = info->dlpi_name;
+          if (name == nullptr || (std::strstr(name, "libgomp") == nullptr && std::strstr(name, "libiomp") == nullptr))
+            return 0;
+          void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+          if (handle == nullptr) return 0;
+          void* sym = dlsym(handle, "GOMP_parallel");
+          dlclose(handle);  // drops the reference RTLD_NOLOAD took; the library stays loaded
+          if (sym == nullptr) return 0;
+          *static_cast<GompParallel*>(out) = reinterpret_cast<GompParallel>(sym);
+          return 1;
+        },
+        &found);
+    return found;
+  }();
+  return fn;
+}
+
+// GNU OpenMP is not fork-safe: in a child forked after the parent's OpenMP team exists, the next
+// parallel region hangs (torch's own ops do too). The process that loaded this module keeps using
+// torch's runtime; a forked child (another pid) uses our own pool, which it starts afresh.
+const pid_t loading_process = getpid();
+
+struct TileJob {
+  std::atomic<int64_t> next{0};
+  int64_t tiles = 0;
+  const std::function<void(int64_t)>* fn = nullptr;
+};
+
+void tile_worker(void* data) {
+  TileJob* job = static_cast<TileJob*>(data);
+  for (int64_t k = job->next.fetch_add(1); k < job->tiles; k = job->next.fetch_add(1)) (*job->fn)(k);
+}
+
 }  // namespace
+
+const char* parallel_runtime() {
+  return getpid() == loading_process && loaded_gomp_parallel() ? "openmp (torch's)" : "own thread pool";
+}
 
 void run_tiles(int64_t tiles, int threads, const std::function<void(int64_t)>& fn) {
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
@@ -84,10 +141,15 @@ void run_tiles(int64_t tiles, int threads, const std::function<void(int64_t)>& f
     for (int64_t k = 0; k < tiles; ++k) fn(k);
     return;
   }
-  std::atomic<int64_t> next{0};
-  const std::function<void()> worker = [&]() {
-    for (int64_t k = next.fetch_add(1); k < tiles; k = next.fetch_add(1)) fn(k);
-  };
+  TileJob job;
+  job.tiles = tiles;
+  job.fn = &fn;
+  GompParallel gomp = getpid() == loading_process ? loaded_gomp_parallel() : nullptr;
+  if (gomp != nullptr) {
+    gomp(&tile_worker, &job, static_cast<unsigned>(threads), 0);  // returns when the team is done
+    return;
+  }
+  const std::function<void()> worker = [&job]() { tile_worker(&job); };
   pool().run(threads - 1, worker);
 }
 
