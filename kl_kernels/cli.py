@@ -36,7 +36,7 @@ def cmd_info(args) -> int:
         print(f"extension  {name}: {state}{archs}{extra}")
     print("backends (auto order: cuda, triton, cpu, torch):")
     for name, b in data["backends"].items():
-        status = "available" if b["available"] else f"unavailable: {b['reason']}"
+        status = f"available: {b['notes']}" if b["available"] else f"unavailable: {b['reason']}"
         print(f"  {name:7s} {','.join(b['devices']):9s} {','.join(b['dtypes']):34s} {status}")
     return 0
 
