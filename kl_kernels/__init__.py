@@ -6,6 +6,9 @@ Public API:
   batches (packed, padded, nested or list layouts), forward and backward.
 * :mod:`kl_kernels.ragged`: the canonical ragged-batch form (values + int64 offsets) and its
   converters.
+* :class:`FixedKLController`, :class:`AdaptiveKLController`, :class:`ZieglerKLController`: the KL
+  coefficient (beta) of a KL penalty, fixed or adapted to a target KL, with state on device.
+* :mod:`kl_kernels.torchrl` (``torchrl`` extra): TorchRL drop-in KL transforms.
 * :func:`info`: which backends (torch, cpu, cuda, triton) can run here, and why not.
 
 Importing never fails because a compiled extension is missing or cannot load; that is reported
@@ -15,8 +18,10 @@ by :func:`info` and by the dispatcher.
 from . import ragged
 from ._info import info
 from .backends import BackendUnavailableError
+from .kl_penalty import AdaptiveKLController, FixedKLController, ZieglerKLController
 from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
 from .version import __version__
 
 __all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
-           "BackendUnavailableError", "__version__"]
+           "BackendUnavailableError", "FixedKLController", "AdaptiveKLController", "ZieglerKLController",
+           "__version__"]
