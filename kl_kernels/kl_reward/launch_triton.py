@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from .launch import _strides
 
 # (BLOCK, num_warps) pairs the forward/backward tile kernels are tuned over on a GPU.
 GPU_CONFIGS = ((1024, 4), (2048, 8), (4096, 8), (4096, 16))
@@ -52,12 +53,6 @@ def _size_bucket(n: int) -> int:
     return 1 << max(10, (max(n, 1) - 1).bit_length())
 
 
-def _strides(x: torch.Tensor, layout: int) -> tuple[int, int]:
-    if layout == 0:
-        return 0, x.stride(0)
-    return x.stride(0), x.stride(1)
-
-
 def _flat(x: torch.Tensor | None, layout: int) -> bool:
     """Readable at the flat output index (contiguous in the layout's shape)?"""
     if x is None:
@@ -69,7 +64,8 @@ def _flat(x: torch.Tensor | None, layout: int) -> bool:
 
 def _common(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
             estimator, clamp):
-    """Kernel arguments shared by forward and backward (tensors, scalars, constexprs)."""
+    """Kernel arguments shared by forward and backward: tensors, scalars, strides, and ``flags``, the
+    constexprs both kernels take."""
     dummy = log_probs
     packed = layout == 0
     batch = offsets.shape[0] - 1 if packed else log_probs.shape[0]
@@ -84,10 +80,13 @@ def _common(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef,
         coef_mode = 1 if coef_t.dim() == 0 else 2
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     lo, hi, olo, ohi = (float(v) for v in clamp)
+    flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None, COEF_MODE=coef_mode,
+                 EST=int(estimator))
     return dict(
-        dummy=dummy, packed=packed, batch=batch, width=width, offsets=offsets, lengths=lengths,
-        prompt_lens=prompt_lens, coef=coef_t, coef_mode=coef_mode, coef_scalar=float(coef_scalar), mask=mask_u8,
-        clamp=(lo, hi, olo, ohi), est=int(estimator), left_pad=bool(left_pad))
+        dummy=dummy, batch=batch, width=width, offsets=offsets, lengths=lengths,
+        prompt_lens=prompt_lens, coef=coef_t, coef_scalar=float(coef_scalar), mask=mask_u8,
+        clamp=(lo, hi, olo, ohi), flags=flags, lp_s=_strides(log_probs, layout), ref_s=_strides(ref_log_probs, layout),
+        mask_s=_strides(mask_u8, layout) if mask is not None else (0, 0))
 
 
 def _or(x, dummy):
@@ -120,16 +119,13 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
         rw_s0, rw_s1 = reward.stride(0), 0
     flat = all(_flat(x, layout) for x in (log_probs, ref_log_probs, mask, reward if placement == 1 else None))
     lo, hi, olo, ohi = c["clamp"]
-    common_flags = dict(PACKED=c["packed"], LEFT_PAD=c["left_pad"], HAS_LENGTHS=c["lengths"] is not None,
-                        COEF_MODE=c["coef_mode"], EST=c["est"])
     if total > 0:
         args = (log_probs, ref_log_probs, _or(c["mask"], dummy), _or(reward, dummy), _or(c["coef"], kl_sum),
                 _or(c["offsets"], count), _or(c["lengths"], count), _or(c["prompt_lens"], count),
                 kl, reward_out, ref_out if return_ref else kl, kl_sum, count, last, slot_sum, slot_count, slot_last,
-                total, batch, c["width"], *_strides(log_probs, layout), *_strides(ref_log_probs, layout),
-                *(_strides(c["mask"], layout) if mask is not None else (0, 0)), rw_s0, rw_s1,
+                total, batch, c["width"], *c["lp_s"], *c["ref_s"], *c["mask_s"], rw_s0, rw_s1,
                 c["coef_scalar"], lo, hi, olo, ohi, _size_bucket(total))
-        flags = dict(common_flags, HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
+        flags = dict(c["flags"], HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
                      PLACEMENT=placement, RETURN_REF=bool(return_ref), FLAT=flat)
         if _tuned(fwd):
             fwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
@@ -137,13 +133,11 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
         else:
             fwd[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
     if batch > 0:
-        lp_s = _strides(log_probs, layout)
-        ref_s = _strides(ref_log_probs, layout)
         combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
             log_probs, ref_log_probs, _or(reward, dummy), _or(c["coef"], kl_sum), _or(c["offsets"], count),
             _or(c["lengths"], count), reward_out, kl_sum, count, last, slot_sum, slot_count, slot_last,
-            batch, c["width"], *lp_s, *ref_s, rw_s0, c["coef_scalar"], lo, hi, olo, ohi,
-            **common_flags, PLACE_LAST=placement == 3, TILE=block, BLOCK_B=COMBINE_BLOCK)
+            batch, c["width"], *c["lp_s"], *c["ref_s"], rw_s0, c["coef_scalar"], lo, hi, olo, ohi,
+            **c["flags"], PLACE_LAST=placement == 3, TILE=block, BLOCK_B=COMBINE_BLOCK)
     return kl, reward_out, ref_out, kl_sum, count
 
 
@@ -165,13 +159,11 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     lo, hi, olo, ohi = c["clamp"]
     args = (log_probs, ref_log_probs, _or(c["mask"], dummy), _or(c["coef"], g_lp), _or(c["offsets"], g_lp),
             _or(c["lengths"], g_lp), _or(c["prompt_lens"], g_lp), *(_or(g, dummy) for g in grads), g_lp, g_ref,
-            total, c["batch"], c["width"], *_strides(log_probs, layout), *_strides(ref_log_probs, layout),
-            *(_strides(c["mask"], layout) if mask is not None else (0, 0)),
+            total, c["batch"], c["width"], *c["lp_s"], *c["ref_s"], *c["mask_s"],
             c["coef_scalar"], lo, hi, olo, ohi, _size_bucket(total))
-    flags = dict(PACKED=c["packed"], LEFT_PAD=c["left_pad"], HAS_LENGTHS=c["lengths"] is not None,
-                 HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None, COEF_MODE=c["coef_mode"],
+    flags = dict(c["flags"], HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
                  HAS_GKL=grads[0] is not None, HAS_GRW=grads[1] is not None, HAS_GRO=grads[2] is not None,
-                 HAS_GSUM=grads[3] is not None, EST=c["est"], STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
+                 HAS_GSUM=grads[3] is not None, STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
     if _tuned(bwd):
         bwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
     else:

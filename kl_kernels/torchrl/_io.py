@@ -79,13 +79,13 @@ def _fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
             node = node._tensordict.get(name) if isinstance(node, TensorDict) else None
             if node is None:
                 return None
-        if not isinstance(node, torch.Tensor) or isinstance(node, TensorDictBase):
+        if not isinstance(node, torch.Tensor):  # a sub-TensorDict, a non-tensor: not a leaf
             return None
         out.append(node)
     return out
 
 
-def read(td: TensorDictBase, key, *, padding_side: str = "left") -> Batch | None:
+def read(td: TensorDictBase, key) -> Batch | None:
     """The entry ``key`` of ``td`` as a :class:`Batch`, or ``None`` when absent."""
     if is_lazy(td):
         items = _fast_leaves(td, key)
@@ -106,11 +106,7 @@ def read(td: TensorDictBase, key, *, padding_side: str = "left") -> Batch | None
 
 def like(batch: Batch, values: torch.Tensor):
     """``values`` (dense like ``batch``, or packed with its offsets) in the storage of ``batch``."""
-    if batch.dense:
-        return values
-    if batch.lazy:
-        return ragged.to_list(values, batch.offsets)
-    return ragged.unpack(values, batch.layout)
+    return values if batch.dense else ragged.unpack(values, batch.layout)  # a lazy stack's layout is "list"
 
 
 def write(td: TensorDictBase, key, batch: Batch, values: torch.Tensor) -> None:

@@ -158,12 +158,13 @@ class KLRewardTransform(_trl.KLRewardTransform):
 
     def _mask_args(self, tensordict, lp: Batch) -> dict:
         """kl_reward's mask / lengths / prompt_lens for the counted tokens."""
+        if self.assistant_only:
+            assistant = read(tensordict, _ASSISTANT_MASK)
+            if assistant is not None:  # the common case: the attention mask is never read
+                return {"mask": assistant.values.to(torch.bool)}
         attention = read(tensordict, _ATTENTION_MASK)
         if not self.assistant_only:
             return {"mask": attention.values.to(torch.bool)} if attention is not None else {}
-        assistant = read(tensordict, _ASSISTANT_MASK)
-        if assistant is not None:
-            return {"mask": assistant.values.to(torch.bool)}
         if attention is None:
             raise ValueError(f"assistant_only=True needs {_ASSISTANT_MASK} or, as a fallback, {_ATTENTION_MASK} "
                              f"and {_PROMPT_TOKENS} in the data")
