@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define KL_HD __host__ __device__ __forceinline__
@@ -111,6 +112,24 @@ KL_HD uint16_t f32_to_f16(float f) {
   v += 0x0fffu + ((v >> 13) & 1u);               // round to nearest even on the 13 dropped bits
   return static_cast<uint16_t>(sign | (v >> 13));
 #endif
+}
+
+// The storage of one element of dtype DT, and the conversions between it and fp32.
+template <int32_t DT>
+using BitsOf = std::conditional_t<DT == kFloat32, uint32_t, uint16_t>;
+
+template <int32_t DT>
+KL_HD float from_bits(BitsOf<DT> b) {
+  if constexpr (DT == kFloat32) return bits_f32(b);
+  else if constexpr (DT == kBFloat16) return bf16_to_f32(b);
+  else return f16_to_f32(b);
+}
+
+template <int32_t DT>
+KL_HD BitsOf<DT> to_bits(float v) {
+  if constexpr (DT == kFloat32) return f32_bits(v);
+  else if constexpr (DT == kBFloat16) return f32_to_bf16(v);
+  else return f32_to_f16(v);
 }
 
 template <int32_t DT>

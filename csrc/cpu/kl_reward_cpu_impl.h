@@ -105,16 +105,6 @@ constexpr int kLanes = 8;
 #define KL_TARGET_CLONES
 #endif
 
-template <int32_t DT>
-using BitsOf = std::conditional_t<DT == kFloat32, uint32_t, uint16_t>;
-
-template <int32_t DT>
-inline BitsOf<DT> to_bits(float v) {
-  if constexpr (DT == kFloat32) return f32_bits(v);
-  else if constexpr (DT == kBFloat16) return f32_to_bf16(v);
-  else return f32_to_f16(v);
-}
-
 // The estimate of a block: k (fp32, kept in L1 for the reward and the sums), m (the final mask)
 // and the kl output, written directly, all in one vectorizable loop.
 template <int32_t DT, int32_t EST, bool MASK, bool CLAMP>

@@ -34,27 +34,10 @@ constexpr int kPer = 8;
 constexpr int kWarps = kThreads / 32;
 static_assert(kThreads * kPer == kCudaTile, "tile = threads x elements per thread");
 
-template <int32_t DT>
-using Bits = typename std::conditional<DT == kFloat32, uint32_t, uint16_t>::type;
-
 template <typename T>
 struct alignas(sizeof(T) * kPer >= 16 ? 16 : sizeof(T) * kPer) Pack {  // 8 elements, vector-loadable
   T v[kPer];
 };
-
-template <int32_t DT>
-__device__ __forceinline__ float to_f32(Bits<DT> b) {
-  if constexpr (DT == kFloat32) return bits_f32(b);
-  else if constexpr (DT == kBFloat16) return bf16_to_f32(b);
-  else return f16_to_f32(b);
-}
-
-template <int32_t DT>
-__device__ __forceinline__ Bits<DT> from_f32(float v) {
-  if constexpr (DT == kFloat32) return f32_bits(v);
-  else if constexpr (DT == kBFloat16) return f32_to_bf16(v);
-  else return f32_to_f16(v);
-}
 
 template <typename T>
 __device__ __forceinline__ T ld(uintptr_t base, int64_t i) {
@@ -147,8 +130,6 @@ __device__ __forceinline__ void locate_tile(const KLRewardArgs& a, int64_t* seq_
   locate(a, *i0, seq_range[0], seq_range[1], w);
 }
 
-__device__ __forceinline__ float coef_at(const KLRewardArgs& a, int64_t b) { return coef_of(a, b); }
-
 // Block-wide exclusive prefix of (fp64 sum, int count) over threads, in thread order.
 __device__ __forceinline__ void block_exclusive_scan(double v, int c, double* wsum, int* wcnt, double* out_v,
                                                      int* out_c) {
@@ -198,69 +179,69 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
   const bool full = i0 + kPer <= a.total;
 
   // Inputs: raw bits of lp and ref, the reward base.
-  Bits<DT> lp_raw[kPer], ref_raw[kPer];
+  BitsOf<DT> lp_raw[kPer], ref_raw[kPer];
   float base[kPer];
   if (VEC && full) {
-    const Pack<Bits<DT>> lp = *reinterpret_cast<const Pack<Bits<DT>>*>(reinterpret_cast<const Bits<DT>*>(a.lp) + i0);
-    const Pack<Bits<DT>> rf = *reinterpret_cast<const Pack<Bits<DT>>*>(reinterpret_cast<const Bits<DT>*>(a.ref) + i0);
+    const Pack<BitsOf<DT>> lp = *reinterpret_cast<const Pack<BitsOf<DT>>*>(reinterpret_cast<const BitsOf<DT>*>(a.lp) + i0);
+    const Pack<BitsOf<DT>> rf = *reinterpret_cast<const Pack<BitsOf<DT>>*>(reinterpret_cast<const BitsOf<DT>*>(a.ref) + i0);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) lp_raw[j] = lp.v[j], ref_raw[j] = rf.v[j];
   } else {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      lp_raw[j] = w[j].counted ? ld<Bits<DT>>(a.lp, w[j].seq * a.lp_s0 + w[j].col * a.lp_s1) : Bits<DT>(0);
-      ref_raw[j] = w[j].counted ? ld<Bits<DT>>(a.ref, w[j].seq * a.ref_s0 + w[j].col * a.ref_s1) : Bits<DT>(0);
+      lp_raw[j] = w[j].counted ? ld<BitsOf<DT>>(a.lp, w[j].seq * a.lp_s0 + w[j].col * a.lp_s1) : BitsOf<DT>(0);
+      ref_raw[j] = w[j].counted ? ld<BitsOf<DT>>(a.ref, w[j].seq * a.ref_s0 + w[j].col * a.ref_s1) : BitsOf<DT>(0);
     }
   }
   if (a.placement == kToken) {
     if (VEC && full) {
-      const Pack<Bits<RT>> r =
-          *reinterpret_cast<const Pack<Bits<RT>>*>(reinterpret_cast<const Bits<RT>*>(a.reward) + i0);
+      const Pack<BitsOf<RT>> r =
+          *reinterpret_cast<const Pack<BitsOf<RT>>*>(reinterpret_cast<const BitsOf<RT>*>(a.reward) + i0);
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) base[j] = to_f32<RT>(r.v[j]);
+      for (int j = 0; j < kPer; ++j) base[j] = from_bits<RT>(r.v[j]);
     } else {
 #pragma unroll
       for (int j = 0; j < kPer; ++j)
-        base[j] = w[j].inb ? to_f32<RT>(ld<Bits<RT>>(a.reward, w[j].seq * a.rw_s0 + w[j].col * a.rw_s1)) : 0.0f;
+        base[j] = w[j].inb ? from_bits<RT>(ld<BitsOf<RT>>(a.reward, w[j].seq * a.rw_s0 + w[j].col * a.rw_s1)) : 0.0f;
     }
   } else {
 #pragma unroll
     for (int j = 0; j < kPer; ++j)
-      base[j] = (a.placement == kSequence && w[j].inb) ? to_f32<RT>(ld<Bits<RT>>(a.reward, w[j].seq * a.rw_s0))
+      base[j] = (a.placement == kSequence && w[j].inb) ? from_bits<RT>(ld<BitsOf<RT>>(a.reward, w[j].seq * a.rw_s0))
                                                        : 0.0f;
   }
 
   // Per-token outputs.
   float k[kPer];
-  Bits<DT> kl_out[kPer], ref_out[kPer];
-  Bits<RT> rw_out[kPer];
+  BitsOf<DT> kl_out[kPer], ref_out[kPer];
+  BitsOf<RT> rw_out[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const float d = to_f32<DT>(lp_raw[j]) - to_f32<DT>(ref_raw[j]);
+    const float d = from_bits<DT>(lp_raw[j]) - from_bits<DT>(ref_raw[j]);
     k[j] = w[j].counted ? kl_value(d, a.est) : 0.0f;  // exactly 0 where not counted
-    kl_out[j] = from_f32<DT>(k[j]);
-    ref_out[j] = w[j].counted ? ref_raw[j] : Bits<DT>(0);
-    rw_out[j] = from_f32<RT>(base[j] - coef_at(a, w[j].seq) * k[j]);
+    kl_out[j] = to_bits<DT>(k[j]);
+    ref_out[j] = w[j].counted ? ref_raw[j] : BitsOf<DT>(0);
+    rw_out[j] = to_bits<RT>(base[j] - coef_of(a, w[j].seq) * k[j]);
   }
   if (VEC && full) {
-    Pack<Bits<DT>> p;
-    Pack<Bits<RT>> r;
+    Pack<BitsOf<DT>> p;
+    Pack<BitsOf<RT>> r;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) p.v[j] = kl_out[j], r.v[j] = rw_out[j];
-    *reinterpret_cast<Pack<Bits<DT>>*>(reinterpret_cast<Bits<DT>*>(a.kl) + i0) = p;
-    *reinterpret_cast<Pack<Bits<RT>>*>(reinterpret_cast<Bits<RT>*>(a.reward_out) + i0) = r;
+    *reinterpret_cast<Pack<BitsOf<DT>>*>(reinterpret_cast<BitsOf<DT>*>(a.kl) + i0) = p;
+    *reinterpret_cast<Pack<BitsOf<RT>>*>(reinterpret_cast<BitsOf<RT>*>(a.reward_out) + i0) = r;
     if (a.ref_out) {
 #pragma unroll
       for (int j = 0; j < kPer; ++j) p.v[j] = ref_out[j];
-      *reinterpret_cast<Pack<Bits<DT>>*>(reinterpret_cast<Bits<DT>*>(a.ref_out) + i0) = p;
+      *reinterpret_cast<Pack<BitsOf<DT>>*>(reinterpret_cast<BitsOf<DT>*>(a.ref_out) + i0) = p;
     }
   } else {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       if (!w[j].inb) continue;
-      reinterpret_cast<Bits<DT>*>(a.kl)[i0 + j] = kl_out[j];
-      reinterpret_cast<Bits<RT>*>(a.reward_out)[i0 + j] = rw_out[j];
-      if (a.ref_out) reinterpret_cast<Bits<DT>*>(a.ref_out)[i0 + j] = ref_out[j];
+      reinterpret_cast<BitsOf<DT>*>(a.kl)[i0 + j] = kl_out[j];
+      reinterpret_cast<BitsOf<RT>*>(a.reward_out)[i0 + j] = rw_out[j];
+      if (a.ref_out) reinterpret_cast<BitsOf<DT>*>(a.ref_out)[i0 + j] = ref_out[j];
     }
   }
 
