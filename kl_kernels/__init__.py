@@ -6,6 +6,8 @@ Public API:
   batches (packed, padded, nested or list layouts), forward and backward.
 * :mod:`kl_kernels.ragged`: the canonical ragged-batch form (values + int64 offsets) and its
   converters.
+* :func:`kl_penalty_loss`: PPO policy loss with a KL penalty (KL to the old policy or to a
+  reference), PPO clipping, entropy bonus and every aggregation, forward and backward fused.
 * :class:`FixedKLController`, :class:`AdaptiveKLController`, :class:`ZieglerKLController`: the KL
   coefficient (beta) of a KL penalty, fixed or adapted to a target KL, with state on device.
 * :mod:`kl_kernels.torchrl` (``torchrl`` extra): TorchRL drop-in KL transforms.
@@ -18,10 +20,11 @@ by :func:`info` and by the dispatcher.
 from . import ragged
 from ._info import info
 from .backends import BackendUnavailableError
-from .kl_penalty import AdaptiveKLController, FixedKLController, ZieglerKLController
+from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, KLPenaltyLossOutput,
+                         ZieglerKLController, kl_penalty_loss)
 from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
 from .version import __version__
 
 __all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
            "BackendUnavailableError", "FixedKLController", "AdaptiveKLController", "ZieglerKLController",
-           "__version__"]
+           "kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "__version__"]

@@ -247,8 +247,11 @@ def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32):
     return r.values
 
 
-def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side):
-    """Return (kind, lp, ref, mask, offsets, lengths) with lp/ref/mask in a native layout."""
+def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side, second="ref_log_probs"):
+    """Return (kind, lp, ref, mask, offsets, lengths) with lp/ref/mask in a native layout.
+
+    ``second`` is the name of the second log-prob argument in error messages (the loss calls it
+    ``old_log_probs``)."""
     if isinstance(log_probs, (list, tuple)) or (isinstance(log_probs, torch.Tensor) and log_probs.is_nested):
         kind = "list" if isinstance(log_probs, (list, tuple)) else (
             "nested_jagged" if log_probs.layout == torch.jagged else "nested_strided")
@@ -270,17 +273,17 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
                 raise ValueError(f"nested log_probs must be [B, j] (1-D per sequence), got {log_probs.dim()} dims")
             packed = ragged.from_nested(log_probs, name="log_probs")
         lp, offsets = packed
-        ref = _pack_ragged_arg(ref_log_probs, "ref_log_probs", offsets, kind, lp.dtype)
-        _check_logprob_tensor(ref, "ref_log_probs")
+        ref = _pack_ragged_arg(ref_log_probs, second, offsets, kind, lp.dtype)
+        _check_logprob_tensor(ref, second)
         if mask is not None:
             mask = _pack_ragged_arg(mask, "mask", offsets, kind, torch.bool)
             _check_mask_tensor(mask, lp.shape)
         return kind, lp, ref, mask, offsets, None
 
     _check_logprob_tensor(log_probs, "log_probs")
-    _check_logprob_tensor(ref_log_probs, "ref_log_probs")
+    _check_logprob_tensor(ref_log_probs, second)
     if ref_log_probs.is_nested:
-        raise TypeError("ref_log_probs must be a regular tensor like log_probs, got a nested tensor")
+        raise TypeError(f"{second} must be a regular tensor like log_probs, got a nested tensor")
     if log_probs.dim() == 1:
         if offsets is None:
             raise ValueError("1-D log_probs is the packed layout and needs offsets [B + 1] (int64 cu_seqlens); "
@@ -301,7 +304,7 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
         raise ValueError("log_probs must be packed [N] (with offsets), padded [B, T], a nested tensor or a list of "
                          f"1-D tensors; got shape {list(log_probs.shape)}")
     if tuple(ref_log_probs.shape) != tuple(log_probs.shape):
-        raise ValueError(f"ref_log_probs must have the shape of log_probs {list(log_probs.shape)}, "
+        raise ValueError(f"{second} must have the shape of log_probs {list(log_probs.shape)}, "
                          f"got {list(ref_log_probs.shape)}")
     if mask is not None:
         _check_mask_tensor(mask, log_probs.shape)

@@ -1,0 +1,101 @@
+"""The public ``kl_penalty_loss`` function: validate, dispatch, aggregate."""
+
+from __future__ import annotations
+
+from .. import backends as _dispatch
+from .aggregate import KLPenaltyLossOutput, aggregate
+from .backends import REGISTRY
+from .problem import build_problem
+
+
+def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None, beta=1.0, estimator="k1", mask=None,
+                    offsets=None, lengths=None, padding_side="left", clip_epsilon=None, entropy=None,
+                    entropy_coef=0.0, aggregation="token-mean", num_global_tokens=None, process_group=None,
+                    norm_length=None, backend="auto") -> KLPenaltyLossOutput:
+    r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
+
+    Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
+
+        ratio_t = exp(clamp(lp_t - old_t, -20, 20))               (the clamp keeps it finite)
+        obj_t   = -ratio_t * A_t                                  (no clip_epsilon)
+                = -min(ratio_t * A_t, clamp(ratio_t, 1 - eps_lo, 1 + eps_hi) * A_t)   (PPO clip)
+        kl_t    = est(old_t - lp_t)   KL(old || new), as TorchRL's KLPENPPOLoss
+                = est(lp_t - ref_t)   KL(new || ref) when ref_log_probs is given (GRPO-style)
+        loss_t  = obj_t + beta_b * kl_t - entropy_coef * entropy_t
+
+    and ``loss`` aggregates ``loss_t`` over counted tokens (see ``aggregation``). ``est`` is one of
+    :data:`kl_kernels.ESTIMATORS` (``"k3"``: ``expm1(-d) + d``; ``"+"`` variants use k2's
+    gradient). Counted tokens are the valid ones (layout) that are in ``mask``.
+
+    Layouts, as :func:`kl_kernels.kl_reward`: packed ``[N]`` + ``offsets``, padded ``[B, T]`` (+
+    ``lengths``, ``padding_side``), ``torch.nested`` ``[B, j]`` or a list of 1-D tensors. Every
+    per-token argument uses the log-probs' layout.
+
+    Args:
+        log_probs: the policy's log-probs of the sampled tokens (float32, bfloat16, float16; float64
+            with ``backend="torch"``). Gradients flow to it.
+        old_log_probs: the behaviour policy's log-probs (data: no gradient).
+        advantages: per token (log-probs' layout; padded also ``[B, T, 1]``) or per sequence
+            ``[B]`` / ``[B, 1]`` (packed: ``[B, 1]`` only, as a 1-D tensor is per-token ``[N]``). Data.
+        ref_log_probs: optional reference-model log-probs: the KL is then to the reference.
+        beta: KL coefficient: float, 0-dim or per-sequence ``[B]`` tensor, read on its device (a
+            controller's ``beta`` buffer works as is). Default 1.0.
+        estimator: KL estimator, default ``"k1"``.
+        mask: bool, log-probs' layout: which tokens count (assistant tokens).
+        offsets, lengths, padding_side: the layout, as ``kl_reward``.
+        clip_epsilon: ``None`` (no clip, TorchRL's ``KLPENPPOLoss``), ``eps`` or ``(eps_low,
+            eps_high)`` (asymmetric, DAPO's clip-higher).
+        entropy: optional per-token entropy (log-probs' layout); gradients flow to it.
+        entropy_coef: weight of the entropy bonus (the loss subtracts ``entropy_coef * entropy``).
+        aggregation: ``"token-mean"`` (default), ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``,
+            ``"seq-mean-token-sum-norm"``, ``"sum"`` or ``"none"`` (per-token loss, caller's layout,
+            0 at non-counted tokens). Weights: :mod:`kl_kernels.kl_penalty.aggregate`.
+        num_global_tokens: ``"token-mean"`` over several ranks: the token count of all ranks
+            together (int or 0-dim tensor), so the ranks' losses sum to the union's token mean.
+        process_group: a ``torch.distributed`` group: the token and sequence counts (and the
+            diagnostics) are all-reduced over it (one small all-reduce).
+        norm_length: the constant length of ``"seq-mean-token-sum-norm"`` (default: the padded
+            width ``T``; required for the other layouts).
+        backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides), ``"torch"``, ``"cpu"``,
+            ``"cuda"`` or ``"triton"``.
+
+    Returns:
+        :class:`KLPenaltyLossOutput` ``(loss, loss_objective, loss_kl, loss_entropy, kl_mean,
+        ratio_mean, clip_fraction, num_tokens)``: ``loss`` is differentiable, the rest detached;
+        float32 (float64 for float64 inputs).
+
+    The fused backends keep one float32 gradient buffer (``dloss_t / dlp_t``, written by the forward
+    pass) and nothing else for backward; the backward scales it by the incoming gradient. Results
+    are deterministic (fixed-order sums, no float atomics).
+
+    Raises:
+        TypeError / ValueError: bad input, naming the argument and what was expected, before any
+            kernel runs. Inputs are never modified.
+
+    Example::
+
+        >>> import torch
+        >>> from kl_kernels import kl_penalty_loss
+        >>> lp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.1, -0.2]], requires_grad=True)
+        >>> old = torch.tensor([[-1.0, -0.6, -2.0], [-0.3, -0.1, -0.4]])
+        >>> out = kl_penalty_loss(lp, old, torch.tensor([1.0, -1.0]), beta=0.1,
+        ...                       lengths=torch.tensor([2, 3]), backend="torch")
+        >>> out.num_tokens
+        tensor(5)
+        >>> round(float(out.loss.detach()), 4)  # (-1.1052 - 1 + 1 + 1 + 1.2214) / 5 + 0.1 * (-0.1 - 0.2) / 5
+        0.2172
+        >>> out.loss.backward()
+        >>> lp.grad[0]  # left padding: no gradient at column 0
+        tensor([ 0.0000, -0.2410, -0.2200])
+    """
+    problem, kind, offsets_of_kind = build_problem(
+        log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
+        offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
+        entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length)
+    from .problem import _num_global_tokens
+
+    num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
+    impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
+    raw = impl.run(problem)
+    return aggregate(problem, raw, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
+                     process_group=process_group)

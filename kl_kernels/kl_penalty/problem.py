@@ -1,0 +1,263 @@
+"""Validate ``kl_penalty_loss``'s arguments and normalize them into one :class:`KLPenaltyProblem`.
+
+The loss reuses ``kl_reward``'s layout machinery: lists and nested tensors are packed (zero-copy
+for jagged nested tensors), dense inputs stay packed ``[N]`` + ``offsets`` or padded ``[B, T]``
++ ``lengths``, so a backend only ever sees one of the two native layouts. Every check happens here,
+before any backend runs; bad input raises ``TypeError``/``ValueError`` naming the argument and what
+was expected. Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from .. import ragged
+from ..kl_reward.problem import (ESTIMATORS, _check_device, _check_logprob_tensor, _normalize_layout,
+                                 _pack_ragged_arg, _same_device)
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum",
+                "none")
+# The log-ratio log_probs - old_log_probs is clamped to +-LOG_RATIO_BOUND before exp: exp(20) ~ 4.9e8
+# keeps the ratio (and ratio * advantage) finite in float32 where a diverged token would give inf.
+LOG_RATIO_BOUND = 20.0
+
+
+@dataclass
+class KLPenaltyProblem:
+    """Normalized arguments of one ``kl_penalty_loss`` call, in a layout a kernel reads natively.
+
+    Per-token tensors (``log_probs``, ``old_log_probs``, ``ref_log_probs``, ``entropy``, ``mask``,
+    per-token ``advantages``) are ``[N]`` (``layout == "packed"``, with ``offsets [B + 1]``) or
+    ``[B, T]`` (``"padded"``, with ``lengths`` or ``None`` and ``padding_side``). Per-sequence
+    advantages are ``[B]`` (``adv_per_seq``). ``beta`` is a float or a detached float32 0-d / ``[B]``
+    tensor. ``clip`` is ``(1 - eps_low, 1 + eps_high)`` or ``None``.
+    """
+
+    layout: str
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor | None
+    advantages: torch.Tensor
+    adv_per_seq: bool
+    entropy: torch.Tensor | None
+    entropy_coef: float
+    mask: torch.Tensor | None
+    offsets: torch.Tensor | None
+    lengths: torch.Tensor | None
+    padding_side: str
+    beta: float | torch.Tensor
+    estimator: str
+    clip: tuple | None
+    aggregation: str
+    norm_length: float | None
+
+    prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.shape[0] - 1 if self.layout == "packed" else self.log_probs.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.log_probs.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.log_probs.device
+
+    @property
+    def dtypes(self) -> set:
+        out = {self.log_probs.dtype, self.old_log_probs.dtype, self.advantages.dtype}
+        for t in (self.ref_log_probs, self.entropy):
+            if t is not None:
+                out.add(t.dtype)
+        return out
+
+    @property
+    def math_dtype(self) -> torch.dtype:
+        """float32 math; float64 when a log-prob input is float64 (the reference's oracle mode)."""
+        return torch.float64 if torch.float64 in self.dtypes else torch.float32
+
+
+def _real(name, value, *, lo=None, lo_open=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+    return value
+
+
+def _check_clip(clip_epsilon):
+    """``None``, ``eps`` or ``(eps_low, eps_high)`` -> ``(1 - eps_low, 1 + eps_high)`` or ``None``."""
+    if clip_epsilon is None:
+        return None
+    if isinstance(clip_epsilon, (tuple, list)):
+        if len(clip_epsilon) != 2:
+            raise ValueError(f"clip_epsilon must be a float or a pair (eps_low, eps_high), got {clip_epsilon!r}")
+        low, high = (_real("clip_epsilon", e, lo=0.0) for e in clip_epsilon)
+    else:
+        low = high = _real("clip_epsilon", clip_epsilon, lo=0.0)
+    if low >= 1.0:
+        raise ValueError(f"clip_epsilon's lower epsilon must be < 1 (the ratio is clipped to 1 - eps), got {low}")
+    return 1.0 - low, 1.0 + high
+
+
+def _token_tensor(x, name, kind, lp, offsets, *, floating=True):
+    """A per-token argument in log_probs' layout -> a tensor in the problem's native layout."""
+    if kind in ("list", "nested_jagged", "nested_strided"):
+        return _pack_ragged_arg(x, name, offsets, kind, lp.dtype)
+    if not isinstance(x, torch.Tensor) or x.is_nested:
+        raise TypeError(f"{name} must be a regular tensor like log_probs, got "
+                        f"{'a nested tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if tuple(x.shape) != tuple(lp.shape):
+        raise ValueError(f"{name} must have the shape of log_probs {list(lp.shape)}, got {list(x.shape)}")
+    _check_device(name, x.device, lp.device)
+    return x
+
+
+def _check_float(x, name):
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16 or float64), got {x.dtype}")
+
+
+def _advantages(advantages, kind, lp, offsets, batch):
+    """Per-token (the log-probs' layout, or padded ``[B, T, 1]``) or per-sequence (``[B]``, ``[B, 1]``)."""
+    if isinstance(advantages, (list, tuple)) or (isinstance(advantages, torch.Tensor) and advantages.is_nested):
+        if kind not in ("list", "nested_jagged", "nested_strided"):
+            raise TypeError("advantages is a list or nested tensor but log_probs is a dense tensor: give a tensor")
+        values = _pack_ragged_arg(advantages, "advantages", offsets, kind, lp.dtype)
+        if values.dim() != 1:
+            raise ValueError("per-token advantages must be [L] per sequence, like log_probs")
+        _check_float(values, "advantages")
+        return values, False
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a tensor, a nested tensor or a list of tensors, "
+                        f"got {type(advantages).__name__}")
+    _check_float(advantages, "advantages")
+    _check_device("advantages", advantages.device, lp.device)
+    shape, tok = tuple(advantages.shape), tuple(lp.shape)
+    if kind == "padded":
+        # [B, T] first: with T == 1 the per-token and per-sequence readings are the same numbers.
+        if shape in (tok, tok + (1,)):
+            return advantages.reshape(tok), False
+        if shape in ((batch,), (batch, 1)):
+            return advantages.reshape(batch), True
+    elif kind == "packed":
+        # [N] is per-token; per-sequence is [B, 1] only: [B] could be read either way when N == B.
+        if shape == tok:
+            return advantages, False
+        if shape == (batch, 1):
+            return advantages.reshape(batch), True
+        if shape == (batch,):
+            raise ValueError(f"advantages of shape [B] = {list(shape)} with packed log_probs: pass per-sequence "
+                             "advantages as [B, 1] (a 1-D tensor is read as per-token [N])")
+    elif shape in ((batch,), (batch, 1)):
+        return advantages.reshape(batch), True
+    forms = {"padded": f"per-token {list(tok)} or {list(tok + (1,))}, or per-sequence [B] or [B, 1]",
+             "packed": f"per-token {list(tok)} or per-sequence [B, 1]"}
+    form = forms.get(kind, f"per-token (a {kind.replace('_', ' ')} like log_probs), or per-sequence [B] or [B, 1]")
+    raise ValueError(f"advantages must be {form} with B = {batch}; got shape {list(shape)}")
+
+
+def _beta(beta, batch, device):
+    if isinstance(beta, torch.Tensor):
+        if not beta.dtype.is_floating_point:
+            raise TypeError(f"beta must be a float, a 0-dim or a per-sequence [B] floating tensor, got {beta.dtype}")
+        if beta.dim() != 0 and tuple(beta.shape) != (batch,):
+            raise ValueError(f"beta must be a float, a 0-dim tensor or a per-sequence [B] tensor (B = {batch}); "
+                             f"got shape {list(beta.shape)}")
+        _check_device("beta", beta.device, device)
+        return beta.detach()  # a coefficient, read on device: no host sync, no gradient
+    return _real("beta", beta)
+
+
+def _num_global_tokens(n, aggregation, process_group, device):
+    if n is None:
+        return None
+    if aggregation != "token-mean":
+        raise ValueError(f"num_global_tokens applies to aggregation='token-mean' only, got {aggregation!r} "
+                         "(use process_group for the sequence count of the seq-mean aggregations)")
+    if process_group is not None:
+        raise ValueError("pass num_global_tokens or process_group, not both")
+    if isinstance(n, torch.Tensor):
+        if n.dim() != 0 or n.dtype.is_complex or n.dtype == torch.bool:
+            raise ValueError(f"num_global_tokens must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
+        _check_device("num_global_tokens", n.device, device)
+        return n
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ValueError(f"num_global_tokens must be an integer >= 0 (the token count of every rank together), "
+                         f"got {n!r}")
+    return int(n)
+
+
+def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
+                  padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length):
+    """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
+
+    ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
+    ``"nested_strided"``): per-token results go back in it.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(map(repr, ESTIMATORS))}; got {estimator!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}; got {aggregation!r}")
+    if padding_side not in ragged.PADDING_SIDES:
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    clip = _check_clip(clip_epsilon)
+    entropy_coef = _real("entropy_coef", entropy_coef)
+    if isinstance(log_probs, (list, tuple)) != isinstance(old_log_probs, (list, tuple)):
+        raise TypeError("log_probs and old_log_probs must use the same layout (both lists, both nested or both dense)")
+    if isinstance(log_probs, torch.Tensor) and log_probs.is_nested and not (
+            isinstance(old_log_probs, torch.Tensor) and old_log_probs.is_nested):
+        raise TypeError("old_log_probs must be a nested tensor like log_probs")
+    if not isinstance(log_probs, (list, tuple, torch.Tensor)):
+        raise TypeError(f"log_probs must be a tensor, a nested tensor or a list of tensors, got {type(log_probs).__name__}")
+
+    device = log_probs[0].device if isinstance(log_probs, (list, tuple)) and log_probs else (
+        log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu"))
+    _same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,
+                 entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
+    kind, lp, old, mask, offsets, lengths = _normalize_layout(log_probs, old_log_probs, mask, offsets, lengths,
+                                                              padding_side, second="old_log_probs")
+    device = lp.device
+    if kind != "list":
+        _check_device("old_log_probs", old.device, device)
+    layout = "padded" if kind == "padded" else "packed"
+    batch = lp.shape[0] if layout == "padded" else offsets.shape[0] - 1
+
+    ref = None
+    if ref_log_probs is not None:
+        ref = _token_tensor(ref_log_probs, "ref_log_probs", kind, lp, offsets)
+        _check_logprob_tensor(ref, "ref_log_probs")
+    ent = None
+    if entropy is not None:
+        ent = _token_tensor(entropy, "entropy", kind, lp, offsets)
+        _check_float(ent, "entropy")
+    adv, adv_per_seq = _advantages(advantages, kind, lp, offsets, batch)
+
+    if norm_length is not None:
+        norm_length = _real("norm_length", norm_length, lo=0.0, lo_open=True)
+        if aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(f"norm_length applies to aggregation='seq-mean-token-sum-norm' only, got {aggregation!r}")
+    elif aggregation == "seq-mean-token-sum-norm":
+        if layout != "padded":
+            raise ValueError("aggregation='seq-mean-token-sum-norm' divides by a constant length: pass norm_length "
+                             "(e.g. the maximum response length) for packed, list or nested inputs")
+        if lp.shape[1] == 0:
+            raise ValueError("aggregation='seq-mean-token-sum-norm' needs norm_length when the padded width T is 0")
+        norm_length = float(lp.shape[1])
+
+    problem = KLPenaltyProblem(
+        layout=layout, log_probs=lp, old_log_probs=old.detach(), ref_log_probs=None if ref is None else ref.detach(),
+        advantages=adv.detach(), adv_per_seq=adv_per_seq, entropy=ent, entropy_coef=entropy_coef, mask=mask,
+        offsets=offsets if layout == "packed" else None, lengths=lengths, padding_side=padding_side,
+        beta=_beta(beta, batch, device), estimator=estimator, clip=clip, aggregation=aggregation,
+        norm_length=norm_length)
+    return problem, kind, offsets

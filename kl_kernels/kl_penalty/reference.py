@@ -1,0 +1,119 @@
+"""The torch reference of ``kl_penalty_loss``: the semantics every fused kernel must match.
+
+Vectorized torch ops only, both native layouts, any float dtype (float64 inputs: float64 math).
+It is also the ``"torch"`` backend: gradients come from autograd through exactly these formulas.
+
+Per token ``t`` of sequence ``b`` with ``m_t`` the final mask (valid and in ``mask``)::
+
+    r_t      = clamp(lp_t - old_t, -20, 20)             ratio_t = exp(r_t)
+    gain_t   = ratio_t * A_t                            A per token or per sequence
+    clip_t   = clamp(ratio_t, 1 - eps_lo, 1 + eps_hi) * A_t      (= gain_t without clip_epsilon)
+    obj_t    = -(gain_t if gain_t <= clip_t else clip_t)         (PPO's pessimistic min)
+    d_t      = lp_t - ref_t  (ref_log_probs given: KL(new || ref))
+             = old_t - lp_t  (otherwise: TorchRL's KL(old || new), sampled from the old policy)
+    kl_t     = est(d_t)      k1 d, abs |d|, k2 d^2/2, k3 expm1(-d) + d; "+": k2's gradient
+    loss_t   = m_t * (obj_t + beta_b * kl_t - entropy_coef * entropy_t)
+
+and per sequence the sums of ``loss_t``, ``obj_t``, ``kl_t``, ``entropy_t``, ``ratio_t`` and of the
+clipped indicator ``[clip_t < gain_t]`` over counted tokens (accumulated in float64), with the count.
+``aggregate.py`` turns these into the loss. The gradient reaching ``lp_t`` (what the fused kernels
+store in their one gradient buffer) is::
+
+    dloss_t/dlp_t = m_t * (-A_t ratio_t [|lp_t - old_t| <= 20] w_t + beta_b * s * est'(d_t))
+    w_t = 1 if gain_t <= clip_t else [1 - eps_lo <= ratio_t <= 1 + eps_hi]     s = +1 (ref) / -1 (old)
+
+Non-counted tokens contribute nothing and get zero gradient, whatever they hold (NaN included).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..kl_reward.problem import STRAIGHT_THROUGH
+from ..kl_reward.reference import _final_mask, _token_frame, estimate
+from .problem import LOG_RATIO_BOUND, KLPenaltyProblem
+
+STAT_COLUMNS = ("objective", "kl", "entropy", "ratio", "clipped")
+
+
+class RawLoss(NamedTuple):
+    """What a backend returns, before aggregation.
+
+    * ``seq_loss [B]``: per-sequence sum of ``loss_t`` (math dtype; carries the gradient).
+    * ``stats [B, 5]``: per-sequence sums of :data:`STAT_COLUMNS` (no gradient).
+    * ``count [B]``: int64 counted tokens.
+    * ``token_out``: ``None``, or (``aggregation="none"``) ``[4, *shape]`` per-token ``loss_t``
+      (carries the gradient), ``obj_t``, ``beta_b * kl_t``, ``-entropy_coef * entropy_t``.
+    """
+
+    seq_loss: torch.Tensor
+    stats: torch.Tensor
+    count: torch.Tensor
+    token_out: torch.Tensor | None
+
+
+def per_sequence_sum(p: KLPenaltyProblem, x: torch.Tensor, seq) -> torch.Tensor:
+    """Sum of a per-token tensor over each sequence, accumulated in float64 (a 70k-token row in
+    float32 would drift), returned in float64."""
+    if p.layout == "padded":
+        return x.to(torch.float64).sum(1)
+    out = torch.zeros(p.batch_size, dtype=torch.float64, device=x.device)
+    return out.index_add(0, seq, x.to(torch.float64))
+
+
+def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
+    """``kl_penalty_loss``'s per-token terms and per-sequence sums with torch ops (module doc)."""
+    md = p.math_dtype
+    valid, pos, per_seq, seq = _token_frame(p)
+    m = _final_mask(p, valid, pos, per_seq)
+
+    def tok(x):  # a per-token input in the math dtype, zeroed outside the mask (padding may be NaN)
+        return torch.where(m, x.to(md), 0.0)
+
+    lp = p.log_probs.to(md)
+    old = tok(p.old_log_probs)
+    adv = tok(per_seq(p.advantages) if p.adv_per_seq else p.advantages)
+    log_ratio = torch.where(m, lp, 0.0) - old
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    gain = ratio * adv
+    if p.clip is not None:
+        gain_clipped = torch.clamp(ratio, *p.clip) * adv
+        take = gain <= gain_clipped  # NaN: False, as the kernels
+        obj = -torch.where(take, gain, gain_clipped)
+        clipped = ~take
+    else:
+        obj = -gain
+        clipped = torch.zeros_like(m)
+
+    other = tok(p.ref_log_probs) if p.ref_log_probs is not None else old
+    d = torch.where(m, lp, 0.0) - other if p.ref_log_probs is not None else other - torch.where(m, lp, 0.0)
+    kl = estimate(d, p.estimator)
+    if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
+        k2 = 0.5 * d * d
+        kl = kl.detach() + (k2 - k2.detach())  # value: the estimator; gradient: d (k2's)
+
+    beta = p.beta
+    if isinstance(beta, torch.Tensor):
+        beta = beta.to(md) if beta.dim() == 0 else per_seq(beta.to(md))
+    ent = tok(p.entropy) if p.entropy is not None else None
+    penalty = beta * kl
+    loss = obj + penalty - p.entropy_coef * ent if ent is not None else obj + penalty
+    zero = torch.zeros((), dtype=md, device=p.device)
+    loss, obj, kl, penalty = (torch.where(m, x, zero) for x in (loss, obj, kl, penalty))
+
+    def sums(x):
+        return per_sequence_sum(p, x, seq).to(md)
+
+    with torch.no_grad():
+        ent_sum = sums(ent) if ent is not None else torch.zeros(p.batch_size, dtype=md, device=p.device)
+        ratio_m = torch.where(m, ratio, zero)
+        stats = torch.stack([sums(obj), sums(kl), ent_sum, sums(ratio_m), sums((clipped & m).to(md))], dim=1)
+        count = m.sum(1) if p.layout == "padded" else torch.zeros(
+            p.batch_size, dtype=torch.int64, device=p.device).index_add_(0, seq, m.to(torch.int64))
+    token_out = None
+    if p.aggregation == "none":
+        ent_term = -p.entropy_coef * ent if ent is not None else torch.zeros_like(obj)
+        token_out = torch.stack([loss, obj.detach(), penalty.detach(), ent_term.detach()])
+    return RawLoss(sums(loss), stats, count, token_out)

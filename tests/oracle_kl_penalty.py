@@ -1,0 +1,130 @@
+"""Independent float64 oracle for kl_penalty_loss: Python floats, one token at a time.
+
+Written from the specification (the issue, TorchRL's KLPENPPOLoss docs, verl's aggregation
+names), sharing no code with kl_kernels. A batch is a list of sequences, each given by its
+*valid* tokens; layouts are the harness's business.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from oracle import _est, _est_grad
+
+LOG_RATIO_BOUND = 20.0
+
+
+@dataclass
+class Seq:
+    lp: list
+    old: list
+    adv: list            # per token (a per-sequence advantage is repeated by the harness)
+    mask: list           # bool per token
+    ref: list | None = None
+    ent: list | None = None
+    beta: float = 1.0
+
+
+@dataclass
+class Result:
+    loss: float
+    loss_objective: float
+    loss_kl: float
+    loss_entropy: float
+    kl_mean: float
+    ratio_mean: float
+    clip_fraction: float
+    num_tokens: int
+    grad_lp: list        # per sequence, per valid token: d loss / d lp
+    grad_ent: list       # per sequence, per valid token: d loss / d entropy
+    token_loss: list     # per sequence, per valid token: loss_t (0 where not counted)
+
+
+def token_terms(s: Seq, t: int, *, estimator, clip):
+    """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp) of one counted token."""
+    lr = s.lp[t] - s.old[t]
+    lrc = min(max(lr, -LOG_RATIO_BOUND), LOG_RATIO_BOUND)
+    inside_lr = 1.0 if -LOG_RATIO_BOUND <= lr <= LOG_RATIO_BOUND else 0.0
+    ratio = math.exp(lrc)
+    a = s.adv[t]
+    gain = ratio * a
+    if clip is None:
+        obj, clipped, w = -gain, False, 1.0
+    else:
+        lo, hi = clip
+        gain_c = min(max(ratio, lo), hi) * a
+        if gain <= gain_c:
+            obj, clipped, w = -gain, False, 1.0
+        else:
+            obj, clipped, w = -gain_c, True, (1.0 if lo <= ratio <= hi else 0.0)
+    dobj = -a * ratio * inside_lr * w
+    if s.ref is not None:
+        d, sign = s.lp[t] - s.ref[t], 1.0
+    else:
+        d, sign = s.old[t] - s.lp[t], -1.0
+    base = estimator.rstrip("+")
+    kl = _est(d, base)
+    dkl = sign * (d if estimator.endswith("+") else _est_grad(d, base))
+    ent = s.ent[t] if s.ent is not None else 0.0
+    return obj, kl, ent, ratio, clipped, dobj, dkl
+
+
+def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggregation="token-mean",
+                norm_length=None, global_tokens=None, global_seqs=None) -> Result:
+    """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel)."""
+    per_seq = []
+    for s in seqs:
+        rows = []
+        for t in range(len(s.lp)):
+            if not s.mask[t]:
+                rows.append(None)
+                continue
+            rows.append(token_terms(s, t, estimator=estimator, clip=clip))
+        per_seq.append(rows)
+    counts = [sum(r is not None for r in rows) for rows in per_seq]
+    n_tok = sum(counts) if global_tokens is None else global_tokens
+    n_seq = len(seqs) if global_seqs is None else global_seqs
+
+    def weight(b):
+        if aggregation == "token-mean":
+            return 1.0 / max(n_tok, 1)
+        if aggregation == "seq-mean-token-mean":
+            return 1.0 / (max(counts[b], 1) * max(n_seq, 1))
+        if aggregation == "seq-mean-token-sum":
+            return 1.0 / max(n_seq, 1)
+        if aggregation == "seq-mean-token-sum-norm":
+            return 1.0 / norm_length
+        if aggregation in ("sum", "none"):
+            return 1.0
+        raise AssertionError(aggregation)
+
+    obj_terms, kl_terms, ent_terms, grads, grads_ent, token_loss = [], [], [], [], [], []
+    kl_sum = ratio_sum = clip_sum = 0.0
+    for b, (s, rows) in enumerate(zip(seqs, per_seq)):
+        w = weight(b)
+        g, ge, tl = [], [], []
+        for r in rows:
+            if r is None:
+                g.append(0.0), ge.append(0.0), tl.append(0.0)
+                continue
+            obj, kl, ent, ratio, clipped, dobj, dkl = r
+            obj_terms.append(w * obj)
+            kl_terms.append(w * s.beta * kl)
+            ent_terms.append(-w * entropy_coef * ent)
+            g.append(w * (dobj + s.beta * dkl))
+            ge.append(-w * entropy_coef)
+            tl.append(obj + s.beta * kl - entropy_coef * ent)
+            kl_sum += kl
+            ratio_sum += ratio
+            clip_sum += clipped
+        grads.append(g), grads_ent.append(ge), token_loss.append(tl)
+
+    def total(xs):
+        return math.fsum(xs) if all(map(math.isfinite, xs)) else sum(xs)
+
+    lo, lk, le = total(obj_terms), total(kl_terms), total(ent_terms)
+    n_local = sum(counts)
+    denom = max(n_local, 1)  # diagnostics: over these tokens (the harness passes the union for process groups)
+    return Result(lo + lk + le, lo, lk, le, kl_sum / denom, ratio_sum / denom, clip_sum / denom, n_local, grads,
+                  grads_ent, token_loss)
