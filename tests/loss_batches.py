@@ -296,7 +296,7 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
         leaves = [(built.kwargs["log_probs"], exp_grads, "log_probs")]
         if case.ent is not None:
             leaves.append((built.kwargs["entropy"], exp_grads_ent, "entropy"))
-        if total.requires_grad:
+        if isinstance(total, torch.Tensor) and total.requires_grad:
             total.backward()
         for leaf, want, name in leaves:
             if isinstance(leaf, list):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kl_kernels import kl_penalty_loss
 from loss_batches import AGGREGATIONS, LOSS_LAYOUTS, LossCase, check_loss, loss_cases
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "cpu"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,10 +1,11 @@
-// pybind11 binding of KLRewardArgs / EstimatorParams, shared by the _C and _cuda modules so both
+// pybind11 bindings of KLRewardArgs / EstimatorParams (and KLPenaltyArgs), shared by the _C and _cuda modules so both
 // expose the same argument object to Python (kl_kernels/kl_reward/launch.py fills it). module_local:
 // each module owns its binding of the one C++ type (pybind11 shares a type registry across modules).
 #pragma once
 
 #include <pybind11/pybind11.h>
 
+#include "common/kl_penalty_args.h"
 #include "common/kl_reward_args.h"
 
 namespace kl {
@@ -33,6 +34,21 @@ inline void bind_args(pybind11::module_& m) {
   KL_FIELD(coef_mode); KL_FIELD(coef_scalar); KL_FIELD(coef); KL_FIELD(est); KL_FIELD(kl); KL_FIELD(reward_out);
   KL_FIELD(ref_out); KL_FIELD(kl_sum); KL_FIELD(count); KL_FIELD(g_kl); KL_FIELD(g_reward); KL_FIELD(g_ref_out);
   KL_FIELD(g_kl_sum); KL_FIELD(g_lp); KL_FIELD(g_ref);
+#undef KL_FIELD
+}
+
+// KLPenaltyArgs (kl_penalty_loss): `g` is a KLRewardArgs holding the geometry, mask and log-probs.
+inline void bind_penalty_args(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<KLPenaltyArgs> c(m, "KLPenaltyArgs", py::module_local());
+  c.def(py::init<>());
+#define KL_FIELD(name) c.def_readwrite(#name, &KLPenaltyArgs::name)
+  KL_FIELD(g); KL_FIELD(old); KL_FIELD(ref); KL_FIELD(adv); KL_FIELD(ent); KL_FIELD(old_s0); KL_FIELD(old_s1);
+  KL_FIELD(ref_s0); KL_FIELD(ref_s1); KL_FIELD(adv_s0); KL_FIELD(adv_s1); KL_FIELD(ent_s0); KL_FIELD(ent_s1);
+  KL_FIELD(aux_dtype); KL_FIELD(adv_per_seq); KL_FIELD(beta_mode); KL_FIELD(beta_scalar); KL_FIELD(beta);
+  KL_FIELD(clip_lo); KL_FIELD(clip_hi); KL_FIELD(entropy_coef); KL_FIELD(seq_loss); KL_FIELD(stats);
+  KL_FIELD(count); KL_FIELD(token_out); KL_FIELD(grad); KL_FIELD(g_seq); KL_FIELD(g_tok); KL_FIELD(g_lp);
+  KL_FIELD(g_ent);
 #undef KL_FIELD
 }
 

@@ -161,11 +161,9 @@ KL_HD void store_zero(void* p, int64_t i) {
 
 // ------------------------------------------------------------------------------ expm1
 
-// expm1(y) in float32, branch-free so that loops calling it vectorize (libm's expm1f is a
-// scalar call). |y| < ln2/2: Taylor series to y^8 (truncation < 3e-9 relative): accurate near
-// 0, where k3 = expm1(-x) + x lives. Otherwise 2^n * exp(r) - 1 with n = round(y / ln2) and
-// r = y - n ln2 split Cody-Waite style, exp(r) by its series to r^8; |expm1(y)| >= 0.29 there,
-// so the final subtraction loses nothing. Overflow gives +inf, underflow -1, NaN stays NaN.
+// expm1 and exp in float32, branch-free so that loops calling them vectorize (libm's expm1f and
+// expf are scalar calls). |y| < ln2/2: Taylor series to y^8 (truncation < 3e-9 relative): accurate
+// near 0, where k3 = expm1(-x) + x lives.
 KL_HD float expm1_poly(float y) {  // sum_{k=1..8} y^k / k!, Horner
   float p = 1.0f / 40320.0f;
   p = p * y + 1.0f / 5040.0f;
@@ -178,9 +176,10 @@ KL_HD float expm1_poly(float y) {  // sum_{k=1..8} y^k / k!, Horner
   return p * y;
 }
 
-KL_HD float expm1_vec(float y) {
-  const float small = expm1_poly(y);
-  const float yc = fminf(fmaxf(y, -104.0f), 89.0f);  // beyond: -1 and +inf below
+// exp(y) = 2^n * exp(r), n = round(y / ln2), r = y - n ln2 split Cody-Waite style, |r| <= ln2/2,
+// exp(r) by its series to r^8 (truncation < 3e-10 relative). Overflow gives +inf, NaN stays NaN.
+KL_HD float exp_vec(float y) {
+  const float yc = fminf(fmaxf(y, -104.0f), 89.0f);  // beyond: 0 and +inf below
   // round(y / ln2) by the 1.5 * 2^23 trick: a plain add, which vectorizes (rintf needs SSE4.1).
   const float n = (yc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (yc - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
@@ -190,9 +189,16 @@ KL_HD float expm1_vec(float y) {
   const int32_t n1 = ni / 2, n2 = ni - n1;
   const float s1 = bits_f32(static_cast<uint32_t>(n1 + 127) << 23);
   const float s2 = bits_f32(static_cast<uint32_t>(n2 + 127) << 23);
-  const float big = er * s1 * s2 - 1.0f;
-  const float out = fabsf(y) < 0.34657359f ? small : (y > 88.7228394f ? INFINITY : big);
+  const float out = y > 88.7228394f ? INFINITY : er * s1 * s2;
   return y != y ? y : out;  // NaN in, NaN out (the clamp of yc above would drop it)
+}
+
+// expm1(y): the series near 0 (where exp(y) - 1 would cancel), exp_vec(y) - 1 elsewhere, where
+// |expm1(y)| >= 0.29 so the subtraction loses nothing.
+KL_HD float expm1_vec(float y) {
+  const float small = expm1_poly(y);
+  const float big = exp_vec(y) - 1.0f;
+  return fabsf(y) < 0.34657359f ? small : big;  // NaN: big, which is NaN
 }
 
 // ------------------------------------------------------------------------------ estimators

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import _extensions
 from ..backends import Backend
+from .ops import run_fused
 from .reference import kl_penalty_reference
 
 HALF_AND_SINGLE = frozenset({torch.float32, torch.bfloat16, torch.float16})
@@ -28,6 +30,21 @@ def _not_written(name):
                     f"{' or cpu' if name != 'cpu' else ''})"]
 
 
+def _cpu_reasons() -> list[str]:
+    _, reason = _extensions.kernel("_C", "kl_penalty_forward")
+    return [reason] if reason else []
+
+
+def _same_logprob_dtype(problem) -> list[str]:
+    dtypes = {problem.log_probs.dtype, problem.old_log_probs.dtype}
+    if problem.ref_log_probs is not None:
+        dtypes.add(problem.ref_log_probs.dtype)
+    if len(dtypes) > 1:
+        return [f"log_probs, old_log_probs and ref_log_probs differ in dtype ({', '.join(sorted(map(str, dtypes)))}); "
+                "the fused kernels read them in one dtype"]
+    return []
+
+
 def _unreachable(problem):
     raise AssertionError("dispatch never runs an unavailable backend")
 
@@ -37,6 +54,8 @@ REGISTRY: list[Backend] = [
             notes="not implemented yet"),
     Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _not_written("Triton"), _unreachable,
             notes="not implemented yet"),
+    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, run_fused,
+            requires=_same_logprob_dtype, notes="fused multi-threaded C++ kernel"),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
             kl_penalty_reference, notes="vectorized torch reference (float64-capable)"),
 ]

@@ -1,0 +1,53 @@
+// Arguments of the fused kl_penalty_loss kernels, shared by the CPU and CUDA implementations.
+//
+// The geometry (layout, sizes, offsets / lengths, padding side), the mask, the log-probs and their
+// dtype live in a KLRewardArgs `g`, read with kl_reward's helpers (seq_geom, seq_of, the CPU tile
+// runs); kl_reward's reward/coef/output fields are unused. Inputs are read at
+// X[row * X_s0 + col * X_s1] (packed: row = 0); outputs are contiguous in the layout's shape.
+// Validation happens in Python before a kernel ever sees these.
+#pragma once
+
+#include <cstdint>
+
+#include "common/kl_reward_args.h"
+
+namespace kl {
+
+struct KLPenaltyArgs {
+  KLRewardArgs g;  // geometry, mask, lp (+ strides), dtype (of lp, old and ref); est.estimator/straight_through
+
+  // inputs besides lp and the mask
+  uintptr_t old = 0, ref = 0, adv = 0, ent = 0;  // ref, ent: 0 when absent
+  int64_t old_s0 = 0, old_s1 = 1, ref_s0 = 0, ref_s1 = 1, adv_s0 = 0, adv_s1 = 1, ent_s0 = 0, ent_s1 = 1;
+  int32_t aux_dtype = kFloat32;  // advantages and entropy: lp's dtype or float32
+  int32_t adv_per_seq = 0;       // advantages [B] read at adv[b * adv_s0]
+  int32_t beta_mode = kCoefScalar;
+  float beta_scalar = 1.0f;
+  uintptr_t beta = 0;            // float32 [1] (0-d) or [B]
+  float clip_lo = -INFINITY, clip_hi = INFINITY;  // ratio clip bounds (infinite: no clip)
+  float entropy_coef = 0.0f;
+
+  // forward outputs (contiguous)
+  uintptr_t seq_loss = 0;   // float32 [B]
+  uintptr_t stats = 0;      // float32 [B, 5]: objective, kl, entropy, ratio, clipped sums
+  uintptr_t count = 0;      // int64 [B]
+  uintptr_t token_out = 0;  // float32 [4, total] (aggregation "none") or 0
+  uintptr_t grad = 0;       // float32 [total]: d loss_t / d lp_t (0 where not counted)
+
+  // backward: incoming gradients (each may be 0 = zero) and outputs
+  uintptr_t g_seq = 0;      // float32 [B]
+  uintptr_t g_tok = 0;      // float32 [total]
+  uintptr_t g_lp = 0;       // lp dtype [total]
+  uintptr_t g_ent = 0;      // aux dtype [total], or 0
+};
+
+constexpr int kStatColumns = 5;
+
+// beta of sequence b.
+KL_HD float beta_of(const KLPenaltyArgs& a, int64_t b) {
+  if (a.beta_mode == kCoefScalar) return a.beta_scalar;
+  const float* c = reinterpret_cast<const float*>(a.beta);
+  return a.beta_mode == kCoefPerSeq ? c[b] : c[0];
+}
+
+}  // namespace kl

@@ -1,0 +1,66 @@
+// Per-token math of kl_penalty_loss, shared by the CPU (_C) and CUDA (_cuda) kernels.
+//
+// The semantics are those of kl_kernels/kl_penalty/reference.py, for one counted token:
+//
+//   r     = clamp(lp - old, -20, 20)            ratio = exp(r)
+//   gain  = ratio * A      gain_c = clamp(ratio, clip_lo, clip_hi) * A   (bounds +-inf: no clip)
+//   obj   = -(gain <= gain_c ? gain : gain_c)   clipped = !(gain <= gain_c)
+//   d     = sign * (lp - other)                 other = ref (sign +1) or old (sign -1)
+//   kl    = est(d)
+//   loss  = obj + beta * kl - entropy_coef * entropy
+//   dloss/dlp = -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi])
+//               + beta * sign * est'(d)          (straight-through estimators: est'(d) = d)
+//
+// Branch-free selects only, so that the CPU loops calling it vectorize.
+#pragma once
+
+#include "common/kl_math.h"
+
+namespace kl {
+
+constexpr float kLogRatioBound = 20.0f;  // exp(20) ~ 4.9e8: ratio * A stays finite in float32
+
+struct PPOToken {
+  float obj, kl, ratio, clipped, grad;  // grad: d(obj + beta * kl) / d lp
+};
+
+template <int32_t EST>
+KL_HD float est_value(float x) {
+  if constexpr (EST == kK1) return x;
+  else if constexpr (EST == kAbs) return fabsf(x);
+  else if constexpr (EST == kK2) return 0.5f * x * x;
+  else return expm1_vec(-x) + x;  // expm1 keeps k3 accurate near 0
+}
+
+template <int32_t EST>
+KL_HD float est_derivative(float x) {
+  if constexpr (EST == kK1) return 1.0f;
+  else if constexpr (EST == kAbs) return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+  else if constexpr (EST == kK2) return x;
+  else return -expm1_vec(-x);
+}
+
+// One counted token. `straight_through`: value of EST, derivative of k2 (d).
+template <int32_t EST>
+KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv, float beta, float clip_lo,
+                         float clip_hi, bool straight_through) {
+  const float lr_raw = lp - old;
+  const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
+  const float in_lr = inside(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
+  const float ratio = exp_vec(lr);
+  const float gain = ratio * adv;
+  const float gain_c = clamp_lo_hi(ratio, 1, clip_lo, 1, clip_hi) * adv;
+  const bool take = gain <= gain_c;  // NaN: false, as torch.where in the reference
+  const float w = take ? 1.0f : inside(ratio, 1, clip_lo, 1, clip_hi);
+  const float d = sign * (lp - other);
+  const float dk = straight_through ? d : est_derivative<EST>(d);
+  PPOToken t;
+  t.obj = -(take ? gain : gain_c);
+  t.kl = est_value<EST>(d);
+  t.ratio = ratio;
+  t.clipped = take ? 0.0f : 1.0f;
+  t.grad = -adv * ratio * in_lr * w + beta * sign * dk;
+  return t;
+}
+
+}  // namespace kl

@@ -1,0 +1,254 @@
+// Fused kl_penalty_loss on the CPU: one pass over the tokens writes the per-token gradient of the
+// loss w.r.t. log_probs (the one buffer kept for backward) and the per-sequence sums; the backward
+// pass scales that buffer by the incoming gradient.
+//
+// Work is cut into kl_reward's fixed tiles of the flat token space (kl_reward_cpu_impl.h): the same
+// runs, the same thread pool, per-sequence partial sums combined in tile order in float64, so the
+// results are bitwise identical run to run and for any thread count. Within a run, blocks of
+// kBlock tokens are first loaded into float32 scratch (one simple loop per input, the choice of
+// source made outside the loop), then one branch-free loop computes every token: both loops
+// vectorize, for any layout, dtype and option.
+#include "cpu/kl_penalty_cpu.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "common/kl_penalty_math.h"
+#include "cpu/kl_reward_cpu_impl.h"
+
+namespace kl {
+namespace cpu_penalty {
+
+using cpu_detail::counted_range;
+using cpu_detail::for_each_run_in_tile;
+using cpu_detail::kLanes;
+using cpu_detail::parallel_tiles;
+using cpu_detail::Run;
+using cpu_detail::tile_count;
+
+constexpr int kSums = 6;  // loss, objective, kl, entropy, ratio, clipped
+constexpr int64_t kBlock = 256;
+
+struct Sums {
+  int64_t seq = -1;
+  double v[kSums] = {0, 0, 0, 0, 0, 0};
+  int64_t count = 0;
+};
+
+// x[i] = value i of a strided input as float32 (stride 1 when CONTIG: a vectorizable loop).
+template <int32_t T, bool CONTIG>
+inline void load_block(float* __restrict x, const void* src, int64_t first, int64_t stride, int64_t n) {
+  const BitsOf<T>* s = static_cast<const BitsOf<T>*>(src) + first;
+  if constexpr (CONTIG) {
+    for (int64_t i = 0; i < n; ++i) x[i] = from_bits<T>(s[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) x[i] = from_bits<T>(s[i * stride]);
+  }
+}
+
+template <int32_t DT, int32_t AT, int32_t EST, bool CONTIG>
+KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
+  const KLRewardArgs& g = a.g;
+  const int64_t total = g.total;
+  float* G = reinterpret_cast<float*>(a.grad) + r.out0;
+  float* tok = a.token_out ? reinterpret_cast<float*>(a.token_out) + r.out0 : nullptr;
+  int64_t jlo, jhi;
+  counted_range(r, &jlo, &jhi);
+  auto zero = [&](int64_t j0, int64_t j1) {  // tokens that cannot count
+    if (j1 <= j0) return;
+    std::memset(G + j0, 0, (j1 - j0) * sizeof(float));
+    if (tok)
+      for (int k = 0; k < 4; ++k) std::memset(tok + k * total + j0, 0, (j1 - j0) * sizeof(float));
+  };
+  zero(0, jlo);
+  zero(jhi, r.n);
+
+  const float beta = beta_of(a, r.seq);
+  const float sign = a.ref ? 1.0f : -1.0f;
+  const bool st = g.est.straight_through != 0;
+  const float clip_lo = a.clip_lo, clip_hi = a.clip_hi, ec = a.entropy_coef;
+  const float adv_seq = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), r.seq * a.adv_s0) : 0.0f;
+  const void* lp = reinterpret_cast<const void*>(g.lp);
+  const void* old = reinterpret_cast<const void*>(a.old);
+  const void* ref = reinterpret_cast<const void*>(a.ref);
+  const void* adv = reinterpret_cast<const void*>(a.adv);
+  const void* ent = reinterpret_cast<const void*>(a.ent);
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(g.mask);
+  auto first = [&](int64_t s0, int64_t s1) { return r.row * s0 + r.col0 * s1; };
+
+  alignas(64) float x_lp[kBlock], x_old[kBlock], x_ref[kBlock], x_adv[kBlock], x_ent[kBlock], x_m[kBlock];
+  alignas(64) float o[kSums][kBlock];
+  double acc[kSums][kLanes] = {};
+  int64_t count = 0;
+  for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
+    const int64_t n = std::min(kBlock, jhi - jb);
+    load_block<DT, CONTIG>(x_lp, lp, first(g.lp_s0, g.lp_s1) + jb * g.lp_s1, g.lp_s1, n);
+    load_block<DT, CONTIG>(x_old, old, first(a.old_s0, a.old_s1) + jb * a.old_s1, a.old_s1, n);
+    if (ref) load_block<DT, CONTIG>(x_ref, ref, first(a.ref_s0, a.ref_s1) + jb * a.ref_s1, a.ref_s1, n);
+    if (a.adv_per_seq) std::fill(x_adv, x_adv + n, adv_seq);
+    else load_block<AT, CONTIG>(x_adv, adv, first(a.adv_s0, a.adv_s1) + jb * a.adv_s1, a.adv_s1, n);
+    if (ent) load_block<AT, CONTIG>(x_ent, ent, first(a.ent_s0, a.ent_s1) + jb * a.ent_s1, a.ent_s1, n);
+    else std::fill(x_ent, x_ent + n, 0.0f);
+    if (mask) {
+      const uint8_t* mb = mask + first(g.mask_s0, g.mask_s1) + jb * g.mask_s1;
+      for (int64_t i = 0; i < n; ++i) x_m[i] = mb[CONTIG ? i : i * g.mask_s1] ? 1.0f : 0.0f;
+    } else {
+      std::fill(x_m, x_m + n, 1.0f);
+    }
+    const float* other = ref ? x_ref : x_old;
+    float* __restrict Gb = G + jb;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool m = x_m[i] != 0.0f;
+      // Non-counted tokens may hold anything (NaN padding): compute on zeros, then select 0.
+      const PPOToken t = ppo_token<EST>(m ? x_lp[i] : 0.0f, m ? x_old[i] : 0.0f, m ? other[i] : 0.0f, sign,
+                                        m ? x_adv[i] : 0.0f, beta, clip_lo, clip_hi, st);
+      const float e = m ? x_ent[i] : 0.0f;
+      o[0][i] = m ? t.obj + beta * t.kl - ec * e : 0.0f;
+      o[1][i] = m ? t.obj : 0.0f;
+      o[2][i] = m ? t.kl : 0.0f;
+      o[3][i] = e;
+      o[4][i] = m ? t.ratio : 0.0f;
+      o[5][i] = m ? t.clipped : 0.0f;
+      Gb[i] = m ? t.grad : 0.0f;
+    }
+    for (int k = 0; k < kSums; ++k) {  // kLanes fixed accumulators: deterministic and vectorizable
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) acc[k][l] += o[k][i + l];
+      for (int l = 0; i < n; ++i, ++l) acc[k][l] += o[k][i];
+    }
+    float cnt = 0.0f;  // exact: at most kBlock
+    for (int64_t i = 0; i < n; ++i) cnt += x_m[i];
+    count += static_cast<int64_t>(cnt);
+    if (tok) {
+      float* t0 = tok + jb;
+      for (int64_t i = 0; i < n; ++i) {
+        t0[i] = o[0][i];
+        t0[total + i] = o[1][i];
+        t0[2 * total + i] = beta * o[2][i];
+        t0[3 * total + i] = -ec * o[3][i] + 0.0f;
+      }
+    }
+  }
+  Sums s;
+  s.seq = r.seq;
+  s.count = count;
+  for (int k = 0; k < kSums; ++k) {
+    double v = 0.0;
+    for (int l = 0; l < kLanes; ++l) v += acc[k][l];
+    s.v[k] = v;
+  }
+  return s;
+}
+
+template <int32_t DT, int32_t AT, int32_t EST, bool CONTIG>
+void forward(const KLPenaltyArgs& a, int threads) {
+  const KLRewardArgs& g = a.g;
+  const int64_t tiles = tile_count(g);
+  std::vector<Sums> head(tiles), tail(tiles), per_seq(g.batch);
+  parallel_tiles(g, threads, [&](int64_t k) {
+    for_each_run_in_tile(g, k, [&](const Run& r, bool first) {
+      const Sums s = forward_run<DT, AT, EST, CONTIG>(a, r);
+      if (r.whole) per_seq[r.seq] = s;    // this tile alone owns the sequence
+      else (first ? head : tail)[k] = s;  // shared: combined below, in tile order
+    });
+  });
+  for (int64_t k = 0; k < tiles; ++k) {
+    for (const Sums* p : {&head[k], &tail[k]}) {
+      if (p->seq < 0) continue;
+      Sums& q = per_seq[p->seq];
+      for (int c = 0; c < kSums; ++c) q.v[c] += p->v[c];
+      q.count += p->count;
+    }
+  }
+  float* seq_loss = reinterpret_cast<float*>(a.seq_loss);
+  float* stats = reinterpret_cast<float*>(a.stats);
+  int64_t* count = reinterpret_cast<int64_t*>(a.count);
+  for (int64_t b = 0; b < g.batch; ++b) {
+    seq_loss[b] = static_cast<float>(per_seq[b].v[0]);
+    for (int c = 0; c < kStatColumns; ++c) stats[b * kStatColumns + c] = static_cast<float>(per_seq[b].v[c + 1]);
+    count[b] = per_seq[b].count;
+  }
+}
+
+template <int32_t DT, int32_t AT>
+void backward_run(const KLPenaltyArgs& a, const Run& r) {
+  const KLRewardArgs& g = a.g;
+  const int64_t o = r.out0;
+  const float* G = reinterpret_cast<const float*>(a.grad) + o;
+  const float* gt = a.g_tok ? reinterpret_cast<const float*>(a.g_tok) + o : nullptr;
+  const float gs = a.g_seq ? reinterpret_cast<const float*>(a.g_seq)[r.seq] : 0.0f;
+  BitsOf<DT>* glp = reinterpret_cast<BitsOf<DT>*>(a.g_lp) + o;
+  BitsOf<AT>* gent = a.g_ent ? reinterpret_cast<BitsOf<AT>*>(a.g_ent) + o : nullptr;
+  const uint8_t* mask = g.mask ? reinterpret_cast<const uint8_t*>(g.mask) + r.row * g.mask_s0 + r.col0 * g.mask_s1
+                               : nullptr;
+  const float ec = a.entropy_coef;
+  int64_t jlo, jhi;
+  counted_range(r, &jlo, &jhi);
+  for (int64_t j = 0; j < r.n; ++j) {
+    const bool m = j >= jlo && j < jhi && (mask == nullptr || mask[j * g.mask_s1] != 0);
+    const float up = (gt ? gt[j] : 0.0f) + gs;
+    glp[j] = to_bits<DT>(m ? up * G[j] : 0.0f);
+    if (gent) gent[j] = to_bits<AT>(m ? -ec * up : 0.0f);
+  }
+}
+
+inline bool contiguous(const KLPenaltyArgs& a) {
+  const KLRewardArgs& g = a.g;
+  return g.lp_s1 == 1 && a.old_s1 == 1 && (a.ref == 0 || a.ref_s1 == 1) && (a.adv_per_seq || a.adv_s1 == 1) &&
+         (a.ent == 0 || a.ent_s1 == 1) && (g.mask == 0 || g.mask_s1 == 1);
+}
+
+template <int32_t DT, int32_t AT>
+int run(const KLPenaltyArgs& a, int threads, bool backward_pass) {
+  if (backward_pass) {
+    parallel_tiles(a.g, threads, [&](int64_t k) {
+      for_each_run_in_tile(a.g, k, [&](const Run& r, bool) { backward_run<DT, AT>(a, r); });
+    });
+    return 0;
+  }
+  const bool c = contiguous(a);
+  auto go = [&](auto est) {
+    constexpr int32_t EST = decltype(est)::value;
+    c ? forward<DT, AT, EST, true>(a, threads) : forward<DT, AT, EST, false>(a, threads);
+    return 0;
+  };
+  switch (a.g.est.estimator) {
+    case kK1: return go(std::integral_constant<int32_t, kK1>{});
+    case kAbs: return go(std::integral_constant<int32_t, kAbs>{});
+    case kK2: return go(std::integral_constant<int32_t, kK2>{});
+    default: return go(std::integral_constant<int32_t, kK3>{});
+  }
+}
+
+template <int32_t DT>
+int run_dtype(const KLPenaltyArgs& a, int threads, bool backward_pass) {
+  if (a.aux_dtype == DT) return run<DT, DT>(a, threads, backward_pass);
+  if constexpr (DT != kFloat32) {
+    if (a.aux_dtype == kFloat32) return run<DT, kFloat32>(a, threads, backward_pass);
+  }
+  return 1;
+}
+
+int dispatch(const KLPenaltyArgs& a, int threads, bool backward_pass) {
+  switch (a.g.dtype) {
+    case kFloat32: return run_dtype<kFloat32>(a, threads, backward_pass);
+    case kBFloat16: return run_dtype<kBFloat16>(a, threads, backward_pass);
+    case kFloat16: return run_dtype<kFloat16>(a, threads, backward_pass);
+    default: return 1;
+  }
+}
+
+}  // namespace cpu_penalty
+
+int kl_penalty_forward_cpu(const KLPenaltyArgs& args, int num_threads) {
+  return cpu_penalty::dispatch(args, num_threads, false);
+}
+
+int kl_penalty_backward_cpu(const KLPenaltyArgs& args, int num_threads) {
+  return cpu_penalty::dispatch(args, num_threads, true);
+}
+
+}  // namespace kl

@@ -1,0 +1,12 @@
+// Entry points of the fused CPU kl_penalty_loss kernels (kl_penalty_cpu.cpp). Return 0 on success,
+// or an error code (1: unsupported dtype combination).
+#pragma once
+
+#include "common/kl_penalty_args.h"
+
+namespace kl {
+
+int kl_penalty_forward_cpu(const KLPenaltyArgs& args, int num_threads);
+int kl_penalty_backward_cpu(const KLPenaltyArgs& args, int num_threads);
+
+}  // namespace kl

@@ -1,0 +1,106 @@
+"""``torch.library`` registration of the fused kl_penalty_loss kernels: ops, fake tensors, autograd.
+
+``kl_kernels::kl_penalty_fwd`` runs the fused forward (``launch.py``): per-sequence sums, counts,
+optional per-token outputs and the gradient buffer ``dloss_t / dlp_t``. Its autograd saves only
+that buffer (plus the layout's index tensors) and ``kl_kernels::kl_penalty_bwd`` scales it by the
+incoming gradients, so no activation is kept for backward. Coefficients (beta scalar, clip bounds,
+entropy_coef) are runtime arguments of the schema: changing them never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kl_reward.launch import ESTIMATOR_CODES, LAYOUT_CODES
+from . import launch
+from .problem import KLPenaltyProblem
+from .reference import RawLoss
+
+_DEVICES = ("cpu", "cuda")
+
+
+@torch.library.custom_op("kl_kernels::kl_penalty_fwd", mutates_args=(), device_types=_DEVICES)
+def kl_penalty_fwd(log_probs: Tensor, old_log_probs: Tensor, ref_log_probs: Optional[Tensor], advantages: Tensor,
+                   entropy: Optional[Tensor], mask: Optional[Tensor], offsets: Optional[Tensor],
+                   lengths: Optional[Tensor], beta: Optional[Tensor], beta_scalar: float, adv_per_seq: bool,
+                   layout: int, left_pad: bool, estimator: int, straight_through: bool, clip_lo: float,
+                   clip_hi: float, entropy_coef: float, token_out: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Fused forward: (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or [0], grad [*shape])."""
+    return launch.forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
+                          beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
+                          entropy_coef, token_out)
+
+
+@kl_penalty_fwd.register_fake
+def _(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
+      adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
+    batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
+    shape = log_probs.shape
+    f32 = dict(dtype=torch.float32)
+    return (log_probs.new_empty((batch,), **f32), log_probs.new_empty((batch, 5), **f32),
+            log_probs.new_empty((batch,), dtype=torch.int64), log_probs.new_empty((4, *shape) if token_out else (0,), **f32),
+            log_probs.new_empty(shape, **f32))
+
+
+@torch.library.custom_op("kl_kernels::kl_penalty_bwd", mutates_args=(), device_types=_DEVICES)
+def kl_penalty_bwd(grad: Tensor, g_seq: Optional[Tensor], g_tok: Optional[Tensor], mask: Optional[Tensor],
+                   offsets: Optional[Tensor], lengths: Optional[Tensor], layout: int, left_pad: bool,
+                   lp_dtype: torch.dtype, entropy_grad: bool, aux_dtype: torch.dtype, entropy_coef: float
+                   ) -> tuple[Tensor, Tensor]:
+    """Fused backward: (grad_log_probs, grad_entropy or [0]) from the saved buffer and the incoming grads."""
+    return launch.backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad,
+                           aux_dtype, entropy_coef)
+
+
+@kl_penalty_bwd.register_fake
+def _(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype, entropy_coef):
+    return grad.new_empty(grad.shape, dtype=lp_dtype), grad.new_empty(grad.shape if entropy_grad else (0,),
+                                                                      dtype=aux_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    (log_probs, _old, _ref, advantages, entropy, mask, offsets, lengths, _beta, _bs, _aps, layout, left_pad, _est,
+     _st, _clo, _chi, entropy_coef, token_out) = inputs
+    ctx.save_for_backward(output[4], mask, offsets, lengths)  # the gradient buffer: the only float tensor kept
+    ctx.params = (layout, left_pad, log_probs.dtype)
+    ctx.entropy = (entropy is not None and entropy.requires_grad, advantages.dtype, entropy_coef)
+    ctx.token_out = token_out
+    ctx.mark_non_differentiable(output[1], output[2], output[4])
+
+
+def _backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
+    grad, mask, offsets, lengths = ctx.saved_tensors
+    g_tok = g_token_out[0] if (ctx.token_out and g_token_out is not None) else None
+    entropy_grad, aux_dtype, entropy_coef = ctx.entropy
+    g_lp, g_ent = kl_penalty_bwd(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad,
+                                 aux_dtype, entropy_coef)
+    return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 14
+
+
+kl_penalty_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_fused(p: KLPenaltyProblem) -> RawLoss:
+    """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``."""
+    lp = p.log_probs
+    # Advantages and entropy are read in the log-probs' dtype or in float32 (the kernels' aux dtype).
+    aux = lp.dtype if all(t is None or t.dtype == lp.dtype for t in (p.advantages, p.entropy)) else torch.float32
+    adv = p.advantages.to(aux)
+    ent = p.entropy.to(aux) if p.entropy is not None else None
+    beta_t = p.beta if isinstance(p.beta, torch.Tensor) else None
+    clip_lo, clip_hi = p.clip if p.clip is not None else (float("-inf"), float("inf"))
+    token_out = p.aggregation == "none"
+    args = (lp, p.old_log_probs, p.ref_log_probs, adv, ent, p.mask, p.offsets, p.lengths, beta_t,
+            0.0 if beta_t is not None else float(p.beta), p.adv_per_seq, LAYOUT_CODES[p.layout],
+            p.padding_side == "left", ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"),
+            clip_lo, clip_hi, p.entropy_coef, token_out)
+    needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
+    if needs_graph or torch.compiler.is_compiling():
+        seq_loss, stats, count, tok, _ = torch.ops.kl_kernels.kl_penalty_fwd(*args)
+    else:
+        seq_loss, stats, count, tok, _ = launch.forward(*args)
+    return RawLoss(seq_loss, stats, count, tok if token_out else None)
