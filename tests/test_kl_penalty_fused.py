@@ -1,0 +1,210 @@
+"""The fused kl_penalty_loss ops: opcheck, torch.compile, nasty sizes, non-contiguous inputs,
+determinism, no input modified; and the 2-process data-parallel equivalence (gloo, CPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO
+from kl_kernels import kl_penalty_loss
+
+FUSED = ["cpu"]
+
+
+def _padded_batch(B=5, T=37, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g) * 4
+    return dict(log_probs=lp.to(dtype), old_log_probs=(lp + torch.randn(B, T, generator=g) * 0.3).to(dtype),
+                ref_log_probs=(lp + torch.randn(B, T, generator=g) * 0.3).to(dtype),
+                advantages=torch.randn(B, T, generator=g).to(dtype), entropy=torch.rand(B, T, generator=g).to(dtype),
+                mask=torch.rand(B, T, generator=g) < 0.8, lengths=torch.tensor([T, 0, 1, T // 2, 3][:B]))
+
+
+def _op_args(kind="padded", token_out=False):
+    b = _padded_batch()
+    if kind == "padded":
+        geo = (b["mask"], None, b["lengths"])
+        lp, old, ref, adv, ent = (b[k] for k in ("log_probs", "old_log_probs", "ref_log_probs", "advantages", "entropy"))
+        layout = 1
+    else:
+        lp, old, ref, adv, ent = (b[k].flatten() for k in ("log_probs", "old_log_probs", "ref_log_probs", "advantages",
+                                                            "entropy"))
+        geo = (b["mask"].flatten(), torch.tensor([0, 10, 10, 11, 100, 185]), None)
+        layout = 0
+    return (lp.requires_grad_(), old, ref, adv, ent.requires_grad_(), *geo, torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]),
+            0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out)
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("token_out", [False, True], ids=["sums", "token_out"])
+def test_opcheck(kind, token_out):
+    """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch."""
+    torch.library.opcheck(torch.ops.kl_kernels.kl_penalty_fwd.default, _op_args(kind, token_out))
+
+
+def test_opcheck_backward_op():
+    grad = torch.randn(5, 37)
+    args = (grad, torch.randn(5), torch.randn(5, 37), torch.rand(5, 37) < 0.5, None, torch.tensor([37, 0, 1, 18, 3]),
+            1, True, torch.bfloat16, True, torch.float32, 0.01)
+    torch.library.opcheck(torch.ops.kl_kernels.kl_penalty_bwd.default, args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation", ["token-mean", "none"])
+def test_fullgraph_compile_matches_eager(aggregation):
+    b = _padded_batch()
+    lp = b.pop("log_probs").requires_grad_()
+
+    def fn(x):
+        out = kl_penalty_loss(x, **b, beta=torch.tensor(0.2), clip_epsilon=0.2, entropy_coef=0.01, estimator="k3",
+                              aggregation=aggregation, backend="cpu")
+        loss = out.loss.sum() if aggregation == "none" else out.loss
+        return loss, out.kl_mean, out.num_tokens
+
+    eager = fn(lp)
+    (g_eager,) = torch.autograd.grad(eager[0], lp)
+    compiled = torch.compile(fn, fullgraph=True)(lp)
+    (g_comp,) = torch.autograd.grad(compiled[0], lp)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_comp, g_eager)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_non_contiguous_inputs(backend):
+    """Strided views (every other column of a wider tensor) give the same result as contiguous copies."""
+    b = _padded_batch(T=80)
+    wide = {k: (torch.stack([v, v], -1).flatten(-2)[..., ::2] if k not in ("lengths",) else v) for k, v in b.items()}
+    assert not wide["log_probs"].is_contiguous()
+    lp_s = wide.pop("log_probs").requires_grad_()
+    lp_c = b.pop("log_probs").requires_grad_()
+    kw = dict(beta=0.3, clip_epsilon=0.2, entropy_coef=0.1, estimator="k2", backend=backend)
+    out_s = kl_penalty_loss(lp_s, **wide, **kw)
+    out_c = kl_penalty_loss(lp_c, **b, **kw)
+    out_s.loss.backward(), out_c.loss.backward()
+    for x, y in zip(out_s, out_c):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.testing.assert_close(lp_s.grad, lp_c.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_long_row_and_determinism(backend):
+    """One row of 70001 tokens (beyond 65535; several tiles) next to short ones: float64-accurate
+    sums against the reference, and bitwise identical results over repeated calls and thread counts."""
+    g = torch.Generator().manual_seed(3)
+    n = 70001
+    lengths = [n, 1, 0, 4097]
+    N = sum(lengths)
+    lp = -torch.rand(N, generator=g) * 5
+    kw = dict(old_log_probs=lp + torch.randn(N, generator=g) * 0.2, advantages=torch.randn(N, generator=g),
+              offsets=torch.tensor([0, n, n + 1, n + 1, N]), beta=0.05, estimator="k3", clip_epsilon=0.2,
+              aggregation="seq-mean-token-mean")
+    ref = kl_penalty_loss(lp.double(), **{k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                              else v) for k, v in kw.items()}, backend="torch")
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, threads, 1):
+            torch.set_num_threads(t)
+            x = lp.clone().requires_grad_()
+            out = kl_penalty_loss(x, **kw, backend=backend)
+            out.loss.backward()
+            runs.append((out, x.grad))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(runs[0][0].loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
+    for out, grad in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, runs[0][0]))
+        assert torch.equal(grad, runs[0][1])
+
+
+@pytest.mark.parametrize("backend", ["torch"] + FUSED)
+def test_inputs_never_modified(backend):
+    b = _padded_batch()
+    copies = {k: v.clone() for k, v in b.items()}
+    b["log_probs"].requires_grad_()
+    kl_penalty_loss(**b, beta=0.5, clip_epsilon=0.2, backend=backend).loss.backward()
+    for k, v in copies.items():
+        assert torch.equal(b[k].detach(), v), f"{k} was modified"
+
+
+# --------------------------------------------------------------------------- data parallel
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+WORKER = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    from kl_kernels import kl_penalty_loss
+    rank, world, backend, agg = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    data = torch.load(sys.argv[5])
+    mine = data["shards"][rank]
+    lp = mine["log_probs"].clone().requires_grad_()
+    kw = {k: v for k, v in mine.items() if k != "log_probs"}
+    if agg == "token-mean-n":  # the explicit global count instead of the process group
+        out = kl_penalty_loss(lp, **kw, aggregation="token-mean", num_global_tokens=data["n_global"], backend=backend)
+    else:
+        out = kl_penalty_loss(lp, **kw, aggregation=agg, process_group=dist.group.WORLD, backend=backend)
+    out.loss.backward()
+    total = out.loss.detach().clone()
+    dist.all_reduce(total)
+    torch.save(dict(loss_sum=total, grad=lp.grad, kl_mean=out.kl_mean, num_tokens=out.num_tokens),
+               os.path.join(sys.argv[6], f"rank{rank}.pt"))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch"] + FUSED)
+@pytest.mark.parametrize("aggregation", ["token-mean", "token-mean-n", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_two_ranks_equal_the_union(aggregation, backend, tmp_path):
+    """2 processes on gloo: the ranks' losses sum to the loss of the union batch, each rank's gradient
+    is the union's gradient on its tokens, and process-group diagnostics are the union's."""
+    g = torch.Generator().manual_seed(7)
+    T = 23
+    lengths = [[23, 5, 0], [1, 17]]  # different sizes and token counts on the two ranks
+    shards = []
+    for lens in lengths:
+        B = len(lens)
+        lp = -torch.rand(B, T, generator=g) * 3
+        shards.append(dict(log_probs=lp, old_log_probs=lp + torch.randn(B, T, generator=g) * 0.2,
+                           advantages=torch.randn(B, generator=g), mask=torch.rand(B, T, generator=g) < 0.7,
+                           lengths=torch.tensor(lens), beta=0.1, estimator="k3", clip_epsilon=0.2))
+    union = {k: (torch.cat([s[k] for s in shards]) if isinstance(shards[0][k], torch.Tensor) else shards[0][k])
+             for k in shards[0]}
+    lp_u = union.pop("log_probs").clone().requires_grad_()
+    agg = "token-mean" if aggregation == "token-mean-n" else aggregation
+    want = kl_penalty_loss(lp_u, **union, aggregation=agg, backend=backend)
+    want.loss.backward()
+    n_global = int(want.num_tokens)
+
+    path = tmp_path / "data.pt"
+    torch.save(dict(shards=shards, n_global=n_global), path)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "2", backend, aggregation, str(path),
+                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out.decode()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close(ranks[0]["loss_sum"], want.loss.detach(), rtol=1e-6, atol=1e-7)
+    grad = torch.cat([r["grad"] for r in ranks])
+    torch.testing.assert_close(grad, lp_u.grad, rtol=1e-6, atol=1e-8)
+    if aggregation != "token-mean-n":
+        for r in ranks:
+            assert int(r["num_tokens"]) == n_global
+            torch.testing.assert_close(r["kl_mean"], want.kl_mean, rtol=1e-6, atol=1e-7)
