@@ -10,6 +10,7 @@ import torch
 
 from . import _extensions
 from .backends import ENV_VAR
+from .kl_penalty.backends import REGISTRY as PENALTY_REGISTRY
 from .kl_reward.backends import REGISTRY
 from .version import __version__
 
@@ -21,7 +22,8 @@ def info() -> dict:
     ``KL_KERNELS_BACKEND`` override, each compiled extension's own report (``extensions``:
     ``_C``, ``_cuda``) and, for each backend (``torch``, ``cpu``, ``cuda``, ``triton``),
     ``{"available": bool, "reason": str | None, "devices", "dtypes", "layouts", "notes"}``,
-    where ``reason`` lists every cause of unavailability.
+    where ``reason`` lists every cause of unavailability (``kl_reward``'s backends; those of
+    ``kl_penalty_loss`` are under ``kl_penalty_loss_backends``).
 
     Example::
 
@@ -38,4 +40,5 @@ def info() -> dict:
         "backend_override": os.environ.get(ENV_VAR) or None,
         "extensions": {name: _extensions.probe(name) for name in ("_C", "_cuda")},
         "backends": {b.name: b.describe() for b in sorted(REGISTRY, key=lambda b: ("torch", "cpu", "cuda", "triton").index(b.name))},
+        "kl_penalty_loss_backends": {b.name: b.describe() for b in PENALTY_REGISTRY},
     }

@@ -44,7 +44,7 @@ def cmd_info(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from .bench import batches, kl_reward as cases, machine, report, torchrl_transforms
+    from .bench import batches, kl_penalty, kl_reward as cases, machine, report, torchrl_transforms
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = args.sizes or (["small", "medium"] if args.quick else ["medium", "large"])
@@ -68,6 +68,9 @@ def cmd_bench(args) -> int:
         rows += torchrl_transforms.run(batch, copy_gbs=copy_gbs, repeats=3 if args.quick else 10,
                                        budget_s=1.0 if args.quick else 3.0,
                                        progress=lambda msg, n=name: say(f"[{n}] {msg}"))
+        rows += kl_penalty.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile,
+                               repeats=3 if args.quick else 10, budget_s=1.0 if args.quick else 3.0,
+                               progress=lambda msg, n=name: say(f"[{n}] {msg}"))
     report.print_tables(rows, facts, copy_gbs)
     paths = report.write(rows, facts, copy_gbs, Path(args.out))
     print("\nwrote " + ", ".join(str(p) for p in paths))
@@ -80,7 +83,8 @@ def main(argv=None) -> int:
     p_info = sub.add_parser("info", help="backends, build and runtime facts")
     p_info.add_argument("--json", action="store_true", help="print the full report as JSON")
     p_info.set_defaults(func=cmd_info)
-    p_bench = sub.add_parser("bench", help="check and time kl_reward on RLHF-shaped batches")
+    p_bench = sub.add_parser("bench", help="check and time kl_reward, the TorchRL transforms and kl_penalty_loss "
+                                                   "on RLHF-shaped batches")
     p_bench.add_argument("--quick", action="store_true", help="small and medium sizes, fewer repeats")
     p_bench.add_argument("--sizes", nargs="+", metavar="SIZE",
                          help="tiny, small, medium (B=256, 100..1000 tokens), large (B=1024, 256..4096)")

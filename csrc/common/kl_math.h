@@ -179,7 +179,9 @@ KL_HD float expm1_poly(float y) {  // sum_{k=1..8} y^k / k!, Horner
 // exp(y) = 2^n * exp(r), n = round(y / ln2), r = y - n ln2 split Cody-Waite style, |r| <= ln2/2,
 // exp(r) by its series to r^8 (truncation < 3e-10 relative). Overflow gives +inf, NaN stays NaN.
 KL_HD float exp_vec(float y) {
-  const float yc = fminf(fmaxf(y, -104.0f), 89.0f);  // beyond: 0 and +inf below
+  // Clamp to [-104, 89] (beyond: 0 and +inf below) with selects, not fminf/fmaxf, whose NaN rules
+  // keep GCC from vectorizing; NaN maps to -104 here (no undefined float->int conversion below).
+  const float yc = y >= -104.0f ? (y <= 89.0f ? y : 89.0f) : -104.0f;
   // round(y / ln2) by the 1.5 * 2^23 trick: a plain add, which vectorizes (rintf needs SSE4.1).
   const float n = (yc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (yc - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo

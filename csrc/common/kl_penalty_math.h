@@ -40,10 +40,11 @@ KL_HD float est_derivative(float x) {
   else return -expm1_vec(-x);
 }
 
-// One counted token. `straight_through`: value of EST, derivative of k2 (d).
-template <int32_t EST>
+// One counted token. ST (straight-through): value of EST, derivative of k2 (d). A template
+// parameter, not a runtime flag: a loop-invariant bool select keeps GCC from vectorizing the loop.
+template <int32_t EST, bool ST>
 KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv, float beta, float clip_lo,
-                         float clip_hi, bool straight_through) {
+                         float clip_hi) {
   const float lr_raw = lp - old;
   const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
   const float in_lr = inside(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
@@ -53,7 +54,9 @@ KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv
   const bool take = gain <= gain_c;  // NaN: false, as torch.where in the reference
   const float w = take ? 1.0f : inside(ratio, 1, clip_lo, 1, clip_hi);
   const float d = sign * (lp - other);
-  const float dk = straight_through ? d : est_derivative<EST>(d);
+  float dk;
+  if constexpr (ST) dk = d;
+  else dk = est_derivative<EST>(d);
   PPOToken t;
   t.obj = -(take ? gain : gain_c);
   t.kl = est_value<EST>(d);

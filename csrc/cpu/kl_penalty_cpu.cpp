@@ -87,6 +87,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     load_block<DT, CONTIG>(x_lp, lp, first(g.lp_s0, g.lp_s1) + jb * g.lp_s1, g.lp_s1, n);
     load_block<DT, CONTIG>(x_old, old, first(a.old_s0, a.old_s1) + jb * a.old_s1, a.old_s1, n);
     if (ref) load_block<DT, CONTIG>(x_ref, ref, first(a.ref_s0, a.ref_s1) + jb * a.ref_s1, a.ref_s1, n);
+    else std::memcpy(x_ref, x_old, n * sizeof(float));  // the KL's other side is then the old policy
     if (a.adv_per_seq) std::fill(x_adv, x_adv + n, adv_seq);
     else load_block<AT, CONTIG>(x_adv, adv, first(a.adv_s0, a.adv_s1) + jb * a.adv_s1, a.adv_s1, n);
     if (ent) load_block<AT, CONTIG>(x_ent, ent, first(a.ent_s0, a.ent_s1) + jb * a.ent_s1, a.ent_s1, n);
@@ -97,22 +98,34 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     } else {
       std::fill(x_m, x_m + n, 1.0f);
     }
-    const float* other = ref ? x_ref : x_old;
-    float* __restrict Gb = G + jb;
+    // Non-counted tokens may hold anything (NaN padding): zero their inputs first, so that the
+    // compute loop below yields finite values there, which it then multiplies by the 0/1 mask.
     for (int64_t i = 0; i < n; ++i) {
       const bool m = x_m[i] != 0.0f;
-      // Non-counted tokens may hold anything (NaN padding): compute on zeros, then select 0.
-      const PPOToken t = ppo_token<EST>(m ? x_lp[i] : 0.0f, m ? x_old[i] : 0.0f, m ? other[i] : 0.0f, sign,
-                                        m ? x_adv[i] : 0.0f, beta, clip_lo, clip_hi, st);
-      const float e = m ? x_ent[i] : 0.0f;
-      o[0][i] = m ? t.obj + beta * t.kl - ec * e : 0.0f;
-      o[1][i] = m ? t.obj : 0.0f;
-      o[2][i] = m ? t.kl : 0.0f;
-      o[3][i] = e;
-      o[4][i] = m ? t.ratio : 0.0f;
-      o[5][i] = m ? t.clipped : 0.0f;
-      Gb[i] = m ? t.grad : 0.0f;
+      x_lp[i] = m ? x_lp[i] : 0.0f;
+      x_old[i] = m ? x_old[i] : 0.0f;
+      x_ref[i] = m ? x_ref[i] : 0.0f;
+      x_adv[i] = m ? x_adv[i] : 0.0f;
+      x_ent[i] = m ? x_ent[i] : 0.0f;
     }
+    float* __restrict Gb = G + jb;
+    auto compute = [&](auto st_tag) {
+      constexpr bool ST = decltype(st_tag)::value;
+      for (int64_t i = 0; i < n; ++i) {
+        const float mf = x_m[i];  // 0 or 1; the products below are exact (and keep NaN where counted)
+        const PPOToken t = ppo_token<EST, ST>(x_lp[i], x_old[i], x_ref[i], sign, x_adv[i], beta, clip_lo, clip_hi);
+        const float e = x_ent[i];
+        o[0][i] = (t.obj + beta * t.kl - ec * e) * mf;
+        o[1][i] = t.obj * mf;
+        o[2][i] = t.kl * mf;
+        o[3][i] = e;
+        o[4][i] = t.ratio * mf;
+        o[5][i] = t.clipped * mf;
+        Gb[i] = t.grad * mf;
+      }
+    };
+    if (st) compute(std::true_type{});
+    else compute(std::false_type{});
     for (int k = 0; k < kSums; ++k) {  // kLanes fixed accumulators: deterministic and vectorizable
       int64_t i = 0;
       for (; i + kLanes <= n; i += kLanes)

@@ -1,0 +1,163 @@
+"""kl_penalty_loss benchmark: forward + backward of a PPO step's policy loss.
+
+The task: PPO-clipped objective (``clip_epsilon = 0.2``) plus ``beta * k3`` KL to a reference model
+(``beta = 0.05``), ``token-mean`` over assistant tokens, per-token advantages, gradient w.r.t. the
+policy log-probs; one call = loss forward + ``backward()``. Contenders, timed side by side:
+
+* ``eager autograd (verl style)``: the usual padded ``[B, T]`` formulation with a response mask
+  (``clamp``/``exp`` ratio, ``maximum`` of the two PPO terms, ``exp(ref - lp) - (ref - lp) - 1``,
+  masked sum over mask sum), differentiated by autograd;
+* ``torch.compile(eager)``: the same function compiled with ``fullgraph=True`` (forward and, through
+  AOTAutograd, backward); cold compile time reported separately;
+* ``kl_penalty_loss[<backend>]`` for each backend that runs here (packed and padded layouts).
+
+Each contender's loss and gradient are checked against the eager one before timing. GB/s counts
+the minimal traffic: log-probs, old and reference log-probs, advantages and mask read once, the
+gradient written once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..kl_penalty import kl_penalty_loss
+from ..kl_penalty.backends import REGISTRY
+from ..kl_penalty.problem import build_problem
+from .batches import RLHFBatch
+from .kl_reward import Contender
+from .timing import measure_interleaved
+
+TASK = "KL-penalty PPO loss, forward + backward"
+BETA, CLIP = 0.05, 0.2
+
+
+def eager_loss(lp, old, ref, adv, mask, beta=BETA, eps=CLIP):
+    """PPO-clip + k3 KL penalty, token-mean over the mask, as RL libraries write it (verl's formulas)."""
+    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps, 1 + eps))
+    d = ref - lp
+    kl = torch.exp(d) - d - 1
+    m = mask.to(lp.dtype)
+    return ((pg + beta * kl) * m).sum() / m.sum().clamp_min(1.0)
+
+
+class _Data:
+    """The batch's tensors for the loss: old policy and advantages derived reproducibly."""
+
+    def __init__(self, batch: RLHFBatch, seed: int = 0):
+        g = torch.Generator().manual_seed(seed + 1)
+        dev = batch.lp.device
+        n = batch.lp.shape[0]
+        noise = (0.05 * torch.randn(n, generator=g)).to(dev, batch.lp.dtype)
+        self.offsets, self.lengths = batch.offsets, batch.lengths
+        self.packed = dict(lp=batch.lp, old=batch.lp + noise, ref=batch.ref,
+                           adv=torch.randn(n, generator=g).to(dev, batch.lp.dtype), mask=batch.mask)
+        from .. import ragged
+        width = batch.lp_padded.shape[1]
+        self.padded = {k: ragged.to_padded(v, batch.offsets, padding_side="left", width=width,
+                                           padding_value=False if v.dtype == torch.bool else 0.0)
+                       for k, v in self.packed.items()}
+
+
+def _ours(data: _Data, layout: str, backend: str):
+    t = data.packed if layout == "packed" else data.padded
+    lp = t["lp"].detach().clone().requires_grad_()
+    geo = dict(offsets=data.offsets) if layout == "packed" else dict(lengths=data.lengths, padding_side="left")
+
+    def call():
+        lp.grad = None
+        out = kl_penalty_loss(lp, t["old"], t["adv"], ref_log_probs=t["ref"], beta=BETA, estimator="k3",
+                              mask=t["mask"], clip_epsilon=CLIP, backend=backend, **geo)
+        out.loss.backward()
+        return out.loss.detach(), lp.grad
+    return call
+
+
+def _eager(data: _Data, fn=eager_loss):
+    t = data.padded
+    lp = t["lp"].detach().clone().requires_grad_()
+
+    def call():
+        lp.grad = None
+        loss = fn(lp, t["old"], t["ref"], t["adv"], t["mask"])
+        loss.backward()
+        return loss.detach(), lp.grad
+    return call
+
+
+def _compiled(data: _Data):
+    torch._dynamo.reset()
+    fn = torch.compile(eager_loss, fullgraph=True)
+    call = _eager(data, fn)
+    t0 = time.perf_counter()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        call()
+    if data.offsets.device.type == "cuda":
+        torch.cuda.synchronize()
+    return call, time.perf_counter() - t0
+
+
+def _grad_packed(out, layout, data: _Data):
+    """(loss, gradient) with the gradient as packed values, for comparison across layouts."""
+    loss, grad = out
+    if layout == "packed":
+        return loss, grad
+    from .. import ragged
+    return loss, ragged.from_padded(grad, data.lengths, padding_side="left").values
+
+
+def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,
+        progress=None) -> list[dict]:
+    data = _Data(batch)
+    found = [Contender("eager autograd (verl style)", "padded", _eager(data))]
+    if with_compile:
+        if progress:
+            progress("kl_penalty: compiling the eager loss (forward and backward)")
+        fn, seconds = _compiled(data)
+        found.append(Contender("torch.compile(eager)", "padded", fn, seconds))
+    for layout in ("packed", "padded"):
+        t = data.packed if layout == "packed" else data.padded
+        geo = dict(offsets=data.offsets, lengths=None) if layout == "packed" else dict(offsets=None,
+                                                                                     lengths=data.lengths)
+        problem = build_problem(t["lp"], t["old"], t["adv"], ref_log_probs=t["ref"], beta=BETA, estimator="k3",
+                                mask=t["mask"], padding_side="left", clip_epsilon=CLIP, entropy=None,
+                                entropy_coef=0.0, aggregation="token-mean", norm_length=None, **geo)[0]
+        for backend in REGISTRY:
+            if not backend.auto_rejection_reasons(problem):
+                found.append(Contender(f"kl_penalty_loss[{backend.name}]", layout, _ours(data, layout, backend.name)))
+
+    want_loss, want_grad = _grad_packed(found[0].fn(), "padded", data)
+    checks = []
+    for c in found:
+        if progress:
+            progress(f"kl_penalty: checking {c.name} ({c.layout})")
+        loss, grad = _grad_packed(c.fn(), c.layout, data)
+        tol = 1e-4 if batch.lp.dtype == torch.float32 else 2e-2
+        ok = torch.allclose(loss.double(), want_loss.double(), rtol=tol, atol=1e-6) and torch.allclose(
+            grad.double(), want_grad.double(), rtol=tol, atol=1e-9 + tol * float(want_grad.abs().max()))
+        if not ok:
+            raise AssertionError(f"{c.name} ({c.layout}): loss or gradient differs from the eager autograd result")
+        checks.append("ok")
+    if progress:
+        progress(f"kl_penalty: timing {len(found)} contenders round-robin")
+    timings = measure_interleaved([c.fn for c in found], batch.lp.device, repeats=repeats, budget_s=budget_s)
+    s = batch.lp.element_size()
+    rows = []
+    for c, check, (t, faults) in zip(found, checks, timings):
+        elems = batch.lp.numel() if c.layout == "packed" else batch.lp_padded.numel()
+        nbytes = elems * (5 * s + 1)  # read lp, old, ref, adv, mask; write grad
+        gbs = nbytes / (t.median_ms * 1e-3) / 1e9
+        rows.append(dict(
+            task=TASK, size=batch.size.name, batch=batch.size.batch, tokens=batch.num_tokens,
+            padded_elems=batch.lp_padded.numel(), dtype=str(batch.lp.dtype).replace("torch.", ""), impl=c.name,
+            layout=c.layout, median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats, mbytes=nbytes / 1e6,
+            gbs=gbs, pct_copy_bw=100.0 * gbs / copy_gbs, mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6,
+            compile_s=c.compile_s, page_faults_per_call=faults, check=check, baseline="eager autograd (verl style)"))
+    baseline = rows[0]["median_ms"]
+    compiled = next((r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")), None)
+    for r in rows:
+        r["x_vs_baseline"] = baseline / r["median_ms"]
+        r["x_vs_compile"] = compiled / r["median_ms"] if compiled else None
+    return rows
