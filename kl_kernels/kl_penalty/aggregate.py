@@ -76,45 +76,50 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
               process_group=None) -> KLPenaltyLossOutput:
     """Apply ``p.aggregation`` to a backend's per-sequence sums (see the module doc)."""
     md = raw.seq_loss.dtype
-    stats = raw.stats.detach().to(torch.float64)
-    count = raw.count.to(torch.float64)
-    # One small vector of totals, all-reduced once when a process group is given.
-    totals = torch.stack([count.sum(), torch.tensor(float(p.batch_size), dtype=torch.float64, device=count.device),
-                          stats[:, 1].sum(), stats[:, 3].sum(), stats[:, 4].sum()])
-    if process_group is not None:
-        totals = _all_reduce(totals, process_group)
-    n_tokens, n_seqs, kl_total, ratio_total, clip_total = totals.unbind()
+    dev = raw.count.device
+    # Few, small ops: at RLHF batch sizes each torch call here costs about as much as a kernel pass.
+    col = raw.stats.detach().to(torch.float64).sum(0)  # objective, kl, entropy, ratio, clipped totals
+    n_tokens = raw.count.sum().to(torch.float64)
+    n_seqs = torch.tensor(float(p.batch_size), dtype=torch.float64, device=dev)
+    if process_group is not None:  # one all-reduce of every count and total
+        n_tokens, n_seqs, kl_total, ratio_total, clip_total = _all_reduce(
+            torch.stack([n_tokens, n_seqs, col[1], col[3], col[4]]), process_group).unbind()
+    else:
+        kl_total, ratio_total, clip_total = col[1], col[3], col[4]
     denom = n_tokens.clamp_min(1.0)
     diag = [(kl_total / denom).to(md), (ratio_total / denom).to(md), (clip_total / denom).to(md)]
     num_tokens = n_tokens.round().to(torch.int64)
-
-    beta = p.beta if isinstance(p.beta, torch.Tensor) else torch.tensor(p.beta, dtype=torch.float64)
-    beta = beta.to(device=count.device, dtype=torch.float64)
     if p.aggregation == "none":
         loss, obj, pen, ent = raw.token_out.unbind(0)
         return KLPenaltyLossOutput(_tokens(loss, kind, offsets), _tokens(obj, kind, offsets),
                                    _tokens(pen, kind, offsets), _tokens(ent, kind, offsets), *diag, num_tokens)
 
-    if p.aggregation == "token-mean":
-        if num_global_tokens is not None:
-            n = num_global_tokens
-            n = n.to(device=count.device, dtype=torch.float64) if isinstance(n, torch.Tensor) else \
-                torch.tensor(float(n), dtype=torch.float64, device=count.device)
-        else:
+    per_seq_beta = isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1
+    if p.aggregation in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum"):
+        # One weight for every sequence: loss = w * sum_b S_b.
+        if p.aggregation == "token-mean":
             n = n_tokens
-        weight = (1.0 / n.clamp_min(1.0)).expand(p.batch_size)
-    elif p.aggregation == "seq-mean-token-mean":
-        weight = 1.0 / (count.clamp_min(1.0) * n_seqs.clamp_min(1.0))
-    elif p.aggregation == "seq-mean-token-sum":
-        weight = (1.0 / n_seqs.clamp_min(1.0)).expand(p.batch_size)
-    elif p.aggregation == "seq-mean-token-sum-norm":
-        weight = torch.full((p.batch_size,), 1.0 / p.norm_length, dtype=torch.float64, device=count.device)
-    else:  # "sum"
-        weight = torch.ones(p.batch_size, dtype=torch.float64, device=count.device)
-
-    loss = (weight * raw.seq_loss.to(torch.float64)).sum().to(md)
-    parts = weight.unsqueeze(1) * stats[:, :3]
-    loss_obj = parts[:, 0].sum()
-    loss_kl = (beta * parts[:, 1]).sum()
-    loss_ent = parts[:, 2].sum() * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
-    return KLPenaltyLossOutput(loss, loss_obj.to(md), loss_kl.to(md), loss_ent.to(md), *diag, num_tokens)
+            if num_global_tokens is not None:
+                n = num_global_tokens.to(device=dev, dtype=torch.float64) if isinstance(
+                    num_global_tokens, torch.Tensor) else torch.tensor(float(num_global_tokens), dtype=torch.float64,
+                                                                      device=dev)
+            w = 1.0 / n.clamp_min(1.0)
+        elif p.aggregation == "seq-mean-token-sum":
+            w = 1.0 / n_seqs.clamp_min(1.0)
+        elif p.aggregation == "seq-mean-token-sum-norm":
+            w = torch.tensor(1.0 / p.norm_length, dtype=torch.float64, device=dev)
+        else:
+            w = torch.ones((), dtype=torch.float64, device=dev)
+        loss = (raw.seq_loss.to(torch.float64).sum() * w).to(md)
+        parts = col[:3] * w
+        kl_part = (raw.stats[:, 1].to(torch.float64) * p.beta.to(torch.float64)).sum() * w if per_seq_beta else (
+            parts[1] * (p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta))
+    else:  # "seq-mean-token-mean": per-sequence weights
+        weight = 1.0 / (raw.count.to(torch.float64).clamp_min(1.0) * n_seqs.clamp_min(1.0))
+        loss = (weight * raw.seq_loss.to(torch.float64)).sum().to(md)
+        wstats = weight.unsqueeze(1) * raw.stats.detach()[:, :3].to(torch.float64)
+        parts = wstats.sum(0)
+        beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
+        kl_part = (wstats[:, 1] * beta).sum()
+    loss_ent = parts[2] * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
+    return KLPenaltyLossOutput(loss, parts[0].to(md), kl_part.to(md), loss_ent.to(md), *diag, num_tokens)

@@ -84,6 +84,28 @@ def _backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
 kl_penalty_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerFused(torch.autograd.Function):
+    """The same forward/backward as the registered ops, called directly in eager mode: the custom
+    op's dispatch (argument normalization, schema checks) costs more than the backward kernel at
+    RLHF batch sizes. ``torch.compile`` always goes through the ops."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        out = launch.forward(*args)
+        _setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad, mask, offsets, lengths = ctx.saved_tensors
+        g_seq_loss, g_token_out = grads[0], grads[3]
+        g_tok = g_token_out[0] if ctx.token_out and g_token_out is not None else None
+        entropy_grad, aux_dtype, entropy_coef = ctx.entropy
+        g_lp, g_ent = launch.backward(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad,
+                                      aux_dtype, entropy_coef)
+        return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 14
+
+
 def run_fused(p: KLPenaltyProblem) -> RawLoss:
     """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``."""
     lp = p.log_probs
@@ -99,8 +121,10 @@ def run_fused(p: KLPenaltyProblem) -> RawLoss:
             p.padding_side == "left", ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"),
             clip_lo, clip_hi, p.entropy_coef, token_out)
     needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
-    if needs_graph or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         seq_loss, stats, count, tok, _ = torch.ops.kl_kernels.kl_penalty_fwd(*args)
+    elif needs_graph:
+        seq_loss, stats, count, tok, _ = _EagerFused.apply(*args)
     else:
         seq_loss, stats, count, tok, _ = launch.forward(*args)
     return RawLoss(seq_loss, stats, count, tok if token_out else None)
