@@ -18,16 +18,16 @@ gradient written once.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
+from .. import ragged
 from ..kl_penalty import kl_penalty_loss
 from ..kl_penalty.backends import REGISTRY
 from ..kl_penalty.problem import build_problem
 from .batches import RLHFBatch
 from .kl_reward import Contender
-from .timing import measure_interleaved
+from .timing import cold_compile_seconds, measure_interleaved
 
 TASK = "KL-penalty PPO loss, forward + backward"
 BETA, CLIP = 0.05, 0.2
@@ -54,7 +54,6 @@ class _Data:
         self.offsets, self.lengths = batch.offsets, batch.lengths
         self.packed = dict(lp=batch.lp, old=batch.lp + noise, ref=batch.ref,
                            adv=torch.randn(n, generator=g).to(dev, batch.lp.dtype), mask=batch.mask)
-        from .. import ragged
         width = batch.lp_padded.shape[1]
         self.padded = {k: ragged.to_padded(v, batch.offsets, padding_side="left", width=width,
                                            padding_value=False if v.dtype == torch.bool else 0.0)
@@ -91,12 +90,7 @@ def _compiled(data: _Data):
     torch._dynamo.reset()
     fn = torch.compile(eager_loss, fullgraph=True)
     call = _eager(data, fn)
-    t0 = time.perf_counter()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        call()
-    if data.offsets.device.type == "cuda":
-        torch.cuda.synchronize()
-    return call, time.perf_counter() - t0
+    return call, cold_compile_seconds(call, data.offsets.device)
 
 
 def _grad_packed(out, layout, data: _Data):
@@ -104,7 +98,6 @@ def _grad_packed(out, layout, data: _Data):
     loss, grad = out
     if layout == "packed":
         return loss, grad
-    from .. import ragged
     return loss, ragged.from_padded(grad, data.lengths, padding_side="left").values
 
 

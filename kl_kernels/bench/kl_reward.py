@@ -16,7 +16,6 @@ GB/s counts the bytes the op must move at least (inputs read once, outputs writt
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +26,7 @@ from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
 from ..kl_reward.problem import build_problem
 from .batches import RLHFBatch
-from .timing import measure_interleaved
+from .timing import cold_compile_seconds, measure_interleaved
 
 COEF = 0.05
 
@@ -70,13 +69,7 @@ def _compiled(batch: RLHFBatch, layout: str) -> tuple[Callable[[], tuple], float
     eager = _ours(batch, layout, "torch")
     torch._dynamo.reset()
     fn = torch.compile(lambda: eager(), fullgraph=True)
-    t0 = time.perf_counter()
-    # Cold compile time: without this, inductor's on-disk cache from an earlier run answers instead.
-    with torch._inductor.config.patch(force_disable_caches=True):
-        fn()
-    if batch.lp.device.type == "cuda":
-        torch.cuda.synchronize()
-    return fn, time.perf_counter() - t0
+    return fn, cold_compile_seconds(fn, batch.lp.device)
 
 
 def bytes_moved(batch: RLHFBatch, layout: str) -> int:

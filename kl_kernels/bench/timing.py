@@ -65,3 +65,13 @@ def measure_interleaved(fns: list[Callable[[], object]], device: torch.device, *
             faults[i] += minor_faults() - f0
         rounds += 1
     return [(Timing(statistics.median(t), min(t), len(t), warmup), f / len(t)) for t, f in zip(times, faults)]
+
+
+def cold_compile_seconds(first_call: Callable[[], object], device: torch.device) -> float:
+    """Run a freshly ``torch.compile``d callable once and return how long it took: its cold compile
+    time. Inductor's caches are off for that call, or an earlier run's on-disk cache would answer."""
+    t0 = time.perf_counter()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        first_call()
+    _sync(device)
+    return time.perf_counter() - t0

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import ragged
+from ..kl_reward.problem import OutputLayout
 from .problem import KLPenaltyProblem
 from .reference import RawLoss
 
@@ -66,12 +66,6 @@ def _all_reduce(vec: torch.Tensor, process_group) -> torch.Tensor:
     return vec
 
 
-def _tokens(x: torch.Tensor, kind: str, offsets):
-    if kind in ("packed", "padded"):
-        return x
-    return ragged.unpack(x, ragged.RaggedLayout(kind, offsets))
-
-
 def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_global_tokens=None,
               process_group=None) -> KLPenaltyLossOutput:
     """Apply ``p.aggregation`` to a backend's per-sequence sums (see the module doc)."""
@@ -90,9 +84,8 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
     diag = [(kl_total / denom).to(md), (ratio_total / denom).to(md), (clip_total / denom).to(md)]
     num_tokens = n_tokens.round().to(torch.int64)
     if p.aggregation == "none":
-        loss, obj, pen, ent = raw.token_out.unbind(0)
-        return KLPenaltyLossOutput(_tokens(loss, kind, offsets), _tokens(obj, kind, offsets),
-                                   _tokens(pen, kind, offsets), _tokens(ent, kind, offsets), *diag, num_tokens)
+        tokens = OutputLayout(kind, offsets, reward_trailing=False)._tokens  # back to the caller's layout
+        return KLPenaltyLossOutput(*map(tokens, raw.token_out.unbind(0)), *diag, num_tokens)
 
     per_seq_beta = isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1
     if p.aggregation in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum"):

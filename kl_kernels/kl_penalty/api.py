@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import backends as _dispatch
 from .aggregate import KLPenaltyLossOutput, aggregate
 from .backends import REGISTRY
-from .problem import build_problem
+from .problem import _num_global_tokens, build_problem
 
 
 def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None, beta=1.0, estimator="k1", mask=None,
@@ -92,8 +92,6 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length)
-    from .problem import _num_global_tokens
-
     num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     raw = impl.run(problem)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from .. import _extensions
-from ..kl_reward.launch import DTYPE_CODES, _ptr, _strides, make_args
+from ..kl_reward.launch import DTYPE_CODES, _ptr, _strides, coefficient, make_args
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 
@@ -65,12 +65,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     a.adv_per_seq = int(adv_per_seq)
     a.adv_s0, a.adv_s1 = (advantages.stride(0), 0) if adv_per_seq else _strides(advantages, layout)
     a.aux_dtype = DTYPE_CODES[advantages.dtype]
-    if beta is None:
-        a.beta_mode, a.beta_scalar = 0, float(beta_scalar)
-    else:
-        beta = beta.to(torch.float32).contiguous()  # a device op: no host sync
-        keep.append(beta)
-        a.beta_mode, a.beta = (1 if beta.dim() == 0 else 2), _ptr(beta)
+    a.beta_mode, a.beta_scalar, a.beta = coefficient(beta, beta_scalar, keep)
     a.clip_lo, a.clip_hi, a.entropy_coef = float(clip_lo), float(clip_hi), float(entropy_coef)
 
     batch, shape = a.g.batch, log_probs.shape

@@ -72,13 +72,19 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1], output[2], output[4])
 
 
-def _backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
+def _input_grads(ctx, g_seq_loss, g_token_out, bwd):
+    """Gradients of the forward's 19 inputs, from the outputs' gradients through ``bwd`` (the op, or
+    the launcher in eager mode)."""
     grad, mask, offsets, lengths = ctx.saved_tensors
     g_tok = g_token_out[0] if (ctx.token_out and g_token_out is not None) else None
     entropy_grad, aux_dtype, entropy_coef = ctx.entropy
-    g_lp, g_ent = kl_penalty_bwd(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad,
-                                 aux_dtype, entropy_coef)
+    g_lp, g_ent = bwd(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad, aux_dtype,
+                      entropy_coef)
     return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 14
+
+
+def _backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
+    return _input_grads(ctx, g_seq_loss, g_token_out, kl_penalty_bwd)
 
 
 kl_penalty_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -96,14 +102,8 @@ class _EagerFused(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, *grads):
-        grad, mask, offsets, lengths = ctx.saved_tensors
-        g_seq_loss, g_token_out = grads[0], grads[3]
-        g_tok = g_token_out[0] if ctx.token_out and g_token_out is not None else None
-        entropy_grad, aux_dtype, entropy_coef = ctx.entropy
-        g_lp, g_ent = launch.backward(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad,
-                                      aux_dtype, entropy_coef)
-        return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 14
+    def backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
+        return _input_grads(ctx, g_seq_loss, g_token_out, launch.backward)
 
 
 def run_fused(p: KLPenaltyProblem) -> RawLoss:

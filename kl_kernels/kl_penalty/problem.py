@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ragged
-from ..kl_reward.problem import (ESTIMATORS, _check_device, _check_logprob_tensor, _normalize_layout,
-                                 _pack_ragged_arg, _same_device)
+from ..kl_reward.problem import (ESTIMATORS, NativeLayout, _check_device, _check_logprob_tensor,
+                                 _normalize_layout, _pack_ragged_arg, _same_device)
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum",
                 "none")
@@ -27,7 +27,7 @@ LOG_RATIO_BOUND = 20.0
 
 
 @dataclass
-class KLPenaltyProblem:
+class KLPenaltyProblem(NativeLayout):
     """Normalized arguments of one ``kl_penalty_loss`` call, in a layout a kernel reads natively.
 
     Per-token tensors (``log_probs``, ``old_log_probs``, ``ref_log_probs``, ``entropy``, ``mask``,
@@ -56,18 +56,6 @@ class KLPenaltyProblem:
     norm_length: float | None
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
-
-    @property
-    def batch_size(self) -> int:
-        return self.offsets.shape[0] - 1 if self.layout == "packed" else self.log_probs.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.log_probs.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.log_probs.device
 
     @property
     def dtypes(self) -> set:

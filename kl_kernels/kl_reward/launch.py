@@ -39,6 +39,16 @@ def _ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None or x.numel() == 0 else x.data_ptr()
 
 
+def coefficient(coef: torch.Tensor | None, scalar: float, keep: list) -> tuple[int, float, int]:
+    """(mode, scalar, address) of a coefficient for the kernels' CoefMode: a float (mode 0), or a 0-d
+    (1) / per-sequence (2) tensor read on device as float32 (kept alive in ``keep``)."""
+    if coef is None:
+        return 0, float(scalar), 0
+    coef = coef.to(torch.float32).contiguous()  # a device op: no host sync
+    keep.append(coef)
+    return (1 if coef.dim() == 0 else 2), 0.0, _ptr(coef)
+
+
 def _module(device: torch.device):
     """The extension holding the kernels for ``device``, or a RuntimeError saying why there is none
     (e.g. a wheel built without nvcc has no ``_cuda``; dispatch never routes there)."""
@@ -76,12 +86,7 @@ def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, promp
         a.rw_s0, a.rw_s1 = _strides(reward, layout) if placement == 1 else (reward.stride(0), 0)
     else:
         a.reward_dtype = a.dtype
-    if coef is None:
-        a.coef_mode, a.coef_scalar = 0, float(coef_scalar)
-    else:
-        coef = coef.to(torch.float32).contiguous()  # a device op: no host sync
-        keep.append(coef)
-        a.coef_mode, a.coef = (1 if coef.dim() == 0 else 2), _ptr(coef)
+    a.coef_mode, a.coef_scalar, a.coef = coefficient(coef, coef_scalar, keep)
     est = module.EstimatorParams()
     est.estimator, est.straight_through = estimator, int(straight_through)
     lo, hi, olo, ohi = clamp

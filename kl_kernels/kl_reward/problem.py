@@ -47,8 +47,25 @@ class KLRewardOutput(NamedTuple):
     count: torch.Tensor
 
 
+class NativeLayout:
+    """Properties of a normalized problem in a native layout (``layout``, ``log_probs`` and, packed,
+    ``offsets``), shared by the ops' problem classes."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.shape[0] - 1 if self.layout == "packed" else self.log_probs.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.log_probs.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.log_probs.device
+
+
 @dataclass
-class KLRewardProblem:
+class KLRewardProblem(NativeLayout):
     """Normalized arguments of one ``kl_reward`` call, in a layout a kernel reads natively.
 
     ``layout == "packed"``: ``log_probs``/``ref_log_probs``/``mask``/token rewards are ``[N]``
@@ -75,18 +92,6 @@ class KLRewardProblem:
     clamp_input: tuple | None
     clamp_output: tuple | None
     return_ref: bool
-
-    @property
-    def batch_size(self) -> int:
-        return self.offsets.shape[0] - 1 if self.layout == "packed" else self.log_probs.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.log_probs.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.log_probs.device
 
     @property
     def math_dtype(self) -> torch.dtype:
