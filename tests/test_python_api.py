@@ -35,7 +35,8 @@ def test_example_scripts_run(script):
 
 
 @pytest.mark.parametrize("module", ["kl_kernels.ragged", "kl_kernels.kl_reward.api", "kl_kernels._info",
-                                    "kl_kernels.torchrl.transforms", "kl_kernels.kl_penalty.controllers",
+                                    "kl_kernels.torchrl.transforms", "kl_kernels.torchrl.ppo",
+                                    "kl_kernels.kl_penalty.controllers",
                                     "kl_kernels.kl_penalty.api"])
 def test_docstring_examples(module):
     mod = __import__(module, fromlist=["_"])

@@ -116,3 +116,45 @@ def llm_batch(lengths, prompt_lengths, *, policy: TinyLM, padded: bool, padding_
     else:
         reward = torch.stack([s["reward"] for s in samples])
     return data, TensorDict({"reward": reward}, batch_size=(b,))
+
+
+def continuous_actor_critic(seed: int = 1, obs_dim: int = 4, act_dim: int = 2, *, tanh: bool = False):
+    """A small continuous-control actor and critic, as in TorchRL's PPO tutorials: deterministic
+    weights from ``seed``. The actor's distribution is an independent normal (analytic KL) or,
+    with ``tanh``, a tanh-normal (no analytic KL: TorchRL's Monte-Carlo estimate)."""
+    from tensordict.nn import NormalParamExtractor, TensorDictModule
+    from torchrl.modules import IndependentNormal, ProbabilisticActor, TanhNormal, ValueOperator
+
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(obs_dim, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2 * act_dim),
+                              NormalParamExtractor())
+    actor = ProbabilisticActor(TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+                               in_keys=["loc", "scale"], distribution_class=TanhNormal if tanh else IndependentNormal,
+                               return_log_prob=True)
+    critic = ValueOperator(torch.nn.Sequential(torch.nn.Linear(obs_dim, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)),
+                           in_keys=["observation"])
+    return actor, critic
+
+
+class _TokenLogits(torch.nn.Module):
+    """Logits of token t from the context token at t (embedding + linear head)."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, context):
+        return self.head(self.emb(context))
+
+
+def token_actor(vocab: int = 11, dim: int = 8, seed: int = 0):
+    """A per-token policy as a TorchRL actor: ``"context"`` ``[B, T]`` token ids -> a categorical
+    distribution over the vocabulary per token; ``"action"`` ``[B, T]``, ``"action_log_prob"`` ``[B, T]``."""
+    from tensordict.nn import TensorDictModule
+    from torchrl.modules import ProbabilisticActor
+
+    torch.manual_seed(seed)
+    return ProbabilisticActor(TensorDictModule(_TokenLogits(vocab, dim), in_keys=["context"], out_keys=["logits"]),
+                              in_keys=["logits"], distribution_class=torch.distributions.Categorical,
+                              return_log_prob=True)

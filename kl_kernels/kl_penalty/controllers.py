@@ -41,6 +41,13 @@ def _positive(name: str, value, *, allow_zero: bool = False) -> float:
     return value
 
 
+def adaptive_beta(beta: torch.Tensor, kl: torch.Tensor, dtarg: float, increment: float,
+                  decrement: float) -> torch.Tensor:
+    """TorchRL's rule, as tensor ops (no host sync): ``beta * increment`` if ``kl > 1.5 * dtarg``,
+    ``beta * decrement`` if ``kl < dtarg / 1.5``, else ``beta`` (also for a NaN ``kl``)."""
+    return torch.where(kl > 1.5 * dtarg, beta * increment, torch.where(kl < dtarg / 1.5, beta * decrement, beta))
+
+
 class KLController(torch.nn.Module):
     """Base class: holds ``beta`` (0-d float32 buffer) and its initial value for :meth:`reset`."""
 
@@ -106,9 +113,7 @@ class AdaptiveKLController(KLController):
             raise ValueError(f"decrement must be <= 1.0, got {self.decrement}")
 
     def _next(self, kl, n_steps):
-        up = self.beta * self.increment
-        down = self.beta * self.decrement
-        return torch.where(kl > 1.5 * self.dtarg, up, torch.where(kl < self.dtarg / 1.5, down, self.beta))
+        return adaptive_beta(self.beta, kl, self.dtarg, self.increment, self.decrement)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, dtarg={self.dtarg}, increment={self.increment}, decrement={self.decrement}"

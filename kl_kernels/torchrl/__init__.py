@@ -1,4 +1,4 @@
-"""TorchRL drop-ins backed by the fused ``kl_reward`` kernels (needs the ``torchrl`` extra).
+"""TorchRL drop-ins backed by the fused kernels (needs the ``torchrl`` extra).
 
 Change one import and keep the rest of the pipeline::
 
@@ -9,6 +9,10 @@ Each class subclasses TorchRL 0.14's (``isinstance``, ``Compose`` and ``Transfor
 working) with the same constructor, defaults, keys and spec transforms; the numeric work of a
 call is one fused ``kl_reward`` call for the whole batch. The deviations from TorchRL (inputs it
 rejects or gets wrong) are listed in ``python_api/torchrl.md``.
+
+``KLPENPPOLoss`` (``from torchrl.objectives import KLPENPPOLoss`` -> ``from kl_kernels.torchrl import
+KLPENPPOLoss``) is TorchRL's KL-penalty PPO loss with the beta gradient fixed; on per-token,
+assistant-masked data it runs the fused ``kl_penalty_loss``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "kl_kernels.torchrl needs torchrl 0.14.x and tensordict 0.14.x: pip install 'kl_kernels[torchrl]' "
         f"(import failed: {exc})") from exc
 
+from .ppo import KLPENPPOLoss
 from .transforms import KLComputation, KLRewardTransform, RetrieveKL, RetrieveLogProb
 
-__all__ = ["KLComputation", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb"]
+__all__ = ["KLComputation", "KLPENPPOLoss", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb"]
