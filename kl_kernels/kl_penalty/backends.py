@@ -3,13 +3,15 @@
 =========  =========  ========================  ============================================
 backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
+triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/kl_penalty.py``);
+                                                CPU tensors under ``TRITON_INTERPRET=1`` on request
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``)
 torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference (autograd)
 =========  =========  ========================  ============================================
 
-The CUDA and Triton kernels of this op are not written yet: asking for ``backend="cuda"`` or
-``"triton"`` raises :class:`~kl_kernels.BackendUnavailableError` saying so, and ``"auto"`` on a GPU
-runs the torch reference.
+The CUDA C++ kernel of this op is not written yet: ``backend="cuda"`` raises
+:class:`~kl_kernels.BackendUnavailableError` saying so, and ``"auto"`` on a GPU runs the Triton
+kernels when Triton is installed, else the torch reference.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 from .. import _extensions
 from ..backends import Backend
+from ..kl_reward.backends import _triton_reasons
+from ..triton import interpreting
 from .ops import run_fused
 from .reference import kl_penalty_reference
 
@@ -45,6 +49,10 @@ def _same_logprob_dtype(problem) -> list[str]:
     return []
 
 
+def _run_triton(problem):
+    return run_fused(problem, triton=True)
+
+
 def _unreachable(problem):
     raise AssertionError("dispatch never runs an unavailable backend")
 
@@ -52,8 +60,9 @@ def _unreachable(problem):
 REGISTRY: list[Backend] = [
     Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _not_written("CUDA"), _unreachable,
             notes="not implemented yet"),
-    Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _not_written("Triton"), _unreachable,
-            notes="not implemented yet"),
+    Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
+            _triton_reasons, _run_triton, requires=_same_logprob_dtype, auto_devices=frozenset({"cuda"}),
+            notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else "")),
     Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, run_fused,
             requires=_same_logprob_dtype, notes="fused multi-threaded C++ kernel"),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],

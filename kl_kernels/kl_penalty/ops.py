@@ -1,6 +1,8 @@
 """``torch.library`` registration of the fused kl_penalty_loss kernels: ops, fake tensors, autograd.
 
-``kl_kernels::kl_penalty_fwd`` runs the fused forward (``launch.py``): per-sequence sums, counts,
+Two op pairs with one schema: ``kl_kernels::kl_penalty_fwd`` / ``_bwd`` around the C++ kernels
+(``launch.py``, ``_C`` or ``_cuda`` by device) and ``kl_kernels::kl_penalty_triton_fwd`` / ``_bwd``
+around the Triton kernels (``launch_triton.py``). The forward runs the fused pass: per-sequence sums, counts,
 optional per-token outputs and the gradient buffer ``dloss_t / dlp_t``. Its autograd saves only
 that buffer (plus the layout's index tensors) and ``kl_kernels::kl_penalty_bwd`` scales it by the
 incoming gradients, so no activation is kept for backward. Coefficients (beta scalar, clip bounds,
@@ -15,51 +17,11 @@ import torch
 from torch import Tensor
 
 from ..kl_reward.launch import ESTIMATOR_CODES, LAYOUT_CODES
-from . import launch
+from . import launch, launch_triton
 from .problem import KLPenaltyProblem
 from .reference import RawLoss
 
 _DEVICES = ("cpu", "cuda")
-
-
-@torch.library.custom_op("kl_kernels::kl_penalty_fwd", mutates_args=(), device_types=_DEVICES)
-def kl_penalty_fwd(log_probs: Tensor, old_log_probs: Tensor, ref_log_probs: Optional[Tensor], advantages: Tensor,
-                   entropy: Optional[Tensor], mask: Optional[Tensor], offsets: Optional[Tensor],
-                   lengths: Optional[Tensor], beta: Optional[Tensor], beta_scalar: float, adv_per_seq: bool,
-                   layout: int, left_pad: bool, estimator: int, straight_through: bool, clip_lo: float,
-                   clip_hi: float, entropy_coef: float, token_out: bool
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Fused forward: (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or [0], grad [*shape])."""
-    return launch.forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
-                          beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
-                          entropy_coef, token_out)
-
-
-@kl_penalty_fwd.register_fake
-def _(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
-      adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
-    batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
-    shape = log_probs.shape
-    f32 = dict(dtype=torch.float32)
-    return (log_probs.new_empty((batch,), **f32), log_probs.new_empty((batch, 5), **f32),
-            log_probs.new_empty((batch,), dtype=torch.int64), log_probs.new_empty((4, *shape) if token_out else (0,), **f32),
-            log_probs.new_empty(shape, **f32))
-
-
-@torch.library.custom_op("kl_kernels::kl_penalty_bwd", mutates_args=(), device_types=_DEVICES)
-def kl_penalty_bwd(grad: Tensor, g_seq: Optional[Tensor], g_tok: Optional[Tensor], mask: Optional[Tensor],
-                   offsets: Optional[Tensor], lengths: Optional[Tensor], layout: int, left_pad: bool,
-                   lp_dtype: torch.dtype, entropy_grad: bool, aux_dtype: torch.dtype, entropy_coef: float
-                   ) -> tuple[Tensor, Tensor]:
-    """Fused backward: (grad_log_probs, grad_entropy or [0]) from the saved buffer and the incoming grads."""
-    return launch.backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad,
-                           aux_dtype, entropy_coef)
-
-
-@kl_penalty_bwd.register_fake
-def _(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype, entropy_coef):
-    return grad.new_empty(grad.shape, dtype=lp_dtype), grad.new_empty(grad.shape if entropy_grad else (0,),
-                                                                      dtype=aux_dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -83,11 +45,54 @@ def _input_grads(ctx, g_seq_loss, g_token_out, bwd):
     return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 14
 
 
-def _backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
-    return _input_grads(ctx, g_seq_loss, g_token_out, kl_penalty_bwd)
+def _define(name: str, launcher):
+    """Register ``kl_kernels::<name>_fwd`` / ``<name>_bwd`` around ``launcher``'s forward and backward
+    (``launch`` or ``launch_triton``: same signatures), with fake implementations and autograd."""
+
+    @torch.library.custom_op(f"kl_kernels::{name}_fwd", mutates_args=(), device_types=_DEVICES)
+    def fwd(log_probs: Tensor, old_log_probs: Tensor, ref_log_probs: Optional[Tensor], advantages: Tensor,
+            entropy: Optional[Tensor], mask: Optional[Tensor], offsets: Optional[Tensor], lengths: Optional[Tensor],
+            beta: Optional[Tensor], beta_scalar: float, adv_per_seq: bool, layout: int, left_pad: bool,
+            estimator: int, straight_through: bool, clip_lo: float, clip_hi: float, entropy_coef: float,
+            token_out: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Fused forward: (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or [0], grad [*shape])."""
+        return launcher.forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths,
+                                beta, beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo,
+                                clip_hi, entropy_coef, token_out)
+
+    @fwd.register_fake
+    def _(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
+          adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
+        batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
+        shape = log_probs.shape
+        f32 = dict(dtype=torch.float32)
+        return (log_probs.new_empty((batch,), **f32), log_probs.new_empty((batch, 5), **f32),
+                log_probs.new_empty((batch,), dtype=torch.int64),
+                log_probs.new_empty((4, *shape) if token_out else (0,), **f32), log_probs.new_empty(shape, **f32))
+
+    @torch.library.custom_op(f"kl_kernels::{name}_bwd", mutates_args=(), device_types=_DEVICES)
+    def bwd(grad: Tensor, g_seq: Optional[Tensor], g_tok: Optional[Tensor], mask: Optional[Tensor],
+            offsets: Optional[Tensor], lengths: Optional[Tensor], layout: int, left_pad: bool, lp_dtype: torch.dtype,
+            entropy_grad: bool, aux_dtype: torch.dtype, entropy_coef: float) -> tuple[Tensor, Tensor]:
+        """Fused backward: (grad_log_probs, grad_entropy or [0]) from the saved buffer and the incoming grads."""
+        return launcher.backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype,
+                                 entropy_grad, aux_dtype, entropy_coef)
+
+    @bwd.register_fake
+    def _(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype,
+          entropy_coef):
+        return grad.new_empty(grad.shape, dtype=lp_dtype), grad.new_empty(grad.shape if entropy_grad else (0,),
+                                                                          dtype=aux_dtype)
+
+    def backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
+        return _input_grads(ctx, g_seq_loss, g_token_out, bwd)
+
+    fwd.register_autograd(backward, setup_context=_setup_context)
+    return fwd, bwd
 
 
-kl_penalty_fwd.register_autograd(_backward, setup_context=_setup_context)
+kl_penalty_fwd, kl_penalty_bwd = _define("kl_penalty", launch)
+kl_penalty_triton_fwd, kl_penalty_triton_bwd = _define("kl_penalty_triton", launch_triton)
 
 
 class _EagerFused(torch.autograd.Function):
@@ -96,18 +101,20 @@ class _EagerFused(torch.autograd.Function):
     RLHF batch sizes. ``torch.compile`` always goes through the ops."""
 
     @staticmethod
-    def forward(ctx, *args):
-        out = launch.forward(*args)
+    def forward(ctx, launcher, *args):
+        out = launcher.forward(*args)
         _setup_context(ctx, args, out)
+        ctx.launcher = launcher
         return out
 
     @staticmethod
     def backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
-        return _input_grads(ctx, g_seq_loss, g_token_out, launch.backward)
+        return (None,) + _input_grads(ctx, g_seq_loss, g_token_out, ctx.launcher.backward)
 
 
-def run_fused(p: KLPenaltyProblem) -> RawLoss:
-    """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``."""
+def run_fused(p: KLPenaltyProblem, triton: bool = False) -> RawLoss:
+    """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``
+    (C++ kernels) or ``kl_kernels::kl_penalty_triton_fwd`` (``triton=True``)."""
     lp = p.log_probs
     # Advantages and entropy are read in the log-probs' dtype or in float32 (the kernels' aux dtype).
     aux = lp.dtype if all(t is None or t.dtype == lp.dtype for t in (p.advantages, p.entropy)) else torch.float32
@@ -121,10 +128,12 @@ def run_fused(p: KLPenaltyProblem) -> RawLoss:
             p.padding_side == "left", ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"),
             clip_lo, clip_hi, p.entropy_coef, token_out)
     needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
+    launcher = launch_triton if triton else launch
     if torch.compiler.is_compiling():
-        seq_loss, stats, count, tok, _ = torch.ops.kl_kernels.kl_penalty_fwd(*args)
+        op = torch.ops.kl_kernels.kl_penalty_triton_fwd if triton else torch.ops.kl_kernels.kl_penalty_fwd
+        seq_loss, stats, count, tok, _ = op(*args)
     elif needs_graph:
-        seq_loss, stats, count, tok, _ = _EagerFused.apply(*args)
+        seq_loss, stats, count, tok, _ = _EagerFused.apply(launcher, *args)
     else:
-        seq_loss, stats, count, tok, _ = launch.forward(*args)
+        seq_loss, stats, count, tok, _ = launcher.forward(*args)
     return RawLoss(seq_loss, stats, count, tok if token_out else None)

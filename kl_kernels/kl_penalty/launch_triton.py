@@ -1,0 +1,120 @@
+"""Host launcher of the Triton kl_penalty_loss kernels (``kl_kernels/triton/kl_penalty.py``).
+
+Same signatures as ``launch.py`` (the C++ launcher), so ``ops.py`` registers both the same way.
+Tile sizes, autotuning (GPU) and the interpreter's tile choice are kl_reward's
+(``kl_reward/launch_triton.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..kl_reward.launch import _strides
+from ..kl_reward.launch_triton import (COMBINE_BLOCK, GPU_CONFIGS, MIN_BLOCK, _flat, _interpreter_block, _or,
+                                       _size_bucket, _tuned, triton_cdiv)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """(forward, combine, backward) kernels, forward/backward wrapped in the autotuner on GPU."""
+    import triton
+
+    from ..triton import interpreting
+    from ..triton import kl_penalty as k
+
+    if interpreting():
+        return k.kl_penalty_fwd_kernel, k.kl_penalty_combine_kernel, k.kl_penalty_bwd_kernel
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in GPU_CONFIGS]
+    fwd = triton.autotune(configs, key=["size_bucket"])(k.kl_penalty_fwd_kernel)
+    bwd = triton.autotune(configs, key=["size_bucket"])(k.kl_penalty_bwd_kernel)
+    return fwd, k.kl_penalty_combine_kernel, bwd
+
+
+def _geometry(like, mask, offsets, lengths, layout):
+    packed = layout == 0
+    batch = offsets.shape[0] - 1 if packed else like.shape[0]
+    width = 0 if packed else like.shape[1]
+    offsets = offsets.to(torch.int64).contiguous() if offsets is not None else None
+    lengths = lengths.to(torch.int64).contiguous() if lengths is not None else None
+    mask_u8 = mask.view(torch.uint8) if mask is not None else None
+    mask_s = _strides(mask_u8, layout) if mask is not None else (0, 0)
+    return packed, batch, width, offsets, lengths, mask_u8, mask_s
+
+
+def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
+            adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
+    """Run the Triton forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
+    empty, grad [*shape]), as ``launch.forward``."""
+    fwd, combine, _ = _kernels()
+    dev, shape, total = log_probs.device, log_probs.shape, log_probs.numel()
+    packed, batch, width, offsets, lengths, mask_u8, mask_s = _geometry(log_probs, mask, offsets, lengths, layout)
+    seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
+    stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
+    count = torch.empty(batch, dtype=torch.int64, device=dev)
+    tok = torch.empty((4, *shape) if token_out else (0,), dtype=torch.float32, device=dev)
+    grad = torch.empty(shape, dtype=torch.float32, device=dev)
+    if beta is None:
+        beta_mode, beta_t = 0, None
+    else:
+        beta_t = beta.to(torch.float32).contiguous()  # a device op: no host sync
+        beta_mode = 1 if beta_t.dim() == 0 else 2
+    block = _interpreter_block(total) if not _tuned(fwd) else MIN_BLOCK
+    slots = 2 * max(1, math.ceil(total / block))  # enough for the smallest tile the tuner may pick
+    slot_sum = torch.empty(slots, 8, dtype=torch.float64, device=dev)
+    slot_count = torch.empty(slots, dtype=torch.int32, device=dev)
+    adv_s = (advantages.stride(0), 0) if adv_per_seq else _strides(advantages, layout)
+    zero_s = (0, 0)
+    per_token = (log_probs, old_log_probs, ref_log_probs, mask, entropy, None if adv_per_seq else advantages)
+    flat = all(_flat(x, layout) for x in per_token)
+    if total > 0:
+        dummy = log_probs
+        args = (log_probs, old_log_probs, _or(ref_log_probs, dummy), advantages, _or(entropy, dummy),
+                _or(mask_u8, dummy), _or(beta_t, seq_loss), _or(offsets, count), _or(lengths, count),
+                seq_loss, stats, count, tok if token_out else grad, grad, slot_sum, slot_count,
+                total, batch, width, *_strides(log_probs, layout), *_strides(old_log_probs, layout),
+                *(_strides(ref_log_probs, layout) if ref_log_probs is not None else zero_s), *adv_s,
+                *(_strides(entropy, layout) if entropy is not None else zero_s), *mask_s,
+                float(beta_scalar), float(clip_lo), float(clip_hi), float(entropy_coef), _size_bucket(total))
+        flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None,
+                     HAS_MASK=mask is not None, HAS_REF=ref_log_probs is not None, HAS_ENT=entropy is not None,
+                     ADV_PER_SEQ=bool(adv_per_seq), BETA_MODE=beta_mode, TOKEN_OUT=bool(token_out),
+                     EST=int(estimator), STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
+        if _tuned(fwd):
+            fwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
+            block = fwd.best_config.kwargs["BLOCK"]
+        else:
+            fwd[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+    if batch > 0:
+        combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
+            _or(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, width, PACKED=packed,
+            TILE=block, BLOCK_B=COMBINE_BLOCK)
+    return seq_loss, stats, count, tok, grad
+
+
+def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype,
+             entropy_coef):
+    """Scale the saved gradient buffer (see ``launch.backward``); returns (grad_lp, grad_ent or empty)."""
+    _, _, bwd = _kernels()
+    dev, total = grad.device, grad.numel()
+    packed, batch, width, offsets, lengths, mask_u8, mask_s = _geometry(grad, mask, offsets, lengths, layout)
+    g_lp = torch.empty(grad.shape, dtype=lp_dtype, device=dev)
+    g_ent = torch.empty(grad.shape if entropy_grad else (0,), dtype=aux_dtype, device=dev)
+    if total == 0:
+        return g_lp, g_ent
+    g_seq = g_seq.to(torch.float32).contiguous() if g_seq is not None else None
+    g_tok = g_tok.to(torch.float32).contiguous() if g_tok is not None else None
+    args = (grad, _or(g_seq, grad), _or(g_tok, grad), _or(mask_u8, grad), _or(offsets, grad), _or(lengths, grad),
+            g_lp, g_ent if entropy_grad else g_lp, total, batch, width, *mask_s, float(entropy_coef),
+            _size_bucket(total))
+    flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
+                 HAS_GSEQ=g_seq is not None, HAS_GTOK=g_tok is not None, ENT_GRAD=bool(entropy_grad),
+                 FLAT=_flat(mask, layout))
+    if _tuned(bwd):
+        bwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
+    else:
+        block = _interpreter_block(total)
+        bwd[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+    return g_lp, g_ent

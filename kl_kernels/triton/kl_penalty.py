@@ -1,0 +1,222 @@
+"""Triton kernels of ``kl_penalty_loss``: forward tiles, per-sequence combine, backward.
+
+The twin of ``csrc/cpu/kl_penalty_cpu.cpp`` with the geometry of ``kl_reward.py``: the flat
+token space is cut into tiles of ``BLOCK`` elements (one program each, no grid dimension tied to
+a row's length), ``_frame`` says where each element stands and whether it counts. Per counted
+token (``csrc/common/kl_penalty_math.h``)::
+
+    ratio = exp(clamp(lp - old, -20, 20));  gain = ratio * A;  gain_c = clamp(ratio, lo, hi) * A
+    obj   = -(gain <= gain_c ? gain : gain_c);   kl = est(d),  d = sign * (lp - other)
+    loss  = obj + beta * kl - entropy_coef * entropy
+    grad  = -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [lo <= ratio <= hi]) + beta * sign * est'(d)
+
+The forward writes ``grad`` (the one float32 buffer kept for backward), optional per-token parts
+(aggregation ``"none"``) and six per-sequence sums (loss, objective, kl, entropy, ratio, clipped)
+plus the count, deterministically: fp64 prefix sums inside a tile, two boundary slots per tile,
+and ``combine`` adds the slots of sequences that span tiles in tile order (as ``kl_reward``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kl_math import clamp, estimate_grad_raw, estimate_raw, inside
+from .kl_reward import _coef, _frame
+
+# Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
+# clipped; 8 for the combine's power-of-two 2-D block). The log-ratio bound 20.0 written in the
+# kernel is kLogRatioBound of kl_penalty_math.h (LOG_RATIO_BOUND in problem.py).
+SLOT_STRIDE = 8
+
+_SIZES = ("total", "batch", "width", "lp_s0", "old_s0", "ref_s0", "adv_s0", "ent_s0", "mask_s0")
+
+
+@triton.jit
+def _load(ptr, seq, col, offs, s0, s1, counted, FLAT: tl.constexpr):
+    if FLAT:
+        at = ptr + offs
+    else:
+        at = ptr + seq * s0 + col * s1
+    return tl.load(at, mask=counted, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _segment(v, first):
+    """Per lane: the sum of ``v`` from its segment's first lane to itself (fp64 prefix sums)."""
+    v64 = v.to(tl.float64)
+    csum = tl.cumsum(v64, 0)
+    return csum - tl.gather(csum - v64, first, 0)
+
+
+@triton.jit
+def _store_sums(ptr, at, stride, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, m):
+    tl.store(ptr + at * stride + 0, s_loss, mask=m)
+    tl.store(ptr + at * stride + 1, s_obj, mask=m)
+    tl.store(ptr + at * stride + 2, s_kl, mask=m)
+    tl.store(ptr + at * stride + 3, s_ent, mask=m)
+    tl.store(ptr + at * stride + 4, s_ratio, mask=m)
+    tl.store(ptr + at * stride + 5, s_clip, mask=m)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def kl_penalty_fwd_kernel(
+        lp_ptr, old_ptr, ref_ptr, adv_ptr, ent_ptr, mask_ptr, beta_ptr, offsets_ptr, lengths_ptr,
+        seq_loss_ptr, stats_ptr, count_ptr, tok_ptr, grad_ptr, slot_sum_ptr, slot_count_ptr,
+        total, batch, width, lp_s0, lp_s1, old_s0, old_s1, ref_s0, ref_s1, adv_s0, adv_s1, ent_s0, ent_s1,
+        mask_s0, mask_s1, beta_scalar, clip_lo, clip_hi, entropy_coef, size_bucket,
+        PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr,
+        HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr,
+        TOKEN_OUT: tl.constexpr, EST: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr, FLAT: tl.constexpr,
+        BLOCK: tl.constexpr):
+    """One tile: the gradient buffer, optional per-token parts, whole sequences' sums and the
+    tile's two boundary slots. ``size_bucket`` is the autotuner's key only."""
+    pid = tl.program_id(0).to(tl.int64)
+    t0 = pid * BLOCK
+    offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < total
+    t_last = tl.minimum(t0 + BLOCK, total) - 1
+    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+        offsets_ptr, lengths_ptr, lengths_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
+        PACKED, LEFT_PAD, HAS_LENGTHS, False, HAS_MASK, FLAT)
+
+    lp = _load(lp_ptr, seq, col, offs, lp_s0, lp_s1, counted, FLAT)
+    old = _load(old_ptr, seq, col, offs, old_s0, old_s1, counted, FLAT)
+    if HAS_REF:  # KL to the reference model, else to the old policy
+        d = lp - _load(ref_ptr, seq, col, offs, ref_s0, ref_s1, counted, FLAT)
+        sign = 1.0
+    else:
+        d = old - lp
+        sign = -1.0
+    if ADV_PER_SEQ:
+        adv = tl.load(adv_ptr + seq * adv_s0, mask=counted, other=0.0).to(tl.float32)
+    else:
+        adv = _load(adv_ptr, seq, col, offs, adv_s0, adv_s1, counted, FLAT)
+    if HAS_ENT:
+        ent = _load(ent_ptr, seq, col, offs, ent_s0, ent_s1, counted, FLAT)
+    else:
+        ent = tl.zeros_like(lp)
+    beta = _coef(beta_ptr, beta_scalar, seq, inb, BETA_MODE)
+
+    lr_raw = lp - old
+    ratio = tl.exp(clamp(lr_raw, -20.0, 20.0))
+    gain = ratio * adv
+    gain_c = clamp(ratio, clip_lo, clip_hi) * adv
+    take = gain <= gain_c  # NaN: false, as torch.where in the reference
+    w = tl.where(take, 1.0, inside(ratio, clip_lo, clip_hi))
+    kl = estimate_raw(d, EST)
+    if STRAIGHT_THROUGH:
+        dk = d
+    else:
+        dk = estimate_grad_raw(d, EST)
+    obj = -tl.where(take, gain, gain_c)
+    grad = -adv * ratio * inside(lr_raw, -20.0, 20.0) * w + beta * sign * dk
+    loss = obj + beta * kl - entropy_coef * ent
+    # exactly 0 where not counted (inputs there were read as 0, but the formulas need not give 0)
+    grad = tl.where(counted, grad, 0.0)
+    loss = tl.where(counted, loss, 0.0)
+    obj = tl.where(counted, obj, 0.0)
+    kl = tl.where(counted, kl, 0.0)
+    ratio = tl.where(counted, ratio, 0.0)
+    clipped = tl.where(counted & ~take, 1.0, 0.0)
+    tl.store(grad_ptr + offs, grad, mask=inb)
+    if TOKEN_OUT:
+        tl.store(tok_ptr + offs, loss, mask=inb)
+        tl.store(tok_ptr + total + offs, obj, mask=inb)
+        tl.store(tok_ptr + 2 * total + offs, beta * kl, mask=inb)
+        tl.store(tok_ptr + 3 * total + offs, -entropy_coef * ent + 0.0, mask=inb)  # + 0.0: no -0
+
+    idx = tl.arange(0, BLOCK)
+    first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)
+    last_lane = (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32)
+    s_loss = _segment(loss, first)
+    s_obj = _segment(obj, first)
+    s_kl = _segment(kl, first)
+    s_ent = _segment(ent, first)
+    s_ratio = _segment(ratio, first)
+    s_clip = _segment(clipped, first)
+    cnt = counted.to(tl.int32)
+    ccnt = tl.cumsum(cnt, 0)
+    s_cnt = ccnt - tl.gather(ccnt - cnt, first, 0)
+    end = inb & (idx == last_lane)
+    whole = end & (seq_lo >= t0) & (seq_hi - 1 <= t_last)
+    tl.store(seq_loss_ptr + seq, s_loss.to(tl.float32), mask=whole)
+    tl.store(stats_ptr + seq * 5 + 0, s_obj.to(tl.float32), mask=whole)
+    tl.store(stats_ptr + seq * 5 + 1, s_kl.to(tl.float32), mask=whole)
+    tl.store(stats_ptr + seq * 5 + 2, s_ent.to(tl.float32), mask=whole)
+    tl.store(stats_ptr + seq * 5 + 3, s_ratio.to(tl.float32), mask=whole)
+    tl.store(stats_ptr + seq * 5 + 4, s_clip.to(tl.float32), mask=whole)
+    tl.store(count_ptr + seq, s_cnt.to(tl.int64), mask=whole)
+    # Slot 2*pid: the segment holding the tile's first element; 2*pid+1: the one holding its last.
+    head = end & (seq_lo <= t0)
+    at = tl.zeros_like(seq) + 2 * pid
+    _store_sums(slot_sum_ptr, at, 8, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, head)
+    tl.store(slot_count_ptr + at, s_cnt, mask=head)
+    tail = end & (seq_hi - 1 >= t_last)
+    _store_sums(slot_sum_ptr, at + 1, 8, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, tail)
+    tl.store(slot_count_ptr + at + 1, s_cnt, mask=tail)
+
+
+@triton.jit(do_not_specialize=("batch", "width"))
+def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, slot_sum_ptr, slot_count_ptr,
+                              batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Per sequence: finish the sums of sequences that span tiles (tile order, fp64); zero the empty ones."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    inb = b < batch
+    if PACKED:
+        lo = tl.load(offsets_ptr + b, mask=inb, other=0)
+        hi = tl.load(offsets_ptr + b + 1, mask=inb, other=0)
+    else:
+        lo = b * width
+        hi = lo + width
+    n = hi - lo
+    k0 = lo // TILE
+    k1 = (hi - 1) // TILE
+    spans = inb & (n > 0) & (k1 > k0)
+    c = tl.arange(0, 8)
+    used = c < 6
+    m2 = spans[:, None] & used[None, :]
+    # The sequence is the last segment of its first tile, then the first segment of the others.
+    acc = tl.load(slot_sum_ptr + (2 * k0 + 1)[:, None] * 8 + c[None, :], mask=m2, other=0.0)
+    cnt = tl.load(slot_count_ptr + 2 * k0 + 1, mask=spans, other=0).to(tl.int64)
+    steps = tl.max(tl.where(spans, k1 - k0, 0), axis=0)
+    for j in range(1, steps + 1):
+        m = spans & (k0 + j <= k1)
+        acc += tl.load(slot_sum_ptr + (2 * (k0 + j))[:, None] * 8 + c[None, :], mask=m[:, None] & used[None, :],
+                       other=0.0)
+        cnt += tl.load(slot_count_ptr + 2 * (k0 + j), mask=m, other=0).to(tl.int64)
+    empty = inb & (n == 0)
+    write = spans | empty
+    acc = tl.where(spans[:, None], acc, 0.0).to(tl.float32)
+    loss = tl.sum(tl.where(c[None, :] == 0, acc, 0.0), axis=1)
+    tl.store(seq_loss_ptr + b, loss, mask=write)
+    stat = write[:, None] & (c[None, :] >= 1) & used[None, :]
+    tl.store(stats_ptr + b[:, None] * 5 + (c[None, :] - 1), acc, mask=stat)
+    tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=write)
+
+
+@triton.jit(do_not_specialize=("total", "batch", "width", "mask_s0"))
+def kl_penalty_bwd_kernel(
+        grad_ptr, g_seq_ptr, g_tok_ptr, mask_ptr, offsets_ptr, lengths_ptr, g_lp_ptr, g_ent_ptr,
+        total, batch, width, mask_s0, mask_s1, entropy_coef, size_bucket,
+        PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr,
+        HAS_GSEQ: tl.constexpr, HAS_GTOK: tl.constexpr, ENT_GRAD: tl.constexpr, FLAT: tl.constexpr,
+        BLOCK: tl.constexpr):
+    """grad_lp = (g_tok + g_seq[seq]) * grad and grad_entropy = -entropy_coef * (g_tok + g_seq[seq]) at
+    counted tokens, 0 elsewhere."""
+    pid = tl.program_id(0).to(tl.int64)
+    t0 = pid * BLOCK
+    offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < total
+    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+        offsets_ptr, lengths_ptr, lengths_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
+        PACKED, LEFT_PAD, HAS_LENGTHS, False, HAS_MASK, FLAT)
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    if HAS_GSEQ:
+        g += tl.load(g_seq_ptr + seq, mask=counted, other=0.0)
+    if HAS_GTOK:
+        g += tl.load(g_tok_ptr + offs, mask=counted, other=0.0)
+    grad = tl.load(grad_ptr + offs, mask=counted, other=0.0)
+    tl.store(g_lp_ptr + offs, tl.where(counted, g * grad, 0.0).to(g_lp_ptr.dtype.element_ty), mask=inb)
+    if ENT_GRAD:
+        tl.store(g_ent_ptr + offs, tl.where(counted, -entropy_coef * g, 0.0).to(g_ent_ptr.dtype.element_ty), mask=inb)
