@@ -160,7 +160,7 @@ class BuildExt(build_ext):
 def _extensions() -> list[Extension]:
     common_includes = [pybind11.get_include(), str(ROOT / "csrc")]
     # Headers as dependencies: without them an edited header leaves stale objects behind.
-    headers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h"))
+    headers = sorted(str(p.relative_to(ROOT)) for pattern in ("*.h", "*.cuh") for p in (ROOT / "csrc").rglob(pattern))
     # -fno-trapping-math / -fno-math-errno change no value (no reassociation, NaN kept); they
     # give up FP exception flags and errno, which GCC otherwise protects by refusing to turn the
     # masked selects of the kernels into vector blends.
@@ -187,7 +187,8 @@ def _extensions() -> list[Extension]:
             sys.exit(f"kl_kernels build: libcudart_static.a not found under {cuda_home}")
         cuda_ext = Extension(
             "kl_kernels._cuda",
-            sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.c*")),
+            sources=sorted(str(p.relative_to(ROOT)) for pattern in ("*.cu", "*.cpp")
+                           for p in (ROOT / "csrc" / "cuda").glob(pattern)),
             include_dirs=[*common_includes, str(cuda_home / "include")],
             depends=headers,
             library_dirs=[str(lib_dirs[0])],

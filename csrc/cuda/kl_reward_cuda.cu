@@ -25,24 +25,10 @@
 
 #include "common/kl_reward_args.h"
 #include "cuda/kl_reward_cuda.h"
+#include "cuda/tiles.cuh"
 
 namespace kl {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int kPer = 8;
-constexpr int kWarps = kThreads / 32;
-static_assert(kThreads * kPer == kCudaTile, "tile = threads x elements per thread");
-
-template <typename T>
-struct alignas(sizeof(T) * kPer >= 16 ? 16 : sizeof(T) * kPer) Pack {  // 8 elements, vector-loadable
-  T v[kPer];
-};
-
-template <typename T>
-__device__ __forceinline__ T ld(uintptr_t base, int64_t i) {
-  return reinterpret_cast<const T*>(base)[i];
-}
 
 struct Workspace {  // carved out of the caller's buffer (8-byte aligned pieces)
   double* slot_sum;
@@ -61,107 +47,6 @@ __host__ __device__ inline Workspace carve(const KLRewardArgs& a, uintptr_t ws) 
   w.slot_last = w.slot_count + slots;
   w.last = w.slot_last + slots;
   return w;
-}
-
-// Where one element stands. lo/hi: its sequence's flat range; pos: position in the sequence.
-struct Where {
-  int64_t seq, col, pos, lo, hi;
-  bool inb, counted;
-};
-
-// The 8 consecutive elements of this thread, starting at flat index i0 (tile range [t0, t_last]).
-__device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_t b_lo, int64_t b_hi,
-                                       Where (&w)[kPer]) {
-  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
-  const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
-  const int64_t* prompt = reinterpret_cast<const int64_t*>(a.prompt_lens);
-  const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask);
-  int64_t seq;
-  if (a.layout == kPacked) {
-    const int64_t first = i0 < a.total ? i0 : a.total - 1;
-    int64_t lo = b_lo, hi = b_hi;  // last b in [lo, hi] with off[b] <= first
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo + 1) / 2;
-      if (off[mid] <= first) lo = mid; else hi = mid - 1;
-    }
-    seq = lo;
-  } else {
-    seq = i0 / a.width;
-  }
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int64_t i = i0 + j;
-    Where& e = w[j];
-    e.inb = i < a.total;
-    if (a.layout == kPacked) {
-      while (e.inb && seq + 1 < a.batch && off[seq + 1] <= i) ++seq;  // skips empty sequences
-      e.seq = seq;
-      e.lo = off[seq];
-      e.hi = off[seq + 1];
-      e.col = i;
-      e.pos = i - e.lo;
-      e.counted = e.inb;
-    } else {
-      while (i >= (seq + 1) * a.width && seq + 1 < a.batch) ++seq;
-      e.seq = seq;
-      e.lo = seq * a.width;
-      e.hi = e.lo + a.width;
-      e.col = i - e.lo;
-      const int64_t length = (e.inb && len) ? len[seq] : a.width;
-      e.pos = a.left_pad ? e.col - (a.width - length) : e.col;
-      e.counted = e.inb && e.pos >= 0 && e.pos < length;
-    }
-    if (e.counted && prompt) e.counted = e.pos >= prompt[e.seq];
-    if (e.counted && mask) e.counted = mask[e.seq * a.mask_s0 + e.col * a.mask_s1] != 0;
-  }
-}
-
-// This block's tile [t0, t_last] and this thread's 8 elements from i0 (seq_range: shared scratch).
-__device__ __forceinline__ void locate_tile(const KLRewardArgs& a, int64_t* seq_range, int64_t* t0, int64_t* t_last,
-                                            int64_t* i0, Where (&w)[kPer]) {
-  *t0 = static_cast<int64_t>(blockIdx.x) * kCudaTile;
-  *t_last = (*t0 + kCudaTile < a.total ? *t0 + kCudaTile : a.total) - 1;
-  if (a.layout == kPacked && threadIdx.x == 0) {  // the tile's sequences, found once per block
-    seq_range[0] = seq_of(a, *t0);
-    seq_range[1] = seq_of(a, *t_last);
-  }
-  __syncthreads();
-  *i0 = *t0 + static_cast<int64_t>(threadIdx.x) * kPer;
-  locate(a, *i0, seq_range[0], seq_range[1], w);
-}
-
-// Block-wide exclusive prefix of (fp64 sum, int count) over threads, in thread order.
-__device__ __forceinline__ void block_exclusive_scan(double v, int c, double* wsum, int* wcnt, double* out_v,
-                                                     int* out_c) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  double iv = v;
-  int ic = c;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const double ov = __shfl_up_sync(0xffffffffu, iv, d);
-    const int oc = __shfl_up_sync(0xffffffffu, ic, d);
-    if (lane >= d) iv += ov, ic += oc;
-  }
-  if (lane == 31) wsum[warp] = iv, wcnt[warp] = ic;
-  __syncthreads();
-  if (warp == 0) {
-    double sv = lane < kWarps ? wsum[lane] : 0.0;
-    int sc = lane < kWarps ? wcnt[lane] : 0;
-#pragma unroll
-    for (int d = 1; d < kWarps; d <<= 1) {
-      const double ov = __shfl_up_sync(0xffffffffu, sv, d);
-      const int oc = __shfl_up_sync(0xffffffffu, sc, d);
-      if (lane >= d) sv += ov, sc += oc;
-    }
-    if (lane < kWarps) wsum[lane] = sv, wcnt[lane] = sc;  // inclusive over warps
-  }
-  __syncthreads();
-  const double wv = warp > 0 ? wsum[warp - 1] : 0.0;
-  const int wc = warp > 0 ? wcnt[warp - 1] : 0;
-  const double ev = __shfl_up_sync(0xffffffffu, iv, 1);  // exclusive within the warp
-  const int ec = __shfl_up_sync(0xffffffffu, ic, 1);
-  *out_v = lane > 0 ? wv + ev : wv;
-  *out_c = lane > 0 ? wc + ec : wc;
 }
 
 template <int32_t DT, int32_t RT, bool VEC>
@@ -382,11 +267,6 @@ bool vectorizable(const KLRewardArgs& a) {
             aligned(a.kl, 16) && aligned(a.reward_out, 16) && (a.ref_out == 0 || aligned(a.ref_out, 16));
   if (a.placement == kToken) ok = ok && flat(a.rw_s0, a.rw_s1) && aligned(a.reward, 16);
   return ok;
-}
-
-int status() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? 0 : 1000 + static_cast<int>(err);
 }
 
 template <int32_t DT, int32_t RT>

@@ -11,6 +11,7 @@
 
 #include "common/bind_args.h"
 #include "common/build_info.h"
+#include "cuda/kl_penalty_cuda.h"
 #include "cuda/kl_reward_cuda.h"
 #include "cuda/probe.h"
 
@@ -39,6 +40,8 @@ py::dict probe(bool launch) {
   py::list kernels;
   kernels.append("kl_reward_forward");
   kernels.append("kl_reward_backward");
+  kernels.append("kl_penalty_forward");
+  kernels.append("kl_penalty_backward");
   info["kernels"] = kernels;
   return info;
 }
@@ -50,6 +53,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("probe", &probe, py::arg("launch") = false,
         "CUDA build and runtime facts; with launch=True, runs one tiny kernel on device 0.");
   kl::bind_args(m);
+  kl::bind_penalty_args(m);
   m.attr("KL_REWARD_TILE") = kl::kCudaTile;
   m.def("kl_reward_workspace_bytes", &kl::kl_reward_cuda_workspace_bytes, py::arg("args"),
         "Bytes of device scratch kl_reward_forward needs for these arguments.");
@@ -60,6 +64,15 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("kl_reward_backward", &kl::kl_reward_backward_cuda, py::arg("args"), py::arg("stream"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward backward, enqueued on `stream`; same return codes as the forward.");
+  m.def("kl_penalty_workspace_bytes", &kl::kl_penalty_cuda_workspace_bytes, py::arg("args"),
+        "Bytes of device scratch kl_penalty_forward needs for these arguments.");
+  m.def("kl_penalty_forward", &kl::kl_penalty_forward_cuda, py::arg("args"), py::arg("workspace"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused kl_penalty_loss forward, enqueued on `stream`; no host sync. Returns 0, 1 (unsupported dtypes), "
+        "2 (too many tiles) or 1000 + a cudaError_t.");
+  m.def("kl_penalty_backward", &kl::kl_penalty_backward_cuda, py::arg("args"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused kl_penalty_loss backward, enqueued on `stream`; same return codes as the forward.");
   m.def("error_string", [](int code) { return std::string(kl_probe_error_string(code)); }, py::arg("code"),
         "The CUDA runtime's message for a cudaError_t.");
 }

@@ -1,6 +1,7 @@
 """Host launcher of the fused kl_penalty_loss kernels: allocate outputs, fill the argument struct, launch.
 
-The compiled kernels (``csrc/cpu/kl_penalty_cpu.cpp``) take a plain ``KLPenaltyArgs`` whose ``g``
+The compiled kernels (``csrc/cpu/kl_penalty_cpu.cpp``, ``csrc/cuda/kl_penalty_cuda.cu``) take a plain
+``KLPenaltyArgs`` whose ``g``
 member is kl_reward's ``KLRewardArgs`` (geometry, mask, log-probs), filled by kl_reward's
 ``make_args``; this module adds the loss's own inputs. Inputs may have any strides; outputs are
 allocated contiguous in the layout's shape. Everything has been validated by ``problem.py``.
@@ -38,11 +39,26 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 
 
 def _launch(module, name, args, device):
-    if device.type != "cpu":
-        raise RuntimeError("kl_penalty_loss: the CUDA kernel is not implemented yet")
-    code = getattr(module, name)(args, torch.get_num_threads())
+    """Run kernel ``name``: on the CPU with torch's thread count; on CUDA enqueued on torch's current
+    stream of ``device``, with scratch from torch's caching allocator (no host sync)."""
+    if device.type == "cpu":
+        code = getattr(module, name)(args, torch.get_num_threads())
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with torch.cuda.device(device):  # the kernels launch on the current device
+            if name == "kl_penalty_forward":
+                # Allocated on this stream: freeing it right after the enqueue is safe (the caching
+                # allocator hands the block only to work queued after this kernel).
+                workspace = torch.empty(module.kl_penalty_workspace_bytes(args), dtype=torch.uint8, device=device)
+                code = module.kl_penalty_forward(args, _ptr(workspace), stream)
+            else:
+                code = module.kl_penalty_backward(args, stream)
     if code == 1:
         raise RuntimeError("kl_penalty_loss kernel: unsupported dtype combination")
+    if code == 2:
+        raise RuntimeError("kl_penalty_loss kernel: too many tokens for one launch")
+    if code >= 1000:
+        raise RuntimeError(f"kl_penalty_loss CUDA kernel launch failed: {module.error_string(code - 1000)}")
     if code != 0:
         raise RuntimeError(f"kl_penalty_loss kernel failed with code {code}")
 
