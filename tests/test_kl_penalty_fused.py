@@ -77,14 +77,18 @@ def test_fullgraph_compile_matches_eager(aggregation):
     torch.testing.assert_close(g_comp, g_eager)
 
 
-@pytest.mark.parametrize("backend", FUSED)
-def test_non_contiguous_inputs(backend):
+def _on(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def check_non_contiguous(backend, device="cpu"):
     """Strided views (every other column of a wider tensor) give the same result as contiguous copies."""
     b = _padded_batch(T=80)
     wide = {k: (torch.stack([v, v], -1).flatten(-2)[..., ::2] if k not in ("lengths",) else v) for k, v in b.items()}
     assert not wide["log_probs"].is_contiguous()
+    wide, b = _on(wide, device), _on(b, device)
     lp_s = wide.pop("log_probs").requires_grad_()
-    lp_c = b.pop("log_probs").requires_grad_()
+    lp_c = b.pop("log_probs").contiguous().requires_grad_()
     kw = dict(beta=0.3, clip_epsilon=0.2, entropy_coef=0.1, estimator="k2", backend=backend)
     out_s = kl_penalty_loss(lp_s, **wide, **kw)
     out_c = kl_penalty_loss(lp_c, **b, **kw)
@@ -94,10 +98,10 @@ def test_non_contiguous_inputs(backend):
     torch.testing.assert_close(lp_s.grad, lp_c.grad, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", FUSED)
-def test_long_row_and_determinism(backend):
-    """One row of 70001 tokens (beyond 65535; several tiles) next to short ones: float64-accurate
-    sums against the reference, and bitwise identical results over repeated calls and thread counts."""
+def check_long_row(backend, device="cpu", thread_counts=(None, None)):
+    """One row of 70001 tokens (beyond 65535; several tiles) next to short and empty ones: float64-
+    accurate sums against the reference, and bitwise identical results over repeated calls (and
+    over torch's thread counts in ``thread_counts``; None: unchanged)."""
     g = torch.Generator().manual_seed(3)
     n = 70001
     lengths = [n, 1, 0, 4097]
@@ -111,28 +115,42 @@ def test_long_row_and_determinism(backend):
     runs = []
     threads = torch.get_num_threads()
     try:
-        for t in (1, threads, 1):
-            torch.set_num_threads(t)
-            x = lp.clone().requires_grad_()
-            out = kl_penalty_loss(x, **kw, backend=backend)
+        for t in thread_counts:
+            torch.set_num_threads(t or threads)
+            x = lp.to(device).requires_grad_()
+            out = kl_penalty_loss(x, **_on(kw, device), backend=backend)
             out.loss.backward()
             runs.append((out, x.grad))
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(runs[0][0].loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs[0][0].loss.double().cpu(), ref.loss, rtol=1e-5, atol=1e-6)
     for out, grad in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out, runs[0][0]))
         assert torch.equal(grad, runs[0][1])
 
 
-@pytest.mark.parametrize("backend", ["torch"] + FUSED)
-def test_inputs_never_modified(backend):
-    b = _padded_batch()
+def check_inputs_never_modified(backend, device="cpu"):
+    b = _on(_padded_batch(), device)
     copies = {k: v.clone() for k, v in b.items()}
     b["log_probs"].requires_grad_()
     kl_penalty_loss(**b, beta=0.5, clip_epsilon=0.2, backend=backend).loss.backward()
     for k, v in copies.items():
         assert torch.equal(b[k].detach(), v), f"{k} was modified"
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_non_contiguous_inputs(backend):
+    check_non_contiguous(backend)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_long_row_and_determinism(backend):
+    check_long_row(backend, thread_counts=(1, None, 1))
+
+
+@pytest.mark.parametrize("backend", ["torch"] + FUSED)
+def test_inputs_never_modified(backend):
+    check_inputs_never_modified(backend)
 
 
 # --------------------------------------------------------------------------- data parallel

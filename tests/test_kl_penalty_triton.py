@@ -16,14 +16,11 @@ from conftest import triton_device
 from kl_kernels import kl_penalty_loss
 from kl_kernels.kl_penalty import ops  # noqa: F401  (registers kl_kernels::kl_penalty_triton_fwd / _bwd)
 from loss_batches import AGGREGATIONS, LOSS_LAYOUTS, check_loss, loss_cases
-from test_kl_penalty_fused import _op_args, _padded_batch
+from test_kl_penalty_fused import (_on, _op_args, _padded_batch, check_inputs_never_modified, check_long_row,
+                                    check_non_contiguous)
 
 pytestmark = pytest.mark.triton
 DEVICE = triton_device() or "cpu"
-
-
-def _on(batch: dict) -> dict:
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @pytest.mark.parametrize("layout", LOSS_LAYOUTS)
@@ -71,57 +68,20 @@ def test_same_as_cpu_kernel_on_every_output():
 
 
 def test_non_contiguous_inputs():
-    b = _padded_batch(T=80)
-    wide = {k: (torch.stack([v, v], -1).flatten(-2)[..., ::2] if k != "lengths" else v) for k, v in b.items()}
-    assert not wide["log_probs"].is_contiguous()
-    kw = dict(beta=0.3, clip_epsilon=0.2, entropy_coef=0.1, estimator="k2", backend="triton")
-    wide, b = _on(wide), _on(b)
-    lp_s = wide.pop("log_probs").requires_grad_()
-    lp_c = b.pop("log_probs").contiguous().requires_grad_()
-    out_s = kl_penalty_loss(lp_s, **wide, **kw)
-    out_c = kl_penalty_loss(lp_c, **b, **kw)
-    out_s.loss.backward(), out_c.loss.backward()
-    for x, y in zip(out_s, out_c):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
-    torch.testing.assert_close(lp_s.grad, lp_c.grad, rtol=0, atol=0)
+    check_non_contiguous("triton", DEVICE)
 
 
 def test_long_row_and_determinism():
-    """A row of 70001 tokens (beyond 65535, many tiles) next to short and empty rows: sums against the
-    float64 reference, bitwise identical over repeated calls."""
-    g = torch.Generator().manual_seed(3)
-    n = 70001
-    lengths = [n, 1, 0, 4097]
-    N = sum(lengths)
-    lp = -torch.rand(N, generator=g) * 5
-    kw = dict(old_log_probs=lp + torch.randn(N, generator=g) * 0.2, advantages=torch.randn(N, generator=g),
-              offsets=torch.tensor([0, n, n + 1, n + 1, N]), beta=0.05, estimator="k3", clip_epsilon=0.2,
-              aggregation="seq-mean-token-mean")
-    ref = kl_penalty_loss(lp.double(), **{k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                                              else v) for k, v in kw.items()}, backend="torch")
-    runs = []
-    for _ in range(2):
-        x = lp.to(DEVICE).requires_grad_()
-        out = kl_penalty_loss(x, **_on(kw), backend="triton")
-        out.loss.backward()
-        runs.append((out, x.grad))
-    torch.testing.assert_close(runs[0][0].loss.double().cpu(), ref.loss, rtol=1e-5, atol=1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(runs[1][0], runs[0][0]))
-    assert torch.equal(runs[1][1], runs[0][1])
+    check_long_row("triton", DEVICE)
 
 
 def test_inputs_never_modified():
-    b = _on(_padded_batch())
-    copies = {k: v.clone() for k, v in b.items()}
-    b["log_probs"].requires_grad_()
-    kl_penalty_loss(**b, beta=0.5, clip_epsilon=0.2, backend="triton").loss.backward()
-    for k, v in copies.items():
-        assert torch.equal(b[k].detach(), v), f"{k} was modified"
+    check_inputs_never_modified("triton", DEVICE)
 
 
 @pytest.mark.slow
 def test_fullgraph_compile_matches_eager():
-    b = _on(_padded_batch())
+    b = _on(_padded_batch(), DEVICE)
     lp = b.pop("log_probs").requires_grad_()
 
     def fn(x):

@@ -232,24 +232,7 @@ int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
   return 0;
 }
 
-// Calls f(DT, AT) with the log-probs' dtype and the advantages/entropy dtype (the same, or float32).
-template <typename F>
-int by_dtypes(const KLPenaltyArgs& a, F&& f) {
-  auto with_aux = [&](auto dt) {
-    constexpr int32_t DT = decltype(dt)::value;
-    if (a.aux_dtype == DT) return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, DT>{});
-    if (a.aux_dtype == kFloat32)
-      return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, kFloat32>{});
-    return 1;
-  };
-  switch (a.g.dtype) {
-    case kFloat32: return with_aux(std::integral_constant<int32_t, kFloat32>{});
-    case kBFloat16: return with_aux(std::integral_constant<int32_t, kBFloat16>{});
-    case kFloat16: return with_aux(std::integral_constant<int32_t, kFloat16>{});
-    default: return 1;
-  }
-}
-
+// The estimator and straight-through flag as template parameters (branch-free per-token math).
 template <int32_t DT, int32_t AT>
 int forward_estimator(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
   const bool st = a.g.est.straight_through != 0;
@@ -270,7 +253,7 @@ int64_t kl_penalty_cuda_workspace_bytes(const KLPenaltyArgs& a) {
 
 int kl_penalty_forward_cuda(const KLPenaltyArgs& a, uintptr_t workspace, uintptr_t stream) {
   if (penalty_tiles(a) > 0x7fffffff) return 2;
-  return by_dtypes(a, [&](auto dt, auto at) {
+  return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
     return forward_estimator<decltype(dt)::value, decltype(at)::value>(a, workspace,
                                                                       reinterpret_cast<cudaStream_t>(stream));
   });
@@ -280,7 +263,7 @@ int kl_penalty_backward_cuda(const KLPenaltyArgs& a, uintptr_t stream) {
   const int64_t tiles = penalty_tiles(a);
   if (tiles > 0x7fffffff) return 2;
   if (tiles == 0) return 0;
-  return by_dtypes(a, [&](auto dt, auto at) {
+  return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
     penalty_backward_tile<decltype(dt)::value, decltype(at)::value>
         <<<static_cast<unsigned>(tiles), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
     return status();

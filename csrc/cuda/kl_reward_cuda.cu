@@ -293,23 +293,6 @@ int backward_typed(const KLRewardArgs& a, cudaStream_t stream) {
   return status();
 }
 
-template <typename F>
-int by_dtype(const KLRewardArgs& a, F&& f) {
-  auto with_reward = [&](auto dt) {
-    constexpr int32_t DT = decltype(dt)::value;
-    if (a.reward_dtype == DT) return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, DT>{});
-    if (a.reward_dtype == kFloat32)
-      return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, kFloat32>{});
-    return 1;
-  };
-  switch (a.dtype) {
-    case kFloat32: return with_reward(std::integral_constant<int32_t, kFloat32>{});
-    case kBFloat16: return with_reward(std::integral_constant<int32_t, kBFloat16>{});
-    case kFloat16: return with_reward(std::integral_constant<int32_t, kFloat16>{});
-    default: return 1;
-  }
-}
-
 }  // namespace
 
 int64_t kl_reward_cuda_workspace_bytes(const KLRewardArgs& a) {
@@ -319,14 +302,14 @@ int64_t kl_reward_cuda_workspace_bytes(const KLRewardArgs& a) {
 int kl_reward_forward_cuda(const KLRewardArgs& a, uintptr_t workspace, uintptr_t stream) {
   // The 2^31 - 1 block limit of grid x: 4.4e12 tokens, beyond any memory; checked anyway.
   if (tiles_of(a) > 0x7fffffff) return 2;
-  return by_dtype(a, [&](auto dt, auto rt) {
+  return with_dtypes(a.dtype, a.reward_dtype, [&](auto dt, auto rt) {
     return forward_typed<decltype(dt)::value, decltype(rt)::value>(a, workspace, reinterpret_cast<cudaStream_t>(stream));
   });
 }
 
 int kl_reward_backward_cuda(const KLRewardArgs& a, uintptr_t stream) {
   if (tiles_of(a) > 0x7fffffff) return 2;
-  return by_dtype(a, [&](auto dt, auto rt) {
+  return with_dtypes(a.dtype, a.reward_dtype, [&](auto dt, auto rt) {
     return backward_typed<decltype(dt)::value, decltype(rt)::value>(a, reinterpret_cast<cudaStream_t>(stream));
   });
 }

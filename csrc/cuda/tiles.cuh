@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/kl_reward_args.h"
 #include "cuda/kl_reward_cuda.h"  // kCudaTile
@@ -128,6 +129,24 @@ __device__ __forceinline__ void block_exclusive_scan(double v, int c, double* ws
   const int ec = __shfl_up_sync(0xffffffffu, ic, 1);
   *out_v = lane > 0 ? wv + ev : wv;
   *out_c = lane > 0 ? wc + ec : wc;
+}
+
+// Calls f(DT, AT) (std::integral_constant dtype codes) for a half/single main dtype and a second
+// dtype that is the same or float32; returns 1 (unsupported) for anything else.
+template <typename F>
+int with_dtypes(int32_t dtype, int32_t second, F&& f) {
+  auto with_second = [&](auto dt) {
+    constexpr int32_t DT = decltype(dt)::value;
+    if (second == DT) return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, DT>{});
+    if (second == kFloat32) return f(std::integral_constant<int32_t, DT>{}, std::integral_constant<int32_t, kFloat32>{});
+    return 1;
+  };
+  switch (dtype) {
+    case kFloat32: return with_second(std::integral_constant<int32_t, kFloat32>{});
+    case kBFloat16: return with_second(std::integral_constant<int32_t, kBFloat16>{});
+    case kFloat16: return with_second(std::integral_constant<int32_t, kFloat16>{});
+    default: return 1;
+  }
 }
 
 // 0, or 1000 + the CUDA error of the last launch.

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .. import _extensions
-from ..kl_reward.launch import DTYPE_CODES, _ptr, _strides, coefficient, make_args
+from ..kl_reward.launch import DTYPE_CODES, _ptr, _strides, coefficient, launch_kernel, make_args
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 
@@ -36,31 +36,6 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
     a = module.KLPenaltyArgs()
     a.g = g
     return a, keep
-
-
-def _launch(module, name, args, device):
-    """Run kernel ``name``: on the CPU with torch's thread count; on CUDA enqueued on torch's current
-    stream of ``device``, with scratch from torch's caching allocator (no host sync)."""
-    if device.type == "cpu":
-        code = getattr(module, name)(args, torch.get_num_threads())
-    else:
-        stream = torch.cuda.current_stream(device).cuda_stream
-        with torch.cuda.device(device):  # the kernels launch on the current device
-            if name == "kl_penalty_forward":
-                # Allocated on this stream: freeing it right after the enqueue is safe (the caching
-                # allocator hands the block only to work queued after this kernel).
-                workspace = torch.empty(module.kl_penalty_workspace_bytes(args), dtype=torch.uint8, device=device)
-                code = module.kl_penalty_forward(args, _ptr(workspace), stream)
-            else:
-                code = module.kl_penalty_backward(args, stream)
-    if code == 1:
-        raise RuntimeError("kl_penalty_loss kernel: unsupported dtype combination")
-    if code == 2:
-        raise RuntimeError("kl_penalty_loss kernel: too many tokens for one launch")
-    if code >= 1000:
-        raise RuntimeError(f"kl_penalty_loss CUDA kernel launch failed: {module.error_string(code - 1000)}")
-    if code != 0:
-        raise RuntimeError(f"kl_penalty_loss kernel failed with code {code}")
 
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
@@ -92,7 +67,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     grad = torch.empty(shape, dtype=torch.float32, device=dev)
     a.seq_loss, a.stats, a.count, a.grad = _ptr(seq_loss), _ptr(stats), _ptr(count), _ptr(grad)
     a.token_out = _ptr(tok) if token_out else 0
-    _launch(module, "kl_penalty_forward", a, dev)
+    launch_kernel(module, "kl_penalty", "forward", a, dev, "kl_penalty_loss")
     del keep
     return seq_loss, stats, count, tok, grad
 
@@ -116,6 +91,6 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     g_ent = torch.empty(grad.shape if entropy_grad else (0,), dtype=aux_dtype, device=dev)
     a.g_lp = _ptr(g_lp)
     a.g_ent = _ptr(g_ent) if entropy_grad else 0
-    _launch(module, "kl_penalty_backward", a, dev)
+    launch_kernel(module, "kl_penalty", "backward", a, dev, "kl_penalty_loss")
     del keep
     return g_lp, g_ent

@@ -13,24 +13,13 @@ import math
 import torch
 
 from ..kl_reward.launch import _strides
-from ..kl_reward.launch_triton import (COMBINE_BLOCK, GPU_CONFIGS, MIN_BLOCK, _flat, _interpreter_block, _or,
-                                       _size_bucket, _tuned, triton_cdiv)
+from ..kl_reward.launch_triton import (COMBINE_BLOCK, MIN_BLOCK, _flat, _interpreter_block, _or, _size_bucket,
+                                       _tuned, kernel_set, triton_cdiv)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """(forward, combine, backward) kernels, forward/backward wrapped in the autotuner on GPU."""
-    import triton
-
-    from ..triton import interpreting
-    from ..triton import kl_penalty as k
-
-    if interpreting():
-        return k.kl_penalty_fwd_kernel, k.kl_penalty_combine_kernel, k.kl_penalty_bwd_kernel
-    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in GPU_CONFIGS]
-    fwd = triton.autotune(configs, key=["size_bucket"])(k.kl_penalty_fwd_kernel)
-    bwd = triton.autotune(configs, key=["size_bucket"])(k.kl_penalty_bwd_kernel)
-    return fwd, k.kl_penalty_combine_kernel, bwd
+    return kernel_set("kl_penalty", "kl_penalty")
 
 
 def _geometry(like, mask, offsets, lengths, layout):

@@ -97,29 +97,33 @@ def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, promp
     return a, keep
 
 
-def _launch(module, name, args, device):
-    """Run kernel ``name``: on the CPU with torch's thread count; on CUDA enqueued on torch's
-    current stream of ``device``, with scratch from torch's caching allocator (no host sync)."""
+def launch_kernel(module, op: str, kind: str, args, device, what: str) -> None:
+    """Run kernel ``<op>_<kind>`` (``kind``: forward or backward) of ``module``: on the CPU with
+    torch's thread count; on CUDA enqueued on torch's current stream of ``device``, the forward with
+    ``<op>_workspace_bytes`` of scratch from torch's caching allocator (no host sync). Error codes
+    become RuntimeErrors naming ``what``."""
+    name = f"{op}_{kind}"
     if device.type == "cpu":
         code = getattr(module, name)(args, torch.get_num_threads())
     else:
         stream = torch.cuda.current_stream(device).cuda_stream
         with torch.cuda.device(device):  # the kernels launch on the current device
-            if name == "kl_reward_forward":
-                workspace = torch.empty(module.kl_reward_workspace_bytes(args), dtype=torch.uint8, device=device)
+            if kind == "forward":
+                nbytes = getattr(module, f"{op}_workspace_bytes")(args)
+                workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 # Allocated on this stream, so freeing it right after the enqueue is safe: the
                 # caching allocator hands the block only to work queued after this kernel.
-                code = module.kl_reward_forward(args, _ptr(workspace), stream)
+                code = getattr(module, name)(args, _ptr(workspace), stream)
             else:
-                code = module.kl_reward_backward(args, stream)
+                code = getattr(module, name)(args, stream)
     if code == 1:
-        raise RuntimeError("kl_reward kernel: unsupported dtype combination")
+        raise RuntimeError(f"{what} kernel: unsupported dtype combination")
     if code == 2:
-        raise RuntimeError("kl_reward kernel: too many tokens for one launch")
+        raise RuntimeError(f"{what} kernel: too many tokens for one launch")
     if code >= 1000:
-        raise RuntimeError(f"kl_reward CUDA kernel launch failed: {module.error_string(code - 1000)}")
+        raise RuntimeError(f"{what} CUDA kernel launch failed: {module.error_string(code - 1000)}")
     if code != 0:
-        raise RuntimeError(f"kl_reward kernel failed with code {code}")
+        raise RuntimeError(f"{what} kernel failed with code {code}")
 
 
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
@@ -139,7 +143,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
     args.reward_dtype = DTYPE_CODES[reward_dtype]
     args.kl, args.reward_out, args.ref_out = _ptr(kl), _ptr(reward_out), _ptr(ref_out) if return_ref else 0
     args.kl_sum, args.count = _ptr(kl_sum), _ptr(count)
-    _launch(module, "kl_reward_forward", args, dev)
+    launch_kernel(module, "kl_reward", "forward", args, dev, "kl_reward")
     del keep
     return kl, reward_out, ref_out, kl_sum, count
 
@@ -163,6 +167,6 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     g_lp = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
     g_ref = torch.empty(ref_log_probs.shape, dtype=ref_log_probs.dtype, device=log_probs.device)
     args.g_lp, args.g_ref = _ptr(g_lp), _ptr(g_ref)
-    _launch(module, "kl_reward_backward", args, log_probs.device)
+    launch_kernel(module, "kl_reward", "backward", args, log_probs.device, "kl_reward")
     del keep, grads
     return g_lp, g_ref

@@ -25,20 +25,27 @@ INTERPRETER_TILES = 8
 COMBINE_BLOCK = 128
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """(forward, combine, backward) kernels, forward/backward wrapped in the autotuner on GPU."""
+def kernel_set(module_name: str, prefix: str):
+    """(forward, combine, backward) Triton kernels ``<prefix>_fwd_kernel`` etc. of
+    ``kl_kernels.triton.<module_name>``; forward and backward wrapped in the autotuner on a GPU."""
+    import importlib
+
     import triton
 
     from ..triton import interpreting
-    from ..triton import kl_reward as k
 
+    k = importlib.import_module(f"kl_kernels.triton.{module_name}")
+    fwd, combine, bwd = (getattr(k, f"{prefix}_{part}_kernel") for part in ("fwd", "combine", "bwd"))
     if interpreting():
-        return k.kl_reward_fwd_kernel, k.kl_reward_combine_kernel, k.kl_reward_bwd_kernel
+        return fwd, combine, bwd
     configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in GPU_CONFIGS]
-    fwd = triton.autotune(configs, key=["size_bucket"])(k.kl_reward_fwd_kernel)
-    bwd = triton.autotune(configs, key=["size_bucket"])(k.kl_reward_bwd_kernel)
-    return fwd, k.kl_reward_combine_kernel, bwd
+    return (triton.autotune(configs, key=["size_bucket"])(fwd), combine,
+            triton.autotune(configs, key=["size_bucket"])(bwd))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    return kernel_set("kl_reward", "kl_reward")
 
 
 def _tuned(kernel) -> bool:
