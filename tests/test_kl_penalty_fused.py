@@ -56,15 +56,15 @@ def test_opcheck_backward_op():
     torch.library.opcheck(torch.ops.kl_kernels.kl_penalty_bwd.default, args)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("aggregation", ["token-mean", "none"])
-def test_fullgraph_compile_matches_eager(aggregation):
-    b = _padded_batch()
+def check_fullgraph_compile(backend, aggregation, device="cpu"):
+    """torch.compile(fullgraph=True) of a function calling kl_penalty_loss: same values and gradient as eager."""
+    b = _on(_padded_batch(), device)
     lp = b.pop("log_probs").requires_grad_()
+    beta = torch.tensor(0.2, device=device)
 
     def fn(x):
-        out = kl_penalty_loss(x, **b, beta=torch.tensor(0.2), clip_epsilon=0.2, entropy_coef=0.01, estimator="k3",
-                              aggregation=aggregation, backend="cpu")
+        out = kl_penalty_loss(x, **b, beta=beta, clip_epsilon=0.2, entropy_coef=0.01, estimator="k3",
+                              aggregation=aggregation, backend=backend)
         loss = out.loss.sum() if aggregation == "none" else out.loss
         return loss, out.kl_mean, out.num_tokens
 
@@ -75,6 +75,12 @@ def test_fullgraph_compile_matches_eager(aggregation):
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(g_comp, g_eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation", ["token-mean", "none"])
+def test_fullgraph_compile_matches_eager(aggregation):
+    check_fullgraph_compile("cpu", aggregation)
 
 
 def _on(batch: dict, device) -> dict:

@@ -16,8 +16,8 @@ from conftest import triton_device
 from kl_kernels import kl_penalty_loss
 from kl_kernels.kl_penalty import ops  # noqa: F401  (registers kl_kernels::kl_penalty_triton_fwd / _bwd)
 from loss_batches import AGGREGATIONS, LOSS_LAYOUTS, check_loss, loss_cases
-from test_kl_penalty_fused import (_on, _op_args, _padded_batch, check_inputs_never_modified, check_long_row,
-                                    check_non_contiguous)
+from test_kl_penalty_fused import (_op_args, _padded_batch, check_fullgraph_compile, check_inputs_never_modified,
+                                    check_long_row, check_non_contiguous)
 
 pytestmark = pytest.mark.triton
 DEVICE = triton_device() or "cpu"
@@ -81,17 +81,4 @@ def test_inputs_never_modified():
 
 @pytest.mark.slow
 def test_fullgraph_compile_matches_eager():
-    b = _on(_padded_batch(), DEVICE)
-    lp = b.pop("log_probs").requires_grad_()
-
-    def fn(x):
-        out = kl_penalty_loss(x, **b, beta=0.2, clip_epsilon=0.2, entropy_coef=0.01, backend="triton")
-        return out.loss, out.kl_mean
-
-    eager = fn(lp)
-    (g_eager,) = torch.autograd.grad(eager[0], lp)
-    compiled = torch.compile(fn, fullgraph=True)(lp)
-    (g_comp,) = torch.autograd.grad(compiled[0], lp)
-    for got, want in zip(compiled, eager):
-        torch.testing.assert_close(got, want)
-    torch.testing.assert_close(g_comp, g_eager)
+    check_fullgraph_compile("triton", "token-mean", DEVICE)

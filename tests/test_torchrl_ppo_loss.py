@@ -251,7 +251,7 @@ def test_token_path_matches_oracle(backend, reduction, adv):
     out = loss(td)
     if reduction == "none":
         mask = td["masks", "all_assistant_mask"]
-        want_tok = torch.tensor([[x for x in row] for row in want.token_loss], dtype=torch.float64)
+        want_tok = torch.tensor(want.token_loss, dtype=torch.float64)
         assert out["loss_objective"].shape == mask.shape
         # per token: objective + KL, and the entropy part separately (0 at tokens not counted)
         got = out["loss_objective"].double() + out["loss_entropy"].double()

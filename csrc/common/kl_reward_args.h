@@ -82,6 +82,17 @@ KL_HD SeqGeom seq_geom(const KLRewardArgs& a, int64_t b) {
   return g;
 }
 
+// Flat range [*lo, *hi) of sequence b's row (packed: its tokens; padded: the whole row, padding included).
+KL_HD void flat_range(const KLRewardArgs& a, int64_t b, int64_t* lo, int64_t* hi) {
+  if (a.layout == kPacked) {
+    *lo = reinterpret_cast<const int64_t*>(a.offsets)[b];
+    *hi = reinterpret_cast<const int64_t*>(a.offsets)[b + 1];
+  } else {
+    *lo = b * a.width;
+    *hi = *lo + a.width;
+  }
+}
+
 // Sequence containing flat index i (packed token, or padded element): binary search / division.
 KL_HD int64_t seq_of(const KLRewardArgs& a, int64_t i) {
   if (a.layout == kPadded) return a.width > 0 ? i / a.width : 0;

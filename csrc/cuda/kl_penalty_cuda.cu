@@ -166,13 +166,7 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < g.batch;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t lo, hi;
-    if (g.layout == kPacked) {
-      lo = reinterpret_cast<const int64_t*>(g.offsets)[b];
-      hi = reinterpret_cast<const int64_t*>(g.offsets)[b + 1];
-    } else {
-      lo = b * g.width;
-      hi = lo + g.width;
-    }
+    flat_range(g, b, &lo, &hi);
     double sum[kSums] = {0, 0, 0, 0, 0, 0};
     int64_t cnt = 0;
     if (hi > lo) {

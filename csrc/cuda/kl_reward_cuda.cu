@@ -196,13 +196,7 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < a.batch;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t lo, hi;
-    if (a.layout == kPacked) {
-      lo = reinterpret_cast<const int64_t*>(a.offsets)[b];
-      hi = reinterpret_cast<const int64_t*>(a.offsets)[b + 1];
-    } else {
-      lo = b * a.width;
-      hi = lo + a.width;
-    }
+    flat_range(a, b, &lo, &hi);
     int64_t last = -1;
     if (hi == lo) {  // no element: no tile saw it
       kl_sum[b] = 0.0f;

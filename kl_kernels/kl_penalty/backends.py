@@ -21,25 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import _extensions
 from ..backends import Backend
-from ..kl_reward.backends import CUDA_KERNEL_VALIDATED_ON_GPU, _torch_cuda_reason, _triton_reasons
-from ..triton import interpreting
+from ..kl_reward.backends import BOTH_LAYOUTS, HALF_AND_SINGLE, fused_backends
 from .ops import run_fused
 from .reference import kl_penalty_reference
-
-HALF_AND_SINGLE = frozenset({torch.float32, torch.bfloat16, torch.float16})
-BOTH_LAYOUTS = frozenset({"packed", "padded"})
-
-
-def _cpu_reasons() -> list[str]:
-    _, reason = _extensions.kernel("_C", "kl_penalty_forward")
-    return [reason] if reason else []
-
-
-def _cuda_reasons() -> list[str]:
-    _, reason = _extensions.kernel("_cuda", "kl_penalty_forward")
-    return ([reason] if reason else []) + _torch_cuda_reason()
 
 
 def _same_logprob_dtype(problem) -> list[str]:
@@ -52,20 +37,7 @@ def _same_logprob_dtype(problem) -> list[str]:
     return []
 
 
-def _run_triton(problem):
-    return run_fused(problem, triton=True)
-
-
-REGISTRY: list[Backend] = [
-    Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cuda_reasons, run_fused,
-            requires=_same_logprob_dtype, auto_devices=None if CUDA_KERNEL_VALIDATED_ON_GPU else frozenset(),
-            notes="fused CUDA C++ kernel" + ("" if CUDA_KERNEL_VALIDATED_ON_GPU else
-                                             " (not yet validated on a GPU: runs only when requested by name)")),
-    Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
-            _triton_reasons, _run_triton, requires=_same_logprob_dtype, auto_devices=frozenset({"cuda"}),
-            notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else "")),
-    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, run_fused,
-            requires=_same_logprob_dtype, notes="fused multi-threaded C++ kernel"),
+REGISTRY: list[Backend] = fused_backends("kl_penalty_forward", run_fused, _same_logprob_dtype) + [
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
             kl_penalty_reference, notes="vectorized torch reference (float64-capable)"),
 ]

@@ -13,18 +13,9 @@ import math
 
 import torch
 
-from .. import _extensions
-from ..kl_reward.launch import DTYPE_CODES, _ptr, _strides, coefficient, launch_kernel, make_args
+from ..kl_reward.launch import DTYPE_CODES, _ptr, _strides, coefficient, kernel_module, launch_kernel, make_args
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
-
-
-def _module(device: torch.device):
-    name = "_C" if device.type == "cpu" else "_cuda"
-    _, reason = _extensions.kernel(name, "kl_penalty_forward")
-    if reason:
-        raise RuntimeError(f"kl_penalty_loss: no fused kernel for {device.type} tensors: {reason}")
-    return _extensions.load(name)[0]
 
 
 def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, straight_through, lp_dtype):
@@ -43,7 +34,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64)."""
     dev = log_probs.device
-    module = _module(dev)
+    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
                     log_probs.dtype)
     for name, t in (("old", old_log_probs), ("ref", ref_log_probs), ("ent", entropy)):
@@ -77,7 +68,7 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     """Scale the saved gradient buffer: grad_lp = (g_tok + g_seq[b]) * grad at counted tokens, and
     (``entropy_grad``) grad_entropy = -entropy_coef * (g_tok + g_seq[b]). Returns (grad_lp, grad_ent or empty)."""
     dev = grad.device
-    module = _module(dev)
+    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
     a, keep = _args(module, grad, mask, offsets, lengths, layout, left_pad, 0, False, lp_dtype)
     a.aux_dtype = DTYPE_CODES[aux_dtype]
     a.entropy_coef = float(entropy_coef)

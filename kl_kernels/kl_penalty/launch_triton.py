@@ -14,7 +14,7 @@ import torch
 
 from ..kl_reward.launch import _strides
 from ..kl_reward.launch_triton import (COMBINE_BLOCK, MIN_BLOCK, _flat, _interpreter_block, _or, _size_bucket,
-                                       _tuned, kernel_set, triton_cdiv)
+                                       _tuned, kernel_set, launch_tiles, triton_cdiv)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,11 +71,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
                      HAS_MASK=mask is not None, HAS_REF=ref_log_probs is not None, HAS_ENT=entropy is not None,
                      ADV_PER_SEQ=bool(adv_per_seq), BETA_MODE=beta_mode, TOKEN_OUT=bool(token_out),
                      EST=int(estimator), STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
-        if _tuned(fwd):
-            fwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
-            block = fwd.best_config.kwargs["BLOCK"]
-        else:
-            fwd[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+        block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
         combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
             _or(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, width, PACKED=packed,
@@ -101,9 +97,5 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
                  HAS_GSEQ=g_seq is not None, HAS_GTOK=g_tok is not None, ENT_GRAD=bool(entropy_grad),
                  FLAT=_flat(mask, layout))
-    if _tuned(bwd):
-        bwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
-    else:
-        block = _interpreter_block(total)
-        bwd[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+    launch_tiles(bwd, total, args, flags)
     return g_lp, g_ent

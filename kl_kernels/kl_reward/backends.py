@@ -45,13 +45,13 @@ def _torch_cuda_reason() -> list[str]:
     return []
 
 
-def _cpu_reasons() -> list[str]:
-    _, reason = _extensions.kernel("_C", KERNEL_FORWARD)
+def _cpu_reasons(kernel: str) -> list[str]:
+    _, reason = _extensions.kernel("_C", kernel)
     return [reason] if reason else []
 
 
-def _cuda_reasons() -> list[str]:
-    _, reason = _extensions.kernel("_cuda", KERNEL_FORWARD)
+def _cuda_reasons(kernel: str) -> list[str]:
+    _, reason = _extensions.kernel("_cuda", kernel)
     reasons = [reason] if reason else []
     if _extensions.load("_cuda")[0] is not None:
         runtime_error = _extensions.probe("_cuda").get("error")
@@ -73,10 +73,6 @@ def _triton_reasons() -> list[str]:
     return _torch_cuda_reason()
 
 
-def _run_triton(problem):
-    return run_fused(problem, triton=True)
-
-
 def _same_logprob_dtype(problem) -> list[str]:
     if problem.log_probs.dtype != problem.ref_log_probs.dtype:
         return [f"log_probs ({problem.log_probs.dtype}) and ref_log_probs ({problem.ref_log_probs.dtype}) differ in "
@@ -90,16 +86,26 @@ def _same_logprob_dtype(problem) -> list[str]:
 CUDA_KERNEL_VALIDATED_ON_GPU = False
 
 
-REGISTRY: list[Backend] = [
-    Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cuda_reasons, run_fused,
-            requires=_same_logprob_dtype, auto_devices=None if CUDA_KERNEL_VALIDATED_ON_GPU else frozenset(),
-            notes="fused CUDA C++ kernel" + ("" if CUDA_KERNEL_VALIDATED_ON_GPU else
-                                             " (not yet validated on a GPU: runs only when requested by name)")),
-    Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
-            _triton_reasons, _run_triton, requires=_same_logprob_dtype, auto_devices=frozenset({"cuda"}),
-            notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else "")),
-    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, _cpu_reasons, run_fused,
-            notes="fused multi-threaded C++ kernel", requires=_same_logprob_dtype),
+def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
+    """The ``cuda``, ``triton`` and ``cpu`` rows of an op, in ``"auto"`` order: C++ kernels found by
+    their forward symbol ``kernel`` in ``_cuda`` / ``_C``, all run by ``run_fused(problem,
+    triton=False|True)``, all declining problems that ``requires`` rejects. One place for the
+    policy every op shares (the CUDA validation gate, Triton's interpreter on explicit request)."""
+    return [
+        Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cuda_reasons, kernel),
+                run_fused, requires=requires, auto_devices=None if CUDA_KERNEL_VALIDATED_ON_GPU else frozenset(),
+                notes="fused CUDA C++ kernel" + ("" if CUDA_KERNEL_VALIDATED_ON_GPU else
+                                                 " (not yet validated on a GPU: runs only when requested by name)")),
+        Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
+                _triton_reasons, functools.partial(run_fused, triton=True), requires=requires,
+                auto_devices=frozenset({"cuda"}),
+                notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else "")),
+        Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cpu_reasons, kernel),
+                run_fused, requires=requires, notes="fused multi-threaded C++ kernel"),
+    ]
+
+
+REGISTRY: list[Backend] = fused_backends(KERNEL_FORWARD, run_fused, _same_logprob_dtype) + [
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
             kl_reward_reference, notes="vectorized torch reference (float64-capable)"),
 ]

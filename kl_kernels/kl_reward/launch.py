@@ -49,13 +49,13 @@ def coefficient(coef: torch.Tensor | None, scalar: float, keep: list) -> tuple[i
     return (1 if coef.dim() == 0 else 2), 0.0, _ptr(coef)
 
 
-def _module(device: torch.device):
-    """The extension holding the kernels for ``device``, or a RuntimeError saying why there is none
-    (e.g. a wheel built without nvcc has no ``_cuda``; dispatch never routes there)."""
+def kernel_module(device: torch.device, op: str = "kl_reward", what: str = "kl_reward"):
+    """The extension holding op ``op``'s kernels for ``device``, or a RuntimeError naming ``what``
+    and why there is none (e.g. a wheel built without nvcc has no ``_cuda``; dispatch never routes there)."""
     name = "_C" if device.type == "cpu" else "_cuda"
-    _, reason = _extensions.kernel(name, "kl_reward_forward")
+    _, reason = _extensions.kernel(name, f"{op}_forward")
     if reason:
-        raise RuntimeError(f"kl_reward: no fused kernel for {device.type} tensors: {reason}")
+        raise RuntimeError(f"{what}: no fused kernel for {device.type} tensors: {reason}")
     return _extensions.load(name)[0]
 
 
@@ -129,7 +129,7 @@ def launch_kernel(module, op: str, kind: str, args, device, what: str) -> None:
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
             left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype):
     """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count)."""
-    module = _module(log_probs.device)
+    module = kernel_module(log_probs.device)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=placement,
@@ -151,7 +151,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
 def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
              estimator, straight_through, clamp, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
     """Run the fused backward; returns (grad_log_probs, grad_ref_log_probs)."""
-    module = _module(log_probs.device)
+    module = kernel_module(log_probs.device)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=None, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=0,

@@ -134,11 +134,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
                 c["coef_scalar"], lo, hi, olo, ohi, _size_bucket(total))
         flags = dict(c["flags"], HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
                      PLACEMENT=placement, RETURN_REF=bool(return_ref), FLAT=flat)
-        if _tuned(fwd):
-            fwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
-            block = fwd.best_config.kwargs["BLOCK"]
-        else:
-            fwd[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+        block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
         combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
             log_probs, ref_log_probs, _or(reward, dummy), _or(c["coef"], kl_sum), _or(c["offsets"], count),
@@ -171,12 +167,19 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     flags = dict(c["flags"], HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
                  HAS_GKL=grads[0] is not None, HAS_GRW=grads[1] is not None, HAS_GRO=grads[2] is not None,
                  HAS_GSUM=grads[3] is not None, STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
-    if _tuned(bwd):
-        bwd[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
-    else:
-        block = _interpreter_block(total)
-        bwd[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+    launch_tiles(bwd, total, args, flags)
     return g_lp, g_ref
+
+
+def launch_tiles(kernel, total: int, args, flags) -> int:
+    """Launch a tile kernel, one program per ``BLOCK`` elements of the flat token space: the
+    autotuned ``BLOCK`` on a GPU, the interpreter's tile otherwise. Returns the ``BLOCK`` used."""
+    if _tuned(kernel):
+        kernel[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
+        return kernel.best_config.kwargs["BLOCK"]
+    block = _interpreter_block(total)
+    kernel[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+    return block
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -252,9 +252,8 @@ class KLPENPPOLoss(_ppo.KLPENPPOLoss):
             td_out.set("loss_entropy", loss_entropy if aggregation == "none" else
                        (loss_entropy.sum() / (count.clamp_min(1) if aggregation == "token-mean" else 1)))
         self._set_critic(td_out, tensordict_copy)
-        for name in ("loss_critic",):
-            if name in td_out.keys():
-                td_out.set(name, self._reduce_loss(td_out.get(name), tensordict_copy).squeeze(-1))
+        if "loss_critic" in td_out.keys():  # the one loss not reduced by the fused op
+            td_out.set("loss_critic", self._reduce_loss(td_out.get("loss_critic"), tensordict_copy).squeeze(-1))
         self._clear_refs(tensordict, td_out)
         return td_out
 

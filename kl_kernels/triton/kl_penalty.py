@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .kl_math import clamp, estimate_grad_raw, estimate_raw, inside
-from .kl_reward import _coef, _frame
+from .kl_reward import _coef, _combine_rows, _frame
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
 # clipped; 8 for the combine's power-of-two 2-D block). The log-ratio bound 20.0 written in the
@@ -161,18 +161,7 @@ def kl_penalty_fwd_kernel(
 def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, slot_sum_ptr, slot_count_ptr,
                               batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
     """Per sequence: finish the sums of sequences that span tiles (tile order, fp64); zero the empty ones."""
-    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    inb = b < batch
-    if PACKED:
-        lo = tl.load(offsets_ptr + b, mask=inb, other=0)
-        hi = tl.load(offsets_ptr + b + 1, mask=inb, other=0)
-    else:
-        lo = b * width
-        hi = lo + width
-    n = hi - lo
-    k0 = lo // TILE
-    k1 = (hi - 1) // TILE
-    spans = inb & (n > 0) & (k1 > k0)
+    b, inb, lo, hi, n, k0, k1, spans = _combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
     c = tl.arange(0, 8)
     used = c < 6
     m2 = spans[:, None] & used[None, :]

@@ -204,16 +204,10 @@ def _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, slot, member, end, 
     tl.store(slot_last_ptr + at, pos, mask=member & is_last_counted)
 
 
-@triton.jit(do_not_specialize=("batch", "width", "lp_s0", "ref_s0", "rw_s0"))
-def kl_reward_combine_kernel(
-        lp_ptr, ref_ptr, reward_ptr, coef_ptr, offsets_ptr, lengths_ptr, rw_out_ptr,
-        kl_sum_ptr, count_ptr, last_ptr, slot_sum_ptr, slot_count_ptr, slot_last_ptr,
-        batch, width, lp_s0, lp_s1, ref_s0, ref_s1, rw_s0,
-        coef_scalar, in_lo, in_hi, out_lo, out_hi,
-        PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, PLACE_LAST: tl.constexpr,
-        COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Per sequence: finish the sums of sequences spanning tiles (tile order, fp64), zero the
-    empty ones, and put a ``"last"``-placed reward on its token."""
+@triton.jit
+def _combine_rows(offsets_ptr, batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """This combine program's sequences b: (b, in batch, flat row [lo, hi), length n, first and last
+    tile k0, k1, spans = non-empty and over more than one tile)."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     inb = b < batch
     if PACKED:
@@ -225,7 +219,20 @@ def kl_reward_combine_kernel(
     n = hi - lo
     k0 = lo // TILE
     k1 = (hi - 1) // TILE
-    spans = inb & (n > 0) & (k1 > k0)
+    return b, inb, lo, hi, n, k0, k1, inb & (n > 0) & (k1 > k0)
+
+
+@triton.jit(do_not_specialize=("batch", "width", "lp_s0", "ref_s0", "rw_s0"))
+def kl_reward_combine_kernel(
+        lp_ptr, ref_ptr, reward_ptr, coef_ptr, offsets_ptr, lengths_ptr, rw_out_ptr,
+        kl_sum_ptr, count_ptr, last_ptr, slot_sum_ptr, slot_count_ptr, slot_last_ptr,
+        batch, width, lp_s0, lp_s1, ref_s0, ref_s1, rw_s0,
+        coef_scalar, in_lo, in_hi, out_lo, out_hi,
+        PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, PLACE_LAST: tl.constexpr,
+        COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Per sequence: finish the sums of sequences spanning tiles (tile order, fp64), zero the
+    empty ones, and put a ``"last"``-placed reward on its token."""
+    b, inb, lo, hi, n, k0, k1, spans = _combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
     # The sequence is the last segment of its first tile, then the first segment of the others.
     acc = tl.load(slot_sum_ptr + 2 * k0 + 1, mask=spans, other=0.0)
     cnt = tl.load(slot_count_ptr + 2 * k0 + 1, mask=spans, other=0).to(tl.int64)
