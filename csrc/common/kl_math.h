@@ -176,31 +176,44 @@ KL_HD float expm1_poly(float y) {  // sum_{k=1..8} y^k / k!, Horner
   return p * y;
 }
 
-// exp(y) = 2^n * exp(r), n = round(y / ln2), r = y - n ln2 split Cody-Waite style, |r| <= ln2/2,
-// exp(r) by its series to r^8 (truncation < 3e-10 relative). Overflow gives +inf, NaN stays NaN.
-KL_HD float exp_vec(float y) {
-  // Clamp to [-104, 89] (beyond: 0 and +inf below) with selects, not fminf/fmaxf, whose NaN rules
-  // keep GCC from vectorizing; NaN maps to -104 here (no undefined float->int conversion below).
-  const float yc = y >= -104.0f ? (y <= 89.0f ? y : 89.0f) : -104.0f;
+// exp and expm1 share one reduction: y = n ln2 + r with n = round(y / ln2) (Cody-Waite split of ln2),
+// |r| <= ln2/2, and e^y = 2^n (1 + p(r)) with p = expm1_poly: one polynomial per call, no branch.
+//
+// The input is clamped to [-87.3, 89] with selects (not fminf/fmaxf, whose NaN rules keep GCC from
+// vectorizing; a NaN maps to -87.3, so the float->int conversion below is always defined, and is
+// put back by the callers). 2^n is applied as 2 * 2^(n-1), so that n = 128 (y just below the float32
+// overflow at 88.72) stays representable and larger y overflow to +inf; y <= -87 (n = -126) gives
+// 2^(n-1) = 0, so exp flushes to 0 where the true value is below 2e-38.
+struct ExpReduced {
+  float p;     // e^r - 1
+  float half;  // 2^(n-1)
+  int32_t n;
+};
+
+KL_HD ExpReduced exp_reduce(float y) {
+  const float yc = y >= -87.3f ? (y <= 89.0f ? y : 89.0f) : -87.3f;
   // round(y / ln2) by the 1.5 * 2^23 trick: a plain add, which vectorizes (rintf needs SSE4.1).
   const float n = (yc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (yc - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
-  const float er = expm1_poly(r) + 1.0f;                                            // exp(r)
-  const int32_t ni = static_cast<int32_t>(n);
-  // 2^n as two factors so n in [-150, 128] stays representable; 2^128 overflows to inf.
-  const int32_t n1 = ni / 2, n2 = ni - n1;
-  const float s1 = bits_f32(static_cast<uint32_t>(n1 + 127) << 23);
-  const float s2 = bits_f32(static_cast<uint32_t>(n2 + 127) << 23);
-  const float out = y > 88.7228394f ? INFINITY : er * s1 * s2;
-  return y != y ? y : out;  // NaN in, NaN out (the clamp of yc above would drop it)
+  ExpReduced e;
+  e.n = static_cast<int32_t>(n);                                                  // in [-126, 128]
+  e.half = bits_f32(static_cast<uint32_t>(e.n + 126) << 23);
+  e.p = expm1_poly(r);
+  return e;
 }
 
-// expm1(y): the series near 0 (where exp(y) - 1 would cancel), exp_vec(y) - 1 elsewhere, where
-// |expm1(y)| >= 0.29 so the subtraction loses nothing.
+KL_HD float exp_vec(float y) {
+  const ExpReduced e = exp_reduce(y);
+  const float out = (e.half * e.p + e.half) * 2.0f;
+  return y != y ? y : out;  // NaN in, NaN out
+}
+
+// expm1(y): p itself for |y| < ln2/2 (n = 0: r = y exactly), where e^y - 1 would cancel; e^y - 1
+// elsewhere, where |expm1(y)| >= 0.29 so the subtraction loses nothing.
 KL_HD float expm1_vec(float y) {
-  const float small = expm1_poly(y);
-  const float big = exp_vec(y) - 1.0f;
-  return fabsf(y) < 0.34657359f ? small : big;  // NaN: big, which is NaN
+  const ExpReduced e = exp_reduce(y);
+  const float out = e.n == 0 ? e.p : (e.half * e.p + e.half) * 2.0f - 1.0f;
+  return y != y ? y : out;
 }
 
 // ------------------------------------------------------------------------------ estimators

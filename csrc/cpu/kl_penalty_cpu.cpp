@@ -78,7 +78,8 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const uint8_t* mask = reinterpret_cast<const uint8_t*>(g.mask);
   auto first = [&](int64_t s0, int64_t s1) { return r.row * s0 + r.col0 * s1; };
 
-  alignas(64) float x_lp[kBlock], x_old[kBlock], x_ref[kBlock], x_adv[kBlock], x_ent[kBlock], x_m[kBlock];
+  alignas(64) float x_lp[kBlock], x_old[kBlock], x_ref[kBlock], x_adv[kBlock], x_ent[kBlock];
+  alignas(64) uint32_t x_m[kBlock];  // all bits set where the token counts, else 0
   alignas(64) float o[kSums][kBlock];
   double acc[kSums][kLanes] = {};
   int64_t count = 0;
@@ -94,27 +95,24 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     else std::fill(x_ent, x_ent + n, 0.0f);
     if (mask) {
       const uint8_t* mb = mask + first(g.mask_s0, g.mask_s1) + jb * g.mask_s1;
-      for (int64_t i = 0; i < n; ++i) x_m[i] = mb[CONTIG ? i : i * g.mask_s1] ? 1.0f : 0.0f;
+      for (int64_t i = 0; i < n; ++i) x_m[i] = mb[CONTIG ? i : i * g.mask_s1] ? ~0u : 0u;
     } else {
-      std::fill(x_m, x_m + n, 1.0f);
-    }
-    // Non-counted tokens may hold anything (NaN padding): zero their inputs first, so that the
-    // compute loop below yields finite values there, which it then multiplies by the 0/1 mask.
-    for (int64_t i = 0; i < n; ++i) {
-      const bool m = x_m[i] != 0.0f;
-      x_lp[i] = m ? x_lp[i] : 0.0f;
-      x_old[i] = m ? x_old[i] : 0.0f;
-      x_ref[i] = m ? x_ref[i] : 0.0f;
-      x_adv[i] = m ? x_adv[i] : 0.0f;
-      x_ent[i] = m ? x_ent[i] : 0.0f;
+      std::fill(x_m, x_m + n, ~0u);
     }
     float* __restrict Gb = G + jb;
     auto compute = [&](auto st_tag) {
       constexpr bool ST = decltype(st_tag)::value;
       for (int64_t i = 0; i < n; ++i) {
-        const float mf = x_m[i];  // 0 or 1; the products below are exact (and keep NaN where counted)
-        const PPOToken t = ppo_token<EST, ST>(x_lp[i], x_old[i], x_ref[i], sign, x_adv[i], beta, clip_lo, clip_hi);
-        const float e = x_ent[i];
+        // Non-counted tokens may hold anything (NaN padding): their inputs are replaced by 0 in
+        // registers (selects, not a pass that writes the scratch back: GCC turns that into masked
+        // stores, which are microcoded on AMD cores), so that the math yields finite values there,
+        // which are then multiplied by the 0/1 mask (exact, and NaN stays NaN where counted).
+        const uint32_t mb = x_m[i];
+        const float mf = bits_f32(mb & 0x3f800000u);  // 1.0f or 0.0f
+        auto keep = [mb](float v) { return bits_f32(f32_bits(v) & mb); };
+        const float l = keep(x_lp[i]), od = keep(x_old[i]), rf = keep(x_ref[i]), ad = keep(x_adv[i]);
+        const float e = keep(x_ent[i]);
+        const PPOToken t = ppo_token<EST, ST>(l, od, rf, sign, ad, beta, clip_lo, clip_hi);
         o[0][i] = (t.obj + beta * t.kl - ec * e) * mf;
         o[1][i] = t.obj * mf;
         o[2][i] = t.kl * mf;
@@ -132,9 +130,9 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         for (int l = 0; l < kLanes; ++l) acc[k][l] += o[k][i + l];
       for (int l = 0; i < n; ++i, ++l) acc[k][l] += o[k][i];
     }
-    float cnt = 0.0f;  // exact: at most kBlock
-    for (int64_t i = 0; i < n; ++i) cnt += x_m[i];
-    count += static_cast<int64_t>(cnt);
+    int32_t cnt = 0;  // an integer sum vectorizes (a float one would be a serial chain of adds)
+    for (int64_t i = 0; i < n; ++i) cnt += x_m[i] & 1u;
+    count += cnt;
     if (tok) {
       float* t0 = tok + jb;
       for (int64_t i = 0; i < n; ++i) {
