@@ -184,26 +184,57 @@ void forward(const KLPenaltyArgs& a, int threads) {
   }
 }
 
-template <int32_t DT, int32_t AT>
-void backward_run(const KLPenaltyArgs& a, const Run& r) {
+// grad_lp = up * G and grad_entropy = -entropy_coef * up at counted tokens (0 elsewhere), where
+// up = g_tok + g_seq[b] is the incoming gradient. As in the forward, blocks of the mask are first
+// expanded to 32-bit lane masks, so that the loops below are plain vector code for every layout.
+template <int32_t DT, int32_t AT, bool TOK, bool ENT>
+KL_TARGET_CLONES void backward_run(const KLPenaltyArgs& a, const Run& r) {
   const KLRewardArgs& g = a.g;
   const int64_t o = r.out0;
-  const float* G = reinterpret_cast<const float*>(a.grad) + o;
-  const float* gt = a.g_tok ? reinterpret_cast<const float*>(a.g_tok) + o : nullptr;
+  const float* __restrict G = reinterpret_cast<const float*>(a.grad) + o;
+  const float* __restrict gt = TOK ? reinterpret_cast<const float*>(a.g_tok) + o : nullptr;
   const float gs = a.g_seq ? reinterpret_cast<const float*>(a.g_seq)[r.seq] : 0.0f;
-  BitsOf<DT>* glp = reinterpret_cast<BitsOf<DT>*>(a.g_lp) + o;
-  BitsOf<AT>* gent = a.g_ent ? reinterpret_cast<BitsOf<AT>*>(a.g_ent) + o : nullptr;
+  BitsOf<DT>* __restrict glp = reinterpret_cast<BitsOf<DT>*>(a.g_lp) + o;
+  BitsOf<AT>* __restrict gent = ENT ? reinterpret_cast<BitsOf<AT>*>(a.g_ent) + o : nullptr;
   const uint8_t* mask = g.mask ? reinterpret_cast<const uint8_t*>(g.mask) + r.row * g.mask_s0 + r.col0 * g.mask_s1
                                : nullptr;
+  const int64_t ms = g.mask_s1;
   const float ec = a.entropy_coef;
   int64_t jlo, jhi;
   counted_range(r, &jlo, &jhi);
-  for (int64_t j = 0; j < r.n; ++j) {
-    const bool m = j >= jlo && j < jhi && (mask == nullptr || mask[j * g.mask_s1] != 0);
-    const float up = (gt ? gt[j] : 0.0f) + gs;
-    glp[j] = to_bits<DT>(m ? up * G[j] : 0.0f);
-    if (gent) gent[j] = to_bits<AT>(m ? -ec * up : 0.0f);
+  auto zero = [&](int64_t j0, int64_t j1) {
+    if (j1 <= j0) return;
+    std::memset(glp + j0, 0, (j1 - j0) * sizeof(BitsOf<DT>));
+    if (ENT) std::memset(gent + j0, 0, (j1 - j0) * sizeof(BitsOf<AT>));
+  };
+  zero(0, jlo);
+  zero(jhi, r.n);
+  alignas(64) uint32_t x_m[kBlock];
+  for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
+    const int64_t n = std::min(kBlock, jhi - jb);
+    if (mask == nullptr) std::fill(x_m, x_m + n, ~0u);
+    else if (ms == 1) for (int64_t i = 0; i < n; ++i) x_m[i] = mask[jb + i] ? ~0u : 0u;
+    else for (int64_t i = 0; i < n; ++i) x_m[i] = mask[(jb + i) * ms] ? ~0u : 0u;
+    for (int64_t i = 0; i < n; ++i) {
+      const float up = (TOK ? gt[jb + i] : 0.0f) + gs;
+      glp[jb + i] = to_bits<DT>(bits_f32(f32_bits(up * G[jb + i]) & x_m[i]));
+      if constexpr (ENT) gent[jb + i] = to_bits<AT>(bits_f32(f32_bits(-ec * up) & x_m[i]));
+    }
   }
+}
+
+template <int32_t DT, int32_t AT>
+void backward(const KLPenaltyArgs& a, int threads) {
+  auto go = [&](auto tok, auto ent) {
+    constexpr bool TOK = decltype(tok)::value, ENT = decltype(ent)::value;
+    parallel_tiles(a.g, threads, [&](int64_t k) {
+      for_each_run_in_tile(a.g, k, [&](const Run& r, bool) { backward_run<DT, AT, TOK, ENT>(a, r); });
+    });
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (a.g_tok) a.g_ent ? go(T{}, T{}) : go(T{}, F{});
+  else a.g_ent ? go(F{}, T{}) : go(F{}, F{});
 }
 
 inline bool contiguous(const KLPenaltyArgs& a) {
@@ -215,9 +246,7 @@ inline bool contiguous(const KLPenaltyArgs& a) {
 template <int32_t DT, int32_t AT>
 int run(const KLPenaltyArgs& a, int threads, bool backward_pass) {
   if (backward_pass) {
-    parallel_tiles(a.g, threads, [&](int64_t k) {
-      for_each_run_in_tile(a.g, k, [&](const Run& r, bool) { backward_run<DT, AT>(a, r); });
-    });
+    backward<DT, AT>(a, threads);
     return 0;
   }
   const bool c = contiguous(a);

@@ -32,6 +32,10 @@ def _setup_context(ctx, inputs, output):
     ctx.entropy = (entropy is not None and entropy.requires_grad, advantages.dtype, entropy_coef)
     ctx.token_out = token_out
     ctx.mark_non_differentiable(output[1], output[2], output[4])
+    # Outputs the loss does not use get no gradient (None), instead of zeros: autograd would
+    # otherwise allocate and fill a zero tensor per output, the size of the batch for the token
+    # outputs, on every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _input_grads(ctx, g_seq_loss, g_token_out, bwd):
