@@ -115,10 +115,39 @@ def test_converters_are_differentiable():
     (torch.tensor([1, 3]), ValueError, "start at 0"),
     (torch.tensor([0, 2]), ValueError, "end at the number of tokens N = 3"),
     (torch.tensor([0, 3], dtype=torch.int32), TypeError, "int64"),
-], ids=["decreasing", "start", "end", "dtype"])
-def test_check_offsets(offsets, exc, pattern):
+    (torch.tensor([0, 1, 2, 0, 3]), ValueError, "non-decreasing"),  # a dip in the middle
+], ids=["decreasing", "start", "end", "dtype", "dip"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_check_offsets(offsets, exc, pattern, strided):
+    """Contiguous CPU offsets are checked by the extension, strided ones by torch ops: same verdicts."""
+    if strided:  # the same values, every other element of a buffer
+        offsets = torch.stack([offsets, torch.full_like(offsets, -7)], 1).reshape(-1)[::2]
+        assert not offsets.is_contiguous()
     with pytest.raises(exc, match=pattern):
         ragged.check_offsets(offsets, 3)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_check_offsets_accepts_valid(strided):
+    offsets = torch.tensor([0, 0, 2, 2, 3])
+    if strided:
+        offsets = torch.stack([offsets, torch.full_like(offsets, -7)], 1).reshape(-1)[::2]
+    ragged.check_offsets(offsets, 3)
+    ragged.check_offsets(torch.tensor([0]), 0)
+
+
+@pytest.mark.parametrize("lengths", [torch.tensor([2, -1, 0]), torch.tensor([2, 4, 0]),
+                                     torch.tensor([2, -1, 0], dtype=torch.int32), torch.tensor([2, 9, 0, 0])[::2] * 1,
+                                     torch.tensor([2, 9, 4, 0])[::2]],
+                         ids=["negative", "too-long", "int32", "copy", "strided"])
+def test_check_lengths(lengths):
+    """CPU int64 contiguous lengths are checked by the extension, anything else by torch ops."""
+    bad = int(lengths.min()) < 0 or int(lengths.max()) > 3
+    if bad:
+        with pytest.raises(ValueError, match=">= 0" if int(lengths.min()) < 0 else "<= T = 3"):
+            ragged.check_lengths(lengths, lengths.shape[0], 3)
+    else:
+        assert ragged.check_lengths(lengths, lengths.shape[0], 3).tolist() == lengths.tolist()
 
 
 def test_from_padded_rejects_bad_arguments():

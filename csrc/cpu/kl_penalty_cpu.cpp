@@ -69,6 +69,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const float sign = a.ref ? 1.0f : -1.0f;
   const bool st = g.est.straight_through != 0;
   const float clip_lo = a.clip_lo, clip_hi = a.clip_hi, ec = a.entropy_coef;
+  const bool clipping = clip_lo > -INFINITY || clip_hi < INFINITY;
   const float adv_seq = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), r.seq * a.adv_s0) : 0.0f;
   const void* lp = reinterpret_cast<const void*>(g.lp);
   const void* old = reinterpret_cast<const void*>(a.old);
@@ -83,21 +84,35 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   alignas(64) float o[kSums][kBlock];
   double acc[kSums][kLanes] = {};
   int64_t count = 0;
+  // Inputs that are constant over the run are expanded once.
+  if (a.adv_per_seq) std::fill(x_adv, x_adv + kBlock, adv_seq);
+  if (!ent) std::fill(x_ent, x_ent + kBlock, 0.0f);
+  if (!mask) std::fill(x_m, x_m + kBlock, ~0u);
+  // Block jb of an input as float32: contiguous float32 is read in place; anything else is first
+  // converted into `scratch`.
+  auto block = [&](float* scratch, auto dtype, const void* base, int64_t s0, int64_t s1, int64_t jb,
+                   int64_t n) -> const float* {
+    constexpr int32_t T = decltype(dtype)::value;
+    if constexpr (T == kFloat32 && CONTIG) {
+      return static_cast<const float*>(base) + first(s0, s1) + jb;
+    } else {
+      load_block<T, CONTIG>(scratch, base, first(s0, s1) + jb * s1, s1, n);
+      return scratch;
+    }
+  };
+  using D = std::integral_constant<int32_t, DT>;
+  using A = std::integral_constant<int32_t, AT>;
   for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
     const int64_t n = std::min(kBlock, jhi - jb);
-    load_block<DT, CONTIG>(x_lp, lp, first(g.lp_s0, g.lp_s1) + jb * g.lp_s1, g.lp_s1, n);
-    load_block<DT, CONTIG>(x_old, old, first(a.old_s0, a.old_s1) + jb * a.old_s1, a.old_s1, n);
-    if (ref) load_block<DT, CONTIG>(x_ref, ref, first(a.ref_s0, a.ref_s1) + jb * a.ref_s1, a.ref_s1, n);
-    else std::memcpy(x_ref, x_old, n * sizeof(float));  // the KL's other side is then the old policy
-    if (a.adv_per_seq) std::fill(x_adv, x_adv + n, adv_seq);
-    else load_block<AT, CONTIG>(x_adv, adv, first(a.adv_s0, a.adv_s1) + jb * a.adv_s1, a.adv_s1, n);
-    if (ent) load_block<AT, CONTIG>(x_ent, ent, first(a.ent_s0, a.ent_s1) + jb * a.ent_s1, a.ent_s1, n);
-    else std::fill(x_ent, x_ent + n, 0.0f);
+    const float* __restrict p_lp = block(x_lp, D{}, lp, g.lp_s0, g.lp_s1, jb, n);
+    const float* __restrict p_old = block(x_old, D{}, old, a.old_s0, a.old_s1, jb, n);
+    // Without a reference model the KL's other side is the old policy.
+    const float* __restrict p_ref = ref ? block(x_ref, D{}, ref, a.ref_s0, a.ref_s1, jb, n) : p_old;
+    const float* __restrict p_adv = a.adv_per_seq ? x_adv : block(x_adv, A{}, adv, a.adv_s0, a.adv_s1, jb, n);
+    const float* __restrict p_ent = ent ? block(x_ent, A{}, ent, a.ent_s0, a.ent_s1, jb, n) : x_ent;
     if (mask) {
       const uint8_t* mb = mask + first(g.mask_s0, g.mask_s1) + jb * g.mask_s1;
       for (int64_t i = 0; i < n; ++i) x_m[i] = mb[CONTIG ? i : i * g.mask_s1] ? ~0u : 0u;
-    } else {
-      std::fill(x_m, x_m + n, ~0u);
     }
     float* __restrict Gb = G + jb;
     auto compute = [&](auto st_tag) {
@@ -110,10 +125,9 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         const uint32_t mb = x_m[i];
         const float mf = bits_f32(mb & 0x3f800000u);  // 1.0f or 0.0f
         auto keep = [mb](float v) { return bits_f32(f32_bits(v) & mb); };
-        const float l = keep(x_lp[i]), od = keep(x_old[i]), rf = keep(x_ref[i]), ad = keep(x_adv[i]);
-        const float e = keep(x_ent[i]);
+        const float l = keep(p_lp[i]), od = keep(p_old[i]), rf = keep(p_ref[i]), ad = keep(p_adv[i]);
+        const float e = keep(p_ent[i]);
         const PPOToken t = ppo_token<EST, ST>(l, od, rf, sign, ad, beta, clip_lo, clip_hi);
-        o[0][i] = (t.obj + beta * t.kl - ec * e) * mf;
         o[1][i] = t.obj * mf;
         o[2][i] = t.kl * mf;
         o[3][i] = e;
@@ -124,7 +138,11 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     };
     if (st) compute(std::true_type{});
     else compute(std::false_type{});
-    for (int k = 0; k < kSums; ++k) {  // kLanes fixed accumulators: deterministic and vectorizable
+    // kLanes fixed accumulators: deterministic and vectorizable. Column 0 (the loss) is not summed
+    // per token but assembled from the parts below (beta is constant within a run); entropy and
+    // clipped columns are all zero without entropy or clipping.
+    for (int k = 1; k < kSums; ++k) {
+      if ((k == 3 && !ent) || (k == 5 && !clipping)) continue;
       int64_t i = 0;
       for (; i + kLanes <= n; i += kLanes)
         for (int l = 0; l < kLanes; ++l) acc[k][l] += o[k][i + l];
@@ -136,7 +154,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     if (tok) {
       float* t0 = tok + jb;
       for (int64_t i = 0; i < n; ++i) {
-        t0[i] = o[0][i];
+        t0[i] = o[1][i] + beta * o[2][i] - ec * o[3][i];  // 0 where not counted: every part is
         t0[total + i] = o[1][i];
         t0[2 * total + i] = beta * o[2][i];
         t0[3 * total + i] = -ec * o[3][i] + 0.0f;
@@ -146,11 +164,12 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   Sums s;
   s.seq = r.seq;
   s.count = count;
-  for (int k = 0; k < kSums; ++k) {
+  for (int k = 1; k < kSums; ++k) {
     double v = 0.0;
     for (int l = 0; l < kLanes; ++l) v += acc[k][l];
     s.v[k] = v;
   }
+  s.v[0] = s.v[1] + static_cast<double>(beta) * s.v[2] - static_cast<double>(ec) * s.v[3];
   return s;
 }
 

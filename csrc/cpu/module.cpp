@@ -5,6 +5,8 @@
 // it from torch tensors. No torch headers here: one build serves every torch version.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+
 #include "common/bind_args.h"
 #include "common/build_info.h"
 #include "cpu/kl_penalty_cpu.h"
@@ -33,12 +35,29 @@ py::dict probe() {
   return info;
 }
 
+// (first, last, min, max, non_decreasing) of an int64 vector of n >= 1 entries in host memory: the
+// value checks of kl_kernels.ragged's check_offsets / check_lengths in one call instead of five
+// torch ops (they run on every kernel call).
+py::tuple int64_facts(uintptr_t ptr, int64_t n) {
+  const int64_t* v = reinterpret_cast<const int64_t*>(ptr);
+  int64_t lo = v[0], hi = v[0];
+  bool sorted = true;
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+    sorted &= v[i] >= v[i - 1];
+  }
+  return py::make_tuple(v[0], v[n - 1], lo, hi, sorted);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kl_kernels CPU extension (framework-free; no libtorch linkage)";
   m.def("probe", &probe, "Build facts of the CPU extension: compiler, C++ standard, kernels.");
   kl::bind_args(m);
+  m.def("int64_facts", &int64_facts, py::arg("ptr"), py::arg("n"),
+        "(v[0], v[-1], min, max, non-decreasing) of a contiguous int64 CPU vector of n >= 1 entries.");
   m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward forward on the CPU; returns 0 or an error code (1: unsupported dtypes).");

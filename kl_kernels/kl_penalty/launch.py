@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from ..kl_reward.launch import DTYPE_CODES, _ptr, _strides, coefficient, kernel_module, launch_kernel, make_args
+from ..kl_reward.launch import (DTYPE_CODES, _ptr, _strides, as_contiguous, coefficient, kernel_module, launch_kernel,
+                                make_args)
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 
@@ -75,7 +76,7 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     a.grad = _ptr(grad)
     for name, t in (("g_seq", g_seq), ("g_tok", g_tok)):
         if t is not None:
-            t = t.to(torch.float32).contiguous()
+            t = as_contiguous(t, torch.float32)
             keep.append(t)
             setattr(a, name, _ptr(t))
     g_lp = torch.empty(grad.shape, dtype=lp_dtype, device=dev)

@@ -122,8 +122,8 @@ def run_fused(p: KLPenaltyProblem, triton: bool = False) -> RawLoss:
     lp = p.log_probs
     # Advantages and entropy are read in the log-probs' dtype or in float32 (the kernels' aux dtype).
     aux = lp.dtype if all(t is None or t.dtype == lp.dtype for t in (p.advantages, p.entropy)) else torch.float32
-    adv = p.advantages.to(aux)
-    ent = p.entropy.to(aux) if p.entropy is not None else None
+    adv = p.advantages if p.advantages.dtype == aux else p.advantages.to(aux)
+    ent = p.entropy if p.entropy is None or p.entropy.dtype == aux else p.entropy.to(aux)
     beta_t = p.beta if isinstance(p.beta, torch.Tensor) else None
     clip_lo, clip_hi = p.clip if p.clip is not None else (float("-inf"), float("inf"))
     token_out = p.aggregation == "none"

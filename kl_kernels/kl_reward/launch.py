@@ -35,6 +35,12 @@ def _strides(x: torch.Tensor, layout: int) -> tuple[int, int]:
     return x.stride(0), x.stride(1)
 
 
+def as_contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a contiguous ``dtype`` tensor: ``x`` itself when it already is (two attribute reads
+    instead of two dispatched torch calls: this runs several times per call)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
 def _ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None or x.numel() == 0 else x.data_ptr()
 
@@ -44,7 +50,7 @@ def coefficient(coef: torch.Tensor | None, scalar: float, keep: list) -> tuple[i
     (1) / per-sequence (2) tensor read on device as float32 (kept alive in ``keep``)."""
     if coef is None:
         return 0, float(scalar), 0
-    coef = coef.to(torch.float32).contiguous()  # a device op: no host sync
+    coef = as_contiguous(coef, torch.float32)  # a device op: no host sync
     keep.append(coef)
     return (1 if coef.dim() == 0 else 2), 0.0, _ptr(coef)
 
@@ -70,7 +76,7 @@ def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, promp
     keep = []
     for name, t in (("offsets", offsets), ("lengths", lengths), ("prompt_lens", prompt_lens)):
         if t is not None:
-            t = t.to(torch.int64).contiguous()
+            t = as_contiguous(t, torch.int64)
             keep.append(t)
             setattr(a, name, _ptr(t))
     a.left_pad = int(left_pad)
@@ -161,7 +167,7 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     for name, g, dtype in (("g_kl", g_kl, log_probs.dtype), ("g_reward", g_reward, reward_dtype),
                            ("g_ref_out", g_ref_out, ref_log_probs.dtype), ("g_kl_sum", g_kl_sum, torch.float32)):
         if g is not None:
-            g = g.to(dtype).contiguous()
+            g = as_contiguous(g, dtype)
             grads[name] = g
             setattr(args, name, _ptr(g))
     g_lp = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
