@@ -40,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -148,10 +149,15 @@ def _int64_facts_cpu(v: torch.Tensor):
     ``None`` where torch ops must do it (other devices, strided or other dtypes, no extension)."""
     if v.device.type != "cpu" or v.dtype != torch.int64 or not v.is_contiguous() or v.numel() == 0:
         return None
-    from . import _extensions
-
-    fn, _ = _extensions.kernel("_C", "int64_facts")
+    fn = _int64_facts_kernel()
     return None if fn is None else fn(v.data_ptr(), v.numel())
+
+
+@functools.lru_cache(maxsize=None)
+def _int64_facts_kernel():
+    from . import _extensions  # not at import time: kl_kernels.ragged must import without the extension
+
+    return _extensions.kernel("_C", "int64_facts")[0]
 
 
 def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:
@@ -211,7 +217,7 @@ def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "le
             raise ValueError(f"{name} must be >= 0, got a length of {lo}")
         if hi > width:
             raise ValueError(f"{name} must be <= T = {width} (the padded width), got a length of {hi}")
-    return lengths.to(torch.int64)
+    return lengths if lengths.dtype == torch.int64 else lengths.to(torch.int64)
 
 
 # --------------------------------------------------------------------------- padded

@@ -133,7 +133,9 @@ def _advantages(advantages, kind, lp, offsets, batch):
     shape, tok = tuple(advantages.shape), tuple(lp.shape)
     if kind == "padded":
         # [B, T] first: with T == 1 the per-token and per-sequence readings are the same numbers.
-        if shape in (tok, tok + (1,)):
+        if shape == tok:
+            return advantages, False
+        if shape == tok + (1,):
             return advantages.reshape(tok), False
         if shape in ((batch,), (batch, 1)):
             return advantages.reshape(batch), True

@@ -205,7 +205,7 @@ def _int_vector(x, name, batch, device):
     if tuple(x.shape) != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(x.shape)}")
     _check_device(name, x.device, device)
-    return x.to(torch.int64)
+    return x if x.dtype == torch.int64 else x.to(torch.int64)
 
 
 def _check_device(name, got, want):
