@@ -43,7 +43,7 @@ def test_generic_aggregation_on_cpu(case, layout, aggregation, monkeypatch_sessi
 
     case.aggregation = aggregation
     with monkeypatch_session.context() as m:
-        m.setattr(agg, "_UNIFORM", ())
+        m.setattr(agg, "_ON_HOST", ())
         check_loss(case, layout, "cpu")
 
 

@@ -67,6 +67,7 @@ def _all_reduce(vec: torch.Tensor, process_group) -> torch.Tensor:
 
 
 _UNIFORM = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum")
+_ON_HOST = _UNIFORM  # aggregations that CPU tensors take through _aggregate_on_host
 
 
 def _uniform_weight(p: KLPenaltyProblem, n_tokens, n_seqs):
@@ -102,7 +103,7 @@ def _aggregate_on_host(p: KLPenaltyProblem, raw: RawLoss, num_global_tokens) -> 
 def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_global_tokens=None,
               process_group=None) -> KLPenaltyLossOutput:
     """Apply ``p.aggregation`` to a backend's per-sequence sums (see the module doc)."""
-    if (raw.count.device.type == "cpu" and process_group is None and p.aggregation in _UNIFORM
+    if (raw.count.device.type == "cpu" and process_group is None and p.aggregation in _ON_HOST
             and not (isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1) and not torch.compiler.is_compiling()):
         return _aggregate_on_host(p, raw, num_global_tokens)
     md = raw.seq_loss.dtype
@@ -124,7 +125,7 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
         return KLPenaltyLossOutput(*map(tokens, raw.token_out.unbind(0)), *diag, num_tokens)
 
     per_seq_beta = isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1
-    if p.aggregation in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum"):
+    if p.aggregation in _UNIFORM:
         # One weight for every sequence: loss = w * sum_b S_b.
         n = n_tokens
         if num_global_tokens is not None:
