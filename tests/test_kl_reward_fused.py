@@ -247,3 +247,25 @@ def test_parallel_kernel_in_a_forked_child():
         assert child.exitcode == 0 and queue.get(timeout=10) == want
     finally:
         torch.set_num_threads(before)
+
+
+def test_k3_at_extreme_log_prob_differences():
+    """k3 = expm1(-d) + d and its gradient 1 - exp(-d) through the kernels' own exp/expm1, across
+    their regimes: the series near 0, the range reduction, underflow of exp(-d) (d >= 87) and
+    overflow to inf (d <= -88.8), against float64 rounded to float32 (inf where float32 overflows)."""
+    d = torch.tensor([-200.0, -89.0, -88.7, -88.0, -60.0, -20.0, -1.0, -0.35, -0.34, -1e-3, -1e-7, 0.0, 1e-7, 1e-3,
+                      0.34, 0.35, 1.0, 20.0, 60.0, 86.9, 87.0, 87.5, 100.0, 200.0])
+    ref = torch.full_like(d, -3.0)
+    lp = (ref + d).requires_grad_()
+    out = kl_reward(lp, ref, estimator="k3", offsets=torch.tensor([0, d.numel()]), detach=False, backend="cpu")
+    out.kl.sum().backward()
+    d64 = lp.detach().double() - ref.double()
+    want_kl = (torch.expm1(-d64) + d64).float()
+    want_grad = (-torch.expm1(-d64)).float()
+    # expm1(-d) + d cancels for small d in float32 whatever the expm1: allow ulps of |d| there.
+    for got, want in ((out.kl, want_kl), (lp.grad, want_grad)):
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (got, want)
+        fin = torch.isfinite(want)
+        err = (got[fin].double() - want[fin].double()).abs()
+        bound = 2e-6 * want[fin].double().abs() + 4e-7 * d64[fin].abs()
+        assert bool((err <= bound).all()), (d[fin][err > bound], got[fin][err > bound], want[fin][err > bound])
