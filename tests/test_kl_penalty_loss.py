@@ -36,19 +36,19 @@ def test_every_aggregation(case, layout, aggregation, backend):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum"])
 @given(case=loss_cases(dtypes=(torch.float32,)), layout=st.sampled_from(["packed", "padded_left"]))
 @settings(max_examples=10)
-def test_generic_aggregation_on_cpu(case, layout, aggregation, monkeypatch_session):
+def test_generic_aggregation_on_cpu(case, layout, aggregation, module_monkeypatch):
     """CPU tensors take the host-float path of the one-weight aggregations; accelerators take the
     tensor path. Forced here on CPU tensors, the tensor path must match the oracle as well."""
     from kl_kernels.kl_penalty import aggregate as agg
 
     case.aggregation = aggregation
-    with monkeypatch_session.context() as m:
+    with module_monkeypatch.context() as m:
         m.setattr(agg, "_ON_HOST", ())
         check_loss(case, layout, "cpu")
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_session():
+def module_monkeypatch():
     with pytest.MonkeyPatch.context() as m:
         yield m
 

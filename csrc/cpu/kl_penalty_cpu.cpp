@@ -48,6 +48,17 @@ inline void load_block(float* __restrict x, const void* src, int64_t first, int6
   }
 }
 
+// x_m[i] = all bits set where mask byte i (at stride `stride`) is set, else 0: the lane masks the
+// forward and backward loops AND their values with (a 0/1 select there would compile to masked
+// stores or block vectorization).
+inline void lane_masks(uint32_t* __restrict x_m, const uint8_t* m, int64_t stride, int64_t n) {
+  if (stride == 1) {
+    for (int64_t i = 0; i < n; ++i) x_m[i] = m[i] ? ~0u : 0u;
+  } else {
+    for (int64_t i = 0; i < n; ++i) x_m[i] = m[i * stride] ? ~0u : 0u;
+  }
+}
+
 template <int32_t DT, int32_t AT, int32_t EST, bool CONTIG>
 KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const KLRewardArgs& g = a.g;
@@ -110,10 +121,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     const float* __restrict p_ref = ref ? block(x_ref, D{}, ref, a.ref_s0, a.ref_s1, jb, n) : p_old;
     const float* __restrict p_adv = a.adv_per_seq ? x_adv : block(x_adv, A{}, adv, a.adv_s0, a.adv_s1, jb, n);
     const float* __restrict p_ent = ent ? block(x_ent, A{}, ent, a.ent_s0, a.ent_s1, jb, n) : x_ent;
-    if (mask) {
-      const uint8_t* mb = mask + first(g.mask_s0, g.mask_s1) + jb * g.mask_s1;
-      for (int64_t i = 0; i < n; ++i) x_m[i] = mb[CONTIG ? i : i * g.mask_s1] ? ~0u : 0u;
-    }
+    if (mask) lane_masks(x_m, mask + first(g.mask_s0, g.mask_s1) + jb * g.mask_s1, g.mask_s1, n);
     float* __restrict Gb = G + jb;
     auto compute = [&](auto st_tag) {
       constexpr bool ST = decltype(st_tag)::value;
@@ -217,7 +225,6 @@ KL_TARGET_CLONES void backward_run(const KLPenaltyArgs& a, const Run& r) {
   BitsOf<AT>* __restrict gent = ENT ? reinterpret_cast<BitsOf<AT>*>(a.g_ent) + o : nullptr;
   const uint8_t* mask = g.mask ? reinterpret_cast<const uint8_t*>(g.mask) + r.row * g.mask_s0 + r.col0 * g.mask_s1
                                : nullptr;
-  const int64_t ms = g.mask_s1;
   const float ec = a.entropy_coef;
   int64_t jlo, jhi;
   counted_range(r, &jlo, &jhi);
@@ -229,11 +236,10 @@ KL_TARGET_CLONES void backward_run(const KLPenaltyArgs& a, const Run& r) {
   zero(0, jlo);
   zero(jhi, r.n);
   alignas(64) uint32_t x_m[kBlock];
+  if (!mask) std::fill(x_m, x_m + kBlock, ~0u);
   for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
     const int64_t n = std::min(kBlock, jhi - jb);
-    if (mask == nullptr) std::fill(x_m, x_m + n, ~0u);
-    else if (ms == 1) for (int64_t i = 0; i < n; ++i) x_m[i] = mask[jb + i] ? ~0u : 0u;
-    else for (int64_t i = 0; i < n; ++i) x_m[i] = mask[(jb + i) * ms] ? ~0u : 0u;
+    if (mask) lane_masks(x_m, mask + jb * g.mask_s1, g.mask_s1, n);
     for (int64_t i = 0; i < n; ++i) {
       const float up = (TOK ? gt[jb + i] : 0.0f) + gs;
       glp[jb + i] = to_bits<DT>(bits_f32(f32_bits(up * G[jb + i]) & x_m[i]));
