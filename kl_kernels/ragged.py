@@ -40,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import array
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -60,6 +61,7 @@ __all__ = [
     "to_padded",
     "from_list",
     "to_list",
+    "SequenceList",
     "from_nested",
     "to_nested",
     "pack",
@@ -289,6 +291,62 @@ def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragg
                              "all tensors must be on one device")
     lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device)
     return Ragged(torch.cat(tensors), lengths_to_offsets(lengths))
+
+
+class SequenceList:
+    """The per-sequence tensors of a list input, left where they are.
+
+    A kernel that takes one address per sequence (the CPU ``kl_reward`` forward) reads them in
+    place: no ``torch.cat``, whose per-tensor overhead made packing a lazily stacked batch of
+    1024 samples cost more than the kernel. The object stands for the packed ``[N]`` tensor
+    (``shape``, ``dtype``, ``device``, ``numel()``); :meth:`pack` makes that tensor when a
+    backend needs it. Built by :meth:`of`, which accepts only what such a kernel can read.
+    """
+
+    __slots__ = ("tensors", "lengths", "dtype", "device", "shape")
+    requires_grad = False
+    is_nested = False
+
+    def __init__(self, tensors: list, lengths: list, dtype: torch.dtype, device: torch.device):
+        self.tensors, self.lengths, self.dtype, self.device = tensors, lengths, dtype, device
+        self.shape = torch.Size((sum(lengths),))
+
+    @classmethod
+    def of(cls, tensors, dtypes, *, trailing_one: bool = False) -> "SequenceList | None":
+        """``tensors`` (a non-empty list) if they share one dtype among ``dtypes`` and the CPU, and
+        each is contiguous ``[L]`` (``[L, 1]`` with ``trailing_one``); else ``None`` (pack them)."""
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            return None
+        # One pass of attribute reads per tensor (this runs per sample of every call); anything
+        # that is not a tensor fails it or shows up as a second kind.
+        try:
+            kinds = {(type(t), t.dtype, t.is_cpu, t.dim(), t.is_contiguous()) for t in tensors}
+        except (AttributeError, TypeError):
+            return None
+        if len(kinds) != 1:
+            return None
+        (kind, dtype, is_cpu, ndim, contiguous), = kinds
+        if not (issubclass(kind, torch.Tensor) and dtype in dtypes and is_cpu and contiguous
+                and ndim == (2 if trailing_one else 1)):
+            return None
+        lengths = [t.numel() for t in tensors]  # == shape[0]: 1-D, or [L, 1] (checked next)
+        if trailing_one and any([t.shape[1] != 1 for t in tensors]):
+            return None
+        return cls(list(tensors), lengths, dtype, tensors[0].device)
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def dim(self) -> int:
+        return 1
+
+    def addresses(self) -> torch.Tensor:
+        """int64 ``[B]``: where each sequence's values start (kept alive by this object)."""
+        return torch.frombuffer(array.array("q", [t.data_ptr() for t in self.tensors]), dtype=torch.int64)
+
+    def pack(self) -> torch.Tensor:
+        """The packed ``[N]`` tensor (a copy)."""
+        return torch.cat([t.reshape(-1) for t in self.tensors])
 
 
 def to_list(values: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:

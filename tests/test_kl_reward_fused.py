@@ -269,3 +269,108 @@ def test_k3_at_extreme_log_prob_differences():
         err = (got[fin].double() - want[fin].double()).abs()
         bound = 2e-6 * want[fin].double().abs() + 4e-7 * d64[fin].abs()
         assert bool((err <= bound).all()), (d[fin][err > bound], got[fin][err > bound], want[fin][err > bound])
+
+
+# --------------------------------------------------------------------------- lists read in place, NaN pads
+
+
+def _list_problem(lp, ref, reward=None, **kw):
+    from kl_kernels.kl_reward.problem import build_problem
+    args = dict(coef=0.1, estimator="k1", mask=None, offsets=None, lengths=None, padding_side="left",
+                prompt_lens=None, reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False,
+                detach=True)
+    args.update(kw)
+    return build_problem(lp, ref, reward, **args)[0]
+
+
+def test_lists_are_read_in_place_only_when_the_kernel_can():
+    lp, ref, mask, offsets, _ = _batch(n_seq=6, max_len=30, seed=3)
+    split = lambda x: list(x.split(torch.diff(offsets).tolist()))  # noqa: E731
+    lps, refs, masks = split(lp), split(ref), split(mask)
+    assert _list_problem(lps, refs).layout == "list"
+    assert _list_problem(lps, refs, mask=masks, reward=[t.unsqueeze(-1) for t in lps]).layout == "list"
+    strided = [torch.stack([t, t], 1)[:, 0] for t in lps]  # non-contiguous samples
+    assert _list_problem(strided, refs).layout == "packed"
+    assert _list_problem([t.double() for t in lps], [t.double() for t in refs]).layout == "packed"
+    with_grad = [t.clone().requires_grad_() for t in lps]
+    assert _list_problem(with_grad, refs, detach=False).layout == "packed"  # autograd: through the op
+    assert _list_problem(with_grad, refs, detach=True).layout == "list"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("estimator", ["k1", "k3", "k2"])
+@pytest.mark.parametrize("masked", [False, True], ids=["", "mask"])
+def test_lists_read_in_place_match_the_oracle(dtype, estimator, masked):
+    """The cpu kernel reading per-sequence buffers (lengths 0, 1, a prime, long) in place: every
+    output against the float64 oracle, outputs poisoned first, with NaN pads masked or propagated."""
+    from oracle import oracle_sequence
+    from tolerances import assert_close_to_oracle
+    g = torch.Generator().manual_seed(11)
+    lengths = [0, 1, 7, 0, 2003, 3, 1]
+    lps = [(-torch.rand(n, generator=g) * 4).to(dtype) for n in lengths]
+    refs = [(t.float() + torch.randn(n, generator=g) * 0.3).to(dtype) for t, n in zip(lps, lengths)]
+    masks = [torch.rand(n, generator=g) < 0.7 for n in lengths]
+    rewards = [torch.randn(n, 1, generator=g) for n in lengths]
+    refs[2][3] = float("nan")   # alignment pads
+    lps[4][100] = float("nan")
+    for mask_nan in (False, True):
+        out = kl_reward(lps, refs, rewards, coef=0.2, estimator=estimator, mask=masks if masked else None,
+                        mask_nan=mask_nan, return_ref=True, backend="cpu")
+        assert _list_problem(lps, refs, rewards, mask=masks if masked else None).layout == "list"
+        for b, n in enumerate(lengths):
+            keep = [bool(m) for m in masks[b]] if masked else [True] * n
+            if mask_nan:
+                keep = [k and not (lps[b][t].isnan() or refs[b][t].isnan()) for t, k in enumerate(keep)]
+            want = oracle_sequence(lps[b].tolist(), refs[b].tolist(), estimator=estimator, mask=keep, coef=0.2,
+                                   placement="token", reward=rewards[b].squeeze(-1).tolist())
+            assert out.reward[b].shape == (n, 1)
+            assert_close_to_oracle(out.kl[b], want.kl, f"kl[{b}]")
+            assert_close_to_oracle(out.reward[b].squeeze(-1), want.reward, f"reward[{b}]")
+            assert_close_to_oracle(out.ref_log_probs[b], want.ref_out, f"ref[{b}]")
+            assert int(out.count[b]) == want.count
+            assert_close_to_oracle(out.kl_sum[b:b + 1], [want.kl_sum], f"kl_sum[{b}]", scale=[sum(map(abs, want.kl))])
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded", "list"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("grad", [False, True], ids=["", "grad"])
+def test_mask_nan_leaves_nan_tokens_out(layout, backend, grad):
+    """mask_nan: in the kernel (eager, no autograd), or folded into the mask (autograd): NaN tokens
+    count for nothing and get no gradient; everything else is untouched."""
+    from kl_kernels import ragged
+    lp, ref, mask, offsets, lengths = _batch(n_seq=9, max_len=50, seed=5)
+    lp, ref = lp.clone(), ref.clone()
+    nan_at = torch.arange(0, lp.shape[0], 7)
+    ref[nan_at] = float("nan")
+    lp[nan_at[::2] + 1] = float("nan")
+    counted = mask & ~(lp.isnan() | ref.isnan())
+    want = kl_reward(lp, ref, coef=0.3, mask=counted, offsets=offsets, backend="torch")
+    if layout == "packed":
+        args, kw = (lp, ref), dict(offsets=offsets, mask=mask)
+    elif layout == "padded":
+        pad = lambda x, v: ragged.to_padded(x, offsets, padding_side="left", padding_value=v)  # noqa: E731
+        args, kw = (pad(lp, 0.0), pad(ref, 0.0)), dict(lengths=lengths, mask=pad(mask, False))
+    else:
+        split = lambda x: list(x.split(lengths.tolist()))  # noqa: E731
+        args, kw = (split(lp), split(ref)), dict(mask=split(mask))
+    if grad:
+        args = tuple([t.clone().requires_grad_() for t in a] if isinstance(a, list) else a.clone().requires_grad_()
+                     for a in args)
+    out = kl_reward(*args, coef=0.3, mask_nan=True, detach=not grad, backend=backend, **kw)
+    packed = lambda x: (torch.cat(x) if isinstance(x, list) else  # noqa: E731
+                        ragged.from_padded(x, lengths, padding_side="left").values if x.dim() == 2 else x)
+    torch.testing.assert_close(packed(out.kl).detach(), want.kl)
+    torch.testing.assert_close(packed(out.reward).detach(), want.reward)
+    assert torch.equal(out.count, want.count) and not out.kl_sum.isnan().any()
+    if grad:
+        out.kl_sum.sum().backward()
+        g_lp = packed(args[0].grad if not isinstance(args[0], list) else [t.grad for t in args[0]])
+        assert torch.equal(g_lp != 0, counted), "exactly the counted tokens get a k1 gradient"
+
+
+def test_mask_nan_is_refused_by_the_gpu_kernels_outside_autograd():
+    lp, ref, _, offsets, _ = _batch(n_seq=3, max_len=10)
+    problem = _list_problem(lp, ref, offsets=offsets, mask_nan=True)
+    for b in REGISTRY:
+        if b.name in ("cuda", "triton"):
+            assert any("mask_nan" in r for r in b.requires(problem))

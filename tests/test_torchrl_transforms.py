@@ -79,12 +79,33 @@ def _klc_lazy(per_token, nan_pads=False, seed=0):
 
 @pytest.mark.parametrize("per_token", [True, False], ids=["reward-per-token", "reward-per-sequence"])
 @pytest.mark.parametrize("nan_pads", [False, True], ids=["", "nan-pads"])
-def test_klcomputation_equals_torchrl_on_lazy_stacks(per_token, nan_pads):
+def test_klcomputation_equals_torchrl_on_lazy_stacks(per_token, nan_pads, monkeypatch):
     td = _klc_lazy(per_token, nan_pads)
     want = trl.KLComputation(coeff=0.3)(td.clone())
+    taken = []
+    in_place = ours.KLComputation._step_samples
+    monkeypatch.setattr(ours.KLComputation, "_step_samples", lambda self, t: taken.append(in_place(self, t)) or taken[-1])
     got = ours.KLComputation(coeff=0.3)(td.clone())
     assert isinstance(got, LazyStackedTensorDict)
     assert_same(got, want, ["kl_penalty", "reward"])
+    assert taken == [per_token]  # per-token rewards [L, 1]: the samples are read in place
+
+
+def test_klcomputation_in_place_path_falls_back_on_unusual_samples():
+    """Samples the in-place path does not take (strided log-probs, [L] rewards, add_to_reward with
+    no reward) go the general way, with the same results or TorchRL's error."""
+    td = _klc_lazy(True, nan_pads=True)
+    want = trl.KLComputation(coeff=0.3)(td.clone())
+    strided = td.clone()
+    for sub in strided.tensordicts:
+        lp = sub["log_probs", "full"]
+        sub["log_probs", "full"] = torch.stack([lp, lp], 1)[:, 0]
+    assert_same(ours.KLComputation(coeff=0.3)(strided), want, ["kl_penalty", "reward"])
+    flat_reward = td.clone()
+    for sub in flat_reward.tensordicts:
+        sub["reward"] = sub["reward"].squeeze(-1)
+    with pytest.raises(ValueError, match="one more dimension"):
+        ours.KLComputation(coeff=0.3)(flat_reward)
 
 
 def test_klcomputation_dense_without_reward_matches_torchrl_values():

@@ -9,6 +9,10 @@
 // An input X is read at X[row * X_s0 + col * X_s1] (packed: X_s0 = 0, X_s1 = stride), so any
 // strides work. Outputs are contiguous in the layout's shape, at index row * T + col (packed:
 // the token index). Validation happens in Python before a kernel ever sees these.
+//
+// List inputs (packed layout, CPU forward only): when X_ptrs is set, sequence b's values live in
+// their own buffer (a per-sample tensor) and position p of it is read at X_ptrs[b][p * X_s1];
+// X and X_s0 are unused. The offsets still give the lengths and the packed output positions.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +46,8 @@ struct KLRewardArgs {
   float coef_scalar = 1.0f;
   uintptr_t coef = 0;               // float32: [1] (0-d) or [B]
   EstimatorParams est{};
+  uintptr_t lp_ptrs = 0, ref_ptrs = 0, mask_ptrs = 0, reward_ptrs = 0;  // list inputs: int64 [B] addresses
+  int32_t mask_nan = 0;             // 1: a token where either log-prob is NaN does not count (CPU only)
 
   // forward outputs (contiguous)
   uintptr_t kl = 0, reward_out = 0, ref_out = 0;  // ref_out may be 0 (return_ref=False)
@@ -117,8 +123,12 @@ KL_HD void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
   const int64_t out = a.layout == kPacked ? col : b * a.width + col;
   float k = 0.0f;
   if (last_counted >= 0) {
-    const float d = load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1) -
-                    load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1);
+    const int64_t* lpp = reinterpret_cast<const int64_t*>(a.lp_ptrs);
+    const int64_t* refp = reinterpret_cast<const int64_t*>(a.ref_ptrs);
+    const float d = (lpp ? load<DT>(reinterpret_cast<const void*>(lpp[b]), pos * a.lp_s1)
+                         : load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1)) -
+                    (refp ? load<DT>(reinterpret_cast<const void*>(refp[b]), pos * a.ref_s1)
+                          : load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1));
     k = kl_value(d, a.est);
   }
   const float rb = load<RT>(reinterpret_cast<const void*>(a.reward), b * a.rw_s0);

@@ -70,6 +70,25 @@ inline void counted_range(const Run& r, int64_t* jlo, int64_t* jhi) {
   *jhi = std::max(*jlo, std::clamp<int64_t>(r.geom.length - r.pos0, 0, r.n));
 }
 
+// Where input X of run r starts, as (buffer, element offset): for list inputs (X_ptrs set) the
+// sequence's own buffer at position pos0, else the shared buffer at (row, col0).
+struct InputAt {
+  const void* base;
+  int64_t offset;
+};
+
+inline InputAt input_at(uintptr_t x, uintptr_t ptrs, int64_t s0, int64_t s1, const Run& r) {
+  if (ptrs) return {reinterpret_cast<const void*>(reinterpret_cast<const int64_t*>(ptrs)[r.seq]), r.pos0 * s1};
+  return {reinterpret_cast<const void*>(x), r.row * s0 + r.col0 * s1};
+}
+
+// The same for a contiguous input (X_s1 == 1), as a typed pointer to the run's first element.
+template <typename T>
+inline const T* contiguous_at(uintptr_t x, uintptr_t ptrs, int64_t s0, const Run& r) {
+  const InputAt at = input_at(x, ptrs, s0, 1, r);
+  return static_cast<const T*>(at.base) + at.offset;
+}
+
 inline int64_t tile_count(const KLRewardArgs& a) { return (a.total + kTile - 1) / kTile; }
 
 // Calls f(run, is_first_run_of_tile) for each run of tile k.
@@ -106,15 +125,17 @@ constexpr int kLanes = 8;
 #endif
 
 // The estimate of a block: k (fp32, kept in L1 for the reward and the sums), m (the final mask)
-// and the kl output, written directly, all in one vectorizable loop.
-template <int32_t DT, int32_t EST, bool MASK, bool CLAMP>
+// and the kl output, written directly, all in one vectorizable loop. NANPAD: a NaN log-prob makes
+// its token not counted (mask_nan).
+template <int32_t DT, int32_t EST, bool MASK, bool CLAMP, bool NANPAD>
 inline void estimate_block(const KLRewardArgs& a, const BitsOf<DT>* lp, const BitsOf<DT>* ref, const uint8_t* mask,
                            int64_t n, float* __restrict k, uint8_t* __restrict m, BitsOf<DT>* __restrict kl) {
   const EstimatorParams e = a.est;
   for (int64_t i = 0; i < n; ++i) {
     // Unconditional loads, then a select: a load under a condition cannot be vectorized.
-    const bool mi = MASK ? mask[i] != 0 : true;
-    const float diff = load<DT>(lp, i) - load<DT>(ref, i);
+    const float l = load<DT>(lp, i), rf = load<DT>(ref, i);
+    const bool mi = (MASK ? mask[i] != 0 : true) && (NANPAD ? (l == l) & (rf == rf) : true);
+    const float diff = l - rf;
     const float d = mi ? diff : 0.0f;
     const float x = CLAMP ? clamp_lo_hi(d, e.in_lo_set, e.in_lo, e.in_hi_set, e.in_hi) : d;
     float v;
@@ -130,14 +151,14 @@ inline void estimate_block(const KLRewardArgs& a, const BitsOf<DT>* lp, const Bi
   }
 }
 
-template <int32_t DT, int32_t RT, int32_t EST, bool MASK, bool CLAMP>
+template <int32_t DT, int32_t RT, int32_t EST, bool MASK, bool CLAMP, bool NANPAD>
 KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run& r) {
   using LB = BitsOf<DT>;
   using RB = BitsOf<RT>;
-  const LB* lp = reinterpret_cast<const LB*>(a.lp) + r.row * a.lp_s0 + r.col0;
-  const LB* ref = reinterpret_cast<const LB*>(a.ref) + r.row * a.ref_s0 + r.col0;
-  const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask) + (MASK ? r.row * a.mask_s0 + r.col0 : 0);
-  const RB* reward = reinterpret_cast<const RB*>(a.reward) + (a.placement == kToken ? r.row * a.rw_s0 + r.col0 : 0);
+  const LB* lp = contiguous_at<LB>(a.lp, a.lp_ptrs, a.lp_s0, r);
+  const LB* ref = contiguous_at<LB>(a.ref, a.ref_ptrs, a.ref_s0, r);
+  const uint8_t* mask = MASK ? contiguous_at<uint8_t>(a.mask, a.mask_ptrs, a.mask_s0, r) : nullptr;
+  const RB* reward = a.placement == kToken ? contiguous_at<RB>(a.reward, a.reward_ptrs, a.rw_s0, r) : nullptr;
   LB* kl = reinterpret_cast<LB*>(a.kl) + r.out0;
   RB* rw = reinterpret_cast<RB*>(a.reward_out) + r.out0;
   LB* ro = a.ref_out ? reinterpret_cast<LB*>(a.ref_out) + r.out0 : nullptr;
@@ -162,7 +183,7 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
   alignas(64) uint8_t m[kBlock];
   for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
     const int64_t n = std::min(kBlock, jhi - jb);
-    estimate_block<DT, EST, MASK, CLAMP>(a, lp + jb, ref + jb, mask + (MASK ? jb : 0), n, k, m, kl + jb);
+    estimate_block<DT, EST, MASK, CLAMP, NANPAD>(a, lp + jb, ref + jb, MASK ? mask + jb : nullptr, n, k, m, kl + jb);
     RB* __restrict rwb = rw + jb;
     if (token) {
       const RB* __restrict rin = reward + jb;
@@ -182,7 +203,7 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
     for (; i + kLanes <= n; i += kLanes)
       for (int l = 0; l < kLanes; ++l) acc[l] += k[i + l];
     for (int l = 0; i < n; ++i, ++l) acc[l] += k[i];
-    if constexpr (MASK) {
+    if constexpr (MASK || NANPAD) {
       int64_t cnt = 0;
       for (int64_t q = 0; q < n; ++q) cnt += m[q];  // a byte sum: vectorizes
       int64_t lst = n - 1;
@@ -203,15 +224,27 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
 template <int32_t DT, int32_t RT, int32_t EST>
 Partial forward_run_est(const KLRewardArgs& a, const Run& r) {
   const bool clamp = a.est.in_lo_set || a.est.in_hi_set || a.est.out_lo_set || a.est.out_hi_set;
-  if (a.mask != 0)
-    return clamp ? forward_run_contiguous<DT, RT, EST, true, true>(a, r)
-                 : forward_run_contiguous<DT, RT, EST, true, false>(a, r);
-  return clamp ? forward_run_contiguous<DT, RT, EST, false, true>(a, r)
-               : forward_run_contiguous<DT, RT, EST, false, false>(a, r);
+  const bool mask = a.mask != 0 || a.mask_ptrs != 0;
+  if (mask)
+    return clamp ? forward_run_contiguous<DT, RT, EST, true, true, false>(a, r)
+                 : forward_run_contiguous<DT, RT, EST, true, false, false>(a, r);
+  return clamp ? forward_run_contiguous<DT, RT, EST, false, true, false>(a, r)
+               : forward_run_contiguous<DT, RT, EST, false, false, false>(a, r);
 }
 
 template <int32_t DT, int32_t RT>
+Partial forward_run_strided(const KLRewardArgs& a, const Run& r);
+
+template <int32_t DT, int32_t RT>
 Partial forward_run_fast(const KLRewardArgs& a, const Run& r) {
+  if (a.mask_nan) {
+    // NaN pads are TorchRL's KLComputation convention: k1, no clamps. Only that case has a
+    // vectorized instantiation (each one costs compile time); the rest takes the generic loop.
+    const bool clamp = a.est.in_lo_set || a.est.in_hi_set || a.est.out_lo_set || a.est.out_hi_set;
+    if (a.est.estimator != kK1 || clamp) return forward_run_strided<DT, RT>(a, r);
+    return a.mask != 0 || a.mask_ptrs != 0 ? forward_run_contiguous<DT, RT, kK1, true, false, true>(a, r)
+                                           : forward_run_contiguous<DT, RT, kK1, false, false, true>(a, r);
+  }
   switch (a.est.estimator) {
     case kK1: return forward_run_est<DT, RT, kK1>(a, r);
     case kAbs: return forward_run_est<DT, RT, kAbs>(a, r);
@@ -223,18 +256,23 @@ Partial forward_run_fast(const KLRewardArgs& a, const Run& r) {
 // Generic path for any strides (non-contiguous inputs): one scalar loop.
 template <int32_t DT, int32_t RT>
 Partial forward_run_strided(const KLRewardArgs& a, const Run& r) {
-  const void* lp = reinterpret_cast<const void*>(a.lp);
-  const void* ref = reinterpret_cast<const void*>(a.ref);
-  const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask);
-  const void* reward = reinterpret_cast<const void*>(a.reward);
+  const InputAt lp_at = input_at(a.lp, a.lp_ptrs, a.lp_s0, a.lp_s1, r);
+  const InputAt ref_at = input_at(a.ref, a.ref_ptrs, a.ref_s0, a.ref_s1, r);
+  const InputAt m_at = input_at(a.mask, a.mask_ptrs, a.mask_s0, a.mask_s1, r);
+  const bool token = a.placement == kToken;
+  const InputAt rw_at = token ? input_at(a.reward, a.reward_ptrs, a.rw_s0, a.rw_s1, r)
+                        : InputAt{reinterpret_cast<const void*>(a.reward), 0};
+  const void* lp = lp_at.base;
+  const void* ref = ref_at.base;
+  const uint8_t* mask = static_cast<const uint8_t*>(m_at.base);
+  const void* reward = rw_at.base;
   void* kl = reinterpret_cast<void*>(a.kl);
   void* rw = reinterpret_cast<void*>(a.reward_out);
   void* ro = reinterpret_cast<void*>(a.ref_out);
   const int64_t o = r.out0;
-  const int64_t lp0 = r.row * a.lp_s0 + r.col0 * a.lp_s1, ref0 = r.row * a.ref_s0 + r.col0 * a.ref_s1;
-  const int64_t m0 = r.row * a.mask_s0 + r.col0 * a.mask_s1, rw0 = r.row * a.rw_s0 + r.col0 * a.rw_s1;
+  const int64_t lp0 = lp_at.offset, ref0 = ref_at.offset, m0 = m_at.offset, rw0 = rw_at.offset;
+  const bool nan_pad = a.mask_nan != 0;
   const int64_t lps = a.lp_s1, refs = a.ref_s1, ms = a.mask_s1, rws = a.rw_s1;
-  const bool token = a.placement == kToken;
   const float rseq = a.placement == kSequence ? load<RT>(reward, r.seq * a.rw_s0) : 0.0f;
   const float c = coef_of(a, r.seq);
   const EstimatorParams est = a.est;
@@ -252,8 +290,13 @@ Partial forward_run_strided(const KLRewardArgs& a, const Run& r) {
   double sum = 0.0;
   int64_t count = 0, last = -1;
   for (int64_t j = jlo; j < jhi; ++j) {
-    const bool m = mask == nullptr || mask[m0 + j * ms] != 0;
-    const float d = m ? load<DT>(lp, lp0 + j * lps) - load<DT>(ref, ref0 + j * refs) : 0.0f;
+    bool m = mask == nullptr || mask[m0 + j * ms] != 0;
+    float d = 0.0f;
+    if (m) {
+      const float l = load<DT>(lp, lp0 + j * lps), rf = load<DT>(ref, ref0 + j * refs);
+      m = !nan_pad || (l == l && rf == rf);
+      d = m ? l - rf : 0.0f;
+    }
     const float k = m ? kl_value(d, est) : 0.0f;
     store<DT>(kl, o + j, k);
     store<RT>(rw, o + j, (token ? load<RT>(reward, rw0 + j * rws) : rseq) - c * k);
@@ -369,6 +412,8 @@ inline bool contiguous(const KLRewardArgs& a) {
 template <int32_t DT>
 int run_for_dtype(const KLRewardArgs& a, int threads, bool backward_pass) {
   using namespace cpu_detail;
+  // List inputs and NaN pads exist for the no-autograd forward only (Python never asks for more).
+  if (backward_pass && (a.lp_ptrs || a.ref_ptrs || a.mask_ptrs || a.reward_ptrs || a.mask_nan)) return 3;
   const bool c = contiguous(a);
   auto go = [&](auto rt) {
     constexpr int32_t RT = decltype(rt)::value;

@@ -14,7 +14,7 @@ from .problem import KLRewardOutput, build_problem
 def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None,
               offsets=None, lengths=None, padding_side="left", prompt_lens=None,
               reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False,
-              detach=True, backend="auto") -> KLRewardOutput:
+              detach=True, mask_nan=False, backend="auto") -> KLRewardOutput:
     r"""Assistant-masked, ragged-batch KL estimate and KL-penalized reward, in one call.
 
     Per token ``t`` of sequence ``b``, with ``d = log_probs - ref_log_probs`` (math in float32,
@@ -34,7 +34,8 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
     * padded: ``log_probs [B, T]``; ``lengths [B]`` (optional, else all ``T`` columns are valid)
       with ``padding_side`` ``"left"`` (valid tokens are the last ``lengths[b]``) or ``"right"``;
     * ``torch.nested`` tensors (jagged or strided) ``[B, j]``;
-    * a list of ``B`` 1-D tensors.
+    * a list of ``B`` 1-D tensors (contiguous CPU tensors needing no autograd are read in place
+      by the ``cpu`` backend; otherwise they are concatenated).
 
     Args:
         log_probs: policy log-probs of the sampled tokens (float32, bfloat16, float16; float64
@@ -64,6 +65,8 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         detach: ``True`` (default, as TorchRL) returns tensors without autograd history;
             ``False`` lets gradients flow to ``log_probs`` and ``ref_log_probs``. The reward and
             ``coef`` are data: they never receive gradients.
+        mask_nan: also leave out tokens where either log-prob is NaN (TorchRL's
+            ``KLComputation`` marks alignment pads that way): their ``kl`` is 0. Default ``False``.
         backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides it), ``"torch"``, ``"cpu"``,
             ``"cuda"`` or ``"triton"``. An explicit backend that cannot run raises
             :class:`~kl_kernels.BackendUnavailableError` with every reason.
@@ -102,8 +105,16 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
     problem, layout = build_problem(
         log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
-        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach)
-    impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
+        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach, mask_nan=mask_nan)
+    if problem.layout == "list":
+        # Lists read in place: only the cpu backend takes them; any other choice gets them packed.
+        try:
+            impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
+        except _dispatch.BackendUnavailableError:
+            problem = problem.packed()
+            impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
+    else:
+        impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)
     return layout.restore(raw)

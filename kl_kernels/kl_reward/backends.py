@@ -13,7 +13,8 @@ torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference: alwa
 =========  =========  ========================  ============================================
 
 The fused kernels also need ``log_probs`` and ``ref_log_probs`` in one dtype (mixed pairs go to
-the reference). A compiled backend is available only when its extension loads *and* holds the
+the reference). Only ``cpu`` reads lists of per-sample tensors in place (the ``"list"`` layout;
+other backends get them packed) and ``mask_nan`` outside autograd (folded into the mask otherwise). A compiled backend is available only when its extension loads *and* holds the
 kernel: the Python side looks the kernel up by name, so a build without it is reported as such
 and never used. Asking for an unavailable backend raises
 :class:`~kl_kernels.backends.BackendUnavailableError` with every reason.
@@ -21,6 +22,7 @@ and never used. Asking for an unavailable backend raises
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -105,7 +107,27 @@ def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
     ]
 
 
-REGISTRY: list[Backend] = fused_backends(KERNEL_FORWARD, run_fused, _same_logprob_dtype) + [
+def _cpu_kernel_only(problem) -> list[str]:
+    reasons = _same_logprob_dtype(problem)
+    if problem.mask_nan:
+        reasons.append("mask_nan without autograd is read by the cpu kernel and the torch reference only")
+    return reasons
+
+
+def _kl_reward_fused_backends() -> list[Backend]:
+    """The shared fused rows, plus kl_reward's CPU-only extras: list inputs read in place (the
+    ``"list"`` layout, see problem.py) and ``mask_nan``, which the GPU kernels do not take."""
+    rows = []
+    for b in fused_backends(KERNEL_FORWARD, run_fused, _same_logprob_dtype):
+        if b.name == "cpu":
+            b = dataclasses.replace(b, layouts=BOTH_LAYOUTS | {"list"})
+        else:
+            b = dataclasses.replace(b, requires=_cpu_kernel_only)
+        rows.append(b)
+    return rows
+
+
+REGISTRY: list[Backend] = _kl_reward_fused_backends() + [
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
             kl_reward_reference, notes="vectorized torch reference (float64-capable)"),
 ]

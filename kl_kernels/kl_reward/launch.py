@@ -12,12 +12,12 @@ import math
 
 import torch
 
-from .. import _extensions
+from .. import _extensions, ragged
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ESTIMATOR_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
 PLACEMENT_CODES = {None: 0, "token": 1, "sequence": 2, "last": 3}
-LAYOUT_CODES = {"packed": 0, "padded": 1}
+LAYOUT_CODES = {"packed": 0, "padded": 1, "list": 0}  # list: packed geometry, inputs read in place
 
 
 def clamp_bounds(clamp) -> tuple[float, float]:
@@ -65,8 +65,25 @@ def kernel_module(device: torch.device, op: str = "kl_reward", what: str = "kl_r
     return _extensions.load(name)[0]
 
 
+def _set_input(a, field: str, strides: str, x, layout: int, keep: list) -> None:
+    """Point input ``field`` of ``a`` at ``x``: a tensor (address and element strides) or, for
+    list inputs, a :class:`~kl_kernels.ragged.SequenceList` (one address per sequence in
+    ``<field>_ptrs``, contiguous values: strides (0, 1))."""
+    if isinstance(x, ragged.SequenceList):
+        addresses = x.addresses()
+        keep.append(addresses)
+        setattr(a, f"{field}_ptrs", addresses.data_ptr())
+        setattr(a, f"{strides}_s0", 0)
+        setattr(a, f"{strides}_s1", 1)
+        return
+    setattr(a, field, _ptr(x))
+    s0, s1 = _strides(x, layout)
+    setattr(a, f"{strides}_s0", s0)
+    setattr(a, f"{strides}_s1", s1)
+
+
 def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,
-              coef_scalar, layout, left_pad, placement, estimator, straight_through, clamp):
+              coef_scalar, layout, left_pad, placement, estimator, straight_through, clamp, mask_nan=False):
     """A filled ``KLRewardArgs`` (``clamp``: [in_lo, in_hi, out_lo, out_hi], missing bounds infinite); returns it with the tensors it points into (keep them alive)."""
     a = module.KLRewardArgs()
     a.layout = layout
@@ -81,15 +98,18 @@ def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, promp
             setattr(a, name, _ptr(t))
     a.left_pad = int(left_pad)
     a.dtype = DTYPE_CODES[log_probs.dtype]
-    a.lp, (a.lp_s0, a.lp_s1) = _ptr(log_probs), _strides(log_probs, layout)
-    a.ref, (a.ref_s0, a.ref_s1) = _ptr(ref_log_probs), _strides(ref_log_probs, layout)
+    _set_input(a, "lp", "lp", log_probs, layout, keep)
+    _set_input(a, "ref", "ref", ref_log_probs, layout, keep)
     if mask is not None:
-        a.mask, (a.mask_s0, a.mask_s1) = _ptr(mask), _strides(mask, layout)
+        _set_input(a, "mask", "mask", mask, layout, keep)
+    a.mask_nan = int(mask_nan)
     a.placement = placement
     if reward is not None:
         a.reward_dtype = DTYPE_CODES[reward.dtype]
-        a.reward = _ptr(reward)
-        a.rw_s0, a.rw_s1 = _strides(reward, layout) if placement == 1 else (reward.stride(0), 0)
+        if placement == 1:
+            _set_input(a, "reward", "rw", reward, layout, keep)
+        else:
+            a.reward, a.rw_s0, a.rw_s1 = _ptr(reward), reward.stride(0), 0
     else:
         a.reward_dtype = a.dtype
     a.coef_mode, a.coef_scalar, a.coef = coefficient(coef, coef_scalar, keep)
@@ -126,6 +146,8 @@ def launch_kernel(module, op: str, kind: str, args, device, what: str) -> None:
         raise RuntimeError(f"{what} kernel: unsupported dtype combination")
     if code == 2:
         raise RuntimeError(f"{what} kernel: too many tokens for one launch")
+    if code == 3:
+        raise RuntimeError(f"{what} kernel: list inputs and mask_nan are for the CPU forward only")
     if code >= 1000:
         raise RuntimeError(f"{what} CUDA kernel launch failed: {module.error_string(code - 1000)}")
     if code != 0:
@@ -133,13 +155,14 @@ def launch_kernel(module, op: str, kind: str, args, device, what: str) -> None:
 
 
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
-            left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype):
-    """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count)."""
+            left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan=False):
+    """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count). List inputs
+    (:class:`~kl_kernels.ragged.SequenceList`) and ``mask_nan`` are for the CPU kernel, outside autograd."""
     module = kernel_module(log_probs.device)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=placement,
-                           estimator=estimator, straight_through=straight_through, clamp=clamp)
+                           estimator=estimator, straight_through=straight_through, clamp=clamp, mask_nan=mask_nan)
     shape, dev = log_probs.shape, log_probs.device
     kl = torch.empty(shape, dtype=log_probs.dtype, device=dev)
     reward_out = torch.empty(shape, dtype=reward_dtype, device=dev)

@@ -98,7 +98,11 @@ def run_fused(p: KLRewardProblem, triton: bool = False) -> RawOutputs:
             launch.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
             p.reward_dtype)
     needs_graph = torch.is_grad_enabled() and (p.log_probs.requires_grad or p.ref_log_probs.requires_grad)
-    if needs_graph or torch.compiler.is_compiling():
+    if p.layout == "list" or p.mask_nan:
+        # Only built for eager calls without autograd on the CPU (problem.py): the launcher reads
+        # the per-sequence tensors in place and masks NaN pads itself.
+        kl, reward, ref_out, kl_sum, count = launch.forward(*args, mask_nan=p.mask_nan)
+    elif needs_graph or torch.compiler.is_compiling():
         op = torch.ops.kl_kernels.kl_reward_triton_fwd if triton else torch.ops.kl_kernels.kl_reward_fwd
         kl, reward, ref_out, kl_sum, count = op(*args)
     else:

@@ -6,12 +6,20 @@ optional ``lengths``), with the reward already classified (per-token or per-sequ
 and every tensor on one device. Lists and nested tensors are packed here (zero-copy for jagged
 nested tensors) and :class:`OutputLayout` turns the results back into the caller's layout.
 
+One exception saves the copy: a list of contiguous CPU tensors that needs no autograd becomes
+a ``"list"`` problem, packed geometry (``offsets``) whose per-token inputs are
+:class:`~kl_kernels.ragged.SequenceList` objects that the CPU kernel reads in place. Only the
+``cpu`` backend declares that layout; for any other, :meth:`KLRewardProblem.packed` packs it.
+
 Bad input raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, value or
 device) naming the argument and what was expected. Inputs are never modified.
 """
 
 from __future__ import annotations
 
+import array
+import dataclasses
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -53,7 +61,7 @@ class NativeLayout:
 
     @property
     def batch_size(self) -> int:
-        return self.offsets.shape[0] - 1 if self.layout == "packed" else self.log_probs.shape[0]
+        return self.log_probs.shape[0] if self.layout == "padded" else self.offsets.shape[0] - 1
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +81,9 @@ class KLRewardProblem(NativeLayout):
     (``[B]``, or ``None`` = all ``T`` columns valid) and ``padding_side`` give validity.
     ``reward`` is ``None``, per-token (``placement == "token"``) or ``[B]`` (``"sequence"`` or
     ``"last"``), already in ``reward_dtype``. ``coef`` is a float or a detached 0-d / ``[B]``
-    tensor. ``prompt_lens`` is ``None`` or ``[B]`` int64.
+    tensor. ``prompt_lens`` is ``None`` or ``[B]`` int64. ``layout == "list"``: as packed, with
+    the per-token inputs as :class:`~kl_kernels.ragged.SequenceList` (see the module doc).
+    ``mask_nan``: a token where either log-prob is NaN does not count (TorchRL's alignment pads).
     """
 
     layout: str
@@ -92,6 +102,16 @@ class KLRewardProblem(NativeLayout):
     clamp_input: tuple | None
     clamp_output: tuple | None
     return_ref: bool
+    mask_nan: bool = False
+
+    def packed(self) -> "KLRewardProblem":
+        """This problem in the packed layout (``"list"`` problems are packed; others returned as is)."""
+        if self.layout != "list":
+            return self
+        pack = lambda x: x.pack() if isinstance(x, ragged.SequenceList) else x  # noqa: E731
+        return dataclasses.replace(self, layout="packed", log_probs=pack(self.log_probs),
+                                   ref_log_probs=pack(self.ref_log_probs), mask=pack(self.mask),
+                                   reward=pack(self.reward))
 
     @property
     def math_dtype(self) -> torch.dtype:
@@ -252,11 +272,37 @@ def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32):
     return r.values
 
 
-def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side, second="ref_log_probs"):
+_FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def _in_place_lists(log_probs, ref_log_probs, mask):
+    """(lp, ref, mask, offsets) as :class:`~kl_kernels.ragged.SequenceList` objects when the lists
+    can be read in place (contiguous CPU tensors of the fused dtypes, equal lengths), else ``None``:
+    the packing path then validates and reports, exactly as for any list."""
+    lp = ragged.SequenceList.of(log_probs, _FUSED_DTYPES)
+    ref = ragged.SequenceList.of(ref_log_probs, _FUSED_DTYPES) if lp is not None else None
+    if ref is None or ref.lengths != lp.lengths:
+        return None
+    if mask is not None:
+        mask = ragged.SequenceList.of(mask, {torch.bool})
+        if mask is None or mask.lengths != lp.lengths:
+            return None
+    # (torch.tensor of a 1000-int list costs ~0.3 ms; an array buffer a quarter of that)
+    offsets = torch.frombuffer(array.array("q", [0, *itertools.accumulate(lp.lengths)]), dtype=torch.int64)
+    return lp, ref, mask, offsets
+
+
+def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side, second="ref_log_probs",
+                      in_place=False):
     """Return (kind, lp, ref, mask, offsets, lengths) with lp/ref/mask in a native layout.
 
     ``second`` is the name of the second log-prob argument in error messages (the loss calls it
-    ``old_log_probs``)."""
+    ``old_log_probs``). ``in_place``: lists may stay unpacked (see :func:`_in_place_lists`)."""
+    if in_place and isinstance(log_probs, (list, tuple)) and offsets is None and lengths is None:
+        found = _in_place_lists(log_probs, ref_log_probs, mask)
+        if found is not None:
+            lp, ref, mask, offsets = found
+            return "list", lp, ref, mask, offsets, None
     if isinstance(log_probs, (list, tuple)) or (isinstance(log_probs, torch.Tensor) and log_probs.is_nested):
         kind = "list" if isinstance(log_probs, (list, tuple)) else (
             "nested_jagged" if log_probs.layout == torch.jagged else "nested_strided")
@@ -319,8 +365,12 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
 # --------------------------------------------------------------------------- reward
 
 
-def _classify_reward(reward, kind, tok_shape, batch, placement, offsets):
-    """Return (reward tensor in problem layout, placement, trailing-dim flag)."""
+_REAL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
+
+
+def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None):
+    """Return (reward tensor in problem layout, placement, trailing-dim flag). ``lp``: the
+    normalized log-probs (a list reward stays unpacked next to unpacked log-probs)."""
     per_token_given = isinstance(reward, (list, tuple)) or (isinstance(reward, torch.Tensor) and reward.is_nested)
     if per_token_given:
         if kind not in ("list", "nested_jagged", "nested_strided"):
@@ -330,8 +380,15 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets):
         if ndims not in (set(), {1}, {2}):  # set(): an empty batch
             raise ValueError("a per-token reward must be [L] or [L, 1] per sequence, consistently")
         trailing = ndims == {2}
-        values = _pack_ragged_arg(reward, "reward", offsets, kind)
-        if trailing:
+        values = None
+        if isinstance(lp, ragged.SequenceList) and isinstance(reward, (list, tuple)):
+            values = ragged.SequenceList.of(reward, _REAL_DTYPES, trailing_one=trailing)
+            if values is not None and values.lengths != lp.lengths:
+                values = None
+            # (a SequenceList is read flat: [L, 1] and [L] are the same memory; nothing to squeeze)
+        if values is None:
+            values = _pack_ragged_arg(reward, "reward", offsets, kind)
+        if trailing and not isinstance(values, ragged.SequenceList):
             if values.dim() != 2 or values.shape[1] != 1:
                 raise ValueError(f"a per-token reward must be [L] or [L, 1] per sequence, got a trailing dim of "
                                  f"{list(values.shape[1:])}")
@@ -431,9 +488,18 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
 # --------------------------------------------------------------------------- entry point
 
 
+def _any_requires_grad(tensors) -> bool:
+    try:
+        return any([t.requires_grad for t in tensors])
+    except AttributeError:  # not all tensors: validation reports it
+        return False
+
+
 def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
-                  prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach):
+                  prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach, mask_nan=False):
     """Validate everything and return ``(KLRewardProblem, OutputLayout)``."""
+    if not isinstance(mask_nan, bool):
+        raise TypeError(f"mask_nan must be a bool, got {type(mask_nan).__name__}")
     clamp_input, clamp_output = _check_options(estimator, reward_placement, padding_side, clamp_input,
                                                clamp_output, return_ref, detach)
     if isinstance(log_probs, (list, tuple)) != isinstance(ref_log_probs, (list, tuple)):
@@ -448,9 +514,13 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
         log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu"))
     _same_device(device, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets, lengths=lengths,
                  prompt_lens=prompt_lens, reward=reward, coef=coef)
+    eager = not torch.compiler.is_compiling()
+    in_place = eager and isinstance(log_probs, (list, tuple)) and isinstance(ref_log_probs, (list, tuple)) and (
+        detach or not torch.is_grad_enabled()
+        or not _any_requires_grad(log_probs) and not _any_requires_grad(ref_log_probs))
     kind, lp, ref, mask, offsets, lengths = _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths,
-                                                              padding_side)
-    layout = "padded" if kind == "padded" else "packed"
+                                                              padding_side, in_place=in_place)
+    layout = "list" if isinstance(lp, ragged.SequenceList) else "padded" if kind == "padded" else "packed"
     batch = lp.shape[0] if layout == "padded" else offsets.shape[0] - 1
     width = lp.shape[1] if layout == "padded" else None
     if prompt_lens is not None:
@@ -458,14 +528,26 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
 
     placement, trailing, reward_dtype = None, False, lp.dtype
     if reward is not None:
-        reward, placement, trailing = _classify_reward(reward, kind, lp.shape, batch, reward_placement, offsets)
+        reward, placement, trailing = _classify_reward(reward, kind, lp.shape, batch, reward_placement, offsets, lp)
         reward_dtype = _reward_dtype(reward, lp.dtype)
-        # The reward is data, not a parameter: gradients flow to the log-probs only.
-        reward = reward.detach().to(reward_dtype)
+        if isinstance(reward, ragged.SequenceList):
+            if reward.dtype != reward_dtype:
+                reward = reward.pack().to(reward_dtype)  # the kernel also reads a packed reward
+        else:
+            # The reward is data, not a parameter: gradients flow to the log-probs only.
+            reward = reward.detach().to(reward_dtype)
+
+    if mask_nan:
+        # The fused CPU forward masks NaN pads itself; for autograd, compilation or another device
+        # the NaN test becomes part of the mask here, which every backend reads.
+        graph = torch.is_grad_enabled() and not detach and (lp.requires_grad or ref.requires_grad)
+        if not eager or graph or device.type != "cpu":
+            not_nan = ~(lp.isnan() | ref.isnan())
+            mask, mask_nan = (not_nan if mask is None else mask & not_nan), False
 
     problem = KLRewardProblem(
-        layout=layout, log_probs=lp, ref_log_probs=ref, mask=mask, offsets=offsets if layout == "packed" else None,
+        layout=layout, log_probs=lp, ref_log_probs=ref, mask=mask, offsets=offsets if layout != "padded" else None,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward=reward, placement=placement,
         reward_dtype=reward_dtype, coef=_normalize_coef(coef, batch, device), estimator=estimator,
-        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref)
+        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, mask_nan=mask_nan)
     return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, trailing)
