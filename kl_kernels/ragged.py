@@ -312,9 +312,10 @@ class SequenceList:
         self.shape = torch.Size((sum(lengths),))
 
     @classmethod
-    def of(cls, tensors, dtypes, *, trailing_one: bool = False) -> "SequenceList | None":
+    def of(cls, tensors, dtypes, *, trailing_one: bool = False, lengths: list | None = None) -> "SequenceList | None":
         """``tensors`` (a non-empty list) if they share one dtype among ``dtypes`` and the CPU, and
-        each is contiguous ``[L]`` (``[L, 1]`` with ``trailing_one``); else ``None`` (pack them)."""
+        each is contiguous ``[L]`` (``[L, 1]`` with ``trailing_one``), of the given ``lengths`` if
+        any (another list's); else ``None`` (pack them)."""
         if not isinstance(tensors, (list, tuple)) or not tensors:
             return None
         # One pass of attribute reads per tensor (this runs per sample of every call); anything
@@ -329,10 +330,10 @@ class SequenceList:
         if not (issubclass(kind, torch.Tensor) and dtype in dtypes and is_cpu and contiguous
                 and ndim == (2 if trailing_one else 1)):
             return None
-        lengths = [t.numel() for t in tensors]  # == shape[0]: 1-D, or [L, 1] (checked next)
-        if trailing_one and any([t.shape[1] != 1 for t in tensors]):
+        found = [t.numel() for t in tensors]  # == shape[0]: 1-D, or [L, 1] (checked next)
+        if (trailing_one and any([t.shape[1] != 1 for t in tensors])) or (lengths is not None and found != lengths):
             return None
-        return cls(list(tensors), lengths, dtype, tensors[0].device)
+        return cls(list(tensors), found, dtype, tensors[0].device)
 
     def numel(self) -> int:
         return self.shape[0]

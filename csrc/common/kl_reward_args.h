@@ -58,6 +58,12 @@ struct KLRewardArgs {
   uintptr_t g_lp = 0, g_ref = 0;
 };
 
+// Whether a uses what only the CPU forward implements (list inputs, NaN pads): the CUDA kernels
+// and the CPU backward refuse such arguments (error code 3); Python never passes them there.
+KL_HD bool cpu_forward_only(const KLRewardArgs& a) {
+  return a.lp_ptrs || a.ref_ptrs || a.mask_ptrs || a.reward_ptrs || a.mask_nan;
+}
+
 // The coefficient of sequence b.
 KL_HD float coef_of(const KLRewardArgs& a, int64_t b) {
   if (a.coef_mode == kCoefScalar) return a.coef_scalar;

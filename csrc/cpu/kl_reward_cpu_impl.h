@@ -221,11 +221,16 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
   return Partial{r.seq, sum, count, last};
 }
 
+inline bool has_clamp(const KLRewardArgs& a) {
+  return a.est.in_lo_set || a.est.in_hi_set || a.est.out_lo_set || a.est.out_hi_set;
+}
+
+inline bool has_mask(const KLRewardArgs& a) { return a.mask != 0 || a.mask_ptrs != 0; }
+
 template <int32_t DT, int32_t RT, int32_t EST>
 Partial forward_run_est(const KLRewardArgs& a, const Run& r) {
-  const bool clamp = a.est.in_lo_set || a.est.in_hi_set || a.est.out_lo_set || a.est.out_hi_set;
-  const bool mask = a.mask != 0 || a.mask_ptrs != 0;
-  if (mask)
+  const bool clamp = has_clamp(a);
+  if (has_mask(a))
     return clamp ? forward_run_contiguous<DT, RT, EST, true, true, false>(a, r)
                  : forward_run_contiguous<DT, RT, EST, true, false, false>(a, r);
   return clamp ? forward_run_contiguous<DT, RT, EST, false, true, false>(a, r)
@@ -240,10 +245,9 @@ Partial forward_run_fast(const KLRewardArgs& a, const Run& r) {
   if (a.mask_nan) {
     // NaN pads are TorchRL's KLComputation convention: k1, no clamps. Only that case has a
     // vectorized instantiation (each one costs compile time); the rest takes the generic loop.
-    const bool clamp = a.est.in_lo_set || a.est.in_hi_set || a.est.out_lo_set || a.est.out_hi_set;
-    if (a.est.estimator != kK1 || clamp) return forward_run_strided<DT, RT>(a, r);
-    return a.mask != 0 || a.mask_ptrs != 0 ? forward_run_contiguous<DT, RT, kK1, true, false, true>(a, r)
-                                           : forward_run_contiguous<DT, RT, kK1, false, false, true>(a, r);
+    if (a.est.estimator != kK1 || has_clamp(a)) return forward_run_strided<DT, RT>(a, r);
+    return has_mask(a) ? forward_run_contiguous<DT, RT, kK1, true, false, true>(a, r)
+                       : forward_run_contiguous<DT, RT, kK1, false, false, true>(a, r);
   }
   switch (a.est.estimator) {
     case kK1: return forward_run_est<DT, RT, kK1>(a, r);
@@ -412,8 +416,7 @@ inline bool contiguous(const KLRewardArgs& a) {
 template <int32_t DT>
 int run_for_dtype(const KLRewardArgs& a, int threads, bool backward_pass) {
   using namespace cpu_detail;
-  // List inputs and NaN pads exist for the no-autograd forward only (Python never asks for more).
-  if (backward_pass && (a.lp_ptrs || a.ref_ptrs || a.mask_ptrs || a.reward_ptrs || a.mask_nan)) return 3;
+  if (backward_pass && cpu_forward_only(a)) return 3;  // list inputs, NaN pads: the no-autograd forward only
   const bool c = contiguous(a);
   auto go = [&](auto rt) {
     constexpr int32_t RT = decltype(rt)::value;

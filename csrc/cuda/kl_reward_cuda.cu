@@ -294,7 +294,7 @@ int64_t kl_reward_cuda_workspace_bytes(const KLRewardArgs& a) {
 }
 
 int kl_reward_forward_cuda(const KLRewardArgs& a, uintptr_t workspace, uintptr_t stream) {
-  if (a.lp_ptrs || a.ref_ptrs || a.mask_ptrs || a.reward_ptrs || a.mask_nan) return 3;  // CPU-only features
+  if (cpu_forward_only(a)) return 3;
   // The 2^31 - 1 block limit of grid x: 4.4e12 tokens, beyond any memory; checked anyway.
   if (tiles_of(a) > 0x7fffffff) return 2;
   return with_dtypes(a.dtype, a.reward_dtype, [&](auto dt, auto rt) {
@@ -303,7 +303,7 @@ int kl_reward_forward_cuda(const KLRewardArgs& a, uintptr_t workspace, uintptr_t
 }
 
 int kl_reward_backward_cuda(const KLRewardArgs& a, uintptr_t stream) {
-  if (a.lp_ptrs || a.ref_ptrs || a.mask_ptrs || a.reward_ptrs || a.mask_nan) return 3;  // CPU-only features
+  if (cpu_forward_only(a)) return 3;
   if (tiles_of(a) > 0x7fffffff) return 2;
   return with_dtypes(a.dtype, a.reward_dtype, [&](auto dt, auto rt) {
     return backward_typed<decltype(dt)::value, decltype(rt)::value>(a, reinterpret_cast<cudaStream_t>(stream));

@@ -106,14 +106,13 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
         clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach, mask_nan=mask_nan)
-    if problem.layout == "list":
+    try:
+        impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
+    except _dispatch.BackendUnavailableError:
+        if problem.layout != "list":
+            raise
         # Lists read in place: only the cpu backend takes them; any other choice gets them packed.
-        try:
-            impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
-        except _dispatch.BackendUnavailableError:
-            problem = problem.packed()
-            impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
-    else:
+        problem = problem.packed()
         impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)

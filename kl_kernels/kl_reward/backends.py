@@ -14,9 +14,9 @@ torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference: alwa
 
 The fused kernels also need ``log_probs`` and ``ref_log_probs`` in one dtype (mixed pairs go to
 the reference). Only ``cpu`` reads lists of per-sample tensors in place (the ``"list"`` layout;
-other backends get them packed) and ``mask_nan`` outside autograd (folded into the mask otherwise). A compiled backend is available only when its extension loads *and* holds the
-kernel: the Python side looks the kernel up by name, so a build without it is reported as such
-and never used. Asking for an unavailable backend raises
+other backends get them packed) and ``mask_nan`` outside autograd (folded into the mask otherwise).
+A compiled backend is available only when its extension loads *and* holds the kernel: the Python
+side looks the kernel up by name, so a build without it is reported as such and never used. Asking for an unavailable backend raises
 :class:`~kl_kernels.backends.BackendUnavailableError` with every reason.
 """
 
@@ -107,7 +107,8 @@ def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
     ]
 
 
-def _cpu_kernel_only(problem) -> list[str]:
+def _gpu_kernel_reasons(problem) -> list[str]:
+    """What the cuda and triton kernels decline: mixed log-prob dtypes, and an unfolded mask_nan."""
     reasons = _same_logprob_dtype(problem)
     if problem.mask_nan:
         reasons.append("mask_nan without autograd is read by the cpu kernel and the torch reference only")
@@ -122,7 +123,7 @@ def _kl_reward_fused_backends() -> list[Backend]:
         if b.name == "cpu":
             b = dataclasses.replace(b, layouts=BOTH_LAYOUTS | {"list"})
         else:
-            b = dataclasses.replace(b, requires=_cpu_kernel_only)
+            b = dataclasses.replace(b, requires=_gpu_kernel_reasons)
         rows.append(b)
     return rows
 

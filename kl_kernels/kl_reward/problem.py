@@ -59,6 +59,8 @@ class NativeLayout:
     """Properties of a normalized problem in a native layout (``layout``, ``log_probs`` and, packed,
     ``offsets``), shared by the ops' problem classes."""
 
+    mask_nan = False  # a problem whose op has no NaN-pad option (kl_reward's dataclass overrides it)
+
     @property
     def batch_size(self) -> int:
         return self.log_probs.shape[0] if self.layout == "padded" else self.offsets.shape[0] - 1
@@ -272,7 +274,8 @@ def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32):
     return r.values
 
 
-_FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+_FLOAT_DTYPES = frozenset(LOGPROB_DTYPES)
+_FUSED_DTYPES = _FLOAT_DTYPES - {torch.float64}  # what the fused kernels read
 
 
 def _in_place_lists(log_probs, ref_log_probs, mask):
@@ -280,12 +283,12 @@ def _in_place_lists(log_probs, ref_log_probs, mask):
     can be read in place (contiguous CPU tensors of the fused dtypes, equal lengths), else ``None``:
     the packing path then validates and reports, exactly as for any list."""
     lp = ragged.SequenceList.of(log_probs, _FUSED_DTYPES)
-    ref = ragged.SequenceList.of(ref_log_probs, _FUSED_DTYPES) if lp is not None else None
-    if ref is None or ref.lengths != lp.lengths:
+    ref = ragged.SequenceList.of(ref_log_probs, _FUSED_DTYPES, lengths=lp.lengths) if lp is not None else None
+    if ref is None:
         return None
     if mask is not None:
-        mask = ragged.SequenceList.of(mask, {torch.bool})
-        if mask is None or mask.lengths != lp.lengths:
+        mask = ragged.SequenceList.of(mask, {torch.bool}, lengths=lp.lengths)
+        if mask is None:
             return None
     # (torch.tensor of a 1000-int list costs ~0.3 ms; an array buffer a quarter of that)
     offsets = torch.frombuffer(array.array("q", [0, *itertools.accumulate(lp.lengths)]), dtype=torch.int64)
@@ -365,9 +368,6 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
 # --------------------------------------------------------------------------- reward
 
 
-_REAL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
-
-
 def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None):
     """Return (reward tensor in problem layout, placement, trailing-dim flag). ``lp``: the
     normalized log-probs (a list reward stays unpacked next to unpacked log-probs)."""
@@ -382,9 +382,7 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None
         trailing = ndims == {2}
         values = None
         if isinstance(lp, ragged.SequenceList) and isinstance(reward, (list, tuple)):
-            values = ragged.SequenceList.of(reward, _REAL_DTYPES, trailing_one=trailing)
-            if values is not None and values.lengths != lp.lengths:
-                values = None
+            values = ragged.SequenceList.of(reward, _FLOAT_DTYPES, trailing_one=trailing, lengths=lp.lengths)
             # (a SequenceList is read flat: [L, 1] and [L] are the same memory; nothing to squeeze)
         if values is None:
             values = _pack_ragged_arg(reward, "reward", offsets, kind)

@@ -72,7 +72,7 @@ def _final_mask(p: KLRewardProblem, valid, pos, per_seq):
     if p.prompt_lens is not None:
         outside_prompt = pos >= per_seq(p.prompt_lens)
         m = outside_prompt if m is None else m & outside_prompt
-    if getattr(p, "mask_nan", False):  # NaN log-probs mark alignment pads (TorchRL's KLComputation; kl_reward only)
+    if p.mask_nan:  # NaN log-probs mark alignment pads (TorchRL's KLComputation)
         not_nan = ~(p.log_probs.isnan() | p.ref_log_probs.isnan())
         m = not_nan if m is None else m & not_nan
     if m is None:

@@ -70,25 +70,16 @@ def fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
     the same tensors for ~0.3 us each. ``None`` (use the public API) when anything is unusual."""
     if not plain_samples(td):
         return None
-    path = unravel_key(key)
-    path = (path,) if isinstance(path, str) else path
-    out = []
-    for sub in td.tensordicts:
-        node = sub
-        for name in path:
-            node = node._tensordict.get(name) if isinstance(node, TensorDict) else None
-            if node is None:
-                return None
-        if not isinstance(node, torch.Tensor):  # a sub-TensorDict, a non-tensor: not a leaf
-            return None
-        out.append(node)
-    return out
+    nodes = entries_at([sub._tensordict for sub in td.tensordicts], key)
+    if nodes is None or not all([isinstance(n, torch.Tensor) for n in nodes]):  # a sub-TensorDict: not a leaf
+        return None
+    return nodes
 
 
 def sample_entries(td: TensorDictBase) -> list[dict] | None:
     """The entry dicts of the samples of a lazy stack of plain samples of batch size ``()`` (so a
     result can be set into them directly), or ``None``. One pass over the samples."""
-    if not is_lazy(td) or not td.tensordicts or td.batch_dims != 1 or not plain_samples(td):
+    if not is_lazy(td) or td.batch_dims != 1 or not plain_samples(td):
         return None
     return [sub._tensordict for sub in td.tensordicts]
 
@@ -101,7 +92,7 @@ def entries_at(entries: list[dict], key) -> list | None:
     try:
         nodes = [e[path[0]] for e in entries]
         for name in path[1:]:
-            nodes = [n._tensordict[name] if type(n) is TensorDict else None for n in nodes]
+            nodes = [n._tensordict[name] if isinstance(n, TensorDict) else None for n in nodes]
             if any([n is None for n in nodes]):
                 return None
     except KeyError:
@@ -111,14 +102,16 @@ def entries_at(entries: list[dict], key) -> list | None:
 
 def set_entries(td: LazyStackedTensorDict, entries: list[dict], name: str, tensors: list, td_device) -> None:
     """Set top-level entry ``name`` of each sample (``entries`` from :func:`sample_entries`) to one of
-    ``tensors``, as TensorDict.set does once its checks pass: here they are checked once per call.
-    ``td_device``: ``td.device`` (a lazy stack computes it from every sample: pass it in)."""
-    device = tensors[0].device
-    if td_device is None and not all(sub.device is None or sub.device == device for sub in td.tensordicts):
-        td.set(name, torch.nested.as_nested_tensor(list(tensors), layout=torch.strided))
+    ``tensors``: directly, as TensorDict.set does once its checks pass (~10 us a sample), when the
+    samples' device allows it, checked once per call; else through ``td.set``. ``td_device``:
+    ``td.device`` (a lazy stack computes it from every sample: the caller may have it already)."""
+    if not tensors:
         return
-    if td_device is not None and td_device != device:
-        raise ValueError(f"results on {device} cannot be set into a TensorDict on {td_device}")
+    device = tensors[0].device
+    if (td_device is not None and td_device != device) or (td_device is None and not all(
+            sub.device is None or sub.device == device for sub in td.tensordicts)):
+        _set_split(td, name, tensors)
+        return
     for e, t in zip(entries, tensors):
         e[name] = t
 
@@ -159,13 +152,13 @@ def write(td: TensorDictBase, key, batch: Batch, values: torch.Tensor) -> None:
 def write_samples(td: LazyStackedTensorDict, key, tensors: list) -> None:
     """Store one tensor per sample of the lazy stack ``td`` under ``key``."""
     name = unravel_key(key)
-    device = tensors[0].device if tensors else None
-    if isinstance(name, str) and plain_samples(td) and all(
-            sub.batch_size == () and (sub.device is None or sub.device == device) for sub in td.tensordicts):
-        # Top-level key, plain samples of batch size (): set each sample's entry directly
-        # (what TensorDict.set ends up doing, without ~10 us of checks per sample).
-        for sub, t in zip(td.tensordicts, tensors):
-            sub._tensordict[name] = t
+    entries = sample_entries(td) if isinstance(name, str) else None
+    if entries is not None:
+        set_entries(td, entries, name, tensors, td.device)
         return
+    _set_split(td, key, tensors)
+
+
+def _set_split(td: LazyStackedTensorDict, key, tensors: list) -> None:
     # A strided nested tensor set into a lazy stack is split into its samples, as TorchRL does.
     td.set(key, torch.nested.as_nested_tensor(list(tensors), layout=torch.strided))

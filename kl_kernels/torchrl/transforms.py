@@ -139,7 +139,7 @@ class KLComputation(_trl.KLComputation):
         This path's cost is per-sample Python (~4 us a sample against TorchRL's ~60), so it reads
         and writes the samples' entry dicts directly and leaves the checks to ``kl_reward``."""
         entries = sample_entries(td)
-        if entries is None or not isinstance(self.kl_key, str):
+        if not entries or not isinstance(self.kl_key, str):
             return False
         gen, ref = entries_at(entries, self.gen_log_probs_full_key), entries_at(entries, self.ref_log_probs_full_key)
         reward = entries_at(entries, "reward") if self.add_to_reward else None
@@ -148,7 +148,7 @@ class KLComputation(_trl.KLComputation):
         td_device = td.device
         if td_device is None and gen[0].device.type != "cpu":
             return False  # samples that may sit on different devices: the general path moves them
-        if reward is not None and not all([getattr(r, "dim", int)() == 2 for r in reward]):
+        if reward is not None and not all([isinstance(r, torch.Tensor) and r.dim() == 2 for r in reward]):
             return False  # a reward [L] per sample: TorchRL's shape check belongs to the general path
         try:
             out = kl_reward(gen, ref, reward, coef=self.coeff, mask_nan=True, padding_side=self.padding_side,
