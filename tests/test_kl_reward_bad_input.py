@@ -113,6 +113,10 @@ CATALOGUE = [
     ("reward-list-with-dense", lambda: padded(reward=[torch.zeros(T)] * B), TypeError, r"reward is a list"),
     ("reward-list-lengths", lambda: listed(reward=[torch.zeros(2), torch.zeros(1)]), ValueError,
      r"reward must have the sequence lengths of log_probs"),
+    ("reward-list-not-tensors", lambda: listed(reward=[torch.zeros(2), 1.0]), TypeError,
+     r"reward\[1\] must be a tensor, got float"),
+    ("reward-list-ranks", lambda: listed(reward=[torch.zeros(2, 1), torch.zeros(3)]), ValueError,
+     r"\[L\] or \[L, 1\] per sequence, consistently"),
     ("reward-string", lambda: padded(reward="1.0"), TypeError, r"reward must be None, a tensor"),
     # coef
     ("coef-wrong-shape", lambda: padded(coef=torch.ones(B + 1)), ValueError,

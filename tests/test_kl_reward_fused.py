@@ -297,6 +297,57 @@ def test_lists_are_read_in_place_only_when_the_kernel_can():
     assert _list_problem(with_grad, refs, detach=True).layout == "list"
 
 
+def test_sequence_list_reads_only_what_the_kernel_can():
+    """SequenceList.of (the extension's one pass over a list): the addresses and offsets the
+    kernel reads, and None for every list it could not read in place."""
+    from kl_kernels.ragged import SequenceList
+    floats = {torch.float32, torch.bfloat16}
+    base = torch.arange(40, dtype=torch.float32)
+    parts = [base[0:0], base[3:4], base[5:12], base[20:40]]  # views: lengths 0, 1, 7, 20
+    s = SequenceList.of(parts, floats)
+    assert s.dtype == torch.float32 and s.shape == (28,) and s.numel() == 28 and s.device.type == "cpu"
+    assert s.addresses.tolist() == [t.data_ptr() for t in parts]
+    assert s.offsets.tolist() == [0, 0, 1, 8, 28]
+    assert torch.equal(s.pack(), torch.cat(parts))
+    assert SequenceList.of(tuple(parts), floats) is not None
+    same = [torch.zeros(n) for n in (0, 1, 7, 20)]
+    assert SequenceList.of(same, floats, like=s) is not None
+    assert SequenceList.of(same[::-1], floats, like=s) is None  # other lengths
+    assert SequenceList.of(same[:3], floats, like=s) is None  # another batch size
+    column = [t.unsqueeze(-1) for t in same]  # [L, 1]
+    assert SequenceList.of(column, floats, trailing_one=True, like=s) is not None
+    assert SequenceList.of(column, floats) is None
+    assert SequenceList.of(same, floats, trailing_one=True) is None
+    assert SequenceList.of([torch.zeros(3, 2)], floats, trailing_one=True) is None
+    grad = [torch.zeros(3), torch.zeros(2, requires_grad=True)]
+    assert SequenceList.of(grad, floats) is not None
+    assert SequenceList.of(grad, floats, reject_grad=True) is None
+    assert SequenceList.of(same, floats, reject_grad=True) is not None
+    nested = torch.nested.nested_tensor([torch.zeros(2)], layout=torch.jagged)
+    sparse = torch.zeros(3).to_sparse()
+    for bad in ([], iter(same), [torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16)],
+                [torch.zeros(3, dtype=torch.float64)], [torch.zeros(3, 2)[:, 0]], [torch.tensor(1.0)],
+                [torch.zeros(2, 2)], [torch.nn.Parameter(torch.zeros(3))], [nested], [sparse],
+                [torch.zeros(3, device="meta")], [torch.zeros(3), 1.0], [None]):
+        assert SequenceList.of(bad, floats) is None, bad
+
+
+def test_list_rewards_are_read_in_place_in_either_shape():
+    lps = [torch.rand(n) for n in (4, 0, 9)]
+    refs = [torch.rand(n) for n in (4, 0, 9)]
+    for reward, trailing in (([t.unsqueeze(-1) for t in lps], True), ([t.clone() for t in lps], False)):
+        p = _list_problem(lps, refs, reward=reward)
+        assert p.layout == "list" and type(p.reward).__name__ == "SequenceList"
+        out = kl_reward(lps, refs, reward, coef=0.5, backend="cpu")
+        want = kl_reward(torch.cat(lps), torch.cat(refs), torch.cat([r.reshape(-1) for r in reward]), coef=0.5,
+                         offsets=p.offsets, backend="torch")
+        for b, r in enumerate(out.reward):
+            assert r.shape == reward[b].shape
+        assert torch.equal(torch.cat([r.reshape(-1) for r in out.reward]), want.reward)
+    with pytest.raises(ValueError, match="consistently"):
+        kl_reward(lps, refs, [lps[0].unsqueeze(-1), lps[1], lps[2]], backend="cpu")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("estimator", ["k1", "k3", "k2"])
 @pytest.mark.parametrize("masked", [False, True], ids=["", "mask"])

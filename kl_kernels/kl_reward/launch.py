@@ -70,7 +70,7 @@ def _set_input(a, field: str, strides: str, x, layout: int, keep: list) -> None:
     list inputs, a :class:`~kl_kernels.ragged.SequenceList` (one address per sequence in
     ``<field>_ptrs``, contiguous values: strides (0, 1))."""
     if isinstance(x, ragged.SequenceList):
-        addresses = x.addresses()
+        addresses = x.addresses
         keep.append(addresses)
         setattr(a, f"{field}_ptrs", addresses.data_ptr())
         setattr(a, f"{strides}_s0", 0)

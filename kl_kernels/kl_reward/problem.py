@@ -17,9 +17,7 @@ device) naming the argument and what was expected. Inputs are never modified.
 
 from __future__ import annotations
 
-import array
 import dataclasses
-import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -278,31 +276,33 @@ _FLOAT_DTYPES = frozenset(LOGPROB_DTYPES)
 _FUSED_DTYPES = _FLOAT_DTYPES - {torch.float64}  # what the fused kernels read
 
 
-def _in_place_lists(log_probs, ref_log_probs, mask):
+def _in_place_lists(log_probs, ref_log_probs, mask, grad_ok):
     """(lp, ref, mask, offsets) as :class:`~kl_kernels.ragged.SequenceList` objects when the lists
-    can be read in place (contiguous CPU tensors of the fused dtypes, equal lengths), else ``None``:
-    the packing path then validates and reports, exactly as for any list."""
-    lp = ragged.SequenceList.of(log_probs, _FUSED_DTYPES)
-    ref = ragged.SequenceList.of(ref_log_probs, _FUSED_DTYPES, lengths=lp.lengths) if lp is not None else None
+    can be read in place (contiguous CPU tensors of the fused dtypes, equal lengths, and no
+    gradient needed unless ``grad_ok``), else ``None``: the packing path then validates and
+    reports, exactly as for any list."""
+    lp = ragged.SequenceList.of(log_probs, _FUSED_DTYPES, reject_grad=not grad_ok)
+    if lp is None:
+        return None
+    ref = ragged.SequenceList.of(ref_log_probs, _FUSED_DTYPES, like=lp, reject_grad=not grad_ok)
     if ref is None:
         return None
     if mask is not None:
-        mask = ragged.SequenceList.of(mask, {torch.bool}, lengths=lp.lengths)
+        mask = ragged.SequenceList.of(mask, {torch.bool}, like=lp)
         if mask is None:
             return None
-    # (torch.tensor of a 1000-int list costs ~0.3 ms; an array buffer a quarter of that)
-    offsets = torch.frombuffer(array.array("q", [0, *itertools.accumulate(lp.lengths)]), dtype=torch.int64)
-    return lp, ref, mask, offsets
+    return lp, ref, mask, lp.offsets
 
 
 def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side, second="ref_log_probs",
-                      in_place=False):
+                      in_place=None):
     """Return (kind, lp, ref, mask, offsets, lengths) with lp/ref/mask in a native layout.
 
     ``second`` is the name of the second log-prob argument in error messages (the loss calls it
-    ``old_log_probs``). ``in_place``: lists may stay unpacked (see :func:`_in_place_lists`)."""
-    if in_place and isinstance(log_probs, (list, tuple)) and offsets is None and lengths is None:
-        found = _in_place_lists(log_probs, ref_log_probs, mask)
+    ``old_log_probs``). ``in_place``: ``None``, or lists may stay unpacked, with (``True``) or
+    without (``False``) gradients to them (see :func:`_in_place_lists`)."""
+    if in_place is not None and isinstance(log_probs, (list, tuple)) and offsets is None and lengths is None:
+        found = _in_place_lists(log_probs, ref_log_probs, mask, grad_ok=in_place)
         if found is not None:
             lp, ref, mask, offsets = found
             return "list", lp, ref, mask, offsets, None
@@ -368,6 +368,25 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
 # --------------------------------------------------------------------------- reward
 
 
+def _pack_token_reward(reward, offsets, kind) -> tuple[torch.Tensor, bool]:
+    """A per-token reward (list or nested, [L] or [L, 1] per sequence) -> (packed [N], trailing-dim flag)."""
+    if isinstance(reward, (list, tuple)):
+        for i, t in enumerate(reward):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"reward[{i}] must be a tensor, got {type(t).__name__}")
+    ndims = {t.dim() for t in reward} if isinstance(reward, (list, tuple)) else {reward.dim() - 1}
+    if ndims not in (set(), {1}, {2}):  # set(): an empty batch
+        raise ValueError("a per-token reward must be [L] or [L, 1] per sequence, consistently")
+    trailing = ndims == {2}
+    values = _pack_ragged_arg(reward, "reward", offsets, kind)
+    if trailing:
+        if values.dim() != 2 or values.shape[1] != 1:
+            raise ValueError(f"a per-token reward must be [L] or [L, 1] per sequence, got a trailing dim of "
+                             f"{list(values.shape[1:])}")
+        values = values.squeeze(-1)
+    return values, trailing
+
+
 def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None):
     """Return (reward tensor in problem layout, placement, trailing-dim flag). ``lp``: the
     normalized log-probs (a list reward stays unpacked next to unpacked log-probs)."""
@@ -376,21 +395,17 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None
         if kind not in ("list", "nested_jagged", "nested_strided"):
             raise TypeError(f"reward is a {'list' if isinstance(reward, (list, tuple)) else 'nested tensor'} "
                             "but log_probs is a dense tensor: give the reward as a tensor")
-        ndims = {t.dim() for t in reward} if isinstance(reward, (list, tuple)) else {reward.dim() - 1}
-        if ndims not in (set(), {1}, {2}):  # set(): an empty batch
-            raise ValueError("a per-token reward must be [L] or [L, 1] per sequence, consistently")
-        trailing = ndims == {2}
-        values = None
+        values = trailing = None
         if isinstance(lp, ragged.SequenceList) and isinstance(reward, (list, tuple)):
-            values = ragged.SequenceList.of(reward, _FLOAT_DTYPES, trailing_one=trailing, lengths=lp.lengths)
-            # (a SequenceList is read flat: [L, 1] and [L] are the same memory; nothing to squeeze)
+            # Next to log-probs read in place, a reward of [L, 1] (or [L]) per sequence is too, its
+            # shape checked by the same pass; anything else gets the checks below.
+            # (A SequenceList is read flat: [L, 1] and [L] are the same memory; nothing to squeeze.)
+            for trailing in (True, False):
+                values = ragged.SequenceList.of(reward, _FLOAT_DTYPES, trailing_one=trailing, like=lp)
+                if values is not None:
+                    break
         if values is None:
-            values = _pack_ragged_arg(reward, "reward", offsets, kind)
-        if trailing and not isinstance(values, ragged.SequenceList):
-            if values.dim() != 2 or values.shape[1] != 1:
-                raise ValueError(f"a per-token reward must be [L] or [L, 1] per sequence, got a trailing dim of "
-                                 f"{list(values.shape[1:])}")
-            values = values.squeeze(-1)
+            values, trailing = _pack_token_reward(reward, offsets, kind)
         if placement not in ("auto", "token"):
             raise ValueError(f"reward_placement={placement!r} needs a per-sequence reward [B], [B, 1] or [B, 1, 1]; "
                              "a per-token reward (list or nested) takes 'token' or 'auto'")
@@ -486,13 +501,6 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
 # --------------------------------------------------------------------------- entry point
 
 
-def _any_requires_grad(tensors) -> bool:
-    try:
-        return any([t.requires_grad for t in tensors])
-    except AttributeError:  # not all tensors: validation reports it
-        return False
-
-
 def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
                   prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach, mask_nan=False):
     """Validate everything and return ``(KLRewardProblem, OutputLayout)``."""
@@ -513,9 +521,10 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
     _same_device(device, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets, lengths=lengths,
                  prompt_lens=prompt_lens, reward=reward, coef=coef)
     eager = not torch.compiler.is_compiling()
-    in_place = eager and isinstance(log_probs, (list, tuple)) and isinstance(ref_log_probs, (list, tuple)) and (
-        detach or not torch.is_grad_enabled()
-        or not _any_requires_grad(log_probs) and not _any_requires_grad(ref_log_probs))
+    # Lists may be read in place by an eager call that needs no gradient of them (checked with the
+    # other per-sequence facts: ``in_place`` says whether gradients would be fine anyway).
+    in_place = (detach or not torch.is_grad_enabled()) if eager and isinstance(log_probs, (list, tuple)) and \
+        isinstance(ref_log_probs, (list, tuple)) else None
     kind, lp, ref, mask, offsets, lengths = _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths,
                                                               padding_side, in_place=in_place)
     layout = "list" if isinstance(lp, ragged.SequenceList) else "padded" if kind == "padded" else "packed"

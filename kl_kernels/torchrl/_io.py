@@ -112,6 +112,12 @@ def set_entries(td: LazyStackedTensorDict, entries: list[dict], name: str, tenso
             sub.device is None or sub.device == device for sub in td.tensordicts)):
         _set_split(td, name, tensors)
         return
+    put_entries(entries, name, tensors)
+
+
+def put_entries(entries: list[dict], name: str, tensors: list) -> None:
+    """Set top-level entry ``name`` of each sample (``entries`` from :func:`sample_entries`) to one
+    of ``tensors``, with no check: the caller knows each tensor is on its sample's device."""
     for e, t in zip(entries, tensors):
         e[name] = t
 

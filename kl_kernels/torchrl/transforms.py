@@ -16,7 +16,7 @@ from torchrl.envs.llm.transforms import kl as _trl
 
 from .. import ragged
 from ..kl_reward import kl_reward
-from ._io import Batch, entries_at, has, read, sample_entries, set_entries, write
+from ._io import Batch, entries_at, has, put_entries, read, sample_entries, write
 
 _ASSISTANT_MASK = ("masks", "all_assistant_mask")
 _ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -145,19 +145,18 @@ class KLComputation(_trl.KLComputation):
         reward = entries_at(entries, "reward") if self.add_to_reward else None
         if gen is None or ref is None or (self.add_to_reward and reward is None):
             return False
-        td_device = td.device
-        if td_device is None and gen[0].device.type != "cpu":
-            return False  # samples that may sit on different devices: the general path moves them
-        if reward is not None and not all([isinstance(r, torch.Tensor) and r.dim() == 2 for r in reward]):
-            return False  # a reward [L] per sample: TorchRL's shape check belongs to the general path
         try:
             out = kl_reward(gen, ref, reward, coef=self.coeff, mask_nan=True, padding_side=self.padding_side,
                             reward_placement="token", detach=False, backend=self.backend)
         except (TypeError, ValueError):
-            return False  # per-sequence or mixed rewards, mismatched shapes: the general path (TorchRL's errors)
-        set_entries(td, entries, self.kl_key, out.kl, td_device)
+            return False  # per-sequence or mixed rewards, mismatched shapes or devices: the general path
+        if reward is not None and out.reward[0].dim() != 2:
+            return False  # a reward [L] per sample: TorchRL's shape check belongs to the general path
+        # kl_reward took every input from one device and gave its results there: each sample,
+        # holding inputs on that device, has no other device, so the results go in directly.
+        put_entries(entries, self.kl_key, out.kl)
         if reward is not None:
-            set_entries(td, entries, "reward", out.reward, td_device)
+            put_entries(entries, "reward", out.reward)
         return True
 
 
