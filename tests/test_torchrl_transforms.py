@@ -222,6 +222,42 @@ def test_klrewardtransform_ragged_lazy_stack_where_torchrl_fails(per_token):
     _check_lazy(out, _lazy_expected(data, nxt, ref_model, 0.2, lambda b: masks[b]))
 
 
+def test_klrewardtransform_leaves_the_callers_lazy_stack_alone():
+    """The reference model writes its log-probs into a shallow copy of the data, never into it."""
+    policy, ref_model = TinyLM(seed=1, pad_output=False), TinyLM(seed=2, pad_output=False)
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=policy, padded=False, per_token_reward=True)
+    before = [t.clone() for t in as_list(data, ("log_probs", "full"))]
+    ids = [id(sub["log_probs"]) for sub in data.tensordicts]
+    fixed(ours.KLRewardTransform)(ref_model, coef=0.2)._step(data, nxt.clone())
+    assert [id(sub["log_probs"]) for sub in data.tensordicts] == ids
+    for a, b in zip(as_list(data, ("log_probs", "full")), before):
+        assert torch.equal(a, b)
+
+
+def test_shallow_copy_of_a_lazy_stack_is_tensordict_copy():
+    from tensordict import NonTensorData
+
+    from kl_kernels.torchrl import _io
+    samples = [TensorDict({("log_probs", "full"): torch.randn(n), "reward": torch.randn(n, 1),
+                           ("a", "b", "c"): torch.zeros(n)}, device="cpu") for n in (3, 0, 5)]
+    td = lazy_stack(samples)
+    got, want = _io.shallow_copy(td), td.copy()
+    assert type(got) is type(want) and got.batch_size == want.batch_size and got.device == want.device
+    assert got.stack_dim == want.stack_dim
+    for new, old in zip(got.tensordicts, td.tensordicts):
+        assert type(new) is TensorDict and new is not old and new["a"] is not old["a"]
+        assert new["a", "b"] is not old["a", "b"] and not new.is_locked
+        assert set(new.keys(True, True)) == set(old.keys(True, True))
+        for key in old.keys(True, True):
+            assert new.get(key) is old.get(key)  # the same tensors
+    got.tensordicts[0]["log_probs", "full"] = torch.ones(3)  # a model writing its output
+    got.tensordicts[1]["x"] = torch.ones(0)
+    assert not torch.equal(td.tensordicts[0]["log_probs", "full"], torch.ones(3)) and "x" not in td.tensordicts[1]
+    odd = lazy_stack([TensorDict({"t": torch.zeros(2), "text": NonTensorData("hi")}) for _ in range(2)])
+    copied = _io.shallow_copy(odd)  # not only tensors and TensorDicts: TensorDict's own copy
+    assert copied.tensordicts[0] is not odd.tensordicts[0] and copied.tensordicts[0]["t"] is odd.tensordicts[0]["t"]
+
+
 def test_klrewardtransform_assistant_only_false_and_missing_reward():
     """TorchRL: UnboundLocalError (assistant_only=False) and AttributeError (no reward)."""
     policy, ref_model = TinyLM(seed=1), TinyLM(seed=2)

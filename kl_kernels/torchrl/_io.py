@@ -62,6 +62,34 @@ def plain_samples(td: LazyStackedTensorDict) -> bool:
     return not td.is_locked and all(type(sub) is TensorDict and not sub.is_locked for sub in td.tensordicts)
 
 
+def shallow_copy(td: TensorDictBase) -> TensorDictBase:
+    """``td.copy()``: new containers holding the same tensors, which a model may write into without
+    touching ``td``. For a lazy stack of plain samples the containers are rebuilt directly, a few
+    us a sample instead of TensorDict's ~40 (B = 1024: more than the rest of a transform call);
+    anything else (non-tensor data, tensorclasses, other TensorDict types) gets ``td.copy()``."""
+    if is_lazy(td) and plain_samples(td):
+        copies = [_copy_plain(sub) for sub in td.tensordicts]
+        if None not in copies:
+            return type(td)(*copies, stack_dim=td.stack_dim, stack_dim_name=td._td_dim_name)
+    return td.copy()
+
+
+def _copy_plain(td: TensorDict) -> TensorDict | None:
+    """What ``TensorDict._clone(recurse=False)`` makes of a TensorDict of tensors and plain
+    TensorDicts (new containers at every level, same leaves, unlocked), or ``None`` for anything else."""
+    source = {}
+    for name, value in td._tensordict.items():
+        if type(value) is TensorDict:
+            value = _copy_plain(value)
+            if value is None:
+                return None
+        elif not isinstance(value, torch.Tensor):
+            return None
+        source[name] = value
+    return TensorDict._new_unsafe(source=source, batch_size=td.batch_size, device=td.device,
+                                  names=td._maybe_names(), nested=False)
+
+
 def fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
     """The per-sample tensors under ``key``, read straight from the samples' storage.
 

@@ -16,7 +16,7 @@ from torchrl.envs.llm.transforms import kl as _trl
 
 from .. import ragged
 from ..kl_reward import kl_reward
-from ._io import Batch, entries_at, has, put_entries, read, sample_entries, write
+from ._io import Batch, entries_at, has, put_entries, read, sample_entries, shallow_copy, write
 
 _ASSISTANT_MASK = ("masks", "all_assistant_mask")
 _ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -227,7 +227,7 @@ class KLRewardTransform(_trl.KLRewardTransform):
                 next_tensordict.set(self.out_keys[0], self.parent.reward_spec.zero())
             return next_tensordict
         with torch.device(io_device) if io_device is not None else nullcontext():
-            ref_td = self.ref_model(tensordict.copy())
+            ref_td = self.ref_model(shallow_copy(tensordict))
         ref = read(ref_td, self.log_prob_full_key)
         cur = read(tensordict, self.log_prob_full_key)
         if ref is None or cur is None:
