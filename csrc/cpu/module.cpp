@@ -95,7 +95,10 @@ py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trail
   int64_t* off = reinterpret_cast<int64_t*>(PyByteArray_AS_STRING(offsets.ptr()));
   off[0] = 0;
 
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  // A snapshot: the attribute reads may run Python code (a TorchFunctionMode), which could resize a list.
+  const py::tuple snapshot = py::reinterpret_steal<py::tuple>(PySequence_Tuple(seq));
+  if (!snapshot) throw py::error_already_set();
+  PyObject** items = &PyTuple_GET_ITEM(snapshot.ptr(), 0);
   PyObject* dtype = nullptr;  // borrowed: torch dtypes are immortal singletons
   const Py_ssize_t rank = trailing_one ? 2 : 1;
   for (Py_ssize_t i = 0; i < n; ++i) {
