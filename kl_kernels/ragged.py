@@ -310,7 +310,9 @@ class SequenceList:
     requires_grad = False
     is_nested = False
 
-    def __init__(self, tensors, dtype, num_tokens, addresses: bytearray, offsets: bytearray):
+    def __init__(self, dtype, num_tokens, addresses: bytearray, offsets: bytearray, tensors: tuple):
+        # ``tensors``: a snapshot that keeps the addresses valid even if the caller's list changes
+        # while the kernel runs (without the GIL).
         self.tensors, self.dtype, self.shape = tensors, dtype, torch.Size((num_tokens,))
         self.addresses = torch.frombuffer(addresses, dtype=torch.int64)  # (keeps the buffer alive)
         self.offsets = torch.frombuffer(offsets, dtype=torch.int64)
@@ -332,7 +334,7 @@ class SequenceList:
         found = facts(tensors, torch.Tensor, trailing_one, None if like is None else like._offsets_buffer, reject_grad)
         if found is None or found[0] not in dtypes:
             return None
-        return cls(tensors, *found)
+        return cls(*found)
 
     def numel(self) -> int:
         return self.shape[0]

@@ -309,6 +309,10 @@ def test_sequence_list_reads_only_what_the_kernel_can():
     assert s.addresses.tolist() == [t.data_ptr() for t in parts]
     assert s.offsets.tolist() == [0, 0, 1, 8, 28]
     assert torch.equal(s.pack(), torch.cat(parts))
+    changing = list(parts)
+    kept = SequenceList.of(changing, floats)
+    changing.clear()  # the caller's list may change (the kernel runs without the GIL): the snapshot holds
+    assert len(kept.tensors) == 4 and torch.equal(kept.pack(), torch.cat(parts))
     assert SequenceList.of(tuple(parts), floats) is not None
     same = [torch.zeros(n) for n in (0, 1, 7, 20)]
     assert SequenceList.of(same, floats, like=s) is not None

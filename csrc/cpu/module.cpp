@@ -67,8 +67,9 @@ PyObject* interned(const char* name) {
 // (subclasses may override attribute access), all of one dtype, on the CPU, contiguous, of shape
 // [L] or, with trailing_one, [L, 1], (when `like` is an offsets buffer from an earlier call) of
 // the same lengths, and (with reject_grad) none requiring grad. Otherwise returns (dtype, number
-// of tokens, addresses: bytearray of B int64, offsets: bytearray of B + 1 int64). A Python error
-// raised by an attribute read also gives None: the caller's general path validates and reports.
+// of tokens, addresses: bytearray of B int64, offsets: bytearray of B + 1 int64, the tensors as a
+// tuple: what keeps the addresses valid, whatever happens to the list). A Python error raised by
+// an attribute read also gives None: the caller's general path validates and reports.
 py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trailing_one, py::handle like,
                           bool reject_grad) {
   static PyObject* const s_dtype = interned("dtype");
@@ -135,7 +136,7 @@ py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trail
       if (grad.ptr() != Py_False) return py::none();
     }
   }
-  return py::make_tuple(py::reinterpret_borrow<py::object>(dtype), off[n], addresses, offsets);
+  return py::make_tuple(py::reinterpret_borrow<py::object>(dtype), off[n], addresses, offsets, snapshot);
 }
 
 }  // namespace
@@ -148,8 +149,8 @@ PYBIND11_MODULE(_C, m) {
         "(v[0], v[-1], min, max, non-decreasing) of a contiguous int64 CPU vector of n >= 1 entries.");
   m.def("sequence_facts", &sequence_facts, py::arg("tensors"), py::arg("tensor_type"), py::arg("trailing_one"),
         py::arg("like"), py::arg("reject_grad"),
-        "(dtype, tokens, addresses, offsets) of a list of contiguous CPU [L] (or [L, 1]) tensors of one\n"
-        "dtype read in place by the CPU kernel, or None when the list is not such.");
+        "(dtype, tokens, addresses, offsets, tensors as a tuple) of a list of contiguous CPU [L] (or [L, 1])\n"
+        "tensors of one dtype read in place by the CPU kernel, or None when the list is not such.");
   m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward forward on the CPU; returns 0 or an error code (1: unsupported dtypes).");
