@@ -55,3 +55,26 @@ def test_bench_tiny_writes_results(tmp_path):
 def test_bench_rejects_unknown_size(tmp_path):
     res = _cli("bench", "--sizes", "huge", "--out", str(tmp_path))
     assert res.returncode == 2 and "unknown size" in res.stderr
+
+
+def test_interleaved_timing_attributes_each_time_to_its_function():
+    """The rounds run in a shuffled order: every function is still called once per round and its
+    timing reported at its own index (a slow function must not lend its time to another)."""
+    import time
+
+    import torch
+
+    from kl_kernels.bench.timing import measure_interleaved
+    calls = [0, 0, 0]
+
+    def make(i, seconds):
+        def fn():
+            calls[i] += 1
+            time.sleep(seconds)
+        return fn
+    found = measure_interleaved([make(0, 0.0), make(1, 0.004), make(2, 0.0)], torch.device("cpu"), warmup=1,
+                                repeats=5, budget_s=60.0)
+    assert calls == [6, 6, 6]  # one warm-up and five rounds each
+    (fast0, _), (slow, _), (fast2, _) = found
+    assert slow.repeats == fast0.repeats == fast2.repeats == 5
+    assert slow.min_ms >= 4.0 and fast0.median_ms < 2.0 and fast2.median_ms < 2.0

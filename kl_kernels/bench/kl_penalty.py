@@ -134,7 +134,7 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
             raise AssertionError(f"{c.name} ({c.layout}): loss or gradient differs from the eager autograd result")
         checks.append("ok")
     if progress:
-        progress(f"kl_penalty: timing {len(found)} contenders round-robin")
+        progress(f"kl_penalty: timing {len(found)} contenders in shuffled rounds")
     timings = measure_interleaved([c.fn for c in found], batch.lp.device, repeats=repeats, budget_s=budget_s)
     s = batch.lp.element_size()
     rows = []

@@ -134,7 +134,7 @@ TASK_KLCOMPUTATION = "TorchRL KLComputation task"
 
 
 def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budget_s, progress):
-    """Check every contender against the reference, then time them side by side (round-robin)."""
+    """Check every contender against the reference, then time them side by side (interleaved rounds)."""
     checks = []
     for c in candidates:
         if progress:
@@ -142,7 +142,7 @@ def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budg
         out = c.fn()
         checks.append(_check(refs[c.layout], c.extract(out) if c.extract else out, c.name))
     if progress:
-        progress(f"{task}: timing {len(candidates)} contenders round-robin")
+        progress(f"{task}: timing {len(candidates)} contenders in shuffled rounds")
     timings = measure_interleaved([c.fn for c in candidates], batch.lp.device, repeats=repeats, budget_s=budget_s)
     rows = []
     for c, check, (t, faults) in zip(candidates, checks, timings):
