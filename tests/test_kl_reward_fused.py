@@ -386,6 +386,28 @@ def test_lists_read_in_place_match_the_oracle(dtype, estimator, masked):
             assert_close_to_oracle(out.kl_sum[b:b + 1], [want.kl_sum], f"kl_sum[{b}]", scale=[sum(map(abs, want.kl))])
 
 
+@pytest.mark.parametrize("placement", ["sequence", "last"])
+def test_lists_read_in_place_with_a_per_sequence_reward(placement):
+    """A [B] reward next to lists read in place: broadcast, or on the last counted token (which the
+    kernel reads back from each sequence's own buffer), against the float64 oracle."""
+    from oracle import oracle_sequence
+    from tolerances import assert_close_to_oracle
+    g = torch.Generator().manual_seed(5)
+    lengths = [3, 0, 1, 8]
+    lps = [-torch.rand(n, generator=g) * 3 for n in lengths]
+    refs = [t + torch.randn(n, generator=g) * 0.2 for t, n in zip(lps, lengths)]
+    masks = [torch.rand(n, generator=g) < 0.6 for n in lengths]
+    masks[3][-1] = False  # the last counted token is not the last token
+    score = torch.randn(len(lengths), generator=g)
+    assert _list_problem(lps, refs, score, mask=masks, reward_placement=placement).layout == "list"
+    out = kl_reward(lps, refs, score, coef=0.3, mask=masks, reward_placement=placement, backend="cpu")
+    for b in range(len(lengths)):
+        want = oracle_sequence(lps[b].tolist(), refs[b].tolist(), mask=[bool(m) for m in masks[b]], coef=0.3,
+                               placement=placement, reward=float(score[b]))
+        assert_close_to_oracle(out.kl[b], want.kl, f"kl[{b}]")
+        assert_close_to_oracle(out.reward[b], want.reward, f"reward[{b}]")
+
+
 @pytest.mark.parametrize("layout", ["packed", "padded", "list"])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("grad", [False, True], ids=["", "grad"])

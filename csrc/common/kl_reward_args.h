@@ -64,6 +64,19 @@ KL_HD bool cpu_forward_only(const KLRewardArgs& a) {
   return a.lp_ptrs || a.ref_ptrs || a.mask_ptrs || a.reward_ptrs || a.mask_nan;
 }
 
+// Where input X of sequence b is read at position pos, which is (row, col) in a shared buffer, as
+// (buffer, element offset): a list input (X_ptrs set) is read in the sequence's own buffer.
+struct InputAt {
+  const void* base;
+  int64_t offset;
+};
+
+KL_HD InputAt input_at(uintptr_t x, uintptr_t ptrs, int64_t s0, int64_t s1, int64_t b, int64_t pos, int64_t row,
+                       int64_t col) {
+  if (ptrs) return {reinterpret_cast<const void*>(reinterpret_cast<const int64_t*>(ptrs)[b]), pos * s1};
+  return {reinterpret_cast<const void*>(x), row * s0 + col * s1};
+}
+
 // The coefficient of sequence b.
 KL_HD float coef_of(const KLRewardArgs& a, int64_t b) {
   if (a.coef_mode == kCoefScalar) return a.coef_scalar;
@@ -129,13 +142,9 @@ KL_HD void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
   const int64_t out = a.layout == kPacked ? col : b * a.width + col;
   float k = 0.0f;
   if (last_counted >= 0) {
-    const int64_t* lpp = reinterpret_cast<const int64_t*>(a.lp_ptrs);
-    const int64_t* refp = reinterpret_cast<const int64_t*>(a.ref_ptrs);
-    const float d = (lpp ? load<DT>(reinterpret_cast<const void*>(lpp[b]), pos * a.lp_s1)
-                         : load<DT>(reinterpret_cast<const void*>(a.lp), row * a.lp_s0 + col * a.lp_s1)) -
-                    (refp ? load<DT>(reinterpret_cast<const void*>(refp[b]), pos * a.ref_s1)
-                          : load<DT>(reinterpret_cast<const void*>(a.ref), row * a.ref_s0 + col * a.ref_s1));
-    k = kl_value(d, a.est);
+    const InputAt lp = input_at(a.lp, a.lp_ptrs, a.lp_s0, a.lp_s1, b, pos, row, col);
+    const InputAt ref = input_at(a.ref, a.ref_ptrs, a.ref_s0, a.ref_s1, b, pos, row, col);
+    k = kl_value(load<DT>(lp.base, lp.offset) - load<DT>(ref.base, ref.offset), a.est);
   }
   const float rb = load<RT>(reinterpret_cast<const void*>(a.reward), b * a.rw_s0);
   store<RT>(reinterpret_cast<void*>(a.reward_out), out, rb - coef_of(a, b) * k);

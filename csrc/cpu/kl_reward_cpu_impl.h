@@ -70,16 +70,9 @@ inline void counted_range(const Run& r, int64_t* jlo, int64_t* jhi) {
   *jhi = std::max(*jlo, std::clamp<int64_t>(r.geom.length - r.pos0, 0, r.n));
 }
 
-// Where input X of run r starts, as (buffer, element offset): for list inputs (X_ptrs set) the
-// sequence's own buffer at position pos0, else the shared buffer at (row, col0).
-struct InputAt {
-  const void* base;
-  int64_t offset;
-};
-
+// Where input X of run r starts (kl_reward_args.h's input_at at the run's first token).
 inline InputAt input_at(uintptr_t x, uintptr_t ptrs, int64_t s0, int64_t s1, const Run& r) {
-  if (ptrs) return {reinterpret_cast<const void*>(reinterpret_cast<const int64_t*>(ptrs)[r.seq]), r.pos0 * s1};
-  return {reinterpret_cast<const void*>(x), r.row * s0 + r.col0 * s1};
+  return kl::input_at(x, ptrs, s0, s1, r.seq, r.pos0, r.row, r.col0);
 }
 
 // The same for a contiguous input (X_s1 == 1), as a typed pointer to the run's first element.
