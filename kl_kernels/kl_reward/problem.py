@@ -498,6 +498,12 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
     return prompt_lens
 
 
+def and_not_nan(mask, lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``mask`` (``None``: every token) and "neither log-prob is NaN": ``mask_nan`` as a mask."""
+    not_nan = ~(lp.isnan() | ref.isnan())
+    return not_nan if mask is None else mask & not_nan
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -549,8 +555,7 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
         # the NaN test becomes part of the mask here, which every backend reads.
         graph = torch.is_grad_enabled() and not detach and (lp.requires_grad or ref.requires_grad)
         if not eager or graph or device.type != "cpu":
-            not_nan = ~(lp.isnan() | ref.isnan())
-            mask, mask_nan = (not_nan if mask is None else mask & not_nan), False
+            mask, mask_nan = and_not_nan(mask, lp, ref), False
 
     problem = KLRewardProblem(
         layout=layout, log_probs=lp, ref_log_probs=ref, mask=mask, offsets=offsets if layout != "padded" else None,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .. import ragged
-from .problem import STRAIGHT_THROUGH, KLRewardProblem, RawOutputs
+from .problem import STRAIGHT_THROUGH, KLRewardProblem, RawOutputs, and_not_nan
 
 
 def estimate(x: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -73,8 +73,7 @@ def _final_mask(p: KLRewardProblem, valid, pos, per_seq):
         outside_prompt = pos >= per_seq(p.prompt_lens)
         m = outside_prompt if m is None else m & outside_prompt
     if p.mask_nan:  # NaN log-probs mark alignment pads (TorchRL's KLComputation)
-        not_nan = ~(p.log_probs.isnan() | p.ref_log_probs.isnan())
-        m = not_nan if m is None else m & not_nan
+        m = and_not_nan(m, p.log_probs, p.ref_log_probs)
     if m is None:
         m = torch.ones(p.log_probs.shape, dtype=torch.bool, device=p.device)
     return m
