@@ -159,6 +159,69 @@ def test_inputs_never_modified(backend):
     check_inputs_never_modified(backend)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "token-mean-n", "seq-mean-token-sum", "sum"])
+def test_folded_aggregation_matches_the_tensor_path(aggregation, layout, dtype, monkeypatch):
+    """Eager CPU calls with a one-weight aggregation fold it into the kernel (the batch totals, and a
+    backward that scales the gradient buffer by ``g_loss * w``). Against the tensor path of the same
+    kernel (forced): equal values and parts, and equal gradients of log_probs and entropy under a
+    non-unit upstream gradient (the folded backward reads it as a float)."""
+    from kl_kernels.kl_penalty import aggregate as agg
+    from kl_kernels.kl_penalty import api
+
+    b = _padded_batch(dtype=dtype)
+    if layout == "packed":
+        lengths = b.pop("lengths")
+        keep = torch.arange(b["mask"].shape[1]) >= b["mask"].shape[1] - lengths[:, None]  # left padding
+        b = {k: v[keep] for k, v in b.items()}
+        b["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    extra = dict(aggregation="token-mean", num_global_tokens=500) if aggregation == "token-mean-n" else dict(
+        aggregation=aggregation)
+    kw = dict(beta=torch.tensor(0.3), clip_epsilon=(0.2, 0.28), entropy_coef=0.05, estimator="k3", backend="cpu",
+              **extra)
+    calls, folded_run = [], api.run_fused_aggregated
+    monkeypatch.setattr(api, "run_fused_aggregated", lambda *a: calls.append(1) or folded_run(*a))
+
+    def run():
+        lp = b["log_probs"].clone().requires_grad_()
+        ent = b["entropy"].clone().requires_grad_()
+        rest = {k: v for k, v in b.items() if k not in ("log_probs", "entropy")}
+        out = kl_penalty_loss(lp, **rest, entropy=ent, **kw)
+        (-2.5 * out.loss).backward()
+        return out, lp.grad, ent.grad
+
+    folded = run()
+    assert calls, "an eager CPU call with a one-weight aggregation takes the folded path"
+    with monkeypatch.context() as m:
+        m.setattr(agg, "_ON_HOST", ())
+        tensor_path = run()
+    assert len(calls) == 1
+    got, want = folded[0], tensor_path[0]
+    assert got.loss.requires_grad and not any(t.requires_grad for t in got[1:])
+    for name in got._fields:
+        x, y = getattr(got, name), getattr(want, name)
+        assert x.dtype == y.dtype and x.shape == y.shape == (), name
+        # per-sequence sums in float64 (folded) vs rounded to float32 first (tensor path)
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    for x, y in zip(folded[1:], tensor_path[1:]):
+        assert x.dtype == dtype
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_folded_aggregation_without_grad_and_loss_unused():
+    """The folded path under no_grad, and a loss that gets no gradient (only a part is used)."""
+    b = _padded_batch()
+    lp = b.pop("log_probs").requires_grad_()
+    with torch.no_grad():
+        a = kl_penalty_loss(lp, **b, beta=0.1, backend="cpu")
+    assert not a.loss.requires_grad
+    c = kl_penalty_loss(lp, **b, beta=0.1, backend="cpu")
+    torch.testing.assert_close(a.loss, c.loss.detach(), rtol=0, atol=0)
+    (c.loss * 0 + c.kl_mean).backward()
+    assert torch.equal(lp.grad, torch.zeros_like(lp))
+
+
 # --------------------------------------------------------------------------- data parallel
 
 

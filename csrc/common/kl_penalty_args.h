@@ -33,15 +33,20 @@ struct KLPenaltyArgs {
   uintptr_t count = 0;      // int64 [B]
   uintptr_t token_out = 0;  // float32 [4, total] (aggregation "none") or 0
   uintptr_t grad = 0;       // float32 [total]: d loss_t / d lp_t (0 where not counted)
+  uintptr_t totals = 0;     // float64 [kTotals] or 0: batch totals, summed over b in order (CPU forward only)
 
   // backward: incoming gradients (each may be 0 = zero) and outputs
   uintptr_t g_seq = 0;      // float32 [B]
+  float g_uniform = 0.0f;   // the incoming gradient of every sequence's loss where g_seq is 0
   uintptr_t g_tok = 0;      // float32 [total]
   uintptr_t g_lp = 0;       // lp dtype [total]
   uintptr_t g_ent = 0;      // aux dtype [total], or 0
 };
 
 constexpr int kStatColumns = 5;
+// totals: loss, objective, kl, entropy, ratio and clipped sums, then the token count. They spare
+// the caller of a one-weight aggregation (token-mean, sum, ...) its own pass over [B] outputs.
+constexpr int kTotals = 7;
 
 // beta of sequence b.
 KL_HD float beta_of(const KLPenaltyArgs& a, int64_t b) {

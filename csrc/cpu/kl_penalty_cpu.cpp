@@ -209,10 +209,18 @@ void forward(const KLPenaltyArgs& a, int threads) {
     for (int c = 0; c < kStatColumns; ++c) stats[b * kStatColumns + c] = static_cast<float>(per_seq[b].v[c + 1]);
     count[b] = per_seq[b].count;
   }
+  if (a.totals) {  // in float64, in sequence order: deterministic, and no float32 rounding of the parts
+    double t[kTotals] = {};
+    for (int64_t b = 0; b < g.batch; ++b) {
+      for (int c = 0; c < kSums; ++c) t[c] += per_seq[b].v[c];
+      t[kSums] += static_cast<double>(per_seq[b].count);
+    }
+    std::memcpy(reinterpret_cast<double*>(a.totals), t, sizeof(t));
+  }
 }
 
 // grad_lp = up * G and grad_entropy = -entropy_coef * up at counted tokens (0 elsewhere), where
-// up = g_tok + g_seq[b] is the incoming gradient. As in the forward, blocks of the mask are first
+// up = g_tok + g_seq[b] (g_uniform without g_seq) is the incoming gradient. As in the forward, blocks of the mask are first
 // expanded to 32-bit lane masks, so that the loops below are plain vector code for every layout.
 template <int32_t DT, int32_t AT, bool TOK, bool ENT>
 KL_TARGET_CLONES void backward_run(const KLPenaltyArgs& a, const Run& r) {
@@ -220,7 +228,7 @@ KL_TARGET_CLONES void backward_run(const KLPenaltyArgs& a, const Run& r) {
   const int64_t o = r.out0;
   const float* __restrict G = reinterpret_cast<const float*>(a.grad) + o;
   const float* __restrict gt = TOK ? reinterpret_cast<const float*>(a.g_tok) + o : nullptr;
-  const float gs = a.g_seq ? reinterpret_cast<const float*>(a.g_seq)[r.seq] : 0.0f;
+  const float gs = a.g_seq ? reinterpret_cast<const float*>(a.g_seq)[r.seq] : a.g_uniform;
   BitsOf<DT>* __restrict glp = reinterpret_cast<BitsOf<DT>*>(a.g_lp) + o;
   BitsOf<AT>* __restrict gent = ENT ? reinterpret_cast<BitsOf<AT>*>(a.g_ent) + o : nullptr;
   const uint8_t* mask = g.mask ? reinterpret_cast<const uint8_t*>(g.mask) + r.row * g.mask_s0 + r.col0 * g.mask_s1

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs 
     const int64_t i = i0 + j;
     float glp = 0.0f, gent = 0.0f;
     if (e.counted) {
-      const float gin = (g_seq ? g_seq[e.seq] : 0.0f) + (g_tok ? g_tok[i] : 0.0f);
+      const float gin = (g_seq ? g_seq[e.seq] : a.g_uniform) + (g_tok ? g_tok[i] : 0.0f);
       glp = gin * grad[i];
       gent = -a.entropy_coef * gin;
     }
@@ -246,6 +246,7 @@ int64_t kl_penalty_cuda_workspace_bytes(const KLPenaltyArgs& a) {
 }
 
 int kl_penalty_forward_cuda(const KLPenaltyArgs& a, uintptr_t workspace, uintptr_t stream) {
+  if (a.totals) return 3;  // batch totals are the CPU forward's (the host reads them right away)
   if (penalty_tiles(a) > 0x7fffffff) return 2;
   return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
     return forward_estimator<decltype(dt)::value, decltype(at)::value>(a, workspace,

@@ -81,30 +81,45 @@ def _uniform_weight(p: KLPenaltyProblem, n_tokens, n_seqs):
     return 1.0
 
 
-def _aggregate_on_host(p: KLPenaltyProblem, raw: RawLoss, num_global_tokens) -> KLPenaltyLossOutput:
-    """The CPU path of the one-weight aggregations: the totals are read as host floats (free for
-    CPU tensors) and the outputs built in a handful of torch calls. On a 2-core machine each torch
-    call costs ~8 us, as much as the kernel spends on thousands of tokens; the generic path below
-    needs ~35 of them. Same formulas, same float64 arithmetic, same rounding to the output dtype."""
-    md = raw.seq_loss.dtype
-    obj_total, kl_total, ent_total, ratio_total, clip_total = raw.stats.detach().sum(0, dtype=torch.float64).tolist()
-    count = raw.count.sum()
-    n_tokens = float(count)
+def on_host(p: KLPenaltyProblem, process_group) -> bool:
+    """Whether the call aggregates on the host: CPU tensors, one weight for every sequence (a float
+    beta, or a 0-d one), no process group, eager. Its totals are then read as host floats (free for
+    CPU tensors) and its outputs built in a handful of torch calls: on a 2-core machine each torch
+    call costs ~8 us, as much as the kernel spends on thousands of tokens; the generic path of
+    :func:`aggregate` needs ~35 of them."""
+    return (p.device.type == "cpu" and process_group is None and p.aggregation in _ON_HOST
+            and not (isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1) and not torch.compiler.is_compiling())
+
+
+def uniform_parts(p: KLPenaltyProblem, totals, num_global_tokens) -> tuple[float, list[float]]:
+    """``(w, parts)`` of a one-weight aggregation (:func:`on_host`) from the batch totals, host
+    floats ``(objective, kl, entropy, ratio, clipped, count)``: the weight and the values of
+    ``loss_objective``, ``loss_kl``, ``loss_entropy``, ``kl_mean``, ``ratio_mean`` and
+    ``clip_fraction``, in float64 arithmetic (the loss itself is ``w`` times the sum of the
+    sequences' losses)."""
+    obj_total, kl_total, ent_total, ratio_total, clip_total, n_tokens = totals
     n = float(num_global_tokens) if num_global_tokens is not None else n_tokens
     w = _uniform_weight(p, n, float(p.batch_size))
-    loss = (raw.seq_loss.sum(dtype=torch.float64) * w).to(md)
-    beta = float(p.beta)
     denom = max(n_tokens, 1.0)
-    parts = torch.tensor([obj_total * w, kl_total * w * beta, ent_total * w * -p.entropy_coef + 0.0,
-                          kl_total / denom, ratio_total / denom, clip_total / denom], dtype=md).unbind()
-    return KLPenaltyLossOutput(loss, *parts, count)
+    return w, [obj_total * w, kl_total * w * float(p.beta), ent_total * w * -p.entropy_coef + 0.0, kl_total / denom,
+               ratio_total / denom, clip_total / denom]
+
+
+def _aggregate_on_host(p: KLPenaltyProblem, raw: RawLoss, num_global_tokens) -> KLPenaltyLossOutput:
+    """:func:`aggregate` for :func:`on_host` calls: same formulas, same float64 arithmetic, same
+    rounding to the output dtype as the generic path."""
+    md = raw.seq_loss.dtype
+    count = raw.count.sum()
+    totals = raw.stats.detach().sum(0, dtype=torch.float64).tolist() + [float(count)]
+    w, parts = uniform_parts(p, totals, num_global_tokens)
+    loss = (raw.seq_loss.sum(dtype=torch.float64) * w).to(md)
+    return KLPenaltyLossOutput(loss, *torch.tensor(parts, dtype=md).unbind(), count)
 
 
 def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_global_tokens=None,
               process_group=None) -> KLPenaltyLossOutput:
     """Apply ``p.aggregation`` to a backend's per-sequence sums (see the module doc)."""
-    if (raw.count.device.type == "cpu" and process_group is None and p.aggregation in _ON_HOST
-            and not (isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1) and not torch.compiler.is_compiling()):
+    if on_host(p, process_group):
         return _aggregate_on_host(p, raw, num_global_tokens)
     md = raw.seq_loss.dtype
     dev = raw.count.device

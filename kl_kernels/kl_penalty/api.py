@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from .. import backends as _dispatch
-from .aggregate import KLPenaltyLossOutput, aggregate
+from .aggregate import KLPenaltyLossOutput, aggregate, on_host
 from .backends import REGISTRY
+from .ops import run_fused_aggregated
 from .problem import _num_global_tokens, build_problem
 
 
@@ -94,6 +95,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length)
     num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
+    if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too
+        return run_fused_aggregated(problem, num_global_tokens)
     raw = impl.run(problem)
     return aggregate(problem, raw, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
                      process_group=process_group)

@@ -11,6 +11,7 @@ entropy_coef) are runtime arguments of the schema: changing them never recompile
 
 from __future__ import annotations
 
+import array
 from typing import Optional
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from ..kl_reward.launch import ESTIMATOR_CODES, LAYOUT_CODES
 from . import launch, launch_triton
+from .aggregate import KLPenaltyLossOutput, uniform_parts
 from .problem import KLPenaltyProblem
 from .reference import RawLoss
 
@@ -116,9 +118,8 @@ class _EagerFused(torch.autograd.Function):
         return (None,) + _input_grads(ctx, g_seq_loss, g_token_out, ctx.launcher.backward)
 
 
-def run_fused(p: KLPenaltyProblem, triton: bool = False) -> RawLoss:
-    """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``
-    (C++ kernels) or ``kl_kernels::kl_penalty_triton_fwd`` (``triton=True``)."""
+def _fused_args(p: KLPenaltyProblem) -> tuple:
+    """The 19 arguments of ``kl_kernels::kl_penalty_fwd`` (and of the launchers' forward) for ``p``."""
     lp = p.log_probs
     # Advantages and entropy are read in the log-probs' dtype or in float32 (the kernels' aux dtype).
     aux = lp.dtype if all(t is None or t.dtype == lp.dtype for t in (p.advantages, p.entropy)) else torch.float32
@@ -126,11 +127,17 @@ def run_fused(p: KLPenaltyProblem, triton: bool = False) -> RawLoss:
     ent = p.entropy if p.entropy is None or p.entropy.dtype == aux else p.entropy.to(aux)
     beta_t = p.beta if isinstance(p.beta, torch.Tensor) else None
     clip_lo, clip_hi = p.clip if p.clip is not None else (float("-inf"), float("inf"))
-    token_out = p.aggregation == "none"
-    args = (lp, p.old_log_probs, p.ref_log_probs, adv, ent, p.mask, p.offsets, p.lengths, beta_t,
+    return (lp, p.old_log_probs, p.ref_log_probs, adv, ent, p.mask, p.offsets, p.lengths, beta_t,
             0.0 if beta_t is not None else float(p.beta), p.adv_per_seq, LAYOUT_CODES[p.layout],
             p.padding_side == "left", ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"),
-            clip_lo, clip_hi, p.entropy_coef, token_out)
+            clip_lo, clip_hi, p.entropy_coef, p.aggregation == "none")
+
+
+def run_fused(p: KLPenaltyProblem, triton: bool = False) -> RawLoss:
+    """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``
+    (C++ kernels) or ``kl_kernels::kl_penalty_triton_fwd`` (``triton=True``)."""
+    args = _fused_args(p)
+    lp, ent, token_out = args[0], args[4], args[18]
     needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
     launcher = launch_triton if triton else launch
     if torch.compiler.is_compiling():
@@ -141,3 +148,47 @@ def run_fused(p: KLPenaltyProblem, triton: bool = False) -> RawLoss:
     else:
         seq_loss, stats, count, tok, _ = launcher.forward(*args)
     return RawLoss(seq_loss, stats, count, tok if token_out else None)
+
+
+class _EagerTotal(torch.autograd.Function):
+    """The CPU kernel with the aggregation folded in, for eager calls that aggregate on the host
+    (:func:`~kl_kernels.kl_penalty.aggregate.on_host`): the kernel also returns the batch totals, the
+    loss ``w * sum_b S_b`` is built from them, and its backward hands ``g_loss * w`` to the backward
+    kernel through the forward's own argument struct. One autograd node and a few torch calls per
+    step instead of a node per aggregation op and a second argument struct: on the 2-core CI VM
+    that is about half of a medium batch's (B=256) time."""
+
+    @staticmethod
+    def forward(ctx, p, num_global_tokens, *args):
+        (_, _, _, _, grad), totals, kernel_args, keep = launch.forward_with_totals(*args)
+        w, parts = uniform_parts(p, totals[1:], num_global_tokens)
+        lp, ent, mask, offsets, lengths = args[0], args[4], args[5], args[6], args[7]
+        ctx.save_for_backward(grad, mask, offsets, lengths)  # what kernel_args points into, kept alive
+        ctx.kernel_args, ctx.keep, ctx.w = kernel_args, keep, w
+        ctx.dtypes = (lp.dtype, ent is not None and ent.requires_grad, args[3].dtype)
+        ctx.set_materialize_grads(False)
+        # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
+        loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
+        rest = torch.frombuffer(array.array("f", parts), dtype=torch.float32)  # rounded as torch.tensor would
+        count = torch.scalar_tensor(int(totals[6]), dtype=torch.int64)
+        ctx.mark_non_differentiable(rest, count)
+        return loss, rest, count
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_rest, _g_count):
+        lp_dtype, entropy_grad, aux_dtype = ctx.dtypes
+        g_lp = g_ent = None
+        if g_loss is not None:
+            grad = ctx.saved_tensors[0]
+            g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, float(g_loss) * ctx.w, lp_dtype,
+                                                    entropy_grad, aux_dtype)
+        return (None, None, g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 14
+
+
+def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLossOutput:
+    """``kl_penalty_loss``'s result for an eager CPU call that aggregates on the host
+    (:func:`~kl_kernels.kl_penalty.aggregate.on_host`), through the C++ kernel with the aggregation
+    folded in (:class:`_EagerTotal`). Same values as ``aggregate(p, run_fused(p))`` up to the
+    rounding of the per-sequence sums (summed in float64 here, float32 there)."""
+    loss, rest, count = _EagerTotal.apply(p, num_global_tokens, *_fused_args(p))
+    return KLPenaltyLossOutput(loss, *rest.unbind(), count)

@@ -147,7 +147,7 @@ def launch_kernel(module, op: str, kind: str, args, device, what: str) -> None:
     if code == 2:
         raise RuntimeError(f"{what} kernel: too many tokens for one launch")
     if code == 3:
-        raise RuntimeError(f"{what} kernel: list inputs and mask_nan are for the CPU forward only")
+        raise RuntimeError(f"{what} kernel: list inputs, mask_nan and batch totals are for the CPU forward only")
     if code >= 1000:
         raise RuntimeError(f"{what} CUDA kernel launch failed: {module.error_string(code - 1000)}")
     if code != 0:
