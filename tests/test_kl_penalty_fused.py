@@ -222,6 +222,34 @@ def test_folded_aggregation_without_grad_and_loss_unused():
     assert torch.equal(lp.grad, torch.zeros_like(lp))
 
 
+def check_nan_at_a_counted_token(backend, device="cpu"):
+    """A NaN input at a counted token makes the loss NaN, as in the torch reference (the kernels'
+    exp/expm1 must not turn it into a number), and the gradient is NaN exactly where the reference's
+    is (a NaN old log-prob: the objective's gradient is an exact 0 there, torch.clamp's mask), equal
+    elsewhere."""
+    for where in ("log_probs", "old_log_probs", "ref_log_probs"):
+        b = _padded_batch()
+        b["mask"][:] = True
+        b[where][0, -1] = float("nan")  # lengths[0] = T: a counted token under left padding
+        runs = []
+        for name, dev in (("torch", "cpu"), (backend, device)):
+            lp = b["log_probs"].clone().to(dev).requires_grad_()
+            out = kl_penalty_loss(lp, **_on({k: v for k, v in b.items() if k != "log_probs"}, dev), beta=0.2,
+                                  estimator="k3", clip_epsilon=0.2, entropy_coef=0.01, backend=name)
+            out.loss.backward()
+            runs.append((out.loss.cpu(), lp.grad.cpu()))
+        (want, want_g), (got, got_g) = runs
+        assert got.isnan() and want.isnan(), where
+        assert torch.equal(got_g.isnan(), want_g.isnan()), where
+        ok = ~want_g.isnan()
+        torch.testing.assert_close(got_g[ok], want_g[ok], rtol=1e-5, atol=1e-7, msg=where)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_nan_at_a_counted_token(backend):
+    check_nan_at_a_counted_token(backend)
+
+
 # --------------------------------------------------------------------------- data parallel
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from batches import LAYOUTS, Case, backend_accepts, build, check, to_device
 from kl_kernels import BackendUnavailableError, kl_reward
 from strategies import cases
-from test_kl_reward_fused import _batch, check_million_token_row
+from test_kl_reward_fused import _batch, check_million_token_row, check_nan_through_the_clamps
 from test_kl_reward_grad import GRAD_LAYOUTS, check_gradients
 from test_kl_reward_oracle import _auto_is_ambiguous, _long_case
 
@@ -141,3 +141,7 @@ def test_auto_does_not_pick_an_unvalidated_kernel():
     lp, ref, _, offsets, _ = _batch("cuda", n_seq=3, max_len=20)
     cuda = next(b for b in backends.REGISTRY if b.name == "cuda")
     assert (cuda.auto_devices is None) == backends.CUDA_KERNEL_VALIDATED_ON_GPU
+
+
+def test_nan_through_the_clamps():
+    check_nan_through_the_clamps("cuda", "cuda")

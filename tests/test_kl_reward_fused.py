@@ -271,6 +271,35 @@ def test_k3_at_extreme_log_prob_differences():
         assert bool((err <= bound).all()), (d[fin][err > bound], got[fin][err > bound], want[fin][err > bound])
 
 
+def check_nan_through_the_clamps(backend, device="cpu"):
+    """A NaN log-prob at a counted token, every estimator, with and without clamps: the values and
+    the gradients of both log-probs are NaN exactly where the torch reference's are and equal
+    elsewhere. Outside a clamp (a NaN is outside any bound) autograd passes an exact 0, not NaN."""
+    g = torch.Generator().manual_seed(5)
+    lp = -torch.rand(3, 9, generator=g) * 3
+    ref = -torch.rand(3, 9, generator=g) * 3
+    lp[0, -1] = ref[2, -2] = float("nan")  # counted tokens (left padding, lengths below)
+    for estimator in ("k1", "abs", "k2", "k3", "k3+"):
+        for clamps in (dict(), dict(clamp_input=(-1.0, 1.0)), dict(clamp_input=(None, 0.5)),
+                       dict(clamp_output=(None, 2.0)), dict(clamp_input=(-3.0, None), clamp_output=(0.0, 5.0))):
+            runs = []
+            for name, dev in (("torch", "cpu"), (backend, device)):
+                x, r = lp.clone().to(dev).requires_grad_(), ref.clone().to(dev).requires_grad_()
+                out = kl_reward(x, r, lengths=torch.tensor([9, 4, 7], device=dev), coef=0.1, estimator=estimator,
+                                detach=False, backend=name, **clamps)
+                (out.kl.sum() + 0.5 * out.reward.sum()).backward()
+                runs.append([t.detach().cpu() for t in (out.kl, out.reward, x.grad, r.grad)])
+            for name, want, got in zip(("kl", "reward", "grad lp", "grad ref"), *runs):
+                what = f"{name}, {estimator}, {clamps}"
+                assert torch.equal(got.isnan(), want.isnan()), what
+                ok = ~want.isnan()
+                torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-6, msg=what)
+
+
+def test_nan_through_the_clamps():
+    check_nan_through_the_clamps("cpu")
+
+
 # --------------------------------------------------------------------------- lists read in place, NaN pads
 
 

@@ -19,7 +19,8 @@ from kl_kernels import BackendUnavailableError, kl_reward
 from kl_kernels.kl_reward import ops  # noqa: F401  (registers kl_kernels::kl_reward_triton_fwd / _bwd)
 from kl_kernels.kl_reward.backends import REGISTRY
 from strategies import cases
-from test_kl_reward_fused import _batch, _opcheck_samples, check_million_token_row, check_non_contiguous
+from test_kl_reward_fused import (_batch, _opcheck_samples, check_million_token_row, check_nan_through_the_clamps,
+                                  check_non_contiguous)
 from test_kl_reward_grad import GRAD_LAYOUTS, check_gradients
 from test_kl_reward_oracle import _auto_is_ambiguous, _long_case
 
@@ -91,6 +92,10 @@ def test_deterministic():
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_non_contiguous_inputs(layout):
     check_non_contiguous(layout, "triton", DEVICE)
+
+
+def test_nan_through_the_clamps():
+    check_nan_through_the_clamps("triton", DEVICE)
 
 
 def test_runtime_values_are_not_constexpr():

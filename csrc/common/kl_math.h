@@ -208,6 +208,18 @@ KL_HD float exp_vec(float y) {
   return y != y ? y : out;  // NaN in, NaN out
 }
 
+// e^y for y in [-87, 88] or NaN (a clamped log-ratio): exp_vec without the input clamp and the NaN
+// select. n is read from the bits of the rounding sum s = 1.5 * 2^23 + n (unsigned arithmetic: no
+// float->int conversion, so nothing undefined for a NaN), and a NaN y makes p, hence the result,
+// NaN. Bitwise equal to exp_vec on that range.
+KL_HD float exp_bounded(float y) {
+  const float s = y * 1.44269504088896341f + 12582912.0f;
+  const float n = s - 12582912.0f;
+  const float r = (y - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  const float half = bits_f32((f32_bits(s) - 0x4B400000u + 126u) << 23);  // 2^(n-1)
+  return (half * expm1_poly(r) + half) * 2.0f;
+}
+
 // expm1(y): p itself for |y| < ln2/2 (n = 0: r = y exactly), where e^y - 1 would cancel; e^y - 1
 // elsewhere, where |expm1(y)| >= 0.29 so the subtraction loses nothing.
 KL_HD float expm1_vec(float y) {
@@ -227,8 +239,9 @@ KL_HD float clamp_lo_hi(float v, int32_t lo_set, float lo, int32_t hi_set, float
 }
 
 KL_HD float inside(float v, int32_t lo_set, float lo, int32_t hi_set, float hi) {
-  // torch.clamp's gradient mask: boundaries pass the gradient.
-  return (((lo_set != 0) & (v < lo)) | ((hi_set != 0) & (v > hi))) ? 0.0f : 1.0f;
+  // torch.clamp's gradient mask: passes where lo <= v <= hi for the bounds that are set
+  // (boundaries included), so a NaN fails any set bound; with no bound set there is no clamp.
+  return (((lo_set == 0) | (v >= lo)) & ((hi_set == 0) | (v <= hi))) ? 1.0f : 0.0f;
 }
 
 KL_HD float estimate_raw(float x, int32_t estimator) {
@@ -260,8 +273,10 @@ KL_HD float kl_grad(float d, const EstimatorParams& p) {
   if (p.straight_through) return d;
   const float x = clamp_lo_hi(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
   const float raw = estimate_raw(x, p.estimator);
-  return inside(raw, p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi) * estimate_grad_raw(x, p.estimator) *
-         inside(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
+  // As autograd through the reference: the output clamp's mask multiplies est' (0 * NaN is NaN),
+  // the input clamp's selects (its backward is a where(): an exact 0 outside, NaN d included).
+  const float g = inside(raw, p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi) * estimate_grad_raw(x, p.estimator);
+  return inside(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi) != 0.0f ? g : 0.0f;
 }
 
 }  // namespace kl

@@ -9,6 +9,7 @@
 //   kl    = est(d)
 //   loss  = obj + beta * kl - entropy_coef * entropy
 //   dloss/dlp = -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi])
+//               (the first term is exactly 0 where lp - old is outside, NaN included)
 //               + beta * sign * est'(d)          (straight-through estimators: est'(d) = d)
 //
 // Branch-free selects only, so that the CPU loops calling it vectorize.
@@ -47,8 +48,10 @@ KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv
                          float clip_hi) {
   const float lr_raw = lp - old;
   const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
-  const float in_lr = inside(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
-  const float ratio = exp_vec(lr);
+  // torch.clamp's gradient mask, which counts a NaN as outside; autograd then passes an exact 0
+  // (a select, not a product: NaN * 0 is NaN), as torch.where does.
+  const bool in_lr = (lr_raw >= -kLogRatioBound) & (lr_raw <= kLogRatioBound);
+  const float ratio = exp_bounded(lr);  // |lr| <= 20
   const float gain = ratio * adv;
   const float gain_c = clamp_lo_hi(ratio, 1, clip_lo, 1, clip_hi) * adv;
   const bool take = gain <= gain_c;  // NaN: false, as torch.where in the reference
@@ -62,7 +65,8 @@ KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv
   t.kl = est_value<EST>(d);
   t.ratio = ratio;
   t.clipped = take ? 0.0f : 1.0f;
-  t.grad = -adv * ratio * in_lr * w + beta * sign * dk;
+  const float g_obj = -adv * ratio * w;
+  t.grad = (in_lr ? g_obj : 0.0f) + beta * sign * dk;
   return t;
 }
 

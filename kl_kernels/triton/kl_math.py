@@ -67,8 +67,10 @@ def clamp(v, lo, hi):
 
 @triton.jit
 def inside(v, lo, hi):
-    """torch.clamp's gradient mask: 1 inside [lo, hi] (boundaries included), 0 outside."""
-    return tl.where((v < lo) | (v > hi), 0.0, 1.0)
+    """torch.clamp's gradient mask: 1 inside [lo, hi] (boundaries included), 0 outside, where a NaN
+    is outside; with both bounds infinite there is no clamp and everything passes."""
+    unbounded = (lo == float("-inf")) & (hi == float("inf"))
+    return tl.where(((v >= lo) & (v <= hi)) | unbounded, 1.0, 0.0)
 
 
 @triton.jit
@@ -86,7 +88,7 @@ def estimate_raw(x, EST: tl.constexpr):
 @triton.jit
 def estimate_grad_raw(x, EST: tl.constexpr):
     if EST == 0:
-        return x * 0.0 + 1.0
+        return tl.zeros_like(x) + 1.0  # not x * 0 + 1: a NaN x would give NaN
     elif EST == 1:
         return tl.where(x > 0.0, 1.0, tl.where(x < 0.0, -1.0, 0.0))
     elif EST == 2:
@@ -109,4 +111,7 @@ def kl_grad(d, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr, STRAIGHT_THROUGH
     else:
         x = clamp(d, in_lo, in_hi)
         raw = estimate_raw(x, EST)
-        return inside(raw, out_lo, out_hi) * estimate_grad_raw(x, EST) * inside(d, in_lo, in_hi)
+        # as autograd through the reference: the output clamp's mask multiplies est' (0 * NaN is NaN),
+        # the input clamp's selects (its backward is a where(): an exact 0 outside, NaN d included)
+        g = inside(raw, out_lo, out_hi) * estimate_grad_raw(x, EST)
+        return tl.where(inside(d, in_lo, in_hi) > 0.0, g, 0.0)
