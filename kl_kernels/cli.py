@@ -7,6 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+# Rounds per table (each round times every contender once, in a shuffled order), within a budget of
+# 3 s per contender. A median of 10 moved by +-15% between runs on the 2-core CI VM; with 30 the
+# whole bench took 83 s there.
+REPEATS = 30
+
 
 def _progress():
     """A progress callback: rich if installed, else one line per step on stderr."""
@@ -63,13 +68,13 @@ def cmd_bench(args) -> int:
         batch = batches.make_batch(batches.SIZES[name], dtype=dtype, device=device, seed=args.seed)
         say(f"size {name}: B={batch.size.batch}, {batch.num_tokens:,} tokens")
         rows += cases.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile,
-                          repeats=3 if args.quick else 10, budget_s=1.0 if args.quick else 3.0,
+                          repeats=3 if args.quick else REPEATS, budget_s=1.0 if args.quick else 3.0,
                           progress=lambda msg, n=name: say(f"[{n}] {msg}"))
-        rows += torchrl_transforms.run(batch, copy_gbs=copy_gbs, repeats=3 if args.quick else 10,
+        rows += torchrl_transforms.run(batch, copy_gbs=copy_gbs, repeats=3 if args.quick else REPEATS,
                                        budget_s=1.0 if args.quick else 3.0,
                                        progress=lambda msg, n=name: say(f"[{n}] {msg}"))
         rows += kl_penalty.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile,
-                               repeats=3 if args.quick else 10, budget_s=1.0 if args.quick else 3.0,
+                               repeats=3 if args.quick else REPEATS, budget_s=1.0 if args.quick else 3.0,
                                progress=lambda msg, n=name: say(f"[{n}] {msg}"))
     report.print_tables(rows, facts, copy_gbs)
     paths = report.write(rows, facts, copy_gbs, Path(args.out))

