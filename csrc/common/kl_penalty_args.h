@@ -27,7 +27,8 @@ struct KLPenaltyArgs {
   float clip_lo = -INFINITY, clip_hi = INFINITY;  // ratio clip bounds (infinite: no clip)
   float entropy_coef = 0.0f;
 
-  // forward outputs (contiguous)
+  // forward outputs (contiguous); the CPU forward skips seq_loss, stats and count when they are 0
+  // (a caller of the totals), the CUDA forward writes them always
   uintptr_t seq_loss = 0;   // float32 [B]
   uintptr_t stats = 0;      // float32 [B, 5]: objective, kl, entropy, ratio, clipped sums
   uintptr_t count = 0;      // int64 [B]

@@ -204,10 +204,12 @@ void forward(const KLPenaltyArgs& a, int threads) {
   float* seq_loss = reinterpret_cast<float*>(a.seq_loss);
   float* stats = reinterpret_cast<float*>(a.stats);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
-  for (int64_t b = 0; b < g.batch; ++b) {
-    seq_loss[b] = static_cast<float>(per_seq[b].v[0]);
-    for (int c = 0; c < kStatColumns; ++c) stats[b * kStatColumns + c] = static_cast<float>(per_seq[b].v[c + 1]);
-    count[b] = per_seq[b].count;
+  if (seq_loss && stats && count) {  // a caller that takes the totals may skip the per-sequence outputs
+    for (int64_t b = 0; b < g.batch; ++b) {
+      seq_loss[b] = static_cast<float>(per_seq[b].v[0]);
+      for (int c = 0; c < kStatColumns; ++c) stats[b * kStatColumns + c] = static_cast<float>(per_seq[b].v[c + 1]);
+      count[b] = per_seq[b].count;
+    }
   }
   if (a.totals) {  // in float64, in sequence order: deterministic, and no float32 rounding of the parts
     double t[kTotals] = {};
@@ -220,8 +222,9 @@ void forward(const KLPenaltyArgs& a, int threads) {
 }
 
 // grad_lp = up * G and grad_entropy = -entropy_coef * up at counted tokens (0 elsewhere), where
-// up = g_tok + g_seq[b] (g_uniform without g_seq) is the incoming gradient. As in the forward, blocks of the mask are first
-// expanded to 32-bit lane masks, so that the loops below are plain vector code for every layout.
+// up = g_tok + g_seq[b] (g_uniform without g_seq) is the incoming gradient. As in the forward,
+// blocks of the mask are first expanded to 32-bit lane masks, so that the loops below are plain
+// vector code for every layout.
 template <int32_t DT, int32_t AT, bool TOK, bool ENT>
 KL_TARGET_CLONES void backward_run(const KLPenaltyArgs& a, const Run& r) {
   const KLRewardArgs& g = a.g;

@@ -33,7 +33,7 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
                      entropy_coef, token_out):
-    """(module, args, keep, outputs) of a forward: the argument struct filled, the outputs allocated."""
+    """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
     dev = log_probs.device
     module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
@@ -50,8 +50,17 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     a.aux_dtype = DTYPE_CODES[advantages.dtype]
     a.beta_mode, a.beta_scalar, a.beta = coefficient(beta, beta_scalar, keep)
     a.clip_lo, a.clip_hi, a.entropy_coef = float(clip_lo), float(clip_hi), float(entropy_coef)
+    return module, a, keep
 
-    batch, shape = a.g.batch, log_probs.shape
+
+def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
+            adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
+    """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
+    empty, grad [*shape]), all float32 but count (int64)."""
+    module, a, keep = _prepare_forward(
+        log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
+        adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out)
+    dev, batch, shape = log_probs.device, a.g.batch, log_probs.shape
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
     count = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -59,33 +68,27 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     grad = torch.empty(shape, dtype=torch.float32, device=dev)
     a.seq_loss, a.stats, a.count, a.grad = _ptr(seq_loss), _ptr(stats), _ptr(count), _ptr(grad)
     a.token_out = _ptr(tok) if token_out else 0
-    return module, a, keep, (seq_loss, stats, count, tok, grad)
-
-
-def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
-            adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
-    """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
-    empty, grad [*shape]), all float32 but count (int64)."""
-    module, a, keep, out = _prepare_forward(
-        log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
-        adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out)
-    launch_kernel(module, "kl_penalty", "forward", a, log_probs.device, "kl_penalty_loss")
+    launch_kernel(module, "kl_penalty", "forward", a, dev, "kl_penalty_loss")
     del keep
-    return out
+    return seq_loss, stats, count, tok, grad
 
 
 def forward_with_totals(*forward_args):
-    """The CPU forward (``forward``'s arguments) that also sums the batch: returns (outputs as
-    ``forward``, totals, args, keep). ``totals`` are host floats: the loss, objective, kl, entropy,
+    """The CPU forward (``forward``'s arguments, without per-token outputs) that sums the batch
+    instead of writing per-sequence outputs: returns (grad, totals, args, keep). ``grad`` is the
+    gradient buffer (as ``forward``'s). ``totals`` are host floats: the loss, objective, kl, entropy,
     ratio and clipped sums and the token count, summed in float64 in sequence order by the kernel.
     ``args`` (the filled argument struct) and ``keep`` (the tensors it points into besides the
     inputs) are for :func:`backward_with_args`."""
-    module, a, keep, out = _prepare_forward(*forward_args)
+    module, a, keep = _prepare_forward(*forward_args)
+    if forward_args[-1]:
+        raise ValueError("forward_with_totals: per-token outputs (token_out) are not summed")
+    grad = torch.empty(forward_args[0].shape, dtype=torch.float32)
     totals = torch.empty(7, dtype=torch.float64)
-    a.totals = _ptr(totals)
-    launch_kernel(module, "kl_penalty", "forward", a, totals.device, "kl_penalty_loss")
+    a.grad, a.totals = _ptr(grad), _ptr(totals)  # seq_loss, stats, count stay 0: not written
+    launch_kernel(module, "kl_penalty", "forward", a, grad.device, "kl_penalty_loss")
     a.totals = 0
-    return out, totals.tolist(), a, keep
+    return grad, totals.tolist(), a, keep
 
 
 def backward_with_args(args, grad, g_uniform, lp_dtype, entropy_grad, aux_dtype):
@@ -93,13 +96,13 @@ def backward_with_args(args, grad, g_uniform, lp_dtype, entropy_grad, aux_dtype)
     to rebuild): every sequence's loss gets the incoming gradient ``g_uniform`` (a float), so
     grad_lp = g_uniform * grad at counted tokens and (``entropy_grad``) grad_ent = -entropy_coef *
     g_uniform. The inputs ``args`` points into (mask, offsets, lengths, ``grad``) must be alive.
-    Returns (grad_lp, grad_ent or empty)."""
+    Returns (grad_lp, grad_ent or None)."""
     dev = grad.device
     args.g_seq, args.g_tok, args.g_uniform = 0, 0, float(g_uniform)
     g_lp = torch.empty(grad.shape, dtype=lp_dtype, device=dev)
-    g_ent = torch.empty(grad.shape if entropy_grad else (0,), dtype=aux_dtype, device=dev)
+    g_ent = torch.empty(grad.shape, dtype=aux_dtype, device=dev) if entropy_grad else None
     args.g_lp = _ptr(g_lp)
-    args.g_ent = _ptr(g_ent) if entropy_grad else 0
+    args.g_ent = _ptr(g_ent)
     launch_kernel(kernel_module(dev, "kl_penalty", "kl_penalty_loss"), "kl_penalty", "backward", args, dev,
                   "kl_penalty_loss")
     return g_lp, g_ent

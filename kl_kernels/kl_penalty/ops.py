@@ -160,7 +160,7 @@ class _EagerTotal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, num_global_tokens, *args):
-        (_, _, _, _, grad), totals, kernel_args, keep = launch.forward_with_totals(*args)
+        grad, totals, kernel_args, keep = launch.forward_with_totals(*args)
         w, parts = uniform_parts(p, totals[1:], num_global_tokens)
         lp, ent, mask, offsets, lengths = args[0], args[4], args[5], args[6], args[7]
         ctx.save_for_backward(grad, mask, offsets, lengths)  # what kernel_args points into, kept alive
@@ -182,7 +182,7 @@ class _EagerTotal(torch.autograd.Function):
             grad = ctx.saved_tensors[0]
             g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, float(g_loss) * ctx.w, lp_dtype,
                                                     entropy_grad, aux_dtype)
-        return (None, None, g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 14
+        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 14
 
 
 def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLossOutput:
