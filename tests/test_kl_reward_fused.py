@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kl_kernels import BackendUnavailableError, kl_reward
+from kl_kernels import BackendUnavailableError, kl_reward, ragged
 from kl_kernels.kl_reward import ops  # noqa: F401  (registers kl_kernels::kl_reward_fwd / _bwd)
 from kl_kernels.kl_reward.backends import REGISTRY
 
@@ -146,6 +146,62 @@ def test_int64_addressing_beyond_2_pow_31():
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     del storage
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_streamed_outputs_equal_the_cached_path(layout, dtype):
+    """Problems touching over 32 MiB write kl and reward with streaming stores, in blocks aligned to
+    the output's cache lines. Outputs are bitwise those of the same sequences run in small batches
+    (plain stores); sums agree to float64 rounding. Ragged odd lengths put every run start and end
+    at a different alignment, token and sequence rewards cover both reward outputs."""
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.randint(1, 3001, (2600,), generator=g)
+    lengths[::7] = 0
+    lengths[5] = 1
+    n = int(lengths.sum())
+    lp = (-torch.rand(n, generator=g) * 4).to(dtype)
+    ref = (-torch.rand(n, generator=g) * 4).to(dtype)
+    mask = torch.rand(n, generator=g) < 0.7
+    reward = torch.randn(n, generator=g)
+    score = torch.randn(lengths.numel(), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+
+    def call(lo, hi, token_reward):
+        o = offsets[lo:hi + 1] - offsets[lo]
+        sl = slice(int(offsets[lo]), int(offsets[hi]))
+        args = [lp[sl], ref[sl]]
+        kw = dict(mask=mask[sl], coef=0.05, estimator="k3", return_ref=True, backend="cpu")
+        if layout == "packed":
+            kw["offsets"] = o
+        else:
+            width = int(lengths.max())
+            pad = lambda x: ragged.to_padded(x, o, padding_side="left", width=width,  # noqa: E731
+                                             padding_value=False if x.dtype == torch.bool else 0.0)
+            args = [pad(args[0]), pad(args[1])]
+            kw.update(lengths=lengths[lo:hi], padding_side="left", mask=pad(mask[sl]))
+            if token_reward:
+                reward_sl = pad(reward[sl])
+        if token_reward:
+            args.append(reward[sl] if layout == "packed" else reward_sl)
+        else:
+            args.append(score[lo:hi].view(-1, 1, 1) if layout == "padded" else score[lo:hi].view(-1, 1))
+            kw["reward_placement"] = "sequence"
+        return kl_reward(*args, **kw)
+
+    B = lengths.numel()
+    for token_reward in (True, False):
+        whole = call(0, B, token_reward)
+        # at least 13 bytes a token here (bf16 lp, ref, kl and ref out, the mask, a float32 reward out)
+        assert int(lengths.sum()) * 13 > 32 * 2**20, "not large enough to stream"
+        step = 60  # sub-batches far below the streaming threshold
+        parts = [call(lo, min(lo + step, B), token_reward) for lo in range(0, B, step)]
+        for name in ("kl", "reward", "ref_log_probs"):
+            got = getattr(whole, name)
+            want = torch.cat([getattr(p, name) for p in parts])
+            assert torch.equal(got, want), (name, token_reward)
+        torch.testing.assert_close(whole.kl_sum, torch.cat([p.kl_sum for p in parts]), rtol=1e-6, atol=1e-6)
+        assert torch.equal(whole.count, torch.cat([p.count for p in parts]))
 
 
 def check_million_token_row(layout, backend, device="cpu"):

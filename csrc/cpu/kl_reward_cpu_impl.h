@@ -23,6 +23,10 @@
 #include "common/kl_reward_args.h"
 #include "cpu/parallel.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace kl {
 namespace cpu_detail {
 
@@ -117,6 +121,36 @@ constexpr int kLanes = 8;
 #define KL_TARGET_CLONES
 #endif
 
+// A problem that touches more than this many bytes (inputs and outputs) cannot keep its outputs in a
+// server's last-level cache until the caller reads them: its kl and reward outputs are written with
+// streaming stores, which skip reading each destination line before overwriting it (without them
+// a store-bound pass moves a third more bytes).
+constexpr int64_t kStreamBytes = int64_t(32) << 20;
+
+// dst[0, bytes) = src[0, bytes): whole 64-byte lines of dst with non-temporal stores, the partial
+// lines at both ends with plain ones. A line written partly each way would cost a write-combining
+// flush and a read of the line; callers keep every line on one side. stream_fence() must follow
+// before the results are handed to another thread.
+inline void stream_copy(void* dst, const void* src, int64_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  const int64_t head = std::min<int64_t>(bytes, static_cast<int64_t>((-reinterpret_cast<uintptr_t>(d)) & 63u));
+  std::memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  for (; bytes >= 64; bytes -= 64, d += 64, s += 64)
+    for (int q = 0; q < 64; q += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + q), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + q)));
+#endif
+  std::memcpy(d, s, bytes);
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 // The estimate of a block: k (fp32, kept in L1 for the reward and the sums), m (the final mask)
 // and the kl output, written directly, all in one vectorizable loop. NANPAD: a NaN log-prob makes
 // its token not counted (mask_nan).
@@ -174,15 +208,29 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
   int64_t count = 0, last = -1;
   alignas(64) float k[kBlock];
   alignas(64) uint8_t m[kBlock];
-  for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
-    const int64_t n = std::min(kBlock, jhi - jb);
-    estimate_block<DT, EST, MASK, CLAMP, NANPAD>(a, lp + jb, ref + jb, MASK ? mask + jb : nullptr, n, k, m, kl + jb);
-    RB* __restrict rwb = rw + jb;
+  // Streaming: each block's kl and reward go to L1 scratch first, then out with streaming stores;
+  // blocks after the first start at a multiple of 16 tokens of the output, so that a 64-byte line
+  // of a 4-byte output never straddles two blocks.
+  const int64_t touched = a.total * static_cast<int64_t>(2 * sizeof(LB) + (MASK ? 1 : 0) + sizeof(LB) + 2 * sizeof(RB) +
+                                                         (ro ? sizeof(LB) : 0));
+  const bool stream = touched > kStreamBytes;
+  alignas(64) LB kl_s[kBlock];
+  alignas(64) RB rw_s[kBlock];
+  for (int64_t jb = jlo, n = 0; jb < jhi; jb += n) {
+    n = std::min(kBlock, jhi - jb);
+    if (stream && jb + n < jhi) n = ((r.out0 + jb + n) & ~int64_t(15)) - (r.out0 + jb);  // > 0: kBlock >= 32
+    estimate_block<DT, EST, MASK, CLAMP, NANPAD>(a, lp + jb, ref + jb, MASK ? mask + jb : nullptr, n, k, m,
+                                                 stream ? kl_s : kl + jb);
+    RB* __restrict rwb = stream ? rw_s : rw + jb;
     if (token) {
       const RB* __restrict rin = reward + jb;
       for (int64_t i = 0; i < n; ++i) rwb[i] = to_bits<RT>(load<RT>(rin, i) - c * k[i]);
     } else {
       for (int64_t i = 0; i < n; ++i) rwb[i] = to_bits<RT>(rseq - c * k[i]);
+    }
+    if (stream) {
+      stream_copy(kl + jb, kl_s, n * static_cast<int64_t>(sizeof(LB)));
+      stream_copy(rw + jb, rw_s, n * static_cast<int64_t>(sizeof(RB)));
     }
     if (ro) {  // the reference's own bits where counted (unconditional load, then select)
       LB* __restrict rob = ro + jb;
@@ -209,6 +257,7 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
     }
   }
   fill(jhi, r.n);
+  if (stream) stream_fence();
   double sum = 0.0;
   for (int l = 0; l < kLanes; ++l) sum += acc[l];
   return Partial{r.seq, sum, count, last};
