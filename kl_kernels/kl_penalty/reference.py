@@ -15,7 +15,8 @@ Per token ``t`` of sequence ``b`` with ``m_t`` the final mask (valid and in ``ma
     loss_t   = m_t * (obj_t + beta_b * kl_t - entropy_coef * entropy_t)
 
 and per sequence the sums of ``loss_t``, ``obj_t``, ``kl_t``, ``entropy_t``, ``ratio_t`` and of the
-clipped indicator ``[clip_t < gain_t]`` over counted tokens (accumulated in float64), with the count.
+clipped indicator ``[not gain_t <= clip_t]`` (the token took the clipped branch; a NaN gain counts as
+clipped) over counted tokens (accumulated in float64), with the count.
 ``aggregate.py`` turns these into the loss. The gradient reaching ``lp_t`` (what the fused kernels
 store in their one gradient buffer) is::
 
