@@ -179,27 +179,34 @@ KL_HD float expm1_poly(float y) {  // sum_{k=1..8} y^k / k!
 // exp and expm1 share one reduction: y = n ln2 + r with n = round(y / ln2) (Cody-Waite split of ln2),
 // |r| <= ln2/2, and e^y = 2^n (1 + p(r)) with p = expm1_poly: one polynomial per call, no branch.
 //
-// The input is clamped to [-87.3, 89] with selects (not fminf/fmaxf, whose NaN rules keep GCC from
-// vectorizing; a NaN maps to -87.3, so the float->int conversion below is always defined, and is
-// put back by the callers). 2^n is applied as 2 * 2^(n-1), so that n = 128 (y just below the float32
-// overflow at 88.72) stays representable and larger y overflow to +inf; y <= -87 (n = -126) gives
-// 2^(n-1) = 0, so exp flushes to 0 where the true value is below 2e-38.
+// n is rounded by the 1.5 * 2^23 trick (a plain add, which vectorizes; rintf needs SSE4.1) and read
+// back from the bits of that sum (unsigned arithmetic: no float->int conversion, so nothing is
+// undefined for a NaN, which makes p, hence every result, NaN). 2^n is applied as 2 * 2^(n-1), so
+// that n = 128 (y just below the float32 overflow at 88.72) stays representable and larger y overflow
+// to +inf; y <= -87 (n = -126) gives 2^(n-1) = 0, so exp flushes to 0 where the true value is below
+// 2e-38. Valid for y in [-87.3, 89] or NaN.
 struct ExpReduced {
   float p;     // e^r - 1
   float half;  // 2^(n-1)
   int32_t n;
 };
 
-KL_HD ExpReduced exp_reduce(float y) {
-  const float yc = y >= -87.3f ? (y <= 89.0f ? y : 89.0f) : -87.3f;
-  // round(y / ln2) by the 1.5 * 2^23 trick: a plain add, which vectorizes (rintf needs SSE4.1).
-  const float n = (yc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (yc - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
+KL_HD ExpReduced exp_reduce_in_range(float y) {
+  const float s = y * 1.44269504088896341f + 12582912.0f;
+  const float n = s - 12582912.0f;
+  const float r = (y - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
+  const uint32_t nb = f32_bits(s) - 0x4B400000u;                                   // n, two's complement
   ExpReduced e;
-  e.n = static_cast<int32_t>(n);                                                  // in [-126, 128]
-  e.half = bits_f32(static_cast<uint32_t>(e.n + 126) << 23);
+  e.n = static_cast<int32_t>(nb);
+  e.half = bits_f32((nb + 126u) << 23);
   e.p = expm1_poly(r);
   return e;
+}
+
+// Any y: clamped to [-87.3, 89] first with selects (not fminf/fmaxf, whose NaN rules keep GCC from
+// vectorizing). A NaN maps to -87.3 there; the callers put it back.
+KL_HD ExpReduced exp_reduce(float y) {
+  return exp_reduce_in_range(y >= -87.3f ? (y <= 89.0f ? y : 89.0f) : -87.3f);
 }
 
 KL_HD float exp_vec(float y) {
@@ -209,15 +216,10 @@ KL_HD float exp_vec(float y) {
 }
 
 // e^y for y in [-87, 88] or NaN (a clamped log-ratio): exp_vec without the input clamp and the NaN
-// select. n is read from the bits of the rounding sum s = 1.5 * 2^23 + n (unsigned arithmetic: no
-// float->int conversion, so nothing undefined for a NaN), and a NaN y makes p, hence the result,
-// NaN. Bitwise equal to exp_vec on that range.
+// select (a NaN y gives NaN through p). Bitwise equal to exp_vec on that range.
 KL_HD float exp_bounded(float y) {
-  const float s = y * 1.44269504088896341f + 12582912.0f;
-  const float n = s - 12582912.0f;
-  const float r = (y - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  const float half = bits_f32((f32_bits(s) - 0x4B400000u + 126u) << 23);  // 2^(n-1)
-  return (half * expm1_poly(r) + half) * 2.0f;
+  const ExpReduced e = exp_reduce_in_range(y);
+  return (e.half * e.p + e.half) * 2.0f;
 }
 
 // expm1(y): p itself for |y| < ln2/2 (n = 0: r = y exactly), where e^y - 1 would cancel; e^y - 1

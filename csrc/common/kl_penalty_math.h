@@ -48,9 +48,9 @@ KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv
                          float clip_hi) {
   const float lr_raw = lp - old;
   const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
-  // torch.clamp's gradient mask, which counts a NaN as outside; autograd then passes an exact 0
-  // (a select, not a product: NaN * 0 is NaN), as torch.where does.
-  const bool in_lr = (lr_raw >= -kLogRatioBound) & (lr_raw <= kLogRatioBound);
+  // The clamp's gradient mask (a NaN is outside); autograd passes an exact 0 outside, so a select,
+  // not a product (NaN * 0 is NaN).
+  const bool in_lr = inside(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound) != 0.0f;
   const float ratio = exp_bounded(lr);  // |lr| <= 20
   const float gain = ratio * adv;
   const float gain_c = clamp_lo_hi(ratio, 1, clip_lo, 1, clip_hi) * adv;

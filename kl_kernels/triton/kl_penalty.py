@@ -110,9 +110,8 @@ def kl_penalty_fwd_kernel(
     else:
         dk = estimate_grad_raw(d, EST)
     obj = -tl.where(take, gain, gain_c)
-    # torch.clamp's gradient mask counts a NaN log-ratio as outside: an exact 0 there (a select)
-    in_lr = (lr_raw >= -20.0) & (lr_raw <= 20.0)
-    grad = tl.where(in_lr, -adv * ratio * w, 0.0) + beta * sign * dk
+    # the clamp's gradient mask (a NaN is outside) selects: an exact 0 outside, not NaN * 0
+    grad = tl.where(inside(lr_raw, -20.0, 20.0) > 0.0, -adv * ratio * w, 0.0) + beta * sign * dk
     loss = obj + beta * kl - entropy_coef * ent
     # exactly 0 where not counted (inputs there were read as 0, but the formulas need not give 0)
     grad = tl.where(counted, grad, 0.0)
