@@ -151,10 +151,12 @@ def test_int64_addressing_beyond_2_pow_31():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_streamed_outputs_equal_the_cached_path(layout, dtype):
-    """Problems touching over 32 MiB write kl and reward with streaming stores, in blocks aligned to
-    the output's cache lines. Outputs are bitwise those of the same sequences run in small batches
-    (plain stores); sums agree to float64 rounding. Ragged odd lengths put every run start and end
-    at a different alignment, token and sequence rewards cover both reward outputs."""
+    """Problems touching over 32 MiB write every output (kl, reward, masked ref, and the filled
+    prompt/padding tokens) with streaming stores, in blocks aligned to the output's cache lines.
+    Outputs are bitwise those of the same sequences run in small batches (plain stores); sums agree
+    to float64 rounding. Ragged odd lengths put every run start and end at a different alignment;
+    token, sequence and last-token rewards cover every reward path (last: the last counted token,
+    which the pass tracks only for that placement)."""
     g = torch.Generator().manual_seed(11)
     lengths = torch.randint(1, 3001, (2600,), generator=g)
     lengths[::7] = 0
@@ -167,7 +169,8 @@ def test_streamed_outputs_equal_the_cached_path(layout, dtype):
     score = torch.randn(lengths.numel(), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
 
-    def call(lo, hi, token_reward):
+    def call(lo, hi, placement):
+        token_reward = placement == "token"
         o = offsets[lo:hi + 1] - offsets[lo]
         sl = slice(int(offsets[lo]), int(offsets[hi]))
         args = [lp[sl], ref[sl]]
@@ -186,20 +189,20 @@ def test_streamed_outputs_equal_the_cached_path(layout, dtype):
             args.append(reward[sl] if layout == "packed" else reward_sl)
         else:
             args.append(score[lo:hi].view(-1, 1, 1) if layout == "padded" else score[lo:hi].view(-1, 1))
-            kw["reward_placement"] = "sequence"
+            kw["reward_placement"] = placement
         return kl_reward(*args, **kw)
 
     B = lengths.numel()
-    for token_reward in (True, False):
-        whole = call(0, B, token_reward)
+    for placement in ("token", "sequence", "last"):
+        whole = call(0, B, placement)
         # at least 13 bytes a token here (bf16 lp, ref, kl and ref out, the mask, a float32 reward out)
         assert int(lengths.sum()) * 13 > 32 * 2**20, "not large enough to stream"
         step = 60  # sub-batches far below the streaming threshold
-        parts = [call(lo, min(lo + step, B), token_reward) for lo in range(0, B, step)]
+        parts = [call(lo, min(lo + step, B), placement) for lo in range(0, B, step)]
         for name in ("kl", "reward", "ref_log_probs"):
             got = getattr(whole, name)
             want = torch.cat([getattr(p, name) for p in parts])
-            assert torch.equal(got, want), (name, token_reward)
+            assert torch.equal(got, want), (name, placement)
         torch.testing.assert_close(whole.kl_sum, torch.cat([p.kl_sum for p in parts]), rtol=1e-6, atol=1e-6)
         assert torch.equal(whole.count, torch.cat([p.count for p in parts]))
 

@@ -145,6 +145,30 @@ inline void stream_copy(void* dst, const void* src, int64_t bytes) {
   std::memcpy(d, s, bytes);
 }
 
+// dst[0, n) = value, with the same split as stream_copy: whole lines streamed, partial ones plain.
+template <typename T>
+inline void stream_fill(T* dst, T value, int64_t n) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "a 2- or 4-byte element");
+  char* d = reinterpret_cast<char*>(dst);
+  int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+#if defined(__SSE2__)
+  const int64_t head = std::min<int64_t>(bytes, static_cast<int64_t>((-reinterpret_cast<uintptr_t>(d)) & 63u));
+  std::fill(reinterpret_cast<T*>(d), reinterpret_cast<T*>(d + head), value);  // head: whole elements (d is T-aligned)
+  d += head, bytes -= head;
+  uint32_t word;
+  if constexpr (sizeof(T) == 4) std::memcpy(&word, &value, 4);
+  else {
+    uint16_t half;
+    std::memcpy(&half, &value, 2);
+    word = half | (static_cast<uint32_t>(half) << 16);
+  }
+  const __m128i v = _mm_set1_epi32(static_cast<int>(word));
+  for (; bytes >= 64; bytes -= 64, d += 64)
+    for (int q = 0; q < 64; q += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(d + q), v);
+#endif
+  std::fill(reinterpret_cast<T*>(d), reinterpret_cast<T*>(d + bytes), value);
+}
+
 inline void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
@@ -192,15 +216,31 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
   const bool token = a.placement == kToken;
   const float rseq = a.placement == kSequence ? load<RT>(reinterpret_cast<const void*>(a.reward), r.seq * a.rw_s0) : 0.0f;
   const float c = coef_of(a, r.seq);
+  const bool want_last = a.placement == kLast;
+  // Streaming: every output (kl, reward, masked ref) is written with streaming stores: each block
+  // goes to L1 scratch first, then out whole lines at a time; blocks after the first start at a
+  // multiple of 16 tokens of the output, so that a 64-byte line of a 4-byte output never straddles
+  // two blocks. Partial lines at the ends of any range are written plain (see stream_copy).
+  const int64_t touched = a.total * static_cast<int64_t>(2 * sizeof(LB) + (MASK ? 1 : 0) + sizeof(LB) + 2 * sizeof(RB) +
+                                                         (ro ? sizeof(LB) : 0));
+  const bool stream = touched > kStreamBytes;
 
   int64_t jlo, jhi;
   counted_range(r, &jlo, &jhi);
   // Tokens that cannot count (padding, prompt): kl 0, ref 0, reward untouched.
   auto fill = [&](int64_t j0, int64_t j1) {
     if (j1 <= j0) return;
-    std::memset(kl + j0, 0, (j1 - j0) * sizeof(LB));
-    if (ro) std::memset(ro + j0, 0, (j1 - j0) * sizeof(LB));
-    if (token) std::memcpy(rw + j0, reward + j0, (j1 - j0) * sizeof(RB));
+    const int64_t nf = j1 - j0;
+    if (stream) {
+      stream_fill<LB>(kl + j0, LB(0), nf);
+      if (ro) stream_fill<LB>(ro + j0, LB(0), nf);
+      if (token) stream_copy(rw + j0, reward + j0, nf * static_cast<int64_t>(sizeof(RB)));
+      else stream_fill<RB>(rw + j0, to_bits<RT>(rseq), nf);
+      return;
+    }
+    std::memset(kl + j0, 0, nf * sizeof(LB));
+    if (ro) std::memset(ro + j0, 0, nf * sizeof(LB));
+    if (token) std::memcpy(rw + j0, reward + j0, nf * sizeof(RB));
     else std::fill(rw + j0, rw + j1, to_bits<RT>(rseq));
   };
   fill(0, jlo);
@@ -208,14 +248,9 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
   int64_t count = 0, last = -1;
   alignas(64) float k[kBlock];
   alignas(64) uint8_t m[kBlock];
-  // Streaming: each block's kl and reward go to L1 scratch first, then out with streaming stores;
-  // blocks after the first start at a multiple of 16 tokens of the output, so that a 64-byte line
-  // of a 4-byte output never straddles two blocks.
-  const int64_t touched = a.total * static_cast<int64_t>(2 * sizeof(LB) + (MASK ? 1 : 0) + sizeof(LB) + 2 * sizeof(RB) +
-                                                         (ro ? sizeof(LB) : 0));
-  const bool stream = touched > kStreamBytes;
   alignas(64) LB kl_s[kBlock];
   alignas(64) RB rw_s[kBlock];
+  alignas(64) LB ro_s[kBlock];
   for (int64_t jb = jlo, n = 0; jb < jhi; jb += n) {
     n = std::min(kBlock, jhi - jb);
     if (stream && jb + n < jhi) n = ((r.out0 + jb + n) & ~int64_t(15)) - (r.out0 + jb);  // > 0: kBlock >= 32
@@ -228,17 +263,18 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
     } else {
       for (int64_t i = 0; i < n; ++i) rwb[i] = to_bits<RT>(rseq - c * k[i]);
     }
-    if (stream) {
-      stream_copy(kl + jb, kl_s, n * static_cast<int64_t>(sizeof(LB)));
-      stream_copy(rw + jb, rw_s, n * static_cast<int64_t>(sizeof(RB)));
-    }
     if (ro) {  // the reference's own bits where counted (unconditional load, then select)
-      LB* __restrict rob = ro + jb;
+      LB* __restrict rob = stream ? ro_s : ro + jb;
       const LB* __restrict src = ref + jb;
       for (int64_t i = 0; i < n; ++i) {
         const LB v = src[i];
         rob[i] = m[i] ? v : LB(0);
       }
+    }
+    if (stream) {
+      stream_copy(kl + jb, kl_s, n * static_cast<int64_t>(sizeof(LB)));
+      stream_copy(rw + jb, rw_s, n * static_cast<int64_t>(sizeof(RB)));
+      if (ro) stream_copy(ro + jb, ro_s, n * static_cast<int64_t>(sizeof(LB)));
     }
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes)
@@ -247,10 +283,14 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
     if constexpr (MASK || NANPAD) {
       int64_t cnt = 0;
       for (int64_t q = 0; q < n; ++q) cnt += m[q];  // a byte sum: vectorizes
-      int64_t lst = n - 1;
-      while (lst >= 0 && !m[lst]) --lst;          // the last counted token, scanning back
       count += cnt;
-      if (lst >= 0) last = r.pos0 + jb + lst;
+      // The last counted token matters only to the "last" placement. The byte-by-byte scan back is
+      // serial: done for every block, it took a quarter of the pass on masked batches.
+      if (want_last && cnt > 0) {
+        int64_t lst = n - 1;
+        while (!m[lst]) --lst;  // stops: this block counts a token
+        last = r.pos0 + jb + lst;
+      }
     } else {
       count += n;
       last = r.pos0 + jb + n - 1;
