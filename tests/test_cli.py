@@ -45,8 +45,15 @@ def test_bench_tiny_writes_results(tmp_path):
     except ImportError:
         pass
     assert data["copy_bandwidth_gbs"] > 0 and data["machine"]["torch"]
+    copies = {(r["task"], r["layout"]): r for r in data["rows"] if r["impl"] == "copy (same bytes)"}
     for row in data["rows"]:
-        assert row["check"] == "ok" and row["median_ms"] > 0 and row["gbs"] > 0
+        assert row["median_ms"] > 0 and row["gbs"] > 0
+        # every layout of every table has its same-bytes copy, timed in the same rounds, as its % reference
+        floor = copies[(row["task"], row["layout"])]
+        assert row["mbytes"] == floor["mbytes"]
+        assert row["pct_copy_bw"] == pytest.approx(100 * row["gbs"] / floor["gbs"])
+        if row is not floor:
+            assert row["check"] == "ok"
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert len(rows) == len(data["rows"])
     assert "x baseline" in res.stdout and "% copy BW" in res.stdout

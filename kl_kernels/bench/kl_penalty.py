@@ -26,8 +26,8 @@ from ..kl_penalty import kl_penalty_loss
 from ..kl_penalty.backends import REGISTRY
 from ..kl_penalty.problem import build_problem
 from .batches import RLHFBatch
-from .kl_reward import Contender
-from .timing import cold_compile_seconds, measure_interleaved
+from .contenders import Contender, is_copy, time_rows
+from .timing import cold_compile_seconds
 
 TASK = "KL-penalty PPO loss, forward + backward"
 BETA, CLIP = 0.05, 0.2
@@ -133,24 +133,16 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
         if not ok:
             raise AssertionError(f"{c.name} ({c.layout}): loss or gradient differs from the eager autograd result")
         checks.append("ok")
-    if progress:
-        progress(f"kl_penalty: timing {len(found)} contenders in shuffled rounds")
-    timings = measure_interleaved([c.fn for c in found], batch.lp.device, repeats=repeats, budget_s=budget_s)
     s = batch.lp.element_size()
-    rows = []
-    for c, check, (t, faults) in zip(found, checks, timings):
-        elems = batch.lp.numel() if c.layout == "packed" else batch.lp_padded.numel()
-        nbytes = elems * (5 * s + 1)  # read lp, old, ref, adv, mask; write grad
-        gbs = nbytes / (t.median_ms * 1e-3) / 1e9
-        rows.append(dict(
-            task=TASK, size=batch.size.name, batch=batch.size.batch, tokens=batch.num_tokens,
-            padded_elems=batch.lp_padded.numel(), dtype=str(batch.lp.dtype).replace("torch.", ""), impl=c.name,
-            layout=c.layout, median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats, mbytes=nbytes / 1e6,
-            gbs=gbs, pct_copy_bw=100.0 * gbs / copy_gbs, mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6,
-            compile_s=c.compile_s, page_faults_per_call=faults, check=check, baseline="eager autograd (verl style)"))
+
+    def nbytes(layout):  # read lp, old, ref, adv, mask; write grad
+        return (batch.lp.numel() if layout == "packed" else batch.lp_padded.numel()) * (5 * s + 1)
+    rows = time_rows(batch, TASK, found, checks, nbytes, copy_gbs, repeats, budget_s, "eager autograd (verl style)",
+                     progress)
     baseline = rows[0]["median_ms"]
     compiled = next((r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")), None)
     for r in rows:
-        r["x_vs_baseline"] = baseline / r["median_ms"]
-        r["x_vs_compile"] = compiled / r["median_ms"] if compiled else None
+        if not is_copy(r):
+            r["x_vs_baseline"] = baseline / r["median_ms"]
+            r["x_vs_compile"] = compiled / r["median_ms"] if compiled else None
     return rows

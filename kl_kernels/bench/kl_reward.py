@@ -16,7 +16,6 @@ GB/s counts the bytes the op must move at least (inputs read once, outputs writt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -26,7 +25,8 @@ from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
 from ..kl_reward.problem import build_problem
 from .batches import RLHFBatch
-from .timing import cold_compile_seconds, measure_interleaved
+from .contenders import Contender, is_copy, time_rows
+from .timing import cold_compile_seconds
 
 COEF = 0.05
 
@@ -97,18 +97,6 @@ def _check(reference: tuple, got: tuple, name: str) -> str:
     return "ok"
 
 
-@dataclass
-class Contender:
-    """A timed callable. ``extract`` (optional) turns what ``fn`` returns into the (kl, reward, ref)
-    tuple that is checked, so result conversions stay out of the timed call."""
-
-    name: str
-    layout: str
-    fn: Callable[[], object]
-    compile_s: float | None = None
-    extract: Callable[[object], tuple] | None = None
-
-
 def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) -> list[Contender]:
     found = []
     for layout in ("packed", "padded"):
@@ -133,29 +121,16 @@ TASK_TRANSFORM = "KLRewardTransform task"
 TASK_KLCOMPUTATION = "TorchRL KLComputation task"
 
 
-def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budget_s, progress):
-    """Check every contender against the reference, then time them side by side (interleaved rounds)."""
+def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budget_s, progress, baseline):
+    """Check every contender against the reference, then time them side by side (interleaved rounds,
+    with a copy of the same bytes per layout: see contenders.py)."""
     checks = []
     for c in candidates:
         if progress:
             progress(f"{task}: checking {c.name} ({c.layout})")
         out = c.fn()
         checks.append(_check(refs[c.layout], c.extract(out) if c.extract else out, c.name))
-    if progress:
-        progress(f"{task}: timing {len(candidates)} contenders in shuffled rounds")
-    timings = measure_interleaved([c.fn for c in candidates], batch.lp.device, repeats=repeats, budget_s=budget_s)
-    rows = []
-    for c, check, (t, faults) in zip(candidates, checks, timings):
-        nbytes = nbytes_of(c.layout)
-        gbs = nbytes / (t.median_ms * 1e-3) / 1e9
-        rows.append(dict(
-            task=task, size=batch.size.name, batch=batch.size.batch, tokens=batch.num_tokens,
-            padded_elems=batch.lp_padded.numel(), dtype=str(batch.lp.dtype).replace("torch.", ""),
-            impl=c.name, layout=c.layout, median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats,
-            mbytes=nbytes / 1e6, gbs=gbs, pct_copy_bw=100.0 * gbs / copy_gbs,
-            mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6, compile_s=c.compile_s,
-            page_faults_per_call=faults, check=check))
-    return rows
+    return time_rows(batch, task, candidates, checks, nbytes_of, copy_gbs, repeats, budget_s, baseline, progress)
 
 
 def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,
@@ -163,11 +138,13 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
     """Check and time every contender on ``batch``; rows with ms, GB/s, % of copy BW, speedups."""
     refs = {layout: _ours(batch, layout, "torch")() for layout in ("packed", "padded")}
     rows = _time_rows(batch, TASK_TRANSFORM, contenders(batch, with_compile=with_compile, progress=progress), refs,
-                      lambda layout: bytes_moved(batch, layout), copy_gbs, repeats, budget_s, progress)
+                      lambda layout: bytes_moved(batch, layout), copy_gbs, repeats, budget_s, progress,
+                      "per-sample eager (TorchRL style)")
     baseline = next(r["median_ms"] for r in rows if r["impl"].startswith("per-sample"))
     compiled = {r["layout"]: r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")}
     for r in rows:
-        r["baseline"] = "per-sample eager (TorchRL style)"
+        if is_copy(r):
+            continue
         r["x_vs_baseline"] = baseline / r["median_ms"]
         r["x_vs_compile"] = compiled[r["layout"]] / r["median_ms"] if r["layout"] in compiled else None
     return rows + run_klcomputation(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=progress)
@@ -221,12 +198,11 @@ def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget
     s = batch.lp.element_size()
     nbytes = batch.num_tokens * (2 * s + 4 + s + 4) + batch.size.batch * 12  # read lp, ref, reward; write kl, reward
     rows = _time_rows(batch, TASK_KLCOMPUTATION, found, refs, lambda layout: nbytes, copy_gbs, repeats, budget_s,
-                      progress)
+                      progress, "TorchRL KLComputation")
     baseline = rows[0]["median_ms"]
     for r in rows:
-        r["baseline"] = "TorchRL KLComputation"
-        r["x_vs_baseline"] = baseline / r["median_ms"]
-        r["x_vs_compile"] = None
+        if not is_copy(r):
+            r["x_vs_baseline"] = baseline / r["median_ms"]
     return rows
 
 

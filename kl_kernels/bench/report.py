@@ -39,7 +39,10 @@ def table(rows: list[dict], title: str) -> str:
 def print_tables(rows: list[dict], machine: dict, copy_gbs: float) -> None:
     """Plain text on purpose: rich would re-wrap wide tables to the terminal width."""
     print(f"\nkl_kernels {machine['kl_kernels']} | torch {machine['torch']} | {machine.get('gpu') or machine['cpu']} | "
-          f"{machine['torch_threads']} threads | measured copy bandwidth {copy_gbs:.1f} GB/s | malloc: {machine['malloc']}")
+          f"{machine['torch_threads']} threads | measured copy bandwidth {copy_gbs:.1f} GB/s (256 MiB, best of 7) | "
+          f"malloc: {machine['malloc']}")
+    print("% copy BW: GB/s over that of 'copy (same bytes)', a dst.copy_(src) moving the bytes counted for the "
+          "row's layout, timed in the same shuffled rounds")
     for size, task in dict.fromkeys((r["size"], r["task"]) for r in rows):
         sel = [r for r in rows if r["size"] == size and r["task"] == task]
         r0 = sel[0]

@@ -20,7 +20,8 @@ import torch
 
 from .. import ragged
 from .batches import RLHFBatch
-from .kl_reward import COEF, Contender, _time_rows
+from .contenders import Contender, is_copy
+from .kl_reward import COEF, _time_rows
 
 TASK = "TorchRL transform call task"
 OUT_REWARD = "penalized_reward"
@@ -119,12 +120,12 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
         if layout == "list (KLComputation)":
             return batch.num_tokens * (2 * s + 4 + s + 4)
         return elems * (2 * s + 1) + elems * (2 * s + 4) + b * 4  # read lp, ref, mask; write kl, ref, reward
-    rows = _time_rows(batch, TASK, candidates, refs, nbytes, copy_gbs, repeats, budget_s, progress)
+    rows = _time_rows(batch, TASK, candidates, refs, nbytes, copy_gbs, repeats, budget_s, progress, None)
     base = {"padded": rows[0]["median_ms"], "list": rows[0]["median_ms"], "list (KLComputation)": rows[3]["median_ms"]}
     for r in rows:
         r["baseline"] = "TorchRL KLComputation" if "KLComputation" in r["layout"] else "TorchRL KLRewardTransform (padded)"
-        r["x_vs_baseline"] = base[r["layout"]] / r["median_ms"]
-        r["x_vs_compile"] = None
+        if not is_copy(r):
+            r["x_vs_baseline"] = base[r["layout"]] / r["median_ms"]
     return rows
 
 

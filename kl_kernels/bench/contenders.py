@@ -1,0 +1,78 @@
+"""Contenders of a benchmark table and their rows: timed side by side, with a copy of the same bytes.
+
+Every table times its contenders in shuffled rounds (``timing.measure_interleaved``) together with
+one extra contender per layout, ``copy (same bytes)``: ``dst.copy_(src)`` moving exactly the bytes
+that the table counts for that layout (half read, half written). That copy is the memory-bound floor
+of the op at its own working-set size, measured in the same rounds, so a slow phase of a shared
+machine, or caches left cold by the contender before, hit it as they hit the op. "% copy BW" of a row
+is its GB/s over that copy's GB/s. The machine's copy bandwidth measured once at the start of the run
+(256 MiB, best of 7) is kept next to it in the JSON as ``pct_machine_copy_bw``: on the 2-core CI VM
+that single number moved between 21 and 36 GB/s from run to run, while the ops' own GB/s moved much
+less, so it made every percentage swing with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .batches import RLHFBatch
+from .timing import measure_interleaved
+
+COPY = "copy (same bytes)"
+
+
+@dataclass
+class Contender:
+    """A timed callable. ``extract`` (optional) turns what ``fn`` returns into what is checked, so
+    result conversions stay out of the timed call."""
+
+    name: str
+    layout: str
+    fn: Callable[[], object]
+    compile_s: float | None = None
+    extract: Callable[[object], tuple] | None = None
+
+
+def same_bytes_copy(nbytes: int, device: torch.device) -> Callable[[], object]:
+    """``dst.copy_(src)`` over two float32 buffers of ``nbytes / 2`` bytes each: it moves ``nbytes``
+    counted as STREAM does (read + write)."""
+    src = torch.ones(max(1, nbytes // 8), dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def time_rows(batch: RLHFBatch, task: str, candidates: list[Contender], checks: list[str],
+              nbytes_of: Callable[[str], int], copy_gbs: float, repeats: int, budget_s: float, baseline: str,
+              progress=None) -> list[dict]:
+    """Time ``candidates`` (already checked: ``checks[i]`` says how) and a same-bytes copy per layout
+    side by side; one row per candidate, then one per copy. ``x_vs_baseline``/``x_vs_compile`` are
+    left to the caller (None on the copy rows)."""
+    device = batch.lp.device
+    layouts = list(dict.fromkeys(c.layout for c in candidates))
+    copies = [Contender(COPY, layout, same_bytes_copy(nbytes_of(layout), device)) for layout in layouts]
+    if progress:
+        progress(f"{task}: timing {len(candidates)} contenders and {len(copies)} same-bytes copies in shuffled rounds")
+    everyone = candidates + copies
+    timings = measure_interleaved([c.fn for c in everyone], device, repeats=repeats, budget_s=budget_s)
+    floor = {c.layout: nbytes_of(c.layout) / (t.median_ms * 1e-3) / 1e9
+             for c, (t, _) in zip(copies, timings[len(candidates):])}
+    rows = []
+    for c, check, (t, faults) in zip(everyone, checks + ["not checked (a copy)"] * len(copies), timings):
+        nbytes = nbytes_of(c.layout)
+        gbs = nbytes / (t.median_ms * 1e-3) / 1e9
+        rows.append(dict(
+            task=task, size=batch.size.name, batch=batch.size.batch, tokens=batch.num_tokens,
+            padded_elems=batch.lp_padded.numel(), dtype=str(batch.lp.dtype).replace("torch.", ""),
+            impl=c.name, layout=c.layout, median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats,
+            mbytes=nbytes / 1e6, gbs=gbs, copy_same_bytes_gbs=floor[c.layout], pct_copy_bw=100.0 * gbs / floor[c.layout],
+            pct_machine_copy_bw=100.0 * gbs / copy_gbs, mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6,
+            compile_s=c.compile_s, page_faults_per_call=faults, check=check, baseline=baseline,
+            x_vs_baseline=None, x_vs_compile=None))
+    return rows
+
+
+def is_copy(row: dict) -> bool:
+    return row["impl"] == COPY
