@@ -111,6 +111,7 @@ void parallel_tiles(const KLRewardArgs& a, int threads, F&& fn) {
 // the compiler vectorizes them. The sum uses kLanes fixed accumulators: deterministic, and
 // vectorizable (a single sequential accumulator is not, without reassociation).
 constexpr int64_t kBlock = 256;
+static_assert(kBlock <= 65535, "a block's count fits in 16 bits");
 constexpr int kLanes = 8;
 
 // The hot functions are compiled twice, for baseline x86-64 (SSE2) and for x86-64-v3 (AVX2, FMA),
@@ -175,9 +176,11 @@ inline void stream_fence() {
 #endif
 }
 
-// The estimate of a block: k (fp32, kept in L1 for the reward and the sums), m (the final mask)
-// and the kl output, written directly, all in one vectorizable loop. NANPAD: a NaN log-prob makes
-// its token not counted (mask_nan).
+// The estimate of a block: k (fp32, kept in L1 for the reward and the sums), the kl output and,
+// with NANPAD only, m (the final mask: a NaN log-prob makes its token not counted, mask_nan), all in
+// one vectorizable loop. Without NANPAD the final mask is the mask input itself, which the later
+// loops read directly: packing lane masks back into bytes is dear. (Writing the masked reference
+// output in this loop too was faster on cached data but 20-40% slower on large streamed problems.)
 template <int32_t DT, int32_t EST, bool MASK, bool CLAMP, bool NANPAD>
 inline void estimate_block(const KLRewardArgs& a, const BitsOf<DT>* lp, const BitsOf<DT>* ref, const uint8_t* mask,
                            int64_t n, float* __restrict k, uint8_t* __restrict m, BitsOf<DT>* __restrict kl) {
@@ -197,7 +200,7 @@ inline void estimate_block(const KLRewardArgs& a, const BitsOf<DT>* lp, const Bi
     if constexpr (CLAMP) v = clamp_lo_hi(v, e.out_lo_set, e.out_lo, e.out_hi_set, e.out_hi);
     const float ki = mi ? v : 0.0f;
     k[i] = ki;
-    m[i] = mi;
+    if constexpr (NANPAD) m[i] = mi;
     kl[i] = to_bits<DT>(ki);
   }
 }
@@ -263,12 +266,18 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
     } else {
       for (int64_t i = 0; i < n; ++i) rwb[i] = to_bits<RT>(rseq - c * k[i]);
     }
+    // The final mask of this block: m (NANPAD), else the mask input; with neither, every token counts.
+    const uint8_t* __restrict mb = NANPAD ? m : MASK ? mask + jb : nullptr;
     if (ro) {  // the reference's own bits where counted (unconditional load, then select)
       LB* __restrict rob = stream ? ro_s : ro + jb;
       const LB* __restrict src = ref + jb;
-      for (int64_t i = 0; i < n; ++i) {
-        const LB v = src[i];
-        rob[i] = m[i] ? v : LB(0);
+      if (MASK || NANPAD) {
+        for (int64_t i = 0; i < n; ++i) {
+          const LB v = src[i];
+          rob[i] = mb[i] != 0 ? v : LB(0);
+        }
+      } else {
+        std::memcpy(rob, src, n * sizeof(LB));
       }
     }
     if (stream) {
@@ -281,14 +290,16 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
       for (int l = 0; l < kLanes; ++l) acc[l] += k[i + l];
     for (int l = 0; i < n; ++i, ++l) acc[l] += k[i];
     if constexpr (MASK || NANPAD) {
-      int64_t cnt = 0;
-      for (int64_t q = 0; q < n; ++q) cnt += m[q];  // a byte sum: vectorizes
+      // 16-bit lanes (a block counts at most kBlock <= 65535 tokens): with an int64 counter the
+      // compiler widened every mask byte to 64 bits.
+      uint16_t cnt = 0;
+      for (int64_t q = 0; q < n; ++q) cnt = static_cast<uint16_t>(cnt + (mb[q] != 0));
       count += cnt;
       // The last counted token matters only to the "last" placement. The byte-by-byte scan back is
       // serial: done for every block, it took a quarter of the pass on masked batches.
       if (want_last && cnt > 0) {
         int64_t lst = n - 1;
-        while (!m[lst]) --lst;  // stops: this block counts a token
+        while (!mb[lst]) --lst;  // stops: this block counts a token
         last = r.pos0 + jb + lst;
       }
     } else {
