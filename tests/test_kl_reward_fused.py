@@ -193,10 +193,10 @@ def test_streamed_outputs_equal_the_cached_path(layout, dtype):
         return kl_reward(*args, **kw)
 
     B = lengths.numel()
+    # at least 13 bytes a token here (bf16 lp, ref, kl and ref out, the mask, a float32 reward out)
+    assert n * 13 > 32 * 2**20, "not large enough to stream"
     for placement in ("token", "sequence", "last"):
         whole = call(0, B, placement)
-        # at least 13 bytes a token here (bf16 lp, ref, kl and ref out, the mask, a float32 reward out)
-        assert int(lengths.sum()) * 13 > 32 * 2**20, "not large enough to stream"
         step = 60  # sub-batches far below the streaming threshold
         parts = [call(lo, min(lo + step, B), placement) for lo in range(0, B, step)]
         for name in ("kl", "reward", "ref_log_probs"):

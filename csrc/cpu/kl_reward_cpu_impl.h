@@ -123,10 +123,16 @@ constexpr int kLanes = 8;
 #endif
 
 // A problem that touches more than this many bytes (inputs and outputs) cannot keep its outputs in a
-// server's last-level cache until the caller reads them: its kl and reward outputs are written with
+// server's last-level cache until the caller reads them: all its per-token outputs are written with
 // streaming stores, which skip reading each destination line before overwriting it (without them
 // a store-bound pass moves a third more bytes).
 constexpr int64_t kStreamBytes = int64_t(32) << 20;
+
+// How many of the first `bytes` bytes at d lie before d's next 64-byte line boundary: the partial
+// line that stream_copy and stream_fill write with plain stores.
+inline int64_t head_before_line(const void* d, int64_t bytes) {
+  return std::min<int64_t>(bytes, static_cast<int64_t>((-reinterpret_cast<uintptr_t>(d)) & 63u));
+}
 
 // dst[0, bytes) = src[0, bytes): whole 64-byte lines of dst with non-temporal stores, the partial
 // lines at both ends with plain ones. A line written partly each way would cost a write-combining
@@ -136,7 +142,7 @@ inline void stream_copy(void* dst, const void* src, int64_t bytes) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
 #if defined(__SSE2__)
-  const int64_t head = std::min<int64_t>(bytes, static_cast<int64_t>((-reinterpret_cast<uintptr_t>(d)) & 63u));
+  const int64_t head = head_before_line(d, bytes);
   std::memcpy(d, s, head);
   d += head, s += head, bytes -= head;
   for (; bytes >= 64; bytes -= 64, d += 64, s += 64)
@@ -153,7 +159,7 @@ inline void stream_fill(T* dst, T value, int64_t n) {
   char* d = reinterpret_cast<char*>(dst);
   int64_t bytes = n * static_cast<int64_t>(sizeof(T));
 #if defined(__SSE2__)
-  const int64_t head = std::min<int64_t>(bytes, static_cast<int64_t>((-reinterpret_cast<uintptr_t>(d)) & 63u));
+  const int64_t head = head_before_line(d, bytes);
   std::fill(reinterpret_cast<T*>(d), reinterpret_cast<T*>(d + head), value);  // head: whole elements (d is T-aligned)
   d += head, bytes -= head;
   uint32_t word;

@@ -17,6 +17,7 @@ from ..kl_reward.launch import (DTYPE_CODES, _ptr, _strides, as_contiguous, coef
                                 make_args)
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
+TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
 
 
 def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, straight_through, lp_dtype):
@@ -80,11 +81,11 @@ def forward_with_totals(*forward_args):
     ratio and clipped sums and the token count, summed in float64 in sequence order by the kernel.
     ``args`` (the filled argument struct) and ``keep`` (the tensors it points into besides the
     inputs) are for :func:`backward_with_args`."""
-    module, a, keep = _prepare_forward(*forward_args)
     if forward_args[-1]:
         raise ValueError("forward_with_totals: per-token outputs (token_out) are not summed")
+    module, a, keep = _prepare_forward(*forward_args)
     grad = torch.empty(forward_args[0].shape, dtype=torch.float32)
-    totals = torch.empty(7, dtype=torch.float64)
+    totals = torch.empty(TOTALS, dtype=torch.float64)
     a.grad, a.totals = _ptr(grad), _ptr(totals)  # seq_loss, stats, count stay 0: not written
     launch_kernel(module, "kl_penalty", "forward", a, grad.device, "kl_penalty_loss")
     a.totals = 0

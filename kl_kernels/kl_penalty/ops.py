@@ -170,7 +170,7 @@ class _EagerTotal(torch.autograd.Function):
         # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
         loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
         rest = torch.frombuffer(array.array("f", parts), dtype=torch.float32)  # rounded as torch.tensor would
-        count = torch.scalar_tensor(int(totals[6]), dtype=torch.int64)
+        count = torch.scalar_tensor(int(totals[-1]), dtype=torch.int64)  # the last total: the token count
         ctx.mark_non_differentiable(rest, count)
         return loss, rest, count
 
