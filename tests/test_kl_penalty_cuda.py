@@ -14,13 +14,18 @@ from hypothesis import strategies as st
 from kl_kernels import kl_penalty_loss
 from loss_batches import AGGREGATIONS, LOSS_LAYOUTS, check_loss, loss_cases
 from test_kl_penalty_fused import (_padded_batch, check_inputs_never_modified, check_long_row,
-                                    check_nan_at_a_counted_token, check_non_contiguous)
+                                    check_nan_at_a_counted_token, check_negative_bit,
+                                    check_non_contiguous)
 
 pytestmark = pytest.mark.cuda
 
 
 def test_non_contiguous_inputs():
     check_non_contiguous("cuda", "cuda")
+
+
+def test_negative_bit_inputs():
+    check_negative_bit("cuda", "cuda")
 
 
 def test_nan_at_a_counted_token():

@@ -104,6 +104,28 @@ def check_non_contiguous(backend, device="cpu"):
     torch.testing.assert_close(lp_s.grad, lp_c.grad, rtol=0, atol=0)
 
 
+def check_negative_bit(backend, device="cpu"):
+    """Inputs carrying torch's negative bit (``z.conj().imag``) give exactly the loss, parts and
+    gradients of plain tensors with the same values, for a summed aggregation (the CPU folds it
+    into the kernel, launched directly), per-token outputs and an upstream gradient with the bit."""
+    from test_kl_reward_fused import negated_view
+    b = _on(_padded_batch(T=41, seed=2), device)
+    beta = torch.rand(5, device=device)
+    upstream = torch.linspace(-1, 1, 5 * 41, device=device).reshape(5, 41)
+    for aggregation in ("token-mean", "none"):
+        results = []
+        for view in ((lambda x: x), negated_view):
+            leaves = [b["log_probs"].clone().requires_grad_(), b["entropy"].clone().requires_grad_()]
+            data = {k: (view(v) if v.is_floating_point() else v) for k, v in b.items()
+                    if k not in ("log_probs", "entropy")}
+            out = kl_penalty_loss(view(leaves[0]), entropy=view(leaves[1]), beta=view(beta), clip_epsilon=0.2,
+                                  entropy_coef=0.1, estimator="k3", aggregation=aggregation, backend=backend, **data)
+            out.loss.backward(view(upstream.clone()) if aggregation == "none" else None, inputs=leaves)
+            results.append([*out, *(leaf.grad for leaf in leaves)])
+        for i, (x, y) in enumerate(zip(*results)):
+            assert torch.equal(x, y), f"{aggregation}: output {i}"
+
+
 def check_long_row(backend, device="cpu", thread_counts=(None, None)):
     """One row of 70001 tokens (beyond 65535; several tiles) next to short and empty ones: float64-
     accurate sums against the reference, and bitwise identical results over repeated calls (and
@@ -147,6 +169,11 @@ def check_inputs_never_modified(backend, device="cpu"):
 @pytest.mark.parametrize("backend", FUSED)
 def test_non_contiguous_inputs(backend):
     check_non_contiguous(backend)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_negative_bit_inputs(backend):
+    check_negative_bit(backend)
 
 
 @pytest.mark.parametrize("backend", FUSED)

@@ -17,7 +17,8 @@ from kl_kernels import kl_penalty_loss
 from kl_kernels.kl_penalty import ops  # noqa: F401  (registers kl_kernels::kl_penalty_triton_fwd / _bwd)
 from loss_batches import AGGREGATIONS, LOSS_LAYOUTS, check_loss, loss_cases
 from test_kl_penalty_fused import (_op_args, _padded_batch, check_fullgraph_compile, check_inputs_never_modified,
-                                    check_long_row, check_nan_at_a_counted_token, check_non_contiguous)
+                                    check_long_row, check_nan_at_a_counted_token, check_negative_bit,
+                                    check_non_contiguous)
 
 pytestmark = pytest.mark.triton
 DEVICE = triton_device() or "cpu"
@@ -69,6 +70,10 @@ def test_same_as_cpu_kernel_on_every_output():
 
 def test_non_contiguous_inputs():
     check_non_contiguous("triton", DEVICE)
+
+
+def test_negative_bit_inputs():
+    check_negative_bit("triton", DEVICE)
 
 
 def test_long_row_and_determinism():

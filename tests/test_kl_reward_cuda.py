@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from batches import LAYOUTS, Case, backend_accepts, build, check, to_device
 from kl_kernels import BackendUnavailableError, kl_reward
 from strategies import cases
-from test_kl_reward_fused import _batch, check_million_token_row, check_nan_through_the_clamps
+from test_kl_reward_fused import _batch, check_million_token_row, check_nan_through_the_clamps, check_negative_bit
 from test_kl_reward_grad import GRAD_LAYOUTS, check_gradients
 from test_kl_reward_oracle import _auto_is_ambiguous, _long_case
 
@@ -93,6 +93,11 @@ def test_non_contiguous_and_misaligned_inputs(layout):
                          **kw_of(base))
         for name, a, b in zip(("kl", "reward", "ref", "kl_sum", "count"), got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_negative_bit_inputs(layout):
+    check_negative_bit(layout, "cuda", "cuda")
 
 
 def test_runs_on_the_current_stream_without_host_sync():

@@ -125,6 +125,59 @@ def test_non_contiguous_inputs(layout):
     check_non_contiguous(layout, "cpu")
 
 
+def negated_view(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values, held negated in memory under torch's negative bit (``z.conj().imag`` of a
+    complex ``z``; differentiable): a kernel reading the memory without applying the bit sees -x."""
+    v = torch.complex(torch.zeros_like(x), -x).conj().imag
+    assert v.is_neg() and torch.equal(v, x)
+    return v
+
+
+def check_negative_bit(layout, backend, device="cpu"):
+    """Inputs and an upstream gradient carrying torch's negative bit give exactly the results and
+    gradients of plain tensors with the same values, with autograd (the custom op, whose dispatch
+    applies the bit) and without (the launcher called directly, which must apply it itself)."""
+    lp, ref, mask, offsets, lengths = _batch(device, n_seq=9, max_len=90, seed=4)
+    reward = torch.randn(lp.shape, device=device)
+    coef = torch.rand(offsets.shape[0] - 1, device=device)
+    kw = dict(mask=mask, offsets=offsets, estimator="k3", return_ref=True, backend=backend)
+    if layout == "padded":
+        from kl_kernels import ragged
+        pad = lambda x: ragged.to_padded(x, offsets, padding_side="left")  # noqa: E731
+        lp, ref, reward = pad(lp), pad(ref), pad(reward)
+        kw.update(mask=pad(mask), offsets=None, lengths=lengths)
+    upstream = torch.linspace(-1, 1, lp.numel(), device=device).reshape(lp.shape)
+    for graph in (False, True):
+        results = []
+        for negated in (False, True):
+            leaves = [lp.clone().requires_grad_(graph), ref.clone().requires_grad_(graph)]
+            view = negated_view if negated else (lambda x: x)
+            out = kl_reward(view(leaves[0]), view(leaves[1]), view(reward), coef=view(coef), detach=not graph, **kw)
+            if graph:
+                (out.kl * 0.5 + out.reward * 0.25).backward(view(upstream.clone()), inputs=leaves)
+            results.append([*out, *(leaf.grad for leaf in leaves if graph)])
+        for name, a, b in zip(("kl", "reward", "ref", "kl_sum", "count", "grad lp", "grad ref"), *results):
+            assert torch.equal(a, b), f"{name} ({'autograd' if graph else 'no autograd'})"
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_negative_bit_inputs(layout):
+    check_negative_bit(layout, "cpu")
+
+
+def test_negative_bit_in_lists():
+    """A list with a tensor under the negative bit is packed (torch.cat applies the bit), not read in place."""
+    lps = [torch.rand(n) for n in (5, 0, 8)]
+    refs = [torch.rand(n) for n in (5, 0, 8)]
+    want = kl_reward(lps, refs, None, backend="cpu")
+    for which in (lps, refs):
+        which[2] = negated_view(which[2])
+        got = kl_reward(lps, refs, None, backend="cpu")
+        for a, b in zip(got.kl, want.kl):
+            assert torch.equal(a, b)
+        which[2] = which[2].clone()  # back to a plain tensor
+
+
 def test_int64_addressing_beyond_2_pow_31():
     """Inputs read at element offsets > 2^31: a padded view whose row stride is 2^31 + 5, over an
     untouched (lazily mapped) bf16 buffer; compared with a contiguous copy."""
@@ -385,7 +438,18 @@ def test_lists_are_read_in_place_only_when_the_kernel_can():
     assert _list_problem(with_grad, refs, detach=True).layout == "list"
 
 
-def test_sequence_list_reads_only_what_the_kernel_can():
+@pytest.fixture(params=["dlpack", "attributes"])
+def list_reader(request, monkeypatch):
+    """SequenceList.of reading tensors through DLPack's exchange table or their Python attributes."""
+    from kl_kernels import _extensions, ragged
+    if request.param == "dlpack":
+        # torch 2.13 (CI's pin) has the table: the fast path must really be the one tested here
+        assert _extensions.load("_C")[0].exchange_api_version(torch.Tensor) == (1, 3)
+    monkeypatch.setattr(ragged, "READ_THROUGH_DLPACK", request.param == "dlpack")
+    return request.param
+
+
+def test_sequence_list_reads_only_what_the_kernel_can(list_reader):
     """SequenceList.of (the extension's one pass over a list): the addresses and offsets the
     kernel reads, and None for every list it could not read in place."""
     from kl_kernels.ragged import SequenceList
@@ -420,8 +484,14 @@ def test_sequence_list_reads_only_what_the_kernel_can():
     for bad in ([], iter(same), [torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16)],
                 [torch.zeros(3, dtype=torch.float64)], [torch.zeros(3, 2)[:, 0]], [torch.tensor(1.0)],
                 [torch.zeros(2, 2)], [torch.nn.Parameter(torch.zeros(3))], [nested], [sparse],
-                [torch.zeros(3, device="meta")], [torch.zeros(3), 1.0], [None]):
+                [torch.zeros(3, device="meta")], [torch.zeros(3), 1.0], [None],
+                [torch.zeros(3), torch._neg_view(torch.zeros(2))],  # a pending negation: torch.cat applies it
+                [torch.zeros(3, dtype=torch.complex64).conj().imag], [torch.zeros(4, 2).t()[0]],
+                [torch.zeros(1, 3)[:, ::2].reshape(-1)[:0], torch.zeros(2, 3)[:, 1]]):
         assert SequenceList.of(bad, floats) is None, bad
+    assert SequenceList.of([torch.zeros(6)[::2][:1], torch.zeros(5)[2:]], floats) is not None  # 1 value: any stride
+    assert SequenceList.of([torch.zeros(4, 1)[1:], torch.zeros(2, 3)[:, :1]], floats, trailing_one=True) is None
+    assert SequenceList.of([torch.zeros(4, 1)[1:], torch.zeros(3, 3)[:1, :1]], floats, trailing_one=True) is not None
 
 
 def test_list_rewards_are_read_in_place_in_either_shape():

@@ -20,7 +20,7 @@ from kl_kernels.kl_reward import ops  # noqa: F401  (registers kl_kernels::kl_re
 from kl_kernels.kl_reward.backends import REGISTRY
 from strategies import cases
 from test_kl_reward_fused import (_batch, _opcheck_samples, check_million_token_row, check_nan_through_the_clamps,
-                                  check_non_contiguous)
+                                  check_negative_bit, check_non_contiguous)
 from test_kl_reward_grad import GRAD_LAYOUTS, check_gradients
 from test_kl_reward_oracle import _auto_is_ambiguous, _long_case
 
@@ -92,6 +92,11 @@ def test_deterministic():
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_non_contiguous_inputs(layout):
     check_non_contiguous(layout, "triton", DEVICE)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_negative_bit_inputs(layout):
+    check_negative_bit(layout, "triton", DEVICE)
 
 
 def test_nan_through_the_clamps():

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..kl_reward.launch import (DTYPE_CODES, _ptr, _strides, as_contiguous, coefficient, kernel_module, launch_kernel,
-                                make_args)
+                                make_args, resolved)
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
@@ -35,10 +35,14 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
                      entropy_coef, token_out):
     """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
+    given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta)
+    inputs = resolved(*given)
+    log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta = inputs
     dev = log_probs.device
     module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
                     log_probs.dtype)
+    keep.extend(r for r, t in zip(inputs, given) if r is not t)  # copies made by resolved: the struct points there
     for name, t in (("old", old_log_probs), ("ref", ref_log_probs), ("ent", entropy)):
         if t is not None:
             setattr(a, name, _ptr(t))
@@ -113,6 +117,7 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
              entropy_coef):
     """Scale the saved gradient buffer: grad_lp = (g_tok + g_seq[b]) * grad at counted tokens, and
     (``entropy_grad``) grad_entropy = -entropy_coef * (g_tok + g_seq[b]). Returns (grad_lp, grad_ent or empty)."""
+    grad, g_seq, g_tok, mask, offsets, lengths = resolved(grad, g_seq, g_tok, mask, offsets, lengths)
     dev = grad.device
     module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
     a, keep = _args(module, grad, mask, offsets, lengths, layout, left_pad, 0, False, lp_dtype)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..kl_reward.launch import _strides
+from ..kl_reward.launch import _strides, resolved
 from ..kl_reward.launch_triton import (COMBINE_BLOCK, MIN_BLOCK, _flat, _interpreter_block, _or, _size_bucket,
                                        _tuned, kernel_set, launch_tiles, triton_cdiv)
 
@@ -37,6 +37,8 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
     """Run the Triton forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), as ``launch.forward``."""
+    log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta = resolved(
+        log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta)
     fwd, combine, _ = _kernels()
     dev, shape, total = log_probs.device, log_probs.shape, log_probs.numel()
     packed, batch, width, offsets, lengths, mask_u8, mask_s = _geometry(log_probs, mask, offsets, lengths, layout)
@@ -82,6 +84,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
 def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype,
              entropy_coef):
     """Scale the saved gradient buffer (see ``launch.backward``); returns (grad_lp, grad_ent or empty)."""
+    grad, g_seq, g_tok, mask, offsets, lengths = resolved(grad, g_seq, g_tok, mask, offsets, lengths)
     _, _, bwd = _kernels()
     dev, total = grad.device, grad.numel()
     packed, batch, width, offsets, lengths, mask_u8, mask_s = _geometry(grad, mask, offsets, lengths, layout)

@@ -41,6 +41,15 @@ def as_contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
+def resolved(*tensors):
+    """``tensors`` with torch's lazy negation applied. A real tensor can carry a pending negation
+    (the negative bit, e.g. ``z.conj().imag`` of a complex ``z``) that its memory does not show:
+    a kernel reading its address would see the values unnegated. Every launcher passes its tensor
+    arguments through here first; a tensor without the bit (all but never) comes back as is, for
+    one flag read. ``None`` and in-place lists (checked when they were read) pass through."""
+    return [t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors]
+
+
 def _ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None or x.numel() == 0 else x.data_ptr()
 
@@ -158,6 +167,8 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
             left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan=False):
     """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count). List inputs
     (:class:`~kl_kernels.ragged.SequenceList`) and ``mask_nan`` are for the CPU kernel, outside autograd."""
+    log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef = resolved(
+        log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
     module = kernel_module(log_probs.device)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
@@ -180,6 +191,9 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
 def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
              estimator, straight_through, clamp, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
     """Run the fused backward; returns (grad_log_probs, grad_ref_log_probs)."""
+    log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out, g_kl_sum = \
+        resolved(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out,
+                 g_kl_sum)
     module = kernel_module(log_probs.device)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=None, coef=coef,

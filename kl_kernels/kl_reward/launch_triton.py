@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .launch import _strides
+from .launch import _strides, resolved
 
 # (BLOCK, num_warps) pairs the forward/backward tile kernels are tuned over on a GPU.
 GPU_CONFIGS = ((1024, 4), (2048, 8), (4096, 8), (4096, 16))
@@ -103,6 +103,8 @@ def _or(x, dummy):
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
             left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype):
     """Run the Triton forward; returns (kl, reward_out, ref_out or empty, kl_sum, count)."""
+    log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef = resolved(
+        log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
     fwd, combine, _ = _kernels()
     c = _common(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
                 estimator, clamp)
@@ -147,6 +149,9 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
 def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
              estimator, straight_through, clamp, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
     """Run the Triton backward; returns (grad_log_probs, grad_ref_log_probs)."""
+    log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out, g_kl_sum = \
+        resolved(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out,
+                 g_kl_sum)
     _, _, bwd = _kernels()
     c = _common(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
                 estimator, clamp)
