@@ -361,9 +361,11 @@ def _sequence_facts_kernel():
     return _extensions.kernel("_C", "sequence_facts")[0]
 
 
-def to_list(values: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
-    """:class:`Ragged` parts -> list of views ``values[offsets[b]:offsets[b+1]]``."""
-    lengths = offsets_to_lengths(offsets).tolist()
+def to_list(values: torch.Tensor, offsets: torch.Tensor, lengths: list[int] | None = None) -> list[torch.Tensor]:
+    """:class:`Ragged` parts -> list of views ``values[offsets[b]:offsets[b+1]]``. ``lengths``: the
+    sequence lengths as Python ints, when the caller has them already (several splits of one layout)."""
+    if lengths is None:
+        lengths = offsets_to_lengths(offsets).tolist()
     if values.requires_grad or torch.compiler.is_compiling():
         return list(values.split(lengths))
     # Outside autograd the views need no view tracking (the parts never overlap, so an in-place

@@ -156,7 +156,8 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
 def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None) -> list[dict]:
     """TorchRL 0.14's ``KLComputation`` on a lazily stacked TensorDict (its native ragged input:
     k1, no mask, per-token reward ``[L, 1]``) against kl_reward on the same per-sample tensors
-    (list layout: packing included) and on packed tensors. Skipped without torchrl."""
+    (list layout: read in place) and on packed tensors; the results are concatenated for the check
+    outside the timed calls. Skipped without torchrl."""
     try:
         from tensordict import TensorDict, lazy_stack
         from torchrl.envs.llm.transforms.kl import KLComputation
@@ -172,25 +173,24 @@ def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget
     transform = KLComputation(gen_log_probs_full_key=("log_probs", "full"),
                               ref_log_probs_full_key=("ref_log_probs", "full"), coeff=COEF)
 
-    def torchrl_call():  # it writes kl_penalty and reward back into td: re-running repeats the same work
-        out = transform(td)
+    def torchrl_kl(out) -> tuple:  # what is checked, outside the timed call
         return (torch.cat(out.get("kl_penalty", as_list=True)), None, None)
 
     packed_reward = torch.zeros(batch.lp.shape[0], 1, device=batch.lp.device)
-    found = [Contender("TorchRL KLComputation (lazy stack)", "list", torchrl_call)]
+    # KLComputation writes kl_penalty and reward back into td: re-running repeats the same work
+    found = [Contender("TorchRL KLComputation (lazy stack)", "list", lambda: transform(td), extract=torchrl_kl)]
     problem = _problem(batch, "packed")
     for backend in REGISTRY:
         if backend.auto_rejection_reasons(problem):
             continue
         name = f"kl_reward[{backend.name}]"
-        calls = {"list": lambda b=backend.name: _first(kl_reward(lps, refs_, rewards, coef=COEF, backend=b)),
-                 "packed": lambda b=backend.name: _first(kl_reward(batch.lp, batch.ref, packed_reward, coef=COEF,
-                                                                   offsets=batch.offsets, reward_placement="token",
-                                                                   backend=b))}
+        calls = {"list": lambda b=backend.name: kl_reward(lps, refs_, rewards, coef=COEF, backend=b),
+                 "packed": lambda b=backend.name: kl_reward(batch.lp, batch.ref, packed_reward, coef=COEF,
+                                                            offsets=batch.offsets, reward_placement="token", backend=b)}
         try:
             for layout, fn in calls.items():
                 fn()
-                found.append(Contender(name, layout, fn))
+                found.append(Contender(name, layout, fn, extract=_first))
         except Exception:  # noqa: BLE001 - a backend that cannot run here is simply not a contender
             continue
     want = (kl_reward(batch.lp, batch.ref, offsets=batch.offsets, coef=COEF, backend="torch").kl, None, None)
@@ -207,5 +207,6 @@ def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget
 
 
 def _first(out) -> tuple:
+    """kl_reward's kl as one packed tensor (what is checked, outside the timed call)."""
     kl = torch.cat(out.kl) if isinstance(out.kl, list) else out.kl
     return (kl, None, None)

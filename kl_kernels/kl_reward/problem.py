@@ -147,12 +147,16 @@ class OutputLayout:
 
     def restore(self, raw: RawOutputs) -> KLRewardOutput:
         reward = raw.reward.unsqueeze(-1) if self.reward_trailing else raw.reward
-        ref = self._tokens(raw.ref_log_probs) if raw.ref_log_probs is not None else None
-        return KLRewardOutput(self._tokens(raw.kl), self._tokens(reward), ref, raw.kl_sum, raw.count)
+        # lists: the lengths as Python ints once for every output (a lazily stacked batch calls this per step)
+        lengths = ragged.offsets_to_lengths(self.offsets).tolist() if self.kind == "list" else None
+        ref = self._tokens(raw.ref_log_probs, lengths) if raw.ref_log_probs is not None else None
+        return KLRewardOutput(self._tokens(raw.kl, lengths), self._tokens(reward, lengths), ref, raw.kl_sum, raw.count)
 
-    def _tokens(self, x: torch.Tensor):
+    def _tokens(self, x: torch.Tensor, lengths: list[int] | None):
         if self.kind in ("packed", "padded"):
             return x
+        if self.kind == "list":
+            return ragged.to_list(x, self.offsets, lengths)
         return ragged.unpack(x, ragged.RaggedLayout(self.kind, self.offsets))
 
 

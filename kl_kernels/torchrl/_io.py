@@ -59,7 +59,8 @@ def has(td: TensorDictBase, key) -> bool:
 
 def plain_samples(td: LazyStackedTensorDict) -> bool:
     """A lazy stack of plain, unlocked TensorDicts: their entries can be read and set directly."""
-    return not td.is_locked and all(type(sub) is TensorDict and not sub.is_locked for sub in td.tensordicts)
+    # _is_locked, the attribute behind TensorDict.is_locked (a Python property): this runs per sample and call
+    return not td.is_locked and all([type(sub) is TensorDict and not sub._is_locked for sub in td.tensordicts])
 
 
 def shallow_copy(td: TensorDictBase) -> TensorDictBase:
@@ -120,9 +121,9 @@ def entries_at(entries: list[dict], key) -> list | None:
     try:
         nodes = [e[path[0]] for e in entries]
         for name in path[1:]:
-            nodes = [n._tensordict[name] if isinstance(n, TensorDict) else None for n in nodes]
-            if any([n is None for n in nodes]):
+            if not all([type(n) is TensorDict for n in nodes]):  # a leaf or another container on the way
                 return None
+            nodes = [n._tensordict[name] for n in nodes]
     except KeyError:
         return None
     return nodes
