@@ -152,7 +152,7 @@ class OutputLayout:
         ref = self._tokens(raw.ref_log_probs, lengths) if raw.ref_log_probs is not None else None
         return KLRewardOutput(self._tokens(raw.kl, lengths), self._tokens(reward, lengths), ref, raw.kl_sum, raw.count)
 
-    def _tokens(self, x: torch.Tensor, lengths: list[int] | None):
+    def _tokens(self, x: torch.Tensor, lengths: list[int] | None = None):
         if self.kind in ("packed", "padded"):
             return x
         if self.kind == "list":
