@@ -15,6 +15,7 @@ cached, so a missing extension never breaks ``import kl_kernels``.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -71,6 +72,19 @@ class Backend:
             reasons += self.requires(problem)
         return reasons
 
+    def accepts(self, problem, *, auto: bool = False) -> bool:
+        """Whether :meth:`rejection_reasons` (:meth:`auto_rejection_reasons` with ``auto``) is empty,
+        without building the messages: ``"auto"`` asks it of every backend ahead of the chosen one,
+        on every call."""
+        device = problem.device.type
+        if device not in self.devices or (auto and self.auto_devices is not None and device not in self.auto_devices):
+            return False
+        if _unavailable_reasons(self.availability) or not problem.dtypes <= self.dtypes:
+            return False
+        if problem.layout not in self.layouts or (self.max_tokens is not None and problem.num_tokens > self.max_tokens):
+            return False
+        return self.requires is None or not self.requires(problem)
+
     def auto_rejection_reasons(self, problem) -> list[str]:
         """rejection_reasons, plus devices where it runs only when asked for by name."""
         reasons = self.rejection_reasons(problem)
@@ -97,6 +111,15 @@ def _unavailable_reasons(availability: Callable[[], list]) -> tuple:
     Probing imports extensions and asks the driver, which dynamo cannot (and need not) trace:
     the answer does not change within a process, so the traced graph takes it as a constant.
     """
+    return _probe_once(availability)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_once(availability: Callable[[], list]) -> tuple:
+    # Once per probe and process: what it asks (extension loaded and holding the kernel, CUDA
+    # visible, Triton installed) cannot change while the process runs, and "auto" asks every
+    # backend ahead of the chosen one on every call (~20 us each, a lazy stack's whole budget
+    # per sample at B = 4). A forked child inherits the answers, as it inherits the loaded modules.
     return tuple(availability())
 
 
@@ -127,10 +150,8 @@ def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backen
             raise BackendUnavailableError(
                 f"{op}: backend {name!r}{source} cannot run these inputs:\n  - " + "\n  - ".join(reasons))
         return chosen
-    all_reasons = []
     for candidate in registry:
-        reasons = candidate.auto_rejection_reasons(problem)
-        if not reasons:
+        if candidate.accepts(problem, auto=True):
             return candidate
-        all_reasons.append(f"{candidate.name}: " + "; ".join(reasons))
+    all_reasons = [f"{candidate.name}: " + "; ".join(candidate.auto_rejection_reasons(problem)) for candidate in registry]
     raise BackendUnavailableError(f"{op}: no backend can run these inputs:\n  - " + "\n  - ".join(all_reasons))

@@ -67,6 +67,31 @@ def test_auto_falls_back_to_torch_and_explicit_torch_works():
     assert torch.equal(a.kl, b.kl)
 
 
+def test_accepts_agrees_with_the_reasons():
+    """"auto" asks Backend.accepts (no messages built); the reasons it stands for must agree on
+    every backend, for problems each backend runs and declines (dtype, mixed dtypes, lists, mask_nan,
+    a token limit, the device)."""
+    from dataclasses import replace
+
+    from kl_kernels.kl_reward.problem import build_problem
+    lists = [-torch.rand(n) for n in (3, 0, 5)]
+    cases = [((LP, REF), {}), ((LP.double(), REF.double()), {}), ((LP, REF.half()), {}),
+             ((lists, [t.clone() for t in lists]), {}), ((LP, REF), {"mask_nan": True}),
+             ((lists, lists), {"mask_nan": True})]
+    problems = []
+    for args, kw in cases:
+        options = dict(coef=1.0, estimator="k1", mask=None, offsets=None, lengths=None, padding_side="left",
+                       prompt_lens=None, reward_placement="auto", clamp_input=None, clamp_output=None,
+                       return_ref=False, detach=True, mask_nan=False)
+        problems.append(build_problem(*args, None, **{**options, **kw})[0])
+    assert {p.layout for p in problems} == {"padded", "list"}
+    meta = replace(problems[0], log_probs=LP.to("meta"))  # a device no backend runs
+    for backend in REGISTRY + [replace(REGISTRY[-1], max_tokens=5)]:
+        for problem in problems + [meta]:
+            assert backend.accepts(problem) == (not backend.rejection_reasons(problem)), (backend.name, problem)
+            assert backend.accepts(problem, auto=True) == (not backend.auto_rejection_reasons(problem))
+
+
 def test_env_override(monkeypatch):
     monkeypatch.setenv("KL_KERNELS_BACKEND", "torch")
     kl_reward(LP, REF)

@@ -22,6 +22,11 @@ int dispatch(const KLRewardArgs& a, int threads, bool backward_pass) {
 
 int kl_reward_forward_cpu(const KLRewardArgs& args, int num_threads) { return dispatch(args, num_threads, false); }
 
+int kl_reward_forward_check(const KLRewardArgs& a) {
+  const bool dtype_ok = a.dtype == kFloat32 || a.dtype == kBFloat16 || a.dtype == kFloat16;
+  return dtype_ok && (a.reward_dtype == a.dtype || a.reward_dtype == kFloat32) ? 0 : 1;
+}
+
 int kl_reward_backward_cpu(const KLRewardArgs& args, int num_threads) { return dispatch(args, num_threads, true); }
 
 }  // namespace kl

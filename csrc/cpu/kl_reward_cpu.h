@@ -9,4 +9,8 @@ namespace kl {
 int kl_reward_forward_cpu(const KLRewardArgs& args, int num_threads);
 int kl_reward_backward_cpu(const KLRewardArgs& args, int num_threads);
 
+// The error code kl_reward_forward_cpu would return before touching memory (0: it would run), so
+// a deferred run can be refused up front instead of failing after its outputs were handed out.
+int kl_reward_forward_check(const KLRewardArgs& args);
+
 }  // namespace kl

@@ -6,6 +6,8 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <exception>
+#include <functional>
 
 #include "common/bind_args.h"
 #include "common/build_info.h"
@@ -29,6 +31,7 @@ py::dict probe() {
   py::list kernels;
   kernels.append("kl_reward_forward");
   kernels.append("kl_reward_backward");
+  kernels.append("kl_reward_forward_during");
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
   info["kernels"] = kernels;
@@ -51,6 +54,32 @@ py::tuple int64_facts(uintptr_t ptr, int64_t n) {
   return py::make_tuple(v[0], v[n - 1], lo, hi, sorted);
 }
 
+// The fused forward, calling the Python callable `during` on this thread while the kernel's tiles
+// run on the others (kl::run_with_caller_work): Python splits the outputs into per-sample views and
+// stores them meanwhile, and then joins the tiles. `during` must not read the outputs. A Python
+// exception in it propagates (after the kernel finished); dtypes the kernel refuses are refused
+// before `during` runs, so outputs it handed out are never left unwritten.
+int kl_reward_forward_during(const kl::KLRewardArgs& args, int num_threads, py::function during) {
+  const int refused = kl::kl_reward_forward_check(args);
+  if (refused != 0) return refused;
+  std::exception_ptr failure;
+  const std::function<void()> work = [&] {
+    py::gil_scoped_acquire gil;
+    try {
+      during();
+    } catch (...) {  // never through the OpenMP runtime's frames: rethrown below, with the GIL
+      failure = std::current_exception();
+    }
+  };
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = kl::run_with_caller_work(work, [&] { return kl::kl_reward_forward_cpu(args, num_threads); });
+  }
+  if (failure) std::rethrow_exception(failure);
+  return code;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -68,6 +97,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward forward on the CPU; returns 0 or an error code (1: unsupported dtypes).");
+  m.def("kl_reward_forward_during", &kl_reward_forward_during, py::arg("args"), py::arg("num_threads"),
+        py::arg("during"),
+        "Fused kl_reward forward on the CPU, calling during() on this thread while the other threads start\n"
+        "on the tiles (it must not read the outputs); returns 0 or an error code.");
   m.def("kl_reward_backward", &kl::kl_reward_backward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward backward on the CPU; returns 0 or an error code (1: unsupported dtypes).");

@@ -124,7 +124,16 @@ struct TileJob {
   const std::function<void(int64_t)>* fn = nullptr;
 };
 
+// The calling thread's work for its next run_tiles (run_with_caller_work). Thread-local, so in a
+// parallel region only the thread that set it (the region's caller, thread 0) sees it.
+thread_local const std::function<void()>* caller_work = nullptr;
+
 void tile_worker(void* data) {
+  if (caller_work != nullptr) {
+    const std::function<void()>* work = caller_work;
+    caller_work = nullptr;  // before running it: the work may itself launch a kernel
+    (*work)();
+  }
   TileJob* job = static_cast<TileJob*>(data);
   for (int64_t k = job->next.fetch_add(1); k < job->tiles; k = job->next.fetch_add(1)) (*job->fn)(k);
 }
@@ -138,6 +147,11 @@ const char* parallel_runtime() {
 void run_tiles(int64_t tiles, int threads, const std::function<void(int64_t)>& fn) {
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
   if (threads == 1) {
+    if (caller_work != nullptr) {
+      const std::function<void()>* work = caller_work;
+      caller_work = nullptr;
+      (*work)();
+    }
     for (int64_t k = 0; k < tiles; ++k) fn(k);
     return;
   }
@@ -151,6 +165,22 @@ void run_tiles(int64_t tiles, int threads, const std::function<void(int64_t)>& f
   }
   const std::function<void()> worker = [&job]() { tile_worker(&job); };
   pool().run(threads - 1, worker);
+}
+
+int run_with_caller_work(const std::function<void()>& work, const std::function<int()>& body) {
+  caller_work = &work;
+  int code;
+  try {
+    code = body();
+  } catch (...) {
+    caller_work = nullptr;
+    throw;
+  }
+  if (caller_work != nullptr) {  // body returned before any run_tiles
+    caller_work = nullptr;
+    work();
+  }
+  return code;
 }
 
 }  // namespace kl

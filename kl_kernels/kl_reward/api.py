@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
 from .. import backends as _dispatch
 from .backends import REGISTRY
+from .ops import run_fused_list
 from .problem import KLRewardOutput, build_problem
 
 
@@ -102,6 +104,25 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         >>> out.count
         tensor([2, 3])
     """
+    return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
+                      lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
+                      reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
+                      return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend)
+
+
+def kl_reward_storing(store: Callable[[KLRewardOutput], None], *args, **kwargs) -> KLRewardOutput:
+    """:func:`kl_reward` (same arguments), calling ``store(out)`` with its outputs before returning
+    them, possibly while the kernel is still writing them: ``store`` may put the output tensors
+    somewhere (a transform setting per-sample views into the samples' TensorDicts) but must not read
+    their values. For list inputs on the CPU that work overlaps the kernel. An exception from
+    ``store`` propagates once the kernel is done."""
+    return _kl_reward(*args, store=store, **kwargs)
+
+
+def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
+               lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
+               clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
+               store=None) -> KLRewardOutput:
     problem, layout = build_problem(
         log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
@@ -114,6 +135,19 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         # Lists read in place: only the cpu backend takes them; any other choice gets them packed.
         problem = problem.packed()
         impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
+    if problem.layout == "list":
+        # Only the cpu backend reads lists in place (select chose it), always without autograd.
+        # Its kernel writes the outputs while this thread splits them into per-sequence views.
+        done = []
+        run_fused_list(problem, lambda raw: done.append(_restore(layout, raw, store)))
+        return done[0]
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)
-    return layout.restore(raw)
+    return _restore(layout, raw, store)
+
+
+def _restore(layout, raw, store):
+    out = layout.restore(raw)
+    if store is not None:
+        store(out)
+    return out

@@ -151,12 +151,19 @@ def launch_kernel(module, op: str, kind: str, args, device, what: str) -> None:
                 code = getattr(module, name)(args, _ptr(workspace), stream)
             else:
                 code = getattr(module, name)(args, stream)
+    raise_for(code, module, what)
+
+
+def raise_for(code: int, module, what: str) -> None:
+    """A kernel's error code (0: success) as a RuntimeError naming ``what``."""
     if code == 1:
         raise RuntimeError(f"{what} kernel: unsupported dtype combination")
     if code == 2:
         raise RuntimeError(f"{what} kernel: too many tokens for one launch")
     if code == 3:
         raise RuntimeError(f"{what} kernel: list inputs, mask_nan and batch totals are for the CPU forward only")
+    if code == 4:
+        raise RuntimeError(f"{what} kernel: out of host memory for its scratch")
     if code >= 1000:
         raise RuntimeError(f"{what} CUDA kernel launch failed: {module.error_string(code - 1000)}")
     if code != 0:
@@ -167,6 +174,40 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
             left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan=False):
     """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count). List inputs
     (:class:`~kl_kernels.ragged.SequenceList`) and ``mask_nan`` are for the CPU kernel, outside autograd."""
+    outputs, args, module, keep = _prepare_forward(
+        log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
+        placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan)
+    launch_kernel(module, "kl_reward", "forward", args, outputs[0].device, "kl_reward")
+    del keep
+    return outputs
+
+
+def forward_during(during, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar,
+                   layout, left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype,
+                   mask_nan=False):
+    """:func:`forward` on the CPU, calling ``during(outputs)`` with the outputs *not yet written*
+    while the kernel's tiles run on torch's other threads; then this thread joins the tiles. For
+    callers with Python work that does not read the outputs (splitting them into per-sample views,
+    storing those): it overlaps the kernel instead of following it. Returns the outputs; an
+    exception from ``during`` propagates once the kernel is done. An extension without
+    ``kl_reward_forward_during`` runs the kernel, then ``during``."""
+    outputs, args, module, keep = _prepare_forward(
+        log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
+        placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan)
+    run = getattr(module, "kl_reward_forward_during", None)
+    if run is None:
+        launch_kernel(module, "kl_reward", "forward", args, outputs[0].device, "kl_reward")
+        during(outputs)
+    else:
+        raise_for(run(args, torch.get_num_threads(), lambda: during(outputs)), module, "kl_reward")
+    del keep
+    return outputs
+
+
+def _prepare_forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar,
+                     layout, left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype,
+                     mask_nan):
+    """The forward's outputs (allocated) and filled argument struct, its module, and what it points into."""
     log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef = resolved(
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
     module = kernel_module(log_probs.device)
@@ -174,6 +215,8 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
                            lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=placement,
                            estimator=estimator, straight_through=straight_through, clamp=clamp, mask_nan=mask_nan)
+    # The inputs themselves too: resolved() may have made copies that nothing else holds.
+    keep += [log_probs, ref_log_probs, mask, reward]
     shape, dev = log_probs.shape, log_probs.device
     kl = torch.empty(shape, dtype=log_probs.dtype, device=dev)
     reward_out = torch.empty(shape, dtype=reward_dtype, device=dev)
@@ -183,9 +226,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
     args.reward_dtype = DTYPE_CODES[reward_dtype]
     args.kl, args.reward_out, args.ref_out = _ptr(kl), _ptr(reward_out), _ptr(ref_out) if return_ref else 0
     args.kl_sum, args.count = _ptr(kl_sum), _ptr(count)
-    launch_kernel(module, "kl_reward", "forward", args, dev, "kl_reward")
-    del keep
-    return kl, reward_out, ref_out, kl_sum, count
+    return (kl, reward_out, ref_out, kl_sum, count), args, module, keep
 
 
 def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,

@@ -14,7 +14,7 @@ never causes a recompilation.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -109,3 +109,23 @@ def run_fused(p: KLRewardProblem, triton: bool = False) -> RawOutputs:
         # Eager and no autograd: the op would only add dispatcher overhead around the same launch.
         kl, reward, ref_out, kl_sum, count = (launch_triton if triton else launch).forward(*args)
     return RawOutputs(kl, reward, ref_out if p.return_ref else None, kl_sum, count)
+
+
+def run_fused_list(p: KLRewardProblem, during: Callable[[RawOutputs], None]) -> RawOutputs:
+    """The cpu backend on the ``"list"`` layout, calling ``during(raw)`` while the kernel runs on
+    torch's other threads: ``raw``'s tensors are not yet written, ``during`` may only make views
+    of them and store those (see ``launch.forward_during``)."""
+    coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
+    coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
+    clamp = [*launch.clamp_bounds(p.clamp_input), *launch.clamp_bounds(p.clamp_output)]
+
+    def raw_of(outputs) -> RawOutputs:
+        kl, reward, ref_out, kl_sum, count = outputs
+        return RawOutputs(kl, reward, ref_out if p.return_ref else None, kl_sum, count)
+
+    outputs = launch.forward_during(
+        lambda outputs: during(raw_of(outputs)), p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths,
+        p.prompt_lens, p.reward, coef_tensor, coef_scalar, launch.LAYOUT_CODES[p.layout], p.padding_side == "left",
+        launch.PLACEMENT_CODES[p.placement], launch.ESTIMATOR_CODES[p.estimator.rstrip("+")],
+        p.estimator.endswith("+"), clamp, p.return_ref, p.reward_dtype, mask_nan=p.mask_nan)
+    return raw_of(outputs)

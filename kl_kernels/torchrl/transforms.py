@@ -16,6 +16,7 @@ from torchrl.envs.llm.transforms import kl as _trl
 
 from .. import ragged
 from ..kl_reward import kl_reward
+from ..kl_reward.api import kl_reward_storing
 from ._io import Batch, entries_at, has, put_entries, read, sample_entries, shallow_copy, write
 
 _ASSISTANT_MASK = ("masks", "all_assistant_mask")
@@ -146,19 +147,25 @@ class KLComputation(_trl.KLComputation):
         reward = entries_at(entries, "reward") if self.add_to_reward else None
         if gen is None or ref is None or (self.add_to_reward and reward is None):
             return False
+        stored = []
+
+        def store(out):
+            if reward is not None and out.reward[0].dim() != 2:
+                return  # a reward [L] per sample: TorchRL's shape check belongs to the general path
+            # kl_reward took every input from one device and gave its results there: each sample,
+            # holding inputs on that device, has no other device, so the results go in directly.
+            # (This runs while the kernel may still be writing them: dict stores only.)
+            put_entries(entries, self.kl_key, out.kl)
+            if reward is not None:
+                put_entries(entries, "reward", out.reward)
+            stored.append(True)
+
         try:
-            out = kl_reward(gen, ref, reward, coef=self.coeff, mask_nan=True, padding_side=self.padding_side,
-                            reward_placement="token", detach=False, backend=self.backend)
+            kl_reward_storing(store, gen, ref, reward, coef=self.coeff, mask_nan=True, padding_side=self.padding_side,
+                              reward_placement="token", detach=False, backend=self.backend)
         except (TypeError, ValueError):
             return False  # per-sequence or mixed rewards, mismatched shapes or devices: the general path
-        if reward is not None and out.reward[0].dim() != 2:
-            return False  # a reward [L] per sample: TorchRL's shape check belongs to the general path
-        # kl_reward took every input from one device and gave its results there: each sample,
-        # holding inputs on that device, has no other device, so the results go in directly.
-        put_entries(entries, self.kl_key, out.kl)
-        if reward is not None:
-            put_entries(entries, "reward", out.reward)
-        return True
+        return bool(stored)
 
 
 class KLRewardTransform(_trl.KLRewardTransform):
