@@ -3,6 +3,8 @@ result (computed per sample in float64 below) where TorchRL fails or is wrong.""
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 
 import pytest
@@ -384,7 +386,37 @@ def test_retrievekl_is_a_compose_of_our_transforms_and_equals_torchrl():
     assert_same(got, want, ["kl_penalty", "reward", ("ref_log_probs", "full")])
 
 
-def test_use_ray_service_goes_through_torchrl_ray_machinery():
-    pytest.importorskip("ray")
-    t = ours.KLRewardTransform(ref_model_factory=TinyLM, use_ray_service=True)
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster whose workers import this folder's modules (TinyLM). Skips without ray."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield ray
+        return
+    here, before = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, before) if p)  # inherited by the workers
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    yield ray
+    ray.shutdown()
+
+
+def test_use_ray_service_runs_our_class_on_the_actor(ray_cluster):
+    """use_ray_service=True: TorchRL's RayKLRewardTransform with our class on the remote actor, in
+    an env (the actor has no parent: the local wrapper hands it the action key, without which
+    TorchRL 0.14.1's own actor fails every step), giving what the local transform gives."""
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.llm import ChatEnv
+
+    t = ours.KLRewardTransform(ref_model_factory=functools.partial(TinyLM, seed=2), coef=0.2, use_ray_service=True)
     assert isinstance(t, trl.RayKLRewardTransform)
+    TransformedEnv(ChatEnv(batch_size=(len(LENGTHS),), input_mode="tokens"), t)
+    remote_class = ray_cluster.get(t._actor.__ray_call__.remote(lambda actor: type(actor).__module__))
+    assert remote_class == ours.KLRewardTransform.__module__
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=TinyLM(seed=1), padded=True, padding_side="left",
+                          per_token_reward=True)
+    got = t._step(data.clone(), nxt.clone())
+    want = fixed(ours.KLRewardTransform)(TinyLM(seed=2), coef=0.2)._step(data.clone(), nxt.clone())
+    assert_same(got, want, ["reward", "kl_penalty", "ref_log_probs"])

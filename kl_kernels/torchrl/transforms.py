@@ -194,6 +194,13 @@ class KLRewardTransform(_trl.KLRewardTransform):
         self.detach = detach
         self.backend = backend
 
+    @property
+    def action_key(self):
+        """TorchRL's: the parent env's input mode decides. A Ray actor running this class has no
+        parent; its local wrapper pushes the key it read from its own parent (``_swap_remote_class``)."""
+        pushed = self.__dict__.get("_remote_action_key")
+        return pushed if pushed is not None else _trl.KLRewardTransform.action_key.fget(self)
+
     def _mask_args(self, tensordict, lp: Batch) -> dict:
         """kl_reward's mask / lengths / prompt_lens for the counted tokens."""
         if self.assistant_only:
@@ -347,6 +354,16 @@ def _swap_remote_class(ray_transform_cls, ours):
                 return super()._create_actor(**kwargs)
             finally:
                 self._ray = real
+
+        def set_container(self, container):
+            # TorchRL's KLRewardTransform reads its action key from the parent env, which only this
+            # local wrapper has: in TorchRL 0.14.1 every _step on the actor fails on it. Read it
+            # here, as TorchRL's property would, and hand it to the actor (ours takes it).
+            result = super().set_container(container)
+            if issubclass(ours, _trl.KLRewardTransform) and getattr(self.parent, "base_env", None) is not None:
+                key = _trl.KLRewardTransform.action_key.fget(self)
+                self._ray.get(self._actor._set_attr.remote("_remote_action_key", key))
+            return result
 
     Swapped.__name__ = Swapped.__qualname__ = ray_transform_cls.__name__
     return Swapped
