@@ -144,7 +144,7 @@ def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backen
         chosen = next((b for b in registry if b.name == name), None)
         if chosen is None:
             raise BackendUnavailableError(f"{op}: no backend named {name!r} exists for this op")
-        reasons = chosen.rejection_reasons(problem)
+        reasons = [] if chosen.accepts(problem) else chosen.rejection_reasons(problem)
         if reasons:
             source = f" (from {ENV_VAR})" if backend == "auto" else ""
             raise BackendUnavailableError(

@@ -331,7 +331,11 @@ def test_coefficient_changes_do_not_recompile():
 
 
 def _forked_child_sum(queue, lp, ref, offsets):
-    queue.put(kl_reward(lp, ref, offsets=offsets, backend="cpu").kl_sum.tolist())
+    packed = kl_reward(lp, ref, offsets=offsets, backend="cpu").kl_sum.tolist()
+    # lists: the kernel's tiles on the child's own pool while this thread splits the outputs
+    sizes = torch.diff(offsets).tolist()
+    lists = kl_reward(list(lp.split(sizes)), list(ref.split(sizes)), backend="cpu").kl_sum.tolist()
+    queue.put((packed, lists))
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork()")
@@ -356,7 +360,7 @@ def test_parallel_kernel_in_a_forked_child():
         if child.is_alive():
             child.kill()
             pytest.fail("kl_reward hung in a forked child")
-        assert child.exitcode == 0 and queue.get(timeout=10) == want
+        assert child.exitcode == 0 and queue.get(timeout=10) == (want, want)
     finally:
         torch.set_num_threads(before)
 
