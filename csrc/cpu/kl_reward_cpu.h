@@ -10,7 +10,7 @@ int kl_reward_forward_cpu(const KLRewardArgs& args, int num_threads);
 int kl_reward_backward_cpu(const KLRewardArgs& args, int num_threads);
 
 // The error code kl_reward_forward_cpu would return before touching memory (0: it would run), so
-// a deferred run can be refused up front instead of failing after its outputs were handed out.
+// an overlapped run (kl_reward_forward_during) is refused before its outputs are handed out.
 int kl_reward_forward_check(const KLRewardArgs& args);
 
 }  // namespace kl

@@ -361,7 +361,10 @@ def _swap_remote_class(ray_transform_cls, ours):
             # here, as TorchRL's property would, and hand it to the actor (ours takes it).
             result = super().set_container(container)
             if issubclass(ours, _trl.KLRewardTransform) and getattr(self.parent, "base_env", None) is not None:
-                key = _trl.KLRewardTransform.action_key.fget(self)
+                try:
+                    key = _trl.KLRewardTransform.action_key.fget(self)
+                except (AttributeError, ValueError):
+                    return result  # not an LLM env (no input mode): the actor fails at its step, as TorchRL's
                 self._ray.get(self._actor._set_attr.remote("_remote_action_key", key))
             return result
 
