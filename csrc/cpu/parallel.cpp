@@ -128,12 +128,16 @@ struct TileJob {
 // parallel region only the thread that set it (the region's caller, thread 0) sees it.
 thread_local const std::function<void()>* caller_work = nullptr;
 
+// Runs this thread's caller work, if any, once.
+void run_caller_work() {
+  if (caller_work == nullptr) return;
+  const std::function<void()>* work = caller_work;
+  caller_work = nullptr;  // before running it: the work may itself launch a kernel
+  (*work)();
+}
+
 void tile_worker(void* data) {
-  if (caller_work != nullptr) {
-    const std::function<void()>* work = caller_work;
-    caller_work = nullptr;  // before running it: the work may itself launch a kernel
-    (*work)();
-  }
+  run_caller_work();
   TileJob* job = static_cast<TileJob*>(data);
   for (int64_t k = job->next.fetch_add(1); k < job->tiles; k = job->next.fetch_add(1)) (*job->fn)(k);
 }
@@ -147,11 +151,7 @@ const char* parallel_runtime() {
 void run_tiles(int64_t tiles, int threads, const std::function<void(int64_t)>& fn) {
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
   if (threads == 1) {
-    if (caller_work != nullptr) {
-      const std::function<void()>* work = caller_work;
-      caller_work = nullptr;
-      (*work)();
-    }
+    run_caller_work();
     for (int64_t k = 0; k < tiles; ++k) fn(k);
     return;
   }
@@ -176,10 +176,7 @@ int run_with_caller_work(const std::function<void()>& work, const std::function<
     caller_work = nullptr;
     throw;
   }
-  if (caller_work != nullptr) {  // body returned before any run_tiles
-    caller_work = nullptr;
-    work();
-  }
+  run_caller_work();  // body returned before any run_tiles
   return code;
 }
 

@@ -147,25 +147,23 @@ class KLComputation(_trl.KLComputation):
         reward = entries_at(entries, "reward") if self.add_to_reward else None
         if gen is None or ref is None or (self.add_to_reward and reward is None):
             return False
-        stored = []
+        if reward is not None and isinstance(reward[0], torch.Tensor) and reward[0].dim() != 2:
+            return False  # a reward [L] per sample: TorchRL's shape check belongs to the general path
 
         def store(out):
-            if reward is not None and out.reward[0].dim() != 2:
-                return  # a reward [L] per sample: TorchRL's shape check belongs to the general path
             # kl_reward took every input from one device and gave its results there: each sample,
             # holding inputs on that device, has no other device, so the results go in directly.
             # (This runs while the kernel may still be writing them: dict stores only.)
             put_entries(entries, self.kl_key, out.kl)
             if reward is not None:
                 put_entries(entries, "reward", out.reward)
-            stored.append(True)
 
         try:
             kl_reward_storing(store, gen, ref, reward, coef=self.coeff, mask_nan=True, padding_side=self.padding_side,
                               reward_placement="token", detach=False, backend=self.backend)
         except (TypeError, ValueError):
             return False  # per-sequence or mixed rewards, mismatched shapes or devices: the general path
-        return bool(stored)
+        return True
 
 
 class KLRewardTransform(_trl.KLRewardTransform):
