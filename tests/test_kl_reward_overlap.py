@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kl_kernels import _extensions, kl_reward
+from kl_kernels import _extensions, kl_reward, ragged
 from kl_kernels.kl_reward.api import kl_reward_storing
 
 
@@ -29,7 +29,7 @@ def _lists(n_seq=150, seed=0):
 
 
 def _packed(lps, refs, rewards, **kw):
-    offsets = torch.tensor([0] + torch.tensor([len(t) for t in lps]).cumsum(0).tolist())
+    offsets = ragged.lengths_to_offsets([len(t) for t in lps])
     return kl_reward(torch.cat(lps), torch.cat(refs), torch.cat(rewards).squeeze(-1), offsets=offsets,
                      reward_placement="token", backend="cpu", **kw)
 
@@ -125,7 +125,7 @@ def test_an_extension_without_the_overlap_runs_kernel_then_store(monkeypatch):
 def test_store_on_other_layouts_sees_finished_outputs():
     """Without lists (packed, padded, the torch backend) store runs after the kernel: same contract."""
     lps, refs, rewards = _lists(seed=5)
-    offsets = torch.tensor([0] + torch.tensor([len(t) for t in lps]).cumsum(0).tolist())
+    offsets = ragged.lengths_to_offsets([len(t) for t in lps])
     for backend in ("cpu", "torch"):
         stored = []
         out = kl_reward_storing(stored.append, torch.cat(lps), torch.cat(refs), offsets=offsets, backend=backend)
