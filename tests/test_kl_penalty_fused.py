@@ -249,6 +249,79 @@ def test_folded_aggregation_without_grad_and_loss_unused():
     assert torch.equal(lp.grad, torch.zeros_like(lp))
 
 
+def _backward_kernel_calls(monkeypatch) -> list:
+    """Records each run of the CPU backward kernel of the folded path (launch.backward_with_args)."""
+    from kl_kernels.kl_penalty import launch
+    calls, real = [], launch.backward_with_args
+    monkeypatch.setattr(launch, "backward_with_args", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def _counted(b) -> torch.Tensor:
+    """Which tokens of _padded_batch's left-padded batch count (valid and in the mask)."""
+    T = b["mask"].shape[1]
+    return b["mask"] & (torch.arange(T) >= T - b["lengths"][:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("upstream", [1.0, 0.37, 0.0, -2.0, float("inf")], ids=str)
+def test_folded_backward_hands_over_its_buffer(upstream, dtype, monkeypatch):
+    """The folded backward returns its float32 gradient buffer scaled in place (no backward kernel,
+    no second buffer) when that gives the kernel's bits: float32 log-probs and a finite upstream
+    gradient with a + sign. Against the backward kernel (forced by retain_graph, which keeps the
+    buffer for a later backward): bit for bit equal gradients, +0 (never -0) at every non-counted
+    token, and the kernel runs exactly where it must."""
+    b = _padded_batch(dtype=dtype)
+    del b["entropy"]  # an entropy gradient always takes the kernel
+    # KL to the old policy with k1: the math on a non-counted token's zeroed inputs has gradient
+    # -beta there, so a buffer masked by a 0/1 product would hold -0.
+    del b["ref_log_probs"]
+    kw = dict(beta=0.3, clip_epsilon=0.2, estimator="k1", backend="cpu")
+    calls = _backward_kernel_calls(monkeypatch)
+
+    def grad(retain: bool) -> torch.Tensor:
+        lp = b["log_probs"].clone().requires_grad_()
+        out = kl_penalty_loss(lp, **{k: v for k, v in b.items() if k != "log_probs"}, **kw)
+        out.loss.backward(torch.tensor(upstream), retain_graph=retain)
+        return lp.grad
+
+    in_place, kernel = grad(False), grad(True)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(in_place.view(bits), kernel.view(bits))
+    assert torch.equal(kernel.view(bits)[~_counted(b)], torch.zeros_like(kernel.view(bits)[~_counted(b)]))
+    hands_over = dtype == torch.float32 and 0.0 <= upstream < float("inf")
+    assert len(calls) == (1 if hands_over else 2)
+
+
+def test_folded_backward_twice_and_under_saved_tensor_hooks(monkeypatch):
+    """A retained graph backpropagated twice: the first backward leaves the saved buffer as it was
+    (the kernel runs), the second may then scale it, and the accumulated gradient is twice one
+    backward's. Under saved-tensor hooks that keep what they are handed, the buffer they hold is
+    never written (the kernel runs)."""
+    b = _padded_batch()
+    rest = {k: v for k, v in b.items() if k not in ("log_probs", "entropy")}
+    calls = _backward_kernel_calls(monkeypatch)
+    lp = b["log_probs"].clone().requires_grad_()
+    kl_penalty_loss(lp, **rest, beta=0.1, backend="cpu").loss.backward()
+    once = lp.grad.clone()
+    assert not calls
+
+    lp.grad = None
+    out = kl_penalty_loss(lp, **rest, beta=0.1, backend="cpu")
+    out.loss.backward(retain_graph=True)
+    out.loss.backward()
+    assert torch.equal(lp.grad, 2 * once) and len(calls) == 1
+
+    kept = []
+    lp.grad = None
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = kl_penalty_loss(lp, **rest, beta=0.1, backend="cpu")
+    before = [t.clone() for t in kept]
+    out.loss.backward()
+    assert torch.equal(lp.grad, once) and len(calls) == 2
+    assert kept and all(torch.equal(t, u) for t, u in zip(kept, before))
+
+
 def check_nan_at_a_counted_token(backend, device="cpu"):
     """A NaN input at a counted token makes the loss NaN, as in the torch reference (the kernels'
     exp/expm1 must not turn it into a number), and the gradient is NaN exactly where the reference's

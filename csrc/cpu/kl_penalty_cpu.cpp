@@ -141,7 +141,10 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         o[3][i] = e;
         o[4][i] = t.ratio * mf;
         o[5][i] = t.clipped * mf;
-        Gb[i] = t.grad * mf;
+        // The gradient buffer is exactly +0 where the token does not count (a 0/1 product would
+        // leave -0 where the finite math gave a negative value), as the backward pass writes it:
+        // an eager backward may scale this buffer in place and hand it over (ops._EagerTotal).
+        Gb[i] = bits_f32(f32_bits(t.grad) & mb);
       }
     };
     if (st) compute(std::true_type{});

@@ -66,8 +66,10 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         float32 (float64 for float64 inputs).
 
     The fused backends keep one float32 gradient buffer (``dloss_t / dlp_t``, written by the forward
-    pass) and nothing else for backward; the backward scales it by the incoming gradient. Results
-    are deterministic (fixed-order sums, no float atomics).
+    pass) and nothing else for backward; the backward scales it by the incoming gradient (on the
+    CPU, for float32 log-probs and a one-weight aggregation, in place: the buffer becomes the
+    gradient, unless the graph is retained). Results are deterministic (fixed-order sums, no float
+    atomics).
 
     Raises:
         TypeError / ValueError: bad input, naming the argument and what was expected, before any

@@ -12,6 +12,7 @@ entropy_coef) are runtime arguments of the schema: changing them never recompile
 from __future__ import annotations
 
 import array
+import math
 from typing import Optional
 
 import torch
@@ -166,6 +167,10 @@ class _EagerTotal(torch.autograd.Function):
         ctx.save_for_backward(grad, mask, offsets, lengths)  # what kernel_args points into, kept alive
         ctx.kernel_args, ctx.keep, ctx.w = kernel_args, keep, w
         ctx.dtypes = (lp.dtype, ent is not None and ent.requires_grad, args[3].dtype)
+        # Saved-tensor hooks (offloading, checkpointing tools) may keep the buffer they were handed:
+        # then the backward must not write into it.
+        top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        ctx.plain_saved = top_hooks is not None and top_hooks(True) is None
         ctx.set_materialize_grads(False)
         # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
         loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
@@ -180,9 +185,26 @@ class _EagerTotal(torch.autograd.Function):
         g_lp = g_ent = None
         if g_loss is not None:
             grad = ctx.saved_tensors[0]
-            g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, float(g_loss) * ctx.w, lp_dtype,
-                                                    entropy_grad, aux_dtype)
+            scale = float(g_loss) * ctx.w
+            if _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale):
+                g_lp = grad.mul_(scale)
+            else:
+                g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, scale, lp_dtype, entropy_grad,
+                                                        aux_dtype)
         return (None, None, g_lp, None, None, None, g_ent) + (None,) * 14
+
+
+def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
+    """Whether :class:`_EagerTotal`'s backward may return its gradient buffer scaled in place
+    instead of a new tensor from the backward kernel: the same values bit for bit (the buffer is
+    +0 at non-counted tokens, as the kernel writes them, and a finite ``scale`` with a + sign keeps
+    them +0), one buffer less and no pass writing fresh memory; autograd then takes the buffer as
+    ``.grad`` without a copy. Only when nothing can read the buffer again: this backward is the
+    graph's last (no ``retain_graph``: the saved buffer is released right after) and no
+    saved-tensor hook may hold it. Float32 log-probs only (the buffer is float32)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+    return (lp_dtype == torch.float32 and not entropy_grad and ctx.plain_saved and math.isfinite(scale)
+            and math.copysign(1.0, scale) > 0 and not keep_graph())
 
 
 def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLossOutput:
