@@ -25,6 +25,10 @@ from .problem import KLPenaltyProblem
 from .reference import RawLoss
 
 _DEVICES = ("cpu", "cuda")
+# Private autograd queries (AOTAutograd uses both), looked up once; a torch without them never
+# scales the gradient buffer in place (_may_scale_in_place).
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 
 
 def _setup_context(ctx, inputs, output):
@@ -169,8 +173,7 @@ class _EagerTotal(torch.autograd.Function):
         ctx.dtypes = (lp.dtype, ent is not None and ent.requires_grad, args[3].dtype)
         # Saved-tensor hooks (offloading, checkpointing tools) may keep the buffer they were handed:
         # then the backward must not write into it.
-        top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        ctx.plain_saved = top_hooks is not None and top_hooks(True) is None
+        ctx.plain_saved = _TOP_SAVED_TENSORS_HOOKS is not None and _TOP_SAVED_TENSORS_HOOKS(True) is None
         ctx.set_materialize_grads(False)
         # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
         loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
@@ -202,9 +205,8 @@ def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
     ``.grad`` without a copy. Only when nothing can read the buffer again: this backward is the
     graph's last (no ``retain_graph``: the saved buffer is released right after) and no
     saved-tensor hook may hold it. Float32 log-probs only (the buffer is float32)."""
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
     return (lp_dtype == torch.float32 and not entropy_grad and ctx.plain_saved and math.isfinite(scale)
-            and math.copysign(1.0, scale) > 0 and not keep_graph())
+            and math.copysign(1.0, scale) > 0 and not _KEEP_GRAPH())
 
 
 def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLossOutput:

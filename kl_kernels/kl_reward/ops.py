@@ -90,13 +90,7 @@ kl_reward_triton_fwd, kl_reward_triton_bwd = _define("kl_reward_triton", launch_
 def run_fused(p: KLRewardProblem, triton: bool = False) -> RawOutputs:
     """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_reward_fwd``
     (C++ kernels) or ``kl_kernels::kl_reward_triton_fwd`` (``triton=True``)."""
-    coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
-    coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
-    clamp = [*launch.clamp_bounds(p.clamp_input), *launch.clamp_bounds(p.clamp_output)]
-    args = (p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths, p.prompt_lens, p.reward, coef_tensor,
-            coef_scalar, launch.LAYOUT_CODES[p.layout], p.padding_side == "left", launch.PLACEMENT_CODES[p.placement],
-            launch.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
-            p.reward_dtype)
+    args = _forward_args(p)
     needs_graph = torch.is_grad_enabled() and (p.log_probs.requires_grad or p.ref_log_probs.requires_grad)
     if p.layout == "list" or p.mask_nan:
         # Only built for eager calls without autograd on the CPU (problem.py): the launcher reads
@@ -108,6 +102,23 @@ def run_fused(p: KLRewardProblem, triton: bool = False) -> RawOutputs:
     else:
         # Eager and no autograd: the op would only add dispatcher overhead around the same launch.
         kl, reward, ref_out, kl_sum, count = (launch_triton if triton else launch).forward(*args)
+    return _raw(p, (kl, reward, ref_out, kl_sum, count))
+
+
+def _forward_args(p: KLRewardProblem) -> tuple:
+    """The 17 arguments of ``kl_kernels::kl_reward_fwd`` (and of the launchers' forward) for ``p``."""
+    coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
+    coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
+    clamp = [*launch.clamp_bounds(p.clamp_input), *launch.clamp_bounds(p.clamp_output)]
+    return (p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths, p.prompt_lens, p.reward, coef_tensor,
+            coef_scalar, launch.LAYOUT_CODES[p.layout], p.padding_side == "left", launch.PLACEMENT_CODES[p.placement],
+            launch.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
+            p.reward_dtype)
+
+
+def _raw(p: KLRewardProblem, outputs) -> RawOutputs:
+    """The launchers' (kl, reward, ref_out, kl_sum, count) as RawOutputs (ref_out only if asked for)."""
+    kl, reward, ref_out, kl_sum, count = outputs
     return RawOutputs(kl, reward, ref_out if p.return_ref else None, kl_sum, count)
 
 
@@ -115,17 +126,5 @@ def run_fused_list(p: KLRewardProblem, during: Callable[[RawOutputs], None]) -> 
     """The cpu backend on the ``"list"`` layout, calling ``during(raw)`` while the kernel runs on
     torch's other threads: ``raw``'s tensors are not yet written, ``during`` may only make views
     of them and store those (see ``launch.forward_during``)."""
-    coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
-    coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
-    clamp = [*launch.clamp_bounds(p.clamp_input), *launch.clamp_bounds(p.clamp_output)]
-
-    def raw_of(outputs) -> RawOutputs:
-        kl, reward, ref_out, kl_sum, count = outputs
-        return RawOutputs(kl, reward, ref_out if p.return_ref else None, kl_sum, count)
-
-    outputs = launch.forward_during(
-        lambda outputs: during(raw_of(outputs)), p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths,
-        p.prompt_lens, p.reward, coef_tensor, coef_scalar, launch.LAYOUT_CODES[p.layout], p.padding_side == "left",
-        launch.PLACEMENT_CODES[p.placement], launch.ESTIMATOR_CODES[p.estimator.rstrip("+")],
-        p.estimator.endswith("+"), clamp, p.return_ref, p.reward_dtype, mask_nan=p.mask_nan)
-    return raw_of(outputs)
+    outputs = launch.forward_during(lambda outputs: during(_raw(p, outputs)), *_forward_args(p), mask_nan=p.mask_nan)
+    return _raw(p, outputs)
