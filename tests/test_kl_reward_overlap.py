@@ -130,3 +130,38 @@ def test_store_on_other_layouts_sees_finished_outputs():
         stored = []
         out = kl_reward_storing(stored.append, torch.cat(lps), torch.cat(refs), offsets=offsets, backend=backend)
         assert stored == [out]
+
+
+def test_the_overlap_refuses_exactly_the_dtypes_the_kernel_refuses():
+    """kl_reward_forward_during refuses an unsupported (log-prob, reward) dtype pair before it
+    calls ``store`` (outputs handed out unwritten would be silently wrong); it must refuse exactly
+    the pairs the plain kernel refuses. Every pair of dtype codes, known and unknown; where a code
+    names a dtype, the tensors really have it, so a pair that runs reads valid memory."""
+    from kl_kernels.kl_reward import launch
+
+    module = _extensions.load("_C")[0]
+    dtypes = {code: dtype for dtype, code in launch.DTYPE_CODES.items()}
+    supported = {(lp, rw) for lp in dtypes for rw in dtypes if rw in (lp, launch.DTYPE_CODES[torch.float32])}
+    assert len(supported) == 5  # fp32/fp32, and bf16 or fp16 log-probs with the same dtype or fp32 rewards
+    inf = float("inf")
+    for lp_code in [*dtypes, 3, -1]:
+        for rw_code in [*dtypes, 3, -1]:
+            lp_dtype, rw_dtype = dtypes.get(lp_code, torch.float32), dtypes.get(rw_code, torch.float32)
+            codes = []
+            for overlapped in (False, True):
+                lp = torch.full((5,), -1.0, dtype=lp_dtype)
+                offsets = torch.tensor([0, 2, 5])
+                outputs, args, _, keep = launch._prepare_forward(
+                    lp, lp - 0.5, None, offsets, None, None, torch.ones(5, dtype=rw_dtype), None, 0.1, 0, False, 1,
+                    0, False, (-inf, inf, -inf, inf), False, rw_dtype, False)
+                args.dtype, args.reward_dtype = lp_code, rw_code
+                if overlapped:
+                    stored = []
+                    codes.append(module.kl_reward_forward_during(args, 1, lambda: stored.append(1)))
+                    assert stored == ([1] if codes[-1] == 0 else []), (lp_code, rw_code)
+                else:
+                    codes.append(module.kl_reward_forward(args, 1))
+                if codes[-1] == 0:
+                    assert torch.equal(outputs[0].float(), torch.full((5,), 0.5)), (lp_code, rw_code)  # k1 = lp - ref
+            want = 0 if (lp_code, rw_code) in supported else 1
+            assert codes == [want, want], (lp_code, rw_code)
