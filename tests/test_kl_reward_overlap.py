@@ -143,7 +143,8 @@ def test_the_overlap_refuses_exactly_the_dtypes_the_kernel_refuses():
     dtypes = {code: dtype for dtype, code in launch.DTYPE_CODES.items()}
     supported = {(lp, rw) for lp in dtypes for rw in dtypes if rw in (lp, launch.DTYPE_CODES[torch.float32])}
     assert len(supported) == 5  # fp32/fp32, and bf16 or fp16 log-probs with the same dtype or fp32 rewards
-    inf = float("inf")
+    no_clamp = [*launch.clamp_bounds(None), *launch.clamp_bounds(None)]
+    packed, token, k1 = launch.LAYOUT_CODES["packed"], launch.PLACEMENT_CODES["token"], launch.ESTIMATOR_CODES["k1"]
     for lp_code in [*dtypes, 3, -1]:
         for rw_code in [*dtypes, 3, -1]:
             lp_dtype, rw_dtype = dtypes.get(lp_code, torch.float32), dtypes.get(rw_code, torch.float32)
@@ -152,8 +153,8 @@ def test_the_overlap_refuses_exactly_the_dtypes_the_kernel_refuses():
                 lp = torch.full((5,), -1.0, dtype=lp_dtype)
                 offsets = torch.tensor([0, 2, 5])
                 outputs, args, _, keep = launch._prepare_forward(
-                    lp, lp - 0.5, None, offsets, None, None, torch.ones(5, dtype=rw_dtype), None, 0.1, 0, False, 1,
-                    0, False, (-inf, inf, -inf, inf), False, rw_dtype, False)
+                    lp, lp - 0.5, None, offsets, None, None, torch.ones(5, dtype=rw_dtype), None, 0.1, packed, False,
+                    token, k1, False, no_clamp, False, rw_dtype, False)
                 args.dtype, args.reward_dtype = lp_code, rw_code
                 if overlapped:
                     stored = []
