@@ -54,9 +54,15 @@ def test_bench_tiny_writes_results(tmp_path):
         assert row["pct_copy_bw"] == pytest.approx(100 * row["gbs"] / floor["gbs"])
         if row is not floor:
             assert row["check"] == "ok"
+        # the spread of % copy BW comes from the same rounds as the copy's, paired round by round
+        assert len(row["round_ms"]) == row["repeats"] == floor["repeats"]
+        per_round = sorted(100 * c / t for c, t in zip(floor["round_ms"], row["round_ms"]))
+        assert per_round[0] <= row["pct_copy_bw_p10"] <= row["pct_copy_bw_p90"] <= per_round[-1]
+        if row["x_vs_baseline"] is not None:
+            assert row["x_vs_baseline_p10"] <= row["x_vs_baseline_p90"]
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
-    assert len(rows) == len(data["rows"])
-    assert "x baseline" in res.stdout and "% copy BW" in res.stdout
+    assert len(rows) == len(data["rows"]) and "round_ms" not in rows[0] and "x_vs_compile_p90" in rows[0]
+    assert "x baseline (p10-p90)" in res.stdout and "% copy BW" in res.stdout
 
 
 def test_bench_rejects_unknown_size(tmp_path):
@@ -89,3 +95,35 @@ def test_interleaved_timing_attributes_each_time_to_its_function(monkeypatch):
     (fast0, _), (slow, _), (fast2, _) = found
     assert slow.repeats == fast0.repeats == fast2.repeats == 5
     assert slow.min_ms >= 4.0 and fast0.median_ms < 2.0 and fast2.median_ms < 2.0
+
+
+def test_speedup_spread_pairs_the_rounds():
+    """A row's speedup is the ratio of the medians; its p10/p90 come from the ratio within each
+    round, so one slow round of the row (here round 0, a machine hiccup) shows as that round's low
+    ratio, not paired with some other round's reference time."""
+    from kl_kernels.bench.contenders import set_speedup
+
+    reference = {"median_ms": 30.0, "round_ms": [10.0, 20.0, 30.0, 40.0, 50.0]}
+    row = {"median_ms": 15.0, "round_ms": [100.0, 10.0, 15.0, 20.0, 5.0]}
+    set_speedup(row, "x_vs_compile", reference)
+    assert row["x_vs_compile"] == 2.0
+    # per round: 0.1, 2, 2, 2, 10 -> inclusive deciles: p10 = 0.1 + 0.4 * 1.9, p90 = 2 + 0.6 * 8
+    assert row["x_vs_compile_p10"] == pytest.approx(0.86)
+    assert row["x_vs_compile_p90"] == pytest.approx(6.8)
+    set_speedup(row, "x_vs_baseline", None)  # no such contender in the table
+    assert row["x_vs_baseline"] is row["x_vs_baseline_p10"] is row["x_vs_baseline_p90"] is None
+
+
+def test_table_shows_the_spread_next_to_each_ratio():
+    from kl_kernels.bench import report
+
+    row = dict(impl="kl_reward[cpu]", layout="packed", median_ms=1.0, mtokens_per_s=1.0, gbs=1.0, pct_copy_bw=80.0,
+               pct_copy_bw_p10=70.0, pct_copy_bw_p90=95.0, x_vs_baseline=12.0, x_vs_baseline_p10=10.0,
+               x_vs_baseline_p90=14.0, x_vs_compile=None, x_vs_compile_p10=None, x_vs_compile_p90=None,
+               compile_s=None, page_faults_per_call=0)
+    copy = dict(row, impl="copy (same bytes)", pct_copy_bw=100.0, pct_copy_bw_p10=100.0, pct_copy_bw_p90=100.0,
+                x_vs_baseline=None)
+    text = report.table([row, copy], "t")
+    lines = text.splitlines()
+    assert "80% (70-95)" in lines[3] and "12.0x (10.0-14.0)" in lines[3]
+    assert "100%" in lines[4] and "(100-100)" not in lines[4]

@@ -9,10 +9,16 @@ is its GB/s over that copy's GB/s. The machine's copy bandwidth measured once at
 (256 MiB, best of 7) is kept next to it in the JSON as ``pct_machine_copy_bw``: on the 2-core CI VM
 that single number moved between 21 and 36 GB/s from run to run, while the ops' own GB/s moved much
 less, so it made every percentage swing with it.
+
+Each ratio (% copy BW, x baseline, x compile) is the ratio of two medians, and comes with the 10th
+and 90th percentiles of the same ratio taken round by round (``<name>_p10``/``<name>_p90``): both
+calls ran in every round, so a slow phase of the machine that hits them alike cancels in that round.
+The spread says how far one run's headline ratio can be trusted on a noisy machine.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,8 +54,9 @@ def time_rows(batch: RLHFBatch, task: str, candidates: list[Contender], checks: 
               nbytes_of: Callable[[str], int], copy_gbs: float, repeats: int, budget_s: float, baseline: str,
               progress=None) -> list[dict]:
     """Time ``candidates`` (already checked: ``checks[i]`` says how) and a same-bytes copy per layout
-    side by side; one row per candidate, then one per copy. ``x_vs_baseline``/``x_vs_compile`` are
-    left to the caller (None on the copy rows)."""
+    side by side; one row per candidate, then one per copy, each with its time of every round
+    (``round_ms``). ``x_vs_baseline``/``x_vs_compile`` are left to the caller (:func:`set_speedup`;
+    None on the copy rows)."""
     device = batch.lp.device
     layouts = list(dict.fromkeys(c.layout for c in candidates))
     copies = [Contender(COPY, layout, same_bytes_copy(nbytes_of(layout), device)) for layout in layouts]
@@ -59,6 +66,7 @@ def time_rows(batch: RLHFBatch, task: str, candidates: list[Contender], checks: 
     timings = measure_interleaved([c.fn for c in everyone], device, repeats=repeats, budget_s=budget_s)
     floor = {c.layout: nbytes_of(c.layout) / (t.median_ms * 1e-3) / 1e9
              for c, (t, _) in zip(copies, timings[len(candidates):])}
+    copy_rounds = {c.layout: t.times_ms for c, (t, _) in zip(copies, timings[len(candidates):])}
     rows = []
     for c, check, (t, faults) in zip(everyone, checks + ["not checked (a copy)"] * len(copies), timings):
         nbytes = nbytes_of(c.layout)
@@ -70,8 +78,33 @@ def time_rows(batch: RLHFBatch, task: str, candidates: list[Contender], checks: 
             mbytes=nbytes / 1e6, gbs=gbs, copy_same_bytes_gbs=floor[c.layout], pct_copy_bw=100.0 * gbs / floor[c.layout],
             pct_machine_copy_bw=100.0 * gbs / copy_gbs, mtokens_per_s=batch.num_tokens / (t.median_ms * 1e-3) / 1e6,
             compile_s=c.compile_s, page_faults_per_call=faults, check=check, baseline=baseline,
-            x_vs_baseline=None, x_vs_compile=None))
+            x_vs_baseline=None, x_vs_compile=None, round_ms=list(t.times_ms)))
+        for name in ("x_vs_baseline", "x_vs_compile"):
+            _set_range(rows[-1], name, [])
+        # same bytes, so a round's % of copy bandwidth is the copy's time over the row's
+        _set_range(rows[-1], "pct_copy_bw", [100.0 * a / b for a, b in zip(copy_rounds[c.layout], t.times_ms)])
     return rows
+
+
+def set_speedup(row: dict, name: str, reference: dict | None) -> None:
+    """``row[name]``: how many times faster than ``reference`` (a row of the same table) the row ran,
+    as the ratio of the two medians, with ``<name>_p10``/``<name>_p90`` from the ratios round by round.
+    ``reference`` None: no such contender in this table (all three None)."""
+    if reference is None:
+        row[name] = None
+        _set_range(row, name, [])
+        return
+    row[name] = reference["median_ms"] / row["median_ms"]
+    _set_range(row, name, [a / b for a, b in zip(reference["round_ms"], row["round_ms"])])
+
+
+def _set_range(row: dict, name: str, per_round: list[float]) -> None:
+    """``<name>_p10``/``<name>_p90``: the 10th and 90th percentiles of ``per_round`` (None when empty)."""
+    if not per_round:
+        row[f"{name}_p10"] = row[f"{name}_p90"] = None
+        return
+    cuts = statistics.quantiles(per_round, n=10, method="inclusive") if len(per_round) > 1 else per_round * 9
+    row[f"{name}_p10"], row[f"{name}_p90"] = cuts[0], cuts[-1]
 
 
 def is_copy(row: dict) -> bool:

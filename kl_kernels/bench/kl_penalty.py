@@ -26,7 +26,7 @@ from ..kl_penalty import kl_penalty_loss
 from ..kl_penalty.backends import REGISTRY
 from ..kl_penalty.problem import build_problem
 from .batches import RLHFBatch
-from .contenders import Contender, is_copy, time_rows
+from .contenders import Contender, is_copy, set_speedup, time_rows
 from .timing import cold_compile_seconds
 
 TASK = "KL-penalty PPO loss, forward + backward"
@@ -139,10 +139,9 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
         return (batch.lp.numel() if layout == "packed" else batch.lp_padded.numel()) * (5 * s + 1)
     rows = time_rows(batch, TASK, found, checks, nbytes, copy_gbs, repeats, budget_s, "eager autograd (verl style)",
                      progress)
-    baseline = rows[0]["median_ms"]
-    compiled = next((r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")), None)
+    compiled = next((r for r in rows if r["impl"].startswith("torch.compile")), None)
     for r in rows:
         if not is_copy(r):
-            r["x_vs_baseline"] = baseline / r["median_ms"]
-            r["x_vs_compile"] = compiled / r["median_ms"] if compiled else None
+            set_speedup(r, "x_vs_baseline", rows[0])
+            set_speedup(r, "x_vs_compile", compiled)
     return rows

@@ -25,7 +25,7 @@ from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
 from ..kl_reward.problem import build_problem
 from .batches import RLHFBatch
-from .contenders import Contender, is_copy, time_rows
+from .contenders import Contender, is_copy, set_speedup, time_rows
 from .timing import cold_compile_seconds
 
 COEF = 0.05
@@ -140,13 +140,13 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
     rows = _time_rows(batch, TASK_TRANSFORM, contenders(batch, with_compile=with_compile, progress=progress), refs,
                       lambda layout: bytes_moved(batch, layout), copy_gbs, repeats, budget_s, progress,
                       "per-sample eager (TorchRL style)")
-    baseline = next(r["median_ms"] for r in rows if r["impl"].startswith("per-sample"))
-    compiled = {r["layout"]: r["median_ms"] for r in rows if r["impl"].startswith("torch.compile")}
+    baseline = next(r for r in rows if r["impl"].startswith("per-sample"))
+    compiled = {r["layout"]: r for r in rows if r["impl"].startswith("torch.compile")}
     for r in rows:
         if is_copy(r):
             continue
-        r["x_vs_baseline"] = baseline / r["median_ms"]
-        r["x_vs_compile"] = compiled[r["layout"]] / r["median_ms"] if r["layout"] in compiled else None
+        set_speedup(r, "x_vs_baseline", baseline)
+        set_speedup(r, "x_vs_compile", compiled.get(r["layout"]))
     return rows + run_klcomputation(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=progress)
 
 
@@ -199,10 +199,9 @@ def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget
     nbytes = batch.num_tokens * (2 * s + 4 + s + 4) + batch.size.batch * 12  # read lp, ref, reward; write kl, reward
     rows = _time_rows(batch, TASK_KLCOMPUTATION, found, refs, lambda layout: nbytes, copy_gbs, repeats, budget_s,
                       progress, "TorchRL KLComputation")
-    baseline = rows[0]["median_ms"]
     for r in rows:
         if not is_copy(r):
-            r["x_vs_baseline"] = baseline / r["median_ms"]
+            set_speedup(r, "x_vs_baseline", rows[0])
     return rows
 
 

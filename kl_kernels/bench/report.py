@@ -7,28 +7,44 @@ import json
 import sys
 from pathlib import Path
 
+from .contenders import is_copy
+
 COLUMNS = [
     ("impl", "implementation", "{}"),
     ("layout", "layout", "{}"),
     ("median_ms", "ms", "{:.3f}"),
     ("mtokens_per_s", "Mtok/s", "{:.1f}"),
     ("gbs", "GB/s", "{:.2f}"),
-    ("pct_copy_bw", "% copy BW", "{:.0f}%"),
-    ("x_vs_baseline", "x baseline", "{:.1f}x"),
-    ("x_vs_compile", "x compile", "{:.2f}x"),
+    ("pct_copy_bw", "% copy BW (p10-p90)", "{:.0f}%"),
+    ("x_vs_baseline", "x baseline (p10-p90)", "{:.1f}x"),
+    ("x_vs_compile", "x compile (p10-p90)", "{:.2f}x"),
     ("compile_s", "compile s", "{:.1f}"),
     ("page_faults_per_call", "faults/call", "{:.0f}"),
 ]
+# Ratios shown with the spread of the same ratio round by round (contenders.py): the number format
+# of the percentiles, without the unit.
+RANGES = {"pct_copy_bw": "{:.0f}", "x_vs_baseline": "{:.1f}", "x_vs_compile": "{:.2f}"}
+# Per-round times stay in the JSON; a CSV cell holds one number.
+CSV_SKIP = ("round_ms",)
 
 
 def _fmt(fmt: str, value) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _cell(row: dict, key: str, fmt: str) -> str:
+    text = _fmt(fmt, row.get(key))
+    lo, hi = row.get(f"{key}_p10"), row.get(f"{key}_p90")
+    # (a copy's % of itself is 100 in every round: no spread to show)
+    if key in RANGES and row.get(key) is not None and lo is not None and not is_copy(row):
+        text += f" ({RANGES[key].format(lo)}-{RANGES[key].format(hi)})"
+    return text
+
+
 def table(rows: list[dict], title: str) -> str:
     """A plain-text table (always available; rich is only used for the live display)."""
     head = [label for _, label, _ in COLUMNS]
-    body = [[_fmt(fmt, r.get(key)) for key, _, fmt in COLUMNS] for r in rows]
+    body = [[_cell(r, key, fmt) for key, _, fmt in COLUMNS] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     out = [title, line(head), line(["-" * w for w in widths])]
@@ -43,6 +59,8 @@ def print_tables(rows: list[dict], machine: dict, copy_gbs: float) -> None:
           f"malloc: {machine['malloc']}")
     print("% copy BW: GB/s over that of 'copy (same bytes)', a dst.copy_(src) moving the bytes counted for the "
           "row's layout, timed in the same shuffled rounds")
+    print("(p10-p90): the 10th and 90th percentiles of the same ratio taken round by round (both timed in every "
+          "round); the headline is the ratio of the medians")
     for size, task in dict.fromkeys((r["size"], r["task"]) for r in rows):
         sel = [r for r in rows if r["size"] == size and r["task"] == task]
         r0 = sel[0]
@@ -56,7 +74,8 @@ def write(rows: list[dict], machine: dict, copy_gbs: float, out_dir: Path) -> li
     paths = [out_dir / "results.json", out_dir / "results.csv"]
     paths[0].write_text(json.dumps({"machine": machine, "copy_bandwidth_gbs": copy_gbs, "rows": rows}, indent=2))
     with paths[1].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        fields = [k for k in rows[0] if k not in CSV_SKIP] if rows else []
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     png = _plot(rows, machine, copy_gbs, out_dir / "results.png")

@@ -22,6 +22,7 @@ class Timing:
     min_ms: float
     repeats: int
     warmup: int
+    times_ms: tuple = ()  # every timed call, in order (for measure_interleaved: one per round)
 
 
 def _sync(device: torch.device) -> None:
@@ -42,7 +43,7 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
         fn()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(statistics.median(times), min(times), len(times), warmup)
+    return Timing(statistics.median(times), min(times), len(times), warmup, tuple(times))
 
 
 def measure_interleaved(fns: list[Callable[[], object]], device: torch.device, *, warmup: int = 2,
@@ -73,7 +74,7 @@ def measure_interleaved(fns: list[Callable[[], object]], device: torch.device, *
             times[i].append((time.perf_counter() - t0) * 1e3)
             faults[i] += minor_faults() - f0
         rounds += 1
-    return [(Timing(statistics.median(t), min(t), len(t), warmup), f / len(t)) for t, f in zip(times, faults)]
+    return [(Timing(statistics.median(t), min(t), len(t), warmup, tuple(t)), f / len(t)) for t, f in zip(times, faults)]
 
 
 def cold_compile_seconds(first_call: Callable[[], object], device: torch.device) -> float:

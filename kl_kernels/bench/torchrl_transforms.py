@@ -20,7 +20,7 @@ import torch
 
 from .. import ragged
 from .batches import RLHFBatch
-from .contenders import Contender, is_copy
+from .contenders import Contender, is_copy, set_speedup
 from .kl_reward import COEF, _time_rows
 
 TASK = "TorchRL transform call task"
@@ -121,11 +121,11 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
             return batch.num_tokens * (2 * s + 4 + s + 4)
         return elems * (2 * s + 1) + elems * (2 * s + 4) + b * 4  # read lp, ref, mask; write kl, ref, reward
     rows = _time_rows(batch, TASK, candidates, refs, nbytes, copy_gbs, repeats, budget_s, progress, None)
-    base = {"padded": rows[0]["median_ms"], "list": rows[0]["median_ms"], "list (KLComputation)": rows[3]["median_ms"]}
+    base = {"padded": rows[0], "list": rows[0], "list (KLComputation)": rows[3]}
     for r in rows:
         r["baseline"] = "TorchRL KLComputation" if "KLComputation" in r["layout"] else "TorchRL KLRewardTransform (padded)"
         if not is_copy(r):
-            r["x_vs_baseline"] = base[r["layout"]] / r["median_ms"]
+            set_speedup(r, "x_vs_baseline", base[r["layout"]])
     return rows
 
 
