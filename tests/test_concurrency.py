@@ -18,7 +18,7 @@ import torch
 from kl_kernels import kl_penalty_loss, kl_reward
 
 THREADS = 4
-REPEATS = 3
+REPEATS = 5
 
 
 def _available(backend_name: str) -> bool:

@@ -11,6 +11,7 @@
 
 #include "common/bind_args.h"
 #include "common/build_info.h"
+#include "cpu/dense_plan.h"
 #include "cpu/kl_penalty_cpu.h"
 #include "cpu/kl_reward_cpu.h"
 #include "cpu/parallel.h"
@@ -32,6 +33,7 @@ py::dict probe() {
   kernels.append("kl_reward_forward");
   kernels.append("kl_reward_backward");
   kernels.append("kl_reward_forward_during");
+  kernels.append("kl_reward_dense_plan");
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
   info["kernels"] = kernels;
@@ -94,6 +96,12 @@ PYBIND11_MODULE(_C, m) {
         "tensors of one dtype read in place by the CPU kernel, or None when the list is not such.");
   m.def("exchange_api_version", &kl::exchange_api_version, py::arg("tensor_type"),
         "(major, minor) of the DLPack exchange table sequence_facts reads tensor_type through, or None.");
+  m.def("kl_reward_dense_plan", &kl::kl_reward_dense_plan, py::arg("tensor_type"), py::arg("log_probs"),
+        py::arg("ref_log_probs"), py::arg("reward"), py::arg("mask"), py::arg("offsets"), py::arg("lengths"),
+        py::arg("coef"), py::arg("estimator"), py::arg("padding_side"), py::arg("reward_placement"),
+        py::arg("return_ref"), py::arg("detach"), py::arg("grad_enabled"),
+        "(KLRewardArgs, B, reward dtype code, trailing) for a kl_reward call on plain dense CPU tensors that the\n"
+        "general path would run on the cpu kernel with these arguments, or None (outputs left to set).");
   m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward forward on the CPU; returns 0 or an error code (1: unsupported dtypes).");

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from .. import backends as _dispatch
+from . import fast
 from .backends import REGISTRY
 from .ops import run_fused_list
 from .problem import KLRewardOutput, build_problem
@@ -104,6 +105,12 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         >>> out.count
         tensor([2, 3])
     """
+    if prompt_lens is None and clamp_input is None and clamp_output is None and mask_nan is False:
+        # plain dense CPU tensors: checked and launched in one C call (fast.py), else None
+        out = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths, padding_side,
+                           reward_placement, return_ref, detach, backend)
+        if out is not None:
+            return out
     return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,

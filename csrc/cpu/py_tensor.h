@@ -1,0 +1,23 @@
+// Reading torch tensors from their Python objects without torch headers (tensor_lists.cpp,
+// dense_plan.cpp): DLPack's C exchange table for address, device, dtype, shape and strides in one
+// C call, and Python attribute reads for the flags a DLTensor does not carry.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include "cpu/dlpack_exchange.h"
+
+namespace kl {
+
+// An interned Python string, kept for the life of the process (for attribute lookups).
+PyObject* interned(const char* name);
+
+// The DLPack 1.x exchange table of `tensor_type` with a tensor reader, or null. Looked up once per
+// type (the GIL is held): DLPack requires the table to live as long as the process.
+const dlpack::ExchangeAPI* exchange_api(PyObject* tensor_type);
+
+// `attribute` of `t` (a method when `call`) is exactly False; a failed read (error cleared)
+// counts as not False.
+bool is_false(PyObject* t, PyObject* attribute, bool call);
+
+}  // namespace kl

@@ -1,0 +1,278 @@
+"""kl_reward's eager fast lane (kl_kernels/kl_reward/fast.py, csrc/cpu/dense_plan.cpp).
+
+The lane is a second reader of kl_reward's arguments, in C++, for plain dense CPU tensors. Its
+contract: whatever it takes, the general path (problem.py -> dispatch -> launch.py) takes too and
+returns bitwise the same; anything else it declines (None) so that the general path runs and reports.
+The differential test below draws arguments that are often wrong on purpose (shapes, dtypes,
+offsets, lengths, strings, flags) and holds the lane to that contract; the other tests pin down that
+it does take the common calls (so it cannot silently close) and declines what it must.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kl_kernels import kl_reward
+from kl_kernels.kl_reward import api, fast
+
+pytestmark = pytest.mark.skipif(fast._kernels() is None, reason="the CPU extension has no fast lane")
+
+FIELDS = ("kl", "reward", "ref_log_probs", "kl_sum", "count")
+
+
+def _general(lp, ref, reward, **kw):
+    return api._kl_reward(lp, ref, reward, **kw)
+
+
+def _lane(lp, ref, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None, lengths=None,
+          padding_side="left", reward_placement="auto", return_ref=False, detach=True, backend="auto"):
+    return fast.try_run(lp, ref, reward, coef, estimator, mask, offsets, lengths, padding_side, reward_placement,
+                        return_ref, detach, backend)
+
+
+def _assert_same(got, want):
+    for name, a, b in zip(FIELDS, got, want, strict=True):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad, name
+        assert torch.equal(a, b) or (torch.isnan(a) == torch.isnan(b)).all() and torch.equal(
+            a.nan_to_num(), b.nan_to_num()), name
+
+
+def _batch(layout, dtype=torch.float32, seed=0, lengths=(5, 0, 3, 1, 7)):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    n, b = int(lengths.sum()), lengths.shape[0]
+    if layout == "packed":
+        shape = (n,)
+        extra = dict(offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+    else:
+        shape = (b, int(lengths.max()) + 2)
+        extra = dict(lengths=lengths, padding_side=layout.split("_")[1]) if layout != "padded_full" else {}
+    lp = (-torch.rand(shape, generator=g) * 5).to(dtype)
+    ref = (lp.float() + torch.randn(shape, generator=g) * 0.3).to(dtype)
+    mask = torch.rand(shape, generator=g) < 0.7
+    return lp, ref, mask, b, shape, extra
+
+
+COMMON = [
+    ("packed", dict(), None),
+    ("packed", dict(reward_placement="sequence", return_ref=True), "B11"),
+    ("packed", dict(reward_placement="last"), "B"),
+    ("packed", dict(reward_placement="token"), "tok1"),
+    ("packed", dict(), "tok"),
+    ("padded_left", dict(return_ref=True), "B11"),
+    ("padded_right", dict(), "B1"),
+    ("padded_left", dict(reward_placement="sequence"), "B"),
+    ("padded_right", dict(reward_placement="last", return_ref=True), "B11"),
+    ("padded_left", dict(), "tok1"),
+    ("padded_full", dict(), "tok"),
+]
+
+
+def _reward(kind, b, shape, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    sizes = {None: None, "B": (b,), "B1": (b, 1), "B11": (b, 1, 1), "tok": shape, "tok1": (*shape, 1)}[kind]
+    return None if sizes is None else torch.randn(sizes, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("estimator", ["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"])
+@pytest.mark.parametrize("layout,options,reward_kind", COMMON,
+                         ids=[f"{c[0]}-{c[2]}-{'-'.join(f'{k}={v}' for k, v in c[1].items()) or 'defaults'}"
+                              for c in COMMON])
+def test_the_lane_takes_the_common_calls(layout, options, reward_kind, estimator, dtype):
+    lp, ref, mask, b, shape, extra = _batch(layout, dtype)
+    for reward_dtype in {dtype, torch.float32}:
+        reward = _reward(reward_kind, b, shape, reward_dtype)
+        for m in (None, mask):
+            kw = dict(coef=0.2, estimator=estimator, mask=m, **extra, **options)
+            got = _lane(lp, ref, reward, **kw)
+            assert got is not None, "the fast lane declined a plain dense call"
+            _assert_same(got, _general(lp, ref, reward, **kw))
+            _assert_same(kl_reward(lp, ref, reward, **kw), got)
+
+
+def test_the_lane_reads_strided_and_expanded_inputs():
+    lp, ref, mask, b, shape, extra = _batch("padded_left")
+    wide = torch.randn(b, shape[1] * 2)
+    cases = [
+        (wide[:, ::2], ref, mask),                       # column stride 2
+        (lp.t().contiguous().t(), ref, mask.t().contiguous().t()),  # column-major
+        (lp, torch.tensor(-1.0).expand(shape), mask),   # stride 0
+    ]
+    reward = torch.randn(b, 3)[:, :1].unsqueeze(-1)     # [B, 1, 1] with a row stride of 3
+    for x, y, m in cases:
+        kw = dict(mask=m, coef=0.5, return_ref=True, **extra)
+        got = _lane(x, y, reward, **kw)
+        assert got is not None
+        _assert_same(got, _general(x, y, reward, **kw))
+
+
+def _neg_bit(x):
+    return torch._neg_view(x)
+
+
+DECLINED = {
+    "tensor coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=torch.tensor(0.5), **ex),
+    "bool coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=True, **ex),
+    "lists": lambda lp, ref, mask, b, ex: _lane(list(lp), list(ref)),
+    "int32 lengths": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"].int()),
+    "lengths as a list": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"].tolist()),
+    "lengths > T": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"] + lp.shape[1]),
+    "negative length": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"] - 2),
+    "offsets on padded": lambda lp, ref, mask, b, ex: _lane(lp, ref, offsets=torch.zeros(b + 1, dtype=torch.int64)),
+    "uint8 mask": lambda lp, ref, mask, b, ex: _lane(lp, ref, mask=mask.to(torch.uint8), **ex),
+    "mask of another shape": lambda lp, ref, mask, b, ex: _lane(lp, ref, mask=mask[:, :-1], **ex),
+    "float64 log-probs": lambda lp, ref, mask, b, ex: _lane(lp.double(), ref.double(), **ex),
+    "mixed log-prob dtypes": lambda lp, ref, mask, b, ex: _lane(lp, ref.bfloat16(), **ex),
+    "ref of another shape": lambda lp, ref, mask, b, ex: _lane(lp, ref[:, :-1], **ex),
+    "3-d log-probs": lambda lp, ref, mask, b, ex: _lane(lp[..., None], ref[..., None]),
+    "float64 reward": lambda lp, ref, mask, b, ex: _lane(lp, ref, torch.randn(b, 1, 1, dtype=torch.float64), **ex),
+    "bf16 reward, fp32 log-probs": lambda lp, ref, mask, b, ex: _lane(lp, ref, torch.randn(b, 1, 1).bfloat16(), **ex),
+    "integer reward": lambda lp, ref, mask, b, ex: _lane(lp, ref, torch.ones(b, 1, 1, dtype=torch.int64), **ex),
+    "[B] reward, auto, padded": lambda lp, ref, mask, b, ex: _lane(lp, ref, torch.randn(b), **ex),
+    "reward of a wrong shape": lambda lp, ref, mask, b, ex: _lane(lp, ref, torch.randn(b + 1, 1, 1), **ex),
+    "token placement of a [B] reward": lambda lp, ref, mask, b, ex: _lane(lp, ref, torch.randn(b),
+                                                                          reward_placement="token", **ex),
+    "sequence placement of a token reward": lambda lp, ref, mask, b, ex: _lane(
+        lp, ref, torch.randn(lp.shape), reward_placement="sequence", **ex),
+    "a Parameter (a subclass)": lambda lp, ref, mask, b, ex: _lane(torch.nn.Parameter(lp, requires_grad=False), ref,
+                                                                   **ex),
+    "requires grad, detach=False": lambda lp, ref, mask, b, ex: _lane(lp.clone().requires_grad_(), ref,
+                                                                      detach=False, **ex),
+    "negative bit": lambda lp, ref, mask, b, ex: _lane(_neg_bit(-lp), ref, **ex),
+    "estimator k2+": lambda lp, ref, mask, b, ex: _lane(lp, ref, estimator="k2+", **ex),
+    "estimator not a str": lambda lp, ref, mask, b, ex: _lane(lp, ref, estimator=["k1"], **ex),
+    "padding_side middle": lambda lp, ref, mask, b, ex: _lane(lp, ref, padding_side="middle",
+                                                              lengths=ex["lengths"]),
+    "reward_placement bogus": lambda lp, ref, mask, b, ex: _lane(lp, ref, torch.randn(b, 1, 1),
+                                                                 reward_placement="bogus", **ex),
+    "return_ref=1": lambda lp, ref, mask, b, ex: _lane(lp, ref, return_ref=1, **ex),
+    "detach=None": lambda lp, ref, mask, b, ex: _lane(lp, ref, detach=None, **ex),
+    "backend torch": lambda lp, ref, mask, b, ex: _lane(lp, ref, backend="torch", **ex),
+    "backend not a str": lambda lp, ref, mask, b, ex: _lane(lp, ref, backend=None, **ex),
+    "meta tensors": lambda lp, ref, mask, b, ex: _lane(lp.to("meta"), ref.to("meta")),
+}
+
+
+@pytest.mark.parametrize("case", list(DECLINED))
+def test_the_lane_declines(case):
+    lp, ref, mask, b, shape, extra = _batch("padded_left")
+    assert DECLINED[case](lp, ref, mask, b, extra) is None
+
+
+@pytest.mark.parametrize("case", ["offsets not from 0", "offsets decreasing", "offsets short of N", "int32 offsets",
+                                  "strided offsets", "lengths on packed"])
+def test_the_lane_declines_bad_offsets(case):
+    lp, ref, mask, b, shape, extra = _batch("packed")
+    off = extra["offsets"]
+    bad = {"offsets not from 0": off + 1, "offsets decreasing": off.flip(0),
+           "offsets short of N": torch.cat([off[:-1], off[-1:] - 1]), "int32 offsets": off.int(),
+           "strided offsets": torch.stack([off, off], 1)[:, 0], "lengths on packed": None}[case]
+    if case == "lengths on packed":
+        assert _lane(lp, ref, offsets=off, lengths=torch.ones(b, dtype=torch.int64)) is None
+        return
+    got = _lane(lp, ref, offsets=bad)
+    if case == "strided offsets":  # valid values, but launch.py copies them contiguous: general path
+        assert got is None
+        return
+    assert got is None
+    with pytest.raises((TypeError, ValueError)):
+        kl_reward(lp, ref, offsets=bad)  # and the general path reports it
+
+
+def test_the_lane_is_closed_where_the_general_path_must_run(monkeypatch):
+    lp, ref, mask, b, shape, extra = _batch("padded_left")
+    monkeypatch.setenv("KL_KERNELS_BACKEND", "torch")
+    assert _lane(lp, ref, **extra) is None
+    monkeypatch.setenv("KL_KERNELS_BACKEND", " cpu ")
+    assert _lane(lp, ref, **extra) is not None
+    monkeypatch.delenv("KL_KERNELS_BACKEND")
+    with torch.enable_grad():  # detach=False under autograd, inputs not requiring grad: the same call
+        assert _lane(lp, ref, detach=False, **extra) is not None
+    with torch.no_grad():  # requiring grad, but nothing records: the same call too
+        assert _lane(lp.clone().requires_grad_(), ref, detach=False, **extra) is not None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _lane(lp, ref, **extra) is None
+
+
+def test_kl_reward_asks_the_lane_only_without_the_options_it_leaves_out(monkeypatch):
+    calls = []
+    real = fast.try_run
+    monkeypatch.setattr(fast, "try_run", lambda *a: calls.append(1) or real(*a))
+    lp, ref, mask, b, shape, extra = _batch("padded_left")
+    kl_reward(lp, ref, **extra)
+    assert calls == [1]
+    for option in (dict(prompt_lens=torch.zeros(b, dtype=torch.int64)), dict(clamp_input=(-1.0, 1.0)),
+                   dict(clamp_output=(None, 2.0)), dict(mask_nan=True)):
+        kl_reward(lp, ref, **extra, **option)
+    assert calls == [1]
+
+
+# ---------------------------------------------------------------- differential: anything it takes
+
+
+@st.composite
+def raw_calls(draw):
+    """kl_reward arguments, plain dense tensors but often wrong: both layouts, every dtype pairing,
+    reward shapes right and wrong, offsets and lengths valid or not, odd strings and flags. Half the
+    draws pick among valid choices only (so the lane takes many of them), the rest among all."""
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    clean = draw(st.booleans())
+
+    def pick(valid, wrong=()):
+        return draw(st.sampled_from(list(valid) if clean else [*valid, *wrong]))
+
+    b = draw(st.integers(0, 4))
+    lens = [draw(st.sampled_from([0, 1, 2, 5, 9])) for _ in range(b)]
+    n = sum(lens)
+    padded = draw(st.booleans())
+    width = (max(lens, default=0) + draw(st.integers(0, 2))) if padded else None
+    shape = (b, width) if padded else (n,)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    dt = pick(dtypes, [torch.float64])
+    ref_dt = dt if clean or draw(st.integers(0, 4)) else draw(st.sampled_from(dtypes))
+    lp = (-torch.rand(shape, generator=g) * 4).to(dt)
+    ref = (-torch.rand(shape, generator=g) * 4).to(ref_dt)
+    if not clean and draw(st.integers(0, 6)) == 0:
+        ref = ref[..., :-1] if ref.numel() else ref.unsqueeze(0)  # a shape mismatch
+    kw = {}
+    offsets = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+    lengths = torch.tensor(lens, dtype=torch.int64)
+    if not padded:
+        kw["offsets"] = pick([offsets], [offsets + 1, offsets.int(), None])
+    else:
+        kw["lengths"] = pick([lengths, None], [lengths + 3, lengths.int()])
+        kw["padding_side"] = pick(["left", "right"], ["up"])
+    if draw(st.booleans()):
+        m = torch.rand(shape, generator=g) < 0.6
+        kw["mask"] = pick([m], [m.to(torch.uint8), m.unsqueeze(-1)])
+    tok = tuple(shape)
+    reward_shape = pick([None, (b,), (b, 1), (b, 1, 1), tok, (*tok, 1)], [(b + 1,), (b, 2)])
+    reward = None
+    if reward_shape is not None:
+        reward = torch.randn(reward_shape, generator=g).to(pick([dt, torch.float32], [torch.float64, torch.int64]))
+    kw["reward_placement"] = pick(["auto", "token", "sequence", "last"], ["nope"])
+    kw["estimator"] = pick(["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"], ["k2+", "kl"])
+    kw["coef"] = pick([0.1, 2, 0.0, float("nan")], [True, torch.tensor(0.3)])
+    kw["return_ref"] = pick([False, True], [1])
+    kw["detach"] = draw(st.sampled_from([True, False]))
+    if draw(st.integers(0, 5)) == 0:
+        lp = lp.requires_grad_() if lp.is_floating_point() else lp
+    return lp, ref, reward, kw
+
+
+@given(raw_calls())
+def test_whatever_the_lane_takes_the_general_path_returns_bitwise(call):
+    lp, ref, reward, kw = call
+    with torch.enable_grad():
+        got = _lane(lp, ref, reward, **kw)
+        if got is None:
+            return
+        want = _general(lp, ref, reward, **kw)  # must not raise: the lane took it
+    _assert_same(got, want)
