@@ -97,6 +97,18 @@ def test_the_lane_takes_the_common_calls(layout, options, reward_kind, estimator
             _assert_same(kl_reward(lp, ref, reward, **kw), got)
 
 
+@pytest.mark.parametrize("coef", ["0-d", "per-sequence"])
+def test_the_lane_reads_a_float32_tensor_coef_in_place(coef):
+    """TorchRL keeps its coefficient as a 0-d tensor: the kernel reads it (or one per sequence)."""
+    lp, ref, mask, b, shape, extra = _batch("padded_left")
+    c = torch.tensor(0.3) if coef == "0-d" else torch.rand(b, generator=torch.Generator().manual_seed(2))
+    reward = torch.randn(b, 1, 1, generator=torch.Generator().manual_seed(3))
+    kw = dict(mask=mask, coef=c, return_ref=True, **extra)
+    got = _lane(lp, ref, reward, **kw)
+    assert got is not None
+    _assert_same(got, _general(lp, ref, reward, **kw))
+
+
 def test_the_lane_reads_strided_and_expanded_inputs():
     lp, ref, mask, b, shape, extra = _batch("padded_left")
     wide = torch.randn(b, shape[1] * 2)
@@ -118,7 +130,10 @@ def _neg_bit(x):
 
 
 DECLINED = {
-    "tensor coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=torch.tensor(0.5), **ex),
+    "float64 tensor coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=torch.tensor(0.5, dtype=torch.float64),
+                                                              **ex),
+    "coef of B + 1": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=torch.rand(b + 1), **ex),
+    "strided [B] coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=torch.rand(2 * b)[::2], **ex),
     "bool coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=True, **ex),
     "lists": lambda lp, ref, mask, b, ex: _lane(list(lp), list(ref)),
     "int32 lengths": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"].int()),
@@ -259,7 +274,8 @@ def raw_calls(draw):
         reward = torch.randn(reward_shape, generator=g).to(pick([dt, torch.float32], [torch.float64, torch.int64]))
     kw["reward_placement"] = pick(["auto", "token", "sequence", "last"], ["nope"])
     kw["estimator"] = pick(["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"], ["k2+", "kl"])
-    kw["coef"] = pick([0.1, 2, 0.0, float("nan")], [True, torch.tensor(0.3)])
+    kw["coef"] = pick([0.1, 2, 0.0, float("nan"), torch.tensor(0.3), torch.rand(b, generator=g)],
+                      [True, torch.tensor(0.3, dtype=torch.float64), torch.rand(b + 1, generator=g)])
     kw["return_ref"] = pick([False, True], [1])
     kw["detach"] = draw(st.sampled_from([True, False]))
     if draw(st.integers(0, 5)) == 0:

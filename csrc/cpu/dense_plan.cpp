@@ -109,9 +109,11 @@ int which(PyObject* s, const char* const (&names)[N]) {
   return -1;
 }
 
-// A float coefficient as problem.py's _normalize_coef takes it: a real Python number, not a bool
-// (a tensor coefficient takes the general path).
-bool read_coef(PyObject* c, float* out) {
+// The coefficient as problem.py's _normalize_coef and launch.py's coefficient() take it: a real
+// Python number (not a bool), or a float32 CPU tensor, 0-d or [B] contiguous, read by the kernel in
+// place (TorchRL keeps its coefficient as a 0-d tensor). Other dtypes, which launch.py converts to
+// float32, take the general path.
+bool read_coef(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* c, KLRewardArgs* a) {
   double v;
   if (PyFloat_Check(c)) {
     v = PyFloat_AS_DOUBLE(c);
@@ -122,9 +124,21 @@ bool read_coef(PyObject* c, float* out) {
       return false;
     }
   } else {
-    return false;
+    View t;
+    if (!read(api, tensor_type, c, false, &t) || !t.is(kDLFloat, 32)) return false;
+    if (t.ndim() == 0) {
+      a->coef_mode = kCoefTensor0d;
+    } else if (t.contiguous_vector() && t.size(0) == a->batch) {
+      a->coef_mode = kCoefPerSeq;
+    } else {
+      return false;
+    }
+    a->coef = t.address();
+    a->coef_scalar = 0.0f;
+    return true;
   }
-  *out = static_cast<float>(v);
+  a->coef_mode = kCoefScalar;
+  a->coef_scalar = static_cast<float>(v);
   return true;
 }
 
@@ -185,8 +199,6 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
     return py::none();
   // With autograd recording, inputs that require grad take the general path (the registered op).
   const bool reject_grad = grad_enabled && detach.ptr() == Py_False;
-  if (!read_coef(coef.ptr(), &a.coef_scalar)) return py::none();
-  a.coef_mode = kCoefScalar;
 
   View lp, ref;
   if (!read(api, tensor_type.ptr(), log_probs.ptr(), reject_grad, &lp) ||
@@ -233,6 +245,7 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
   } else {
     return py::none();
   }
+  if (!read_coef(api, tensor_type.ptr(), coef.ptr(), &a)) return py::none();
   a.total = lp.numel();
   a.left_pad = side == 0;
   a.lp = lp.address();

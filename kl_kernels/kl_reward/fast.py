@@ -3,8 +3,8 @@
 The general path (``problem.py`` -> dispatch -> ``launch.py``) validates and builds the kernel's
 arguments in Python: ~50 us a call with warm caches, ~300 us right after a model forward or any large
 copy has evicted them, against ~30 us for the kernel itself at B = 256. For the commonest call, dense
-packed or padded CPU tensors that need no gradient, with a float ``coef`` and no ``prompt_lens``,
-clamps or ``mask_nan``, one C call (``kl_reward_dense_plan`` in ``csrc/cpu/dense_plan.cpp``) checks
+packed or padded CPU tensors that need no gradient, a Python number or a float32 tensor (0-d or [B]) as
+``coef``, and no ``prompt_lens``, clamps or ``mask_nan``, one C call (``kl_reward_dense_plan`` in ``csrc/cpu/dense_plan.cpp``) checks
 everything and fills the arguments; Python only allocates the outputs and launches.
 
 The lane never reports an error: for anything else, every invalid input included, the plan is None
