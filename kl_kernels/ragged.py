@@ -161,13 +161,20 @@ def _int64_facts_kernel():
     return _extensions.kernel("_C", "int64_facts")[0]
 
 
+def values_checkable(t: torch.Tensor) -> bool:
+    """Whether the value checks may read ``t``: not while torch.compile traces (a host sync would
+    break the graph) and not on the meta device, which holds no values (dispatch then reports that
+    no backend runs on meta, instead of a failed read here)."""
+    return not torch.compiler.is_compiling() and t.device.type != "meta"
+
+
 def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:
     """Raise if ``offsets`` is not a valid ``[B + 1]`` int64 offsets vector for ``num_tokens``.
 
     Structure (type, dtype, rank, device) is always checked; the values (start at 0,
     non-decreasing, end at ``num_tokens``) are checked too, at the cost of one host
     synchronisation on accelerators. Under ``torch.compile`` the value checks are skipped so as
-    not to break the graph.
+    not to break the graph, and on the meta device, which has no values.
     """
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D int64 tensor [B + 1], got {type(offsets).__name__}")
@@ -177,7 +184,7 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
         raise ValueError(f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(offsets.shape)}")
     if device is not None and offsets.device != torch.device(device):
         raise ValueError(f"{name} must be on {device} like the values, got {offsets.device}")
-    if torch.compiler.is_compiling():
+    if not values_checkable(offsets):
         return
     facts = _int64_facts_cpu(offsets)
     if facts is not None:
@@ -204,14 +211,14 @@ def _check_padding_side(padding_side) -> None:
 def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths") -> torch.Tensor:
     """Raise unless ``lengths`` is an integer ``[B]`` tensor with ``0 <= lengths <= width``; return it as int64.
 
-    The value checks cost one host sync and are skipped under ``torch.compile``.
+    The value checks cost one host sync and are skipped under ``torch.compile`` and on the meta device.
     """
     lengths = torch.as_tensor(lengths)
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor [B], got {lengths.dtype}")
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
-    if batch and not torch.compiler.is_compiling():
+    if batch and values_checkable(lengths):
         facts = _int64_facts_cpu(lengths)
         lo, hi = facts[2:4] if facts is not None else torch.stack([lengths.min(), lengths.max()]).tolist()
         if lo < 0:

@@ -177,3 +177,22 @@ def test_zero_length_rows_and_empty_batch_work():
     assert out.count.tolist() == [0, 0]
     out = kl_reward(torch.zeros(2, 0), torch.zeros(2, 0), reward=torch.ones(2), reward_placement="last")
     assert out.reward.shape == (2, 0)
+
+
+@pytest.mark.parametrize("case", ["packed", "padded lengths", "prompt_lens", "loss packed", "loss padded"])
+def test_meta_tensors_are_reported_as_a_device_no_backend_runs_on(case):
+    """Meta tensors hold no values: the value checks of offsets, lengths and prompt_lens skip them
+    (a read failed with torch's "Cannot copy out of meta tensor"), and dispatch says why nothing runs."""
+    from kl_kernels import BackendUnavailableError, kl_penalty_loss
+
+    def m(*shape):
+        return torch.empty(*shape, device="meta")
+
+    offsets, lengths = torch.tensor([0, 4, 10], device="meta"), torch.tensor([1, 2, 3], device="meta")
+    call = {"packed": lambda: kl_reward(m(10), m(10), offsets=offsets),
+            "padded lengths": lambda: kl_reward(m(3, 5), m(3, 5), lengths=lengths),
+            "prompt_lens": lambda: kl_reward(m(3, 5), m(3, 5), prompt_lens=lengths),
+            "loss packed": lambda: kl_penalty_loss(m(10), m(10), m(10), offsets=offsets),
+            "loss padded": lambda: kl_penalty_loss(m(3, 5), m(3, 5), m(3, 5), lengths=lengths)}[case]
+    with pytest.raises(BackendUnavailableError, match="inputs are on meta"):
+        call()

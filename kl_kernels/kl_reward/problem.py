@@ -486,7 +486,7 @@ def _normalize_coef(coef, batch, device):
 
 def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device):
     prompt_lens = _int_vector(prompt_lens, "prompt_lens", batch, device)
-    if batch and not torch.compiler.is_compiling():
+    if batch and ragged.values_checkable(prompt_lens):
         if kind == "padded":
             seq_len = lengths if lengths is not None else torch.full((batch,), width, device=device)
             what = "lengths" if lengths is not None else f"T = {width}"
