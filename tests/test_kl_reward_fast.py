@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kl_kernels import kl_reward
-from kl_kernels.kl_reward import api, fast
+from kl_kernels.kl_reward import ESTIMATORS, PLACEMENTS, api, fast
 
 pytestmark = pytest.mark.skipif(fast._kernels() is None, reason="the CPU extension has no fast lane")
 
@@ -74,6 +74,11 @@ COMMON = [
 ]
 
 
+def test_the_common_calls_cover_every_placement():
+    used = {o.get("reward_placement", "auto") for _, o, _ in COMMON}
+    assert used == set(PLACEMENTS)
+
+
 def _reward(kind, b, shape, dtype=torch.float32, seed=1):
     g = torch.Generator().manual_seed(seed)
     sizes = {None: None, "B": (b,), "B1": (b, 1), "B11": (b, 1, 1), "tok": shape, "tok1": (*shape, 1)}[kind]
@@ -81,7 +86,7 @@ def _reward(kind, b, shape, dtype=torch.float32, seed=1):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("estimator", ["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"])
+@pytest.mark.parametrize("estimator", ESTIMATORS)  # problem.py's list: one added there must reach the lane too
 @pytest.mark.parametrize("layout,options,reward_kind", COMMON,
                          ids=[f"{c[0]}-{c[2]}-{'-'.join(f'{k}={v}' for k, v in c[1].items()) or 'defaults'}"
                               for c in COMMON])

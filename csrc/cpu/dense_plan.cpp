@@ -47,7 +47,9 @@ struct View {
   uintptr_t address() const {
     return numel() == 0 ? 0 : reinterpret_cast<uintptr_t>(t.data) + static_cast<uintptr_t>(t.byte_offset);
   }
-  bool is(uint8_t code, uint8_t bits) const { return t.dtype.code == code && t.dtype.bits == bits && t.dtype.lanes == 1; }
+  bool is(uint8_t code, uint8_t bits) const {
+    return t.dtype.code == code && t.dtype.bits == bits && t.dtype.lanes == 1;
+  }
   bool contiguous_vector() const { return t.ndim == 1 && (t.shape[0] <= 1 || stride(0) == 1); }
   bool same_shape(const View& o) const {
     if (t.ndim != o.t.ndim) return false;

@@ -2,10 +2,11 @@
 
 The general path (``problem.py`` -> dispatch -> ``launch.py``) validates and builds the kernel's
 arguments in Python: ~50 us a call with warm caches, ~300 us right after a model forward or any large
-copy has evicted them, against ~30 us for the kernel itself at B = 256. For the commonest call, dense
-packed or padded CPU tensors that need no gradient, a Python number or a float32 tensor (0-d or [B]) as
-``coef``, and no ``prompt_lens``, clamps or ``mask_nan``, one C call (``kl_reward_dense_plan`` in ``csrc/cpu/dense_plan.cpp``) checks
-everything and fills the arguments; Python only allocates the outputs and launches.
+copy has evicted them, against ~30 us for the kernel itself at B = 256. For the commonest call (dense
+packed or padded CPU tensors that need no gradient, a Python number or a float32 tensor, 0-d or [B], as
+``coef``, and no ``prompt_lens``, clamps or ``mask_nan``) one C call, ``kl_reward_dense_plan`` in
+``csrc/cpu/dense_plan.cpp``, checks everything and fills the arguments; Python only allocates the
+outputs and launches.
 
 The lane never reports an error: for anything else, every invalid input included, the plan is None
 and the general path runs, raises and reports as always. ``tests/test_kl_reward_fast.py`` checks over
@@ -22,11 +23,11 @@ import torch
 
 from .. import _extensions
 from ..backends import ENV_VAR
-from .launch import _ptr, raise_for
+from .launch import DTYPE_CODES, _ptr, raise_for
 from .problem import KLRewardOutput
 
 _CPU = torch.device("cpu")
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernels' dtype codes 0, 1, 2
+_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}  # the plan's reward dtype code -> dtype
 
 
 @functools.lru_cache(maxsize=None)
