@@ -17,6 +17,7 @@
 
 #include "common/kl_reward_args.h"
 #include "cpu/dlpack_exchange.h"
+#include "cpu/int64_facts.h"
 #include "cpu/py_tensor.h"
 
 namespace py = pybind11;
@@ -67,20 +68,15 @@ int32_t float_code(const View& v) {
   return -1;
 }
 
-// Reads `obj` when it is exactly a `tensor_type` on the CPU without the negative bit (a pending
-// negation its memory does not show: launch.py resolves it with a copy) and, with `reject_grad`, not
-// requiring grad.
+// Reads `obj` when it is exactly a `tensor_type` on the CPU that a kernel may read in place (no
+// negative bit; with `reject_grad`, not requiring grad: py_tensor.h's readable_in_place).
 bool read(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* obj, bool reject_grad, View* v) {
-  static PyObject* const s_is_neg = interned("is_neg");
-  static PyObject* const s_requires_grad = interned("requires_grad");
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(tensor_type)) return false;
   if (api->dltensor_from_py_object_no_sync(obj, &v->t) != 0) {
     PyErr_Clear();  // e.g. a nested, sparse or batched (vmap) tensor: the general path reports
     return false;
   }
-  if (v->t.device.device_type != dlpack::kDeviceCPU) return false;
-  if (!is_false(obj, s_is_neg, true)) return false;
-  return !reject_grad || is_false(obj, s_requires_grad, false);
+  return v->t.device.device_type == dlpack::kDeviceCPU && readable_in_place(obj, reject_grad);
 }
 
 // problem.py's ESTIMATORS: (estimator code, straight-through).
@@ -215,13 +211,10 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
     if (offsets.is_none() || !lengths.is_none() || !read(api, tensor_type.ptr(), offsets.ptr(), false, &off) ||
         !off.is(kDLInt, 64) || !off.contiguous_vector() || off.size(0) < 1)
       return py::none();
-    const int64_t* o = int64_values(off);
-    const int64_t b1 = off.size(0);
-    if (o[0] != 0 || o[b1 - 1] != lp.size(0)) return py::none();
-    for (int64_t i = 1; i < b1; ++i)
-      if (o[i] < o[i - 1]) return py::none();
+    const Int64Facts f = int64_facts(int64_values(off), off.size(0));
+    if (f.first != 0 || f.last != lp.size(0) || !f.non_decreasing) return py::none();
     a.layout = kPacked;
-    a.batch = b1 - 1;
+    a.batch = off.size(0) - 1;
     a.width = 0;
     a.offsets = off.address();
     a.lp_s0 = a.ref_s0 = 0;
@@ -237,9 +230,10 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
       if (!read(api, tensor_type.ptr(), lengths.ptr(), false, &len) || !len.is(kDLInt, 64) ||
           !len.contiguous_vector() || len.size(0) != a.batch)
         return py::none();
-      const int64_t* l = int64_values(len);
-      for (int64_t b = 0; b < a.batch; ++b)
-        if (l[b] < 0 || l[b] > a.width) return py::none();
+      if (a.batch > 0) {
+        const Int64Facts f = int64_facts(int64_values(len), a.batch);
+        if (f.lo < 0 || f.hi > a.width) return py::none();
+      }
       a.lengths = len.address();
     }
     a.lp_s0 = lp.stride(0), a.lp_s1 = lp.stride(1);

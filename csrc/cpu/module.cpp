@@ -5,13 +5,13 @@
 // it from torch tensors. No torch headers here: one build serves every torch version.
 #include <pybind11/pybind11.h>
 
-#include <algorithm>
 #include <exception>
 #include <functional>
 
 #include "common/bind_args.h"
 #include "common/build_info.h"
 #include "cpu/dense_plan.h"
+#include "cpu/int64_facts.h"
 #include "cpu/kl_penalty_cpu.h"
 #include "cpu/kl_reward_cpu.h"
 #include "cpu/parallel.h"
@@ -45,15 +45,8 @@ py::dict probe() {
 // value checks of kl_kernels.ragged's check_offsets / check_lengths in one call instead of five
 // torch ops (they run on every kernel call).
 py::tuple int64_facts(uintptr_t ptr, int64_t n) {
-  const int64_t* v = reinterpret_cast<const int64_t*>(ptr);
-  int64_t lo = v[0], hi = v[0];
-  bool sorted = true;
-  for (int64_t i = 1; i < n; ++i) {
-    lo = std::min(lo, v[i]);
-    hi = std::max(hi, v[i]);
-    sorted &= v[i] >= v[i - 1];
-  }
-  return py::make_tuple(v[0], v[n - 1], lo, hi, sorted);
+  const kl::Int64Facts f = kl::int64_facts(reinterpret_cast<const int64_t*>(ptr), n);
+  return py::make_tuple(f.first, f.last, f.lo, f.hi, f.non_decreasing);
 }
 
 // The fused forward, calling the Python callable `during` on this thread while the kernel's tiles

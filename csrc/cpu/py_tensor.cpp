@@ -49,4 +49,10 @@ bool is_false(PyObject* t, PyObject* attribute, bool call) {
   return no;
 }
 
+bool readable_in_place(PyObject* t, bool reject_grad) {
+  static PyObject* const s_is_neg = interned("is_neg");
+  static PyObject* const s_requires_grad = interned("requires_grad");
+  return is_false(t, s_is_neg, true) && (!reject_grad || is_false(t, s_requires_grad, false));
+}
+
 }  // namespace kl

@@ -20,4 +20,9 @@ const dlpack::ExchangeAPI* exchange_api(PyObject* tensor_type);
 // counts as not False.
 bool is_false(PyObject* t, PyObject* attribute, bool call);
 
+// A tensor object a kernel may read in place: without the negative bit (a pending negation its
+// memory does not show, which launch.py resolves with a copy) and, with `reject_grad`, not
+// requiring grad. Read failures count as no.
+bool readable_in_place(PyObject* t, bool reject_grad);
+
 }  // namespace kl

@@ -97,8 +97,6 @@ bool read_attributes(PyObject* t, int32_t rank, bool first, PyObject** dtype, Se
 py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trailing_one, py::handle like,
                           bool reject_grad, bool exchange) {
   static PyObject* const s_dtype = interned("dtype");
-  static PyObject* const s_is_neg = interned("is_neg");
-  static PyObject* const s_requires_grad = interned("requires_grad");
 
   PyObject* seq = tensors.ptr();
   if (!PyList_Check(seq) && !PyTuple_Check(seq)) return py::none();
@@ -131,8 +129,7 @@ py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trail
     Sequence s;
     const bool readable = api != nullptr ? read_exchange(api, t, rank, i == 0, &dtype, &s)
                                          : read_attributes(t, rank, i == 0, &dtype_object, &s);
-    if (!readable || !is_false(t, s_is_neg, true)) return py::none();
-    if (reject_grad && !is_false(t, s_requires_grad, false)) return py::none();
+    if (!readable || !readable_in_place(t, reject_grad)) return py::none();
     off[i + 1] = off[i] + s.len;
     if (like_offsets != nullptr && off[i + 1] != like_offsets[i + 1]) return py::none();
     addr[i] = static_cast<int64_t>(s.address);
