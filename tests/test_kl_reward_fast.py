@@ -186,12 +186,14 @@ def test_the_lane_declines(case):
     assert DECLINED[case](lp, ref, mask, b, extra) is None
 
 
-@pytest.mark.parametrize("case", ["offsets not from 0", "offsets decreasing", "offsets short of N", "int32 offsets",
-                                  "strided offsets", "lengths on packed"])
+@pytest.mark.parametrize("case", ["offsets not from 0", "offsets decreasing", "offsets dipping inside",
+                                  "offsets short of N", "int32 offsets", "strided offsets", "lengths on packed"])
 def test_the_lane_declines_bad_offsets(case):
     lp, ref, mask, b, shape, extra = _batch("packed")
     off = extra["offsets"]
-    bad = {"offsets not from 0": off + 1, "offsets decreasing": off.flip(0),
+    dip = off.clone()
+    dip[2] = off[1] - 1  # from 0 to N, but one step back in between
+    bad = {"offsets not from 0": off + 1, "offsets decreasing": off.flip(0), "offsets dipping inside": dip,
            "offsets short of N": torch.cat([off[:-1], off[-1:] - 1]), "int32 offsets": off.int(),
            "strided offsets": torch.stack([off, off], 1)[:, 0], "lengths on packed": None}[case]
     if case == "lengths on packed":
