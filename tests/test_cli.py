@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from kl_kernels.bench.torchrl_transforms import FLOOR
 
 
 def _cli(*args, timeout=600):
@@ -41,7 +42,7 @@ def test_bench_tiny_writes_results(tmp_path):
     assert {"kl_reward[torch]", "kl_reward[cpu]", "torch.compile(reference)", "per-sample eager (TorchRL style)"} <= impls
     try:
         import torchrl  # noqa: F401
-        assert "TorchRL KLComputation (lazy stack)" in impls
+        assert {"TorchRL KLComputation (lazy stack)", "TorchRL KLComputation", FLOOR} <= impls
     except ImportError:
         pass
     assert data["copy_bandwidth_gbs"] > 0 and data["machine"]["torch"]
@@ -52,7 +53,9 @@ def test_bench_tiny_writes_results(tmp_path):
         floor = copies[(row["task"], row["layout"])]
         assert row["mbytes"] == floor["mbytes"]
         assert row["pct_copy_bw"] == pytest.approx(100 * row["gbs"] / floor["gbs"])
-        if row is not floor:
+        if row["impl"] == FLOOR:  # computes nothing: its results are garbage, and it says so
+            assert row["check"].startswith("not checked")
+        elif row is not floor:
             assert row["check"] == "ok"
         # the spread of % copy BW comes from the same rounds as the copy's, paired round by round
         assert len(row["round_ms"]) == row["repeats"] == floor["repeats"]
@@ -127,3 +130,27 @@ def test_table_shows_the_spread_next_to_each_ratio():
     lines = text.splitlines()
     assert "80% (70-95)" in lines[3] and "12.0x (10.0-14.0)" in lines[3]
     assert "100%" in lines[4] and "(100-100)" not in lines[4]
+
+
+def test_per_sample_floor_writes_only_its_own_containers():
+    pytest.importorskip("torchrl")
+    import torch
+    from tensordict import TensorDict, lazy_stack
+
+    from kl_kernels import ragged
+    from kl_kernels.bench import batches
+    from kl_kernels.bench.torchrl_transforms import per_sample_floor
+
+    batch = batches.make_batch(batches.SIZES["tiny"])
+    lps, refs = ragged.to_list(batch.lp, batch.offsets), ragged.to_list(batch.ref, batch.offsets)
+    td = lazy_stack([TensorDict({("log_probs", "full"): a, ("ref_log_probs", "full"): b, "reward": torch.zeros(len(a), 1)},
+                                batch_size=()) for a, b in zip(lps, refs)])
+    before = [dict(sub.items(include_nested=True, leaves_only=True)) for sub in td.tensordicts]
+    out = per_sample_floor(td, batch)()
+    assert out is not td
+    for sub, was, lp in zip(td.tensordicts, before, lps):
+        assert "kl_penalty" not in sub.keys()
+        assert all(sub.get(k) is v for k, v in was.items())  # the benchmark's input, untouched
+    # the floor stored one view per sample, of the sample's length, under both output keys
+    assert [o["kl_penalty"].shape for o in out.tensordicts] == [lp.shape for lp in lps]
+    assert [o["reward"].shape for o in out.tensordicts] == [(*lp.shape, 1) for lp in lps]

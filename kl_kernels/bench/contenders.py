@@ -33,13 +33,15 @@ COPY = "copy (same bytes)"
 @dataclass
 class Contender:
     """A timed callable. ``extract`` (optional) turns what ``fn`` returns into what is checked, so
-    result conversions stay out of the timed call."""
+    result conversions stay out of the timed call. ``unchecked``: why the contender's results are not
+    checked (a floor that computes nothing), or ``None``: they are."""
 
     name: str
     layout: str
     fn: Callable[[], object]
     compile_s: float | None = None
     extract: Callable[[object], tuple] | None = None
+    unchecked: str | None = None
 
 
 def same_bytes_copy(nbytes: int, device: torch.device) -> Callable[[], object]:
