@@ -71,12 +71,8 @@ int32_t float_code(const View& v) {
 // Reads `obj` when it is exactly a `tensor_type` on the CPU that a kernel may read in place (no
 // negative bit; with `reject_grad`, not requiring grad: py_tensor.h's readable_in_place).
 bool read(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* obj, bool reject_grad, View* v) {
-  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(tensor_type)) return false;
-  if (api->dltensor_from_py_object_no_sync(obj, &v->t) != 0) {
-    PyErr_Clear();  // e.g. a nested, sparse or batched (vmap) tensor: the general path reports
-    return false;
-  }
-  return v->t.device.device_type == dlpack::kDeviceCPU && readable_in_place(obj, reject_grad);
+  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(tensor_type) && read_cpu_dltensor(api, obj, &v->t) &&
+         readable_in_place(obj, reject_grad);
 }
 
 // problem.py's ESTIMATORS: (estimator code, straight-through).
@@ -278,7 +274,7 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
       a.rw_s1 = 0;
     }
   }
-  return py::make_tuple(py::cast(a), a.batch, a.reward_dtype, trailing);
+  return py::make_tuple(py::cast(a), a.reward_dtype, trailing);
 }
 
 }  // namespace kl

@@ -6,7 +6,7 @@
 
 namespace kl {
 
-// (KLRewardArgs with every input set, B, reward dtype code, trailing-dim flag of the reward output)
+// (KLRewardArgs with every input set, reward dtype code, trailing-dim flag of the reward output)
 // for a kl_reward call on dense CPU tensors that kl_reward's general path would run on the cpu
 // backend with exactly these arguments, or None for anything else (that path then runs and reports).
 // The outputs (kl, reward_out, ref_out, kl_sum, count) are left for the caller to allocate and set.

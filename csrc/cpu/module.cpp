@@ -93,7 +93,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("ref_log_probs"), py::arg("reward"), py::arg("mask"), py::arg("offsets"), py::arg("lengths"),
         py::arg("coef"), py::arg("estimator"), py::arg("padding_side"), py::arg("reward_placement"),
         py::arg("return_ref"), py::arg("detach"), py::arg("grad_enabled"),
-        "(KLRewardArgs, B, reward dtype code, trailing) for a kl_reward call on plain dense CPU tensors that the\n"
+        "(KLRewardArgs, reward dtype code, trailing) for a kl_reward call on plain dense CPU tensors that the\n"
         "general path would run on the cpu kernel with these arguments, or None (outputs left to set).");
   m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),

@@ -38,6 +38,14 @@ const dlpack::ExchangeAPI* exchange_api(PyObject* tensor_type) {
   return found;
 }
 
+bool read_cpu_dltensor(const dlpack::ExchangeAPI* api, PyObject* t, dlpack::Tensor* out) {
+  if (api->dltensor_from_py_object_no_sync(t, out) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  return out->device.device_type == dlpack::kDeviceCPU;
+}
+
 bool is_false(PyObject* t, PyObject* attribute, bool call) {
   PyObject* v = call ? PyObject_CallMethodNoArgs(t, attribute) : PyObject_GetAttr(t, attribute);
   if (v == nullptr) {

@@ -16,6 +16,11 @@ PyObject* interned(const char* name);
 // type (the GIL is held): DLPack requires the table to live as long as the process.
 const dlpack::ExchangeAPI* exchange_api(PyObject* tensor_type);
 
+// Fills `out` with the DLTensor of `t` (an object of the type `api` came from) when the table can
+// describe it and it lives on the CPU; false otherwise, with any error the table raised cleared (a
+// nested, sparse or batched (vmap) tensor: the caller's general path reports).
+bool read_cpu_dltensor(const dlpack::ExchangeAPI* api, PyObject* t, dlpack::Tensor* out);
+
 // `attribute` of `t` (a method when `call`) is exactly False; a failed read (error cleared)
 // counts as not False.
 bool is_false(PyObject* t, PyObject* attribute, bool call);

@@ -35,11 +35,7 @@ struct Sequence {
 bool read_exchange(const dlpack::ExchangeAPI* api, PyObject* t, int32_t rank, bool first, dlpack::DataType* dtype,
                    Sequence* s) {
   dlpack::Tensor d;
-  if (api->dltensor_from_py_object_no_sync(t, &d) != 0) {
-    PyErr_Clear();
-    return false;
-  }
-  if (d.device.device_type != dlpack::kDeviceCPU || d.ndim != rank) return false;
+  if (!read_cpu_dltensor(api, t, &d) || d.ndim != rank) return false;
   if (first) *dtype = d.dtype;
   if (!(d.dtype == *dtype)) return false;
   s->len = d.shape[0];

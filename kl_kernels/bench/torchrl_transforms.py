@@ -146,21 +146,18 @@ def per_sample_floor(td, batch: RLHFBatch):
     a tenth of TorchRL's whole call at B = 256. Its time next to ours and TorchRL's shows how much of
     a call is that floor. It runs on its own containers (a shallow copy of ``td``: same tensors), so
     its outputs never become another contender's inputs."""
-    from tensordict import unravel_key
-
     from ..torchrl import _io
 
     work = _io.shallow_copy(td)
-    entries = [sub._tensordict for sub in work.tensordicts]
-    gen_path, ref_path = unravel_key(("log_probs", "full")), unravel_key(("ref_log_probs", "full"))
+    entries = _io.sample_entries(work)
     lengths = ragged.offsets_to_lengths(batch.offsets).tolist()
     kl = torch.zeros(batch.num_tokens, dtype=batch.lp.dtype, device=batch.lp.device)
     reward = torch.zeros(batch.num_tokens, 1, dtype=torch.float32, device=batch.lp.device)
 
     def call():
         for e in entries:  # the three inputs of each sample, where a transform finds them
-            e[gen_path[0]]._tensordict[gen_path[1]].data_ptr()
-            e[ref_path[0]]._tensordict[ref_path[1]].data_ptr()
+            e["log_probs"]._tensordict["full"].data_ptr()
+            e["ref_log_probs"]._tensordict["full"].data_ptr()
             e["reward"].data_ptr()
         for e, k, r in zip(entries, torch.unsafe_split_with_sizes(kl, lengths),
                            torch.unsafe_split_with_sizes(reward, lengths)):

@@ -23,7 +23,7 @@ import torch
 
 from .. import _extensions
 from ..backends import ENV_VAR
-from .launch import DTYPE_CODES, _ptr, raise_for
+from .launch import DTYPE_CODES, allocate_outputs, raise_for
 from .problem import KLRewardOutput
 
 _CPU = torch.device("cpu")
@@ -55,15 +55,8 @@ def try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, le
                       padding_side, reward_placement, return_ref, detach, torch.is_grad_enabled())
     if plan is None:
         return None
-    args, batch, reward_code, trailing = plan
-    shape, dtype = log_probs.shape, log_probs.dtype
-    kl = torch.empty(shape, dtype=dtype, device=_CPU)
-    reward_out = torch.empty(shape, dtype=_DTYPES[reward_code], device=_CPU)
-    ref_out = torch.empty(shape, dtype=dtype, device=_CPU) if return_ref else None
-    kl_sum = torch.empty(batch, dtype=torch.float32, device=_CPU)
-    count = torch.empty(batch, dtype=torch.int64, device=_CPU)
-    args.kl, args.reward_out, args.kl_sum, args.count = _ptr(kl), _ptr(reward_out), _ptr(kl_sum), _ptr(count)
-    if ref_out is not None:
-        args.ref_out = _ptr(ref_out)
+    args, reward_code, trailing = plan
+    kl, reward_out, ref_out, kl_sum, count = allocate_outputs(args, log_probs.shape, log_probs.dtype,
+                                                              _DTYPES[reward_code], _CPU, return_ref)
     raise_for(kernels[1](args, torch.get_num_threads()), None, "kl_reward")
     return KLRewardOutput(kl, reward_out.unsqueeze(-1) if trailing else reward_out, ref_out, kl_sum, count)

@@ -215,16 +215,26 @@ def _prepare_forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_le
                            estimator=estimator, straight_through=straight_through, clamp=clamp, mask_nan=mask_nan)
     # The inputs themselves too: resolved() may have made copies that nothing else holds.
     keep += [log_probs, ref_log_probs, mask, reward]
-    shape, dev = log_probs.shape, log_probs.device
-    kl = torch.empty(shape, dtype=log_probs.dtype, device=dev)
-    reward_out = torch.empty(shape, dtype=reward_dtype, device=dev)
-    ref_out = torch.empty(shape if return_ref else (0,), dtype=ref_log_probs.dtype, device=dev)
-    kl_sum = torch.empty(args.batch, dtype=torch.float32, device=dev)
-    count = torch.empty(args.batch, dtype=torch.int64, device=dev)
-    args.reward_dtype = DTYPE_CODES[reward_dtype]
-    args.kl, args.reward_out, args.ref_out = _ptr(kl), _ptr(reward_out), _ptr(ref_out) if return_ref else 0
-    args.kl_sum, args.count = _ptr(kl_sum), _ptr(count)
+    kl, reward_out, ref_out, kl_sum, count = allocate_outputs(args, log_probs.shape, log_probs.dtype, reward_dtype,
+                                                              log_probs.device, return_ref)
+    if ref_out is None:  # the launchers always return five tensors
+        ref_out = torch.empty((0,), dtype=ref_log_probs.dtype, device=log_probs.device)
     return (kl, reward_out, ref_out, kl_sum, count), args, module, keep
+
+
+def allocate_outputs(args, shape, dtype, reward_dtype, device, return_ref: bool) -> tuple:
+    """The forward's outputs (kl, reward_out, ref_out or None without ``return_ref``, kl_sum, count)
+    for a filled ``args`` (``args.batch`` sequences of log-probs ``shape``/``dtype``), allocated and
+    pointed at by ``args`` (with the reward output's dtype code)."""
+    kl = torch.empty(shape, dtype=dtype, device=device)
+    reward_out = torch.empty(shape, dtype=reward_dtype, device=device)
+    ref_out = torch.empty(shape, dtype=dtype, device=device) if return_ref else None
+    kl_sum = torch.empty(args.batch, dtype=torch.float32, device=device)
+    count = torch.empty(args.batch, dtype=torch.int64, device=device)
+    args.reward_dtype = DTYPE_CODES[reward_dtype]
+    args.kl, args.reward_out, args.ref_out = _ptr(kl), _ptr(reward_out), _ptr(ref_out)
+    args.kl_sum, args.count = _ptr(kl_sum), _ptr(count)
+    return kl, reward_out, ref_out, kl_sum, count
 
 
 def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
