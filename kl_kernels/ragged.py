@@ -295,6 +295,9 @@ def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragg
         if t.device != device:
             raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {device}: "
                              "all tensors must be on one device")
+        if t.shape[1:] != tensors[0].shape[1:]:
+            raise ValueError(f"{name}[{i}] has shape {list(t.shape)} but {name}[0] has {list(tensors[0].shape)}: "
+                             "all tensors must be [L_b, *F] with the same F")
     lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device)
     return Ragged(torch.cat(tensors), lengths_to_offsets(lengths))
 

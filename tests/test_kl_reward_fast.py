@@ -1,11 +1,12 @@
-"""kl_reward's eager fast lane (kl_kernels/kl_reward/fast.py, csrc/cpu/dense_plan.cpp).
+"""kl_reward's eager fast lanes (kl_kernels/kl_reward/fast.py, csrc/cpu/dense_plan.cpp, list_plan.cpp).
 
-The lane is a second reader of kl_reward's arguments, in C++, for plain dense CPU tensors. Its
-contract: whatever it takes, the general path (problem.py -> dispatch -> launch.py) takes too and
-returns bitwise the same; anything else it declines (None) so that the general path runs and reports.
-The differential test below draws arguments that are often wrong on purpose (shapes, dtypes,
-offsets, lengths, strings, flags) and holds the lane to that contract; the other tests pin down that
-it does take the common calls (so it cannot silently close) and declines what it must.
+The lanes are second readers of kl_reward's arguments, in C++, for plain dense CPU tensors and for
+lists of per-sequence CPU tensors. Their contract: whatever they take, the general path (problem.py
+-> dispatch -> launch.py) takes too and returns bitwise the same; anything else they decline (None)
+so that the general path runs and reports. The differential tests below draw arguments that are
+often wrong on purpose (shapes, dtypes, offsets, lengths, strings, flags) and hold the lanes to that
+contract; the other tests pin down that they do take the common calls (so they cannot silently
+close) and decline what they must.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kl_kernels import kl_reward
+from kl_kernels import kl_reward, ragged
 from kl_kernels.kl_reward import ESTIMATORS, PLACEMENTS, api, fast
+from kl_kernels.kl_reward.api import kl_reward_storing
 
 pytestmark = pytest.mark.skipif(fast._kernels() is None, reason="the CPU extension has no fast lane")
 
@@ -24,13 +26,14 @@ FIELDS = ("kl", "reward", "ref_log_probs", "kl_sum", "count")
 
 
 def _general(lp, ref, reward, **kw):
-    return api._kl_reward(lp, ref, reward, **kw)
+    return api._general(lp, ref, reward, **kw)
 
 
 def _lane(lp, ref, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None, lengths=None,
-          padding_side="left", reward_placement="auto", return_ref=False, detach=True, backend="auto"):
+          padding_side="left", reward_placement="auto", return_ref=False, detach=True, mask_nan=False, backend="auto",
+          store=None):
     return fast.try_run(lp, ref, reward, coef, estimator, mask, offsets, lengths, padding_side, reward_placement,
-                        return_ref, detach, backend)
+                        return_ref, detach, mask_nan, backend, store)
 
 
 def _assert_same(got, want):
@@ -38,6 +41,15 @@ def _assert_same(got, want):
         if b is None:
             assert a is None, name
             continue
+        if isinstance(b, list):  # list inputs: one result per sequence
+            assert isinstance(a, list) and len(a) == len(b), name
+            _assert_same_tensors(name, a, b)
+            continue
+        _assert_same_tensors(name, [a], [b])
+
+
+def _assert_same_tensors(name, got: list, want: list):
+    for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad, name
         assert torch.equal(a, b) or (torch.isnan(a) == torch.isnan(b)).all() and torch.equal(
             a.nan_to_num(), b.nan_to_num()), name
@@ -140,7 +152,6 @@ DECLINED = {
     "coef of B + 1": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=torch.rand(b + 1), **ex),
     "strided [B] coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=torch.rand(2 * b)[::2], **ex),
     "bool coef": lambda lp, ref, mask, b, ex: _lane(lp, ref, coef=True, **ex),
-    "lists": lambda lp, ref, mask, b, ex: _lane(list(lp), list(ref)),
     "int32 lengths": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"].int()),
     "lengths as a list": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"].tolist()),
     "lengths > T": lambda lp, ref, mask, b, ex: _lane(lp, ref, lengths=ex["lengths"] + lp.shape[1]),
@@ -231,9 +242,12 @@ def test_kl_reward_asks_the_lane_only_without_the_options_it_leaves_out(monkeypa
     kl_reward(lp, ref, **extra)
     assert calls == [1]
     for option in (dict(prompt_lens=torch.zeros(b, dtype=torch.int64)), dict(clamp_input=(-1.0, 1.0)),
-                   dict(clamp_output=(None, 2.0)), dict(mask_nan=True)):
+                   dict(clamp_output=(None, 2.0))):
         kl_reward(lp, ref, **extra, **option)
     assert calls == [1]
+    kl_reward(lp, ref, mask_nan=True, **extra)
+    kl_reward_storing(lambda out: None, list(lp), list(ref), mask_nan=True)
+    assert calls == [1, 1, 1]
 
 
 # ---------------------------------------------------------------- differential: anything it takes
@@ -299,3 +313,239 @@ def test_whatever_the_lane_takes_the_general_path_returns_bitwise(call):
             return
         want = _general(lp, ref, reward, **kw)  # must not raise: the lane took it
     _assert_same(got, want)
+
+
+# ---------------------------------------------------------------- the list lane (list_plan.cpp)
+
+LENGTHS = (5, 0, 3, 1, 7, 2)
+
+
+def _samples(dtype=torch.float32, seed=0, lengths=LENGTHS, nan_pads=False):
+    """Per-sequence log-probs, reference log-probs and an assistant mask, as lists (each its own tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    lp = [(-torch.rand(n, generator=g) * 5).to(dtype) for n in lengths]
+    ref = [(x.float() + torch.randn(n, generator=g) * 0.3).to(dtype) for x, n in zip(lp, lengths)]
+    if nan_pads:  # TorchRL's KLComputation marks alignment pads as NaN
+        for x in ref:
+            x[: len(x) // 3] = float("nan")
+    mask = [torch.rand(n, generator=g) < 0.7 for n in lengths]
+    return lp, ref, mask
+
+
+def _token_rewards(kind, lengths=LENGTHS, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    return [torch.randn((n, 1) if kind == "L1" else (n,), generator=g).to(dtype) for n in lengths]
+
+
+def _list_lane(lp, ref, reward=None, **kw):
+    kw.setdefault("mask_nan", False)
+    return _lane(lp, ref, reward, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("reward_kind", [None, "L", "L1"], ids=lambda k: f"reward-{k}")
+def test_the_list_lane_takes_the_common_calls(reward_kind, estimator, dtype):
+    lp, ref, mask = _samples(dtype, nan_pads=True)
+    for reward_dtype in {dtype, torch.float32}:
+        reward = _token_rewards(reward_kind, dtype=reward_dtype)
+        for m, mask_nan, return_ref, placement in ((None, True, False, "auto"), (mask, False, True, "token"),
+                                                   (mask, True, True, "auto")):
+            kw = dict(coef=0.2, estimator=estimator, mask=m, mask_nan=mask_nan, return_ref=return_ref,
+                      reward_placement=placement)
+            got = _list_lane(lp, ref, reward, **kw)
+            assert got is not None, "the list lane declined a plain list call"
+            _assert_same(got, _general(lp, ref, reward, **kw))
+            _assert_same(kl_reward(lp, ref, reward, **kw), got)
+
+
+@pytest.mark.parametrize("coef", ["0-d", "per-sequence", "int"])
+def test_the_list_lane_reads_the_coef(coef):
+    lp, ref, mask = _samples()
+    c = {"0-d": torch.tensor(0.3), "per-sequence": torch.rand(len(lp), generator=torch.Generator().manual_seed(2)),
+         "int": 2}[coef]
+    kw = dict(coef=c, mask=mask)
+    got = _list_lane(lp, ref, _token_rewards("L1"), **kw)
+    assert got is not None
+    _assert_same(got, _general(lp, ref, _token_rewards("L1"), **kw))
+
+
+def test_the_list_lane_takes_tuples_views_and_a_batch_of_one():
+    lp, ref, mask = _samples()
+    rows = torch.randn(4, 6)
+    cases = [
+        (tuple(lp), tuple(ref), tuple(_token_rewards("L"))),
+        (list(rows), list(rows * 0.5), None),               # rows of one tensor: contiguous views
+        ([rows[0, 2:]], [rows[1, 2:]], [torch.ones(4, 1)]),  # a batch of one, at an offset into storage
+        ([torch.zeros(0)], [torch.zeros(0)], [torch.zeros(0, 1)]),
+        ([rows[0, :1]], [rows[:1, 3]], None),                # length 1: any stride reads the same
+    ]
+    for x, y, r in cases:
+        got = _list_lane(x, y, r, coef=0.5)
+        assert got is not None
+        _assert_same(got, _general(x, y, r, coef=0.5))
+
+
+def test_the_list_lane_hands_its_outputs_to_store_and_propagates_its_errors():
+    lp, ref, mask = _samples()
+    seen = []
+    got = _list_lane(lp, ref, _token_rewards("L1"), store=seen.append)
+    assert len(seen) == 1 and seen[0] is got
+
+    def fail(out):
+        raise KeyError("from store")
+
+    with pytest.raises(KeyError, match="from store"):
+        _list_lane(lp, ref, store=fail)
+
+
+def _bad_list(case, lp, ref, mask, reward):
+    """(lp, ref, reward, extra kwargs) of a list call the lane must decline."""
+    strided = torch.randn(2 * len(lp[0]))[::2]
+    return {
+        "empty lists": ([], [], None, {}),
+        "offsets given": (lp, ref, None, dict(offsets=torch.tensor([0, 1]))),
+        "lengths given": (lp, ref, None, dict(lengths=torch.tensor([1]))),
+        "a strided sample": ([strided, *lp[1:]], ref, None, {}),
+        "[L, 1] log-probs": ([x[:, None] for x in lp], [x[:, None] for x in ref], None, {}),
+        "a shorter reference": (lp, [ref[0][:-1], *ref[1:]], None, {}),
+        "fewer references": (lp, ref[:-1], None, {}),
+        "a reference tensor": (lp, torch.cat(ref), None, {}),
+        "mixed log-prob dtypes": ([lp[0].bfloat16(), *lp[1:]], ref, None, {}),
+        "bf16 reference": (lp, [x.bfloat16() for x in ref], None, {}),
+        "float64 log-probs": ([x.double() for x in lp], [x.double() for x in ref], None, {}),
+        "int log-probs": ([x.long() for x in lp], [x.long() for x in ref], None, {}),
+        "a Parameter": ([torch.nn.Parameter(lp[0], requires_grad=False), *lp[1:]], ref, None, {}),
+        "not a tensor": ([lp[0].tolist(), *lp[1:]], ref, None, {}),
+        "negative bit": ([_neg_bit(-lp[0]), *lp[1:]], ref, None, {}),
+        "negative-bit reward": (lp, ref, [_neg_bit(-reward[0]), *reward[1:]], {}),
+        "requires grad, detach=False": ([lp[0].clone().requires_grad_(), *lp[1:]], ref, None, dict(detach=False)),
+        "meta tensors": ([x.to("meta") for x in lp], [x.to("meta") for x in ref], None, {}),
+        "mixed reward ranks": (lp, ref, [reward[0].squeeze(-1), *reward[1:]], {}),
+        "[L, 1, 1] rewards": (lp, ref, [r[..., None] for r in reward], {}),
+        "[L, 2] rewards": (lp, ref, [r.expand(-1, 2).contiguous() for r in reward], {}),
+        "a shorter reward": (lp, ref, [reward[0][:-1], *reward[1:]], {}),
+        "fewer rewards": (lp, ref, reward[:-1], {}),
+        "float64 rewards": (lp, ref, [r.double() for r in reward], {}),
+        "mixed reward dtypes": (lp, ref, [reward[0].bfloat16(), *reward[1:]], {}),
+        "bf16 rewards, fp32 log-probs": (lp, ref, [r.bfloat16() for r in reward], {}),
+        "int rewards": (lp, ref, [r.long() for r in reward], {}),
+        "a per-sequence reward tensor": (lp, ref, torch.randn(len(lp)), {}),
+        "sequence placement": (lp, ref, reward, dict(reward_placement="sequence")),
+        "last placement": (lp, ref, reward, dict(reward_placement="last")),
+        "uint8 mask": (lp, ref, None, dict(mask=[m.to(torch.uint8) for m in mask])),
+        "a shorter mask": (lp, ref, None, dict(mask=[mask[0][:-1], *mask[1:]])),
+        "a mask tensor": (lp, ref, None, dict(mask=torch.cat(mask))),
+        "mask_nan=1": (lp, ref, None, dict(mask_nan=1)),
+        "coef of B + 1": (lp, ref, None, dict(coef=torch.rand(len(lp) + 1))),
+        "float64 tensor coef": (lp, ref, None, dict(coef=torch.tensor(0.5, dtype=torch.float64))),
+        "padding_side middle": (lp, ref, None, dict(padding_side="middle")),
+        "estimator k2+": (lp, ref, None, dict(estimator="k2+")),
+        "return_ref=1": (lp, ref, None, dict(return_ref=1)),
+        "backend torch": (lp, ref, None, dict(backend="torch")),
+    }[case]
+
+
+LIST_DECLINED = ["empty lists", "offsets given", "lengths given", "a strided sample", "[L, 1] log-probs",
+                 "a shorter reference", "fewer references", "a reference tensor", "mixed log-prob dtypes",
+                 "bf16 reference", "float64 log-probs", "int log-probs", "a Parameter", "not a tensor", "negative bit",
+                 "negative-bit reward", "requires grad, detach=False", "meta tensors", "mixed reward ranks",
+                 "[L, 1, 1] rewards", "[L, 2] rewards", "a shorter reward", "fewer rewards", "float64 rewards",
+                 "mixed reward dtypes", "bf16 rewards, fp32 log-probs", "int rewards", "a per-sequence reward tensor",
+                 "sequence placement", "last placement", "uint8 mask", "a shorter mask", "a mask tensor", "mask_nan=1",
+                 "coef of B + 1", "float64 tensor coef", "padding_side middle", "estimator k2+", "return_ref=1",
+                 "backend torch"]
+
+
+@pytest.mark.parametrize("case", LIST_DECLINED)
+def test_the_list_lane_declines(case):
+    lp, ref, mask = _samples(lengths=(4, 3, 5))
+    lp, ref, reward, extra = _bad_list(case, lp, ref, mask, _token_rewards("L1", lengths=(4, 3, 5)))
+    with torch.enable_grad():
+        assert _list_lane(lp, ref, reward, **extra) is None
+
+
+@st.composite
+def raw_list_calls(draw):
+    """kl_reward arguments as lists of per-sequence tensors, often wrong: lengths that disagree,
+    strided or oddly shaped samples, dtypes mixed within a list, reward ranks and dtypes right and
+    wrong, odd strings and flags. Half the draws pick among valid choices only."""
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    clean = draw(st.booleans())
+
+    def pick(valid, wrong=()):
+        return draw(st.sampled_from(list(valid) if clean else [*valid, *wrong]))
+
+    b = draw(st.integers(0, 4))
+    lens = [draw(st.sampled_from([0, 1, 2, 5, 9])) for _ in range(b)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    dt = pick(dtypes, [torch.float64])
+
+    def sample(n, dtype, kind="vector"):
+        kind = pick([kind], ["strided", "column", "other dtype", "longer"])
+        if kind == "strided":
+            return (-torch.rand(2 * n + 1, generator=g) * 4).to(dtype)[::2][:n]
+        if kind == "column":
+            return (-torch.rand(n, 1, generator=g) * 4).to(dtype)
+        if kind == "other dtype":
+            return (-torch.rand(n, generator=g) * 4).to(torch.bfloat16 if dtype == torch.float32 else torch.float32)
+        return (-torch.rand(n + (kind == "longer"), generator=g) * 4).to(dtype)
+
+    lp = [sample(n, dt) for n in lens]
+    ref = [sample(n, dt) for n in lens]
+    if draw(st.booleans()) and b:
+        for x in ref:
+            x[: len(x) // 2] = float("nan")
+    kw = {}
+    if draw(st.booleans()):
+        kw["mask"] = [pick([m], [m.to(torch.uint8), m[:-1]]) for m in (torch.rand(n, generator=g) < 0.6 for n in lens)]
+    reward = None
+    rank = pick([None, 1, 2], [3])
+    if rank is not None:
+        rdt = pick([dt, torch.float32], [torch.float64, torch.int64, torch.bfloat16])
+        reward = [torch.randn((n,) + (1,) * (rank - 1), generator=g).to(rdt) for n in lens]
+        if not clean and b and draw(st.booleans()):
+            reward[0] = reward[0].reshape(-1)  # ranks mixed
+    kw["reward_placement"] = pick(["auto", "token"], ["sequence", "last", "nope"])
+    kw["estimator"] = pick(["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"], ["k2+"])
+    kw["coef"] = pick([0.1, 2, float("nan"), torch.tensor(0.3), torch.rand(b, generator=g)],
+                      [True, torch.tensor(0.3, dtype=torch.float64), torch.rand(b + 1, generator=g)])
+    kw["return_ref"] = pick([False, True], [1])
+    kw["mask_nan"] = pick([False, True], [0])
+    kw["detach"] = draw(st.sampled_from([True, False]))
+    if b and draw(st.integers(0, 5)) == 0:
+        lp[0] = lp[0].requires_grad_() if lp[0].is_floating_point() else lp[0]
+    return lp, ref, reward, kw
+
+
+@given(raw_list_calls())
+def test_whatever_the_list_lane_takes_the_general_path_returns_bitwise(call):
+    lp, ref, reward, kw = call
+    with torch.enable_grad():
+        got = _list_lane(lp, ref, reward, **kw)
+        if got is None:
+            return
+        want = _general(lp, ref, reward, **kw)  # must not raise: the lane took it
+    _assert_same(got, want)
+
+
+def test_the_lanes_read_the_flags_of_the_tensor_type_as_it_is_now(monkeypatch):
+    """The extension reads is_neg and requires_grad through the C functions behind torch.Tensor's
+    attributes, looked up once per version of the type: an attribute replaced later is honoured."""
+    lp, ref, mask = _samples()
+    dense = torch.cat(lp), torch.cat(ref)
+    offsets = ragged.lengths_to_offsets(list(LENGTHS))
+    with torch.enable_grad():
+        assert _list_lane(lp, ref, detach=False) is not None
+        assert _lane(*dense, offsets=offsets, detach=False) is not None
+        monkeypatch.setattr(torch.Tensor, "is_neg", lambda self: True)
+        assert _list_lane(lp, ref) is None and _lane(*dense, offsets=offsets) is None
+        monkeypatch.undo()
+        monkeypatch.setattr(torch.Tensor, "requires_grad", property(lambda self: True))
+        assert _list_lane(lp, ref, detach=False) is None and _lane(*dense, offsets=offsets, detach=False) is None
+        assert _list_lane(lp, ref, detach=True) is not None  # nothing to record: the flag is not read
+        monkeypatch.undo()
+        assert _list_lane(lp, ref, detach=False) is not None
+        assert _lane(*dense, offsets=offsets, detach=False) is not None

@@ -18,6 +18,7 @@
 #include "common/kl_reward_args.h"
 #include "cpu/dlpack_exchange.h"
 #include "cpu/int64_facts.h"
+#include "cpu/plan_reads.h"
 #include "cpu/py_tensor.h"
 
 namespace py = pybind11;
@@ -25,116 +26,7 @@ namespace py = pybind11;
 namespace kl {
 namespace {
 
-// DLPack type codes (DLDataTypeCode) of the dtypes read here.
-constexpr uint8_t kDLInt = 0, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6;
-
-// One tensor's facts, from the exchange table.
-struct View {
-  dlpack::Tensor t{};
-  int32_t ndim() const { return t.ndim; }
-  int64_t size(int d) const { return t.shape[d]; }
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int d = 0; d < t.ndim; ++d) n *= t.shape[d];
-    return n;
-  }
-  int64_t stride(int d) const {  // null strides: compact row-major
-    if (t.strides != nullptr) return t.strides[d];
-    int64_t s = 1;
-    for (int e = t.ndim - 1; e > d; --e) s *= t.shape[e];
-    return s;
-  }
-  // launch.py's _ptr: 0 for an empty tensor
-  uintptr_t address() const {
-    return numel() == 0 ? 0 : reinterpret_cast<uintptr_t>(t.data) + static_cast<uintptr_t>(t.byte_offset);
-  }
-  bool is(uint8_t code, uint8_t bits) const {
-    return t.dtype.code == code && t.dtype.bits == bits && t.dtype.lanes == 1;
-  }
-  bool contiguous_vector() const { return t.ndim == 1 && (t.shape[0] <= 1 || stride(0) == 1); }
-  bool same_shape(const View& o) const {
-    if (t.ndim != o.t.ndim) return false;
-    for (int d = 0; d < t.ndim; ++d)
-      if (t.shape[d] != o.t.shape[d]) return false;
-    return true;
-  }
-};
-
-// The kernels' dtype code of a log-prob / reward tensor, or -1.
-int32_t float_code(const View& v) {
-  if (v.is(kDLFloat, 32)) return kFloat32;
-  if (v.is(kDLBfloat, 16)) return kBFloat16;
-  if (v.is(kDLFloat, 16)) return kFloat16;
-  return -1;
-}
-
-// Reads `obj` when it is exactly a `tensor_type` on the CPU that a kernel may read in place (no
-// negative bit; with `reject_grad`, not requiring grad: py_tensor.h's readable_in_place).
-bool read(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* obj, bool reject_grad, View* v) {
-  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(tensor_type) && read_cpu_dltensor(api, obj, &v->t) &&
-         readable_in_place(obj, reject_grad);
-}
-
-// problem.py's ESTIMATORS: (estimator code, straight-through).
-bool parse_estimator(PyObject* s, EstimatorParams* est) {
-  struct Entry {
-    const char* name;
-    int32_t code, straight_through;
-  };
-  static const Entry table[] = {{"k1", kK1, 0}, {"abs", kAbs, 0}, {"k2", kK2, 0}, {"k3", kK3, 0},
-                                {"k1+", kK1, 1}, {"abs+", kAbs, 1}, {"k3+", kK3, 1}};
-  if (!PyUnicode_Check(s)) return false;
-  for (const Entry& e : table) {
-    if (PyUnicode_CompareWithASCIIString(s, e.name) == 0) {
-      est->estimator = e.code;
-      est->straight_through = e.straight_through;
-      return true;
-    }
-  }
-  return false;
-}
-
-// Which of `names` the str `s` is, or -1.
-template <size_t N>
-int which(PyObject* s, const char* const (&names)[N]) {
-  if (!PyUnicode_Check(s)) return -1;
-  for (size_t i = 0; i < N; ++i)
-    if (PyUnicode_CompareWithASCIIString(s, names[i]) == 0) return static_cast<int>(i);
-  return -1;
-}
-
-// The coefficient as problem.py's _normalize_coef and launch.py's coefficient() take it: a real
-// Python number (not a bool), or a float32 CPU tensor, 0-d or [B] contiguous, read by the kernel in
-// place (TorchRL keeps its coefficient as a 0-d tensor). Other dtypes, which launch.py converts to
-// float32, take the general path.
-bool read_coef(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* c, KLRewardArgs* a) {
-  double v;
-  if (PyFloat_Check(c)) {
-    v = PyFloat_AS_DOUBLE(c);
-  } else if (PyLong_Check(c) && !PyBool_Check(c)) {
-    v = PyLong_AsDouble(c);
-    if (v == -1.0 && PyErr_Occurred()) {
-      PyErr_Clear();
-      return false;
-    }
-  } else {
-    View t;
-    if (!read(api, tensor_type, c, false, &t) || !t.is(kDLFloat, 32)) return false;
-    if (t.ndim() == 0) {
-      a->coef_mode = kCoefTensor0d;
-    } else if (t.contiguous_vector() && t.size(0) == a->batch) {
-      a->coef_mode = kCoefPerSeq;
-    } else {
-      return false;
-    }
-    a->coef = t.address();
-    a->coef_scalar = 0.0f;
-    return true;
-  }
-  a->coef_mode = kCoefScalar;
-  a->coef_scalar = static_cast<float>(v);
-  return true;
-}
+using namespace plan;
 
 // int64 values of a contiguous CPU vector.
 const int64_t* int64_values(const View& v) { return static_cast<const int64_t*>(v.t.data) + v.t.byte_offset / 8; }
@@ -154,8 +46,7 @@ bool classify_reward(const View& r, const View& tok, bool padded, int64_t batch,
   const bool seq_b1 = nd == 2 && r.size(0) == batch && r.size(1) == 1;
   const bool seq_b11 = nd == 3 && r.size(0) == batch && r.size(1) == 1 && r.size(2) == 1;
   const bool seq_match = seq_b || seq_b1 || seq_b11;
-  enum { kAuto = 0, kTokenArg = 1, kSequenceArg = 2, kLastArg = 3 };
-  if (placement_arg == kTokenArg || (placement_arg == kAuto && token_match && !seq_match)) {
+  if (placement_arg == kTokenArg || (placement_arg == kAutoArg && token_match && !seq_match)) {
     if (!token_match) return false;
     *placement = kToken;
     *trailing = !token_plain;
@@ -180,19 +71,15 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
                                 py::handle reward, py::handle mask, py::handle offsets, py::handle lengths,
                                 py::handle coef, py::handle estimator, py::handle padding_side,
                                 py::handle reward_placement, py::handle return_ref, py::handle detach,
-                                bool grad_enabled) {
-  static const char* const kSides[] = {"left", "right"};
-  static const char* const kPlacements[] = {"auto", "token", "sequence", "last"};
+                                py::handle mask_nan, bool grad_enabled) {
   const dlpack::ExchangeAPI* api = exchange_api(tensor_type.ptr());
-  if (api == nullptr) return py::none();
+  if (api == nullptr || !PyBool_Check(mask_nan.ptr())) return py::none();
   KLRewardArgs a;
-  if (!parse_estimator(estimator.ptr(), &a.est)) return py::none();
-  const int side = which(padding_side.ptr(), kSides);
-  const int placement_arg = which(reward_placement.ptr(), kPlacements);
-  if (side < 0 || placement_arg < 0 || !PyBool_Check(return_ref.ptr()) || !PyBool_Check(detach.ptr()))
+  Options o;
+  if (!read_options(estimator.ptr(), padding_side.ptr(), reward_placement.ptr(), return_ref.ptr(), detach.ptr(),
+                    grad_enabled, &a, &o))
     return py::none();
-  // With autograd recording, inputs that require grad take the general path (the registered op).
-  const bool reject_grad = grad_enabled && detach.ptr() == Py_False;
+  const bool reject_grad = o.reject_grad;
 
   View lp, ref;
   if (!read(api, tensor_type.ptr(), log_probs.ptr(), reject_grad, &lp) ||
@@ -239,7 +126,6 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
   }
   if (!read_coef(api, tensor_type.ptr(), coef.ptr(), &a)) return py::none();
   a.total = lp.numel();
-  a.left_pad = side == 0;
   a.lp = lp.address();
   a.ref = ref.address();
 
@@ -263,7 +149,7 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
     a.reward_dtype = float_code(r);
     if (a.reward_dtype != a.dtype && a.reward_dtype != kFloat32) return py::none();
     int32_t placement;
-    if (!classify_reward(r, lp, padded, a.batch, placement_arg, &placement, &trailing)) return py::none();
+    if (!classify_reward(r, lp, padded, a.batch, o.placement_arg, &placement, &trailing)) return py::none();
     a.placement = placement;
     a.reward = r.address();
     if (placement == kToken) {  // read in the layout, a trailing 1 squeezed away
@@ -274,6 +160,9 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
       a.rw_s1 = 0;
     }
   }
+  // NaN pads: the general path folds them into the mask only for autograd (declined above), a
+  // compiled call or another device; the cpu kernel skips them itself
+  a.mask_nan = mask_nan.ptr() == Py_True;
   return py::make_tuple(py::cast(a), a.reward_dtype, trailing);
 }
 

@@ -15,6 +15,7 @@ pybind11::object kl_reward_dense_plan(pybind11::handle tensor_type, pybind11::ha
                                       pybind11::handle offsets, pybind11::handle lengths, pybind11::handle coef,
                                       pybind11::handle estimator, pybind11::handle padding_side,
                                       pybind11::handle reward_placement, pybind11::handle return_ref,
-                                      pybind11::handle detach, bool grad_enabled);
+                                      pybind11::handle detach, pybind11::handle mask_nan,
+                                      bool grad_enabled);
 
 }  // namespace kl

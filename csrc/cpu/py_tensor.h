@@ -21,10 +21,6 @@ const dlpack::ExchangeAPI* exchange_api(PyObject* tensor_type);
 // nested, sparse or batched (vmap) tensor: the caller's general path reports).
 bool read_cpu_dltensor(const dlpack::ExchangeAPI* api, PyObject* t, dlpack::Tensor* out);
 
-// `attribute` of `t` (a method when `call`) is exactly False; a failed read (error cleared)
-// counts as not False.
-bool is_false(PyObject* t, PyObject* attribute, bool call);
-
 // A tensor object a kernel may read in place: without the negative bit (a pending negation its
 // memory does not show, which launch.py resolves with a copy) and, with `reject_grad`, not
 // requiring grad. Read failures count as no.

@@ -105,12 +105,6 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         >>> out.count
         tensor([2, 3])
     """
-    if prompt_lens is None and clamp_input is None and clamp_output is None and mask_nan is False:
-        # plain dense CPU tensors: checked and launched in one C call (fast.py), else None
-        out = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths, padding_side,
-                           reward_placement, return_ref, detach, backend)
-        if out is not None:
-            return out
     return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
@@ -130,6 +124,23 @@ def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1
                lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
                clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
                store=None) -> KLRewardOutput:
+    if prompt_lens is None and clamp_input is None and clamp_output is None:
+        # plain CPU tensors, or lists of them: checked and launched in one C call (fast.py), else None
+        out = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths, padding_side,
+                           reward_placement, return_ref, detach, mask_nan, backend, store)
+        if out is not None:
+            return out
+    return _general(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
+                    lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
+                    reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
+                    return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, store=store)
+
+
+def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
+             lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
+             clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
+             store=None) -> KLRewardOutput:
+    """kl_reward's general path: validate and normalize (problem.py), dispatch, run, restore the layout."""
     problem, layout = build_problem(
         log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,

@@ -333,6 +333,9 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
         lp, offsets = packed
         ref = _pack_ragged_arg(ref_log_probs, second, offsets, kind, lp.dtype)
         _check_logprob_tensor(ref, second)
+        if ref.dim() != 1:
+            raise ValueError(f"{second} must be 1-D [L] per sequence like log_probs, got "
+                             f"[L, {', '.join(map(str, ref.shape[1:]))}]")
         if mask is not None:
             mask = _pack_ragged_arg(mask, "mask", offsets, kind, torch.bool)
             _check_mask_tensor(mask, lp.shape)
