@@ -260,6 +260,64 @@ def test_shallow_copy_of_a_lazy_stack_is_tensordict_copy():
     assert copied.tensordicts[0] is not odd.tensordicts[0] and copied.tensordicts[0]["t"] is odd.tensordicts[0]["t"]
 
 
+def _odd_stacks():
+    """(id, lazy stack, keys) pairs, each a case sample_leaves must answer alike in C and in Python."""
+    from tensordict import NonTensorData
+
+    def stack(extra=None):
+        return lazy_stack([TensorDict({("log_probs", "full"): torch.randn(k), "reward": torch.randn(k, 1),
+                                       **(extra or {})}, batch_size=()) for k in range(3)])
+
+    keys = (("log_probs", "full"), "reward")
+    locked_one = stack()
+    locked_one.tensordicts[1].lock_()
+    locked_all = stack().lock_()
+    subclass = stack()
+    subclass.tensordicts[2] = type("SubTD", (TensorDict,), {})({"reward": torch.zeros(2, 1)}, batch_size=())
+    missing = stack()
+    del missing.tensordicts[1]["reward"]
+    leaf_on_path = stack()
+    leaf_on_path.tensordicts[0]["log_probs"] = torch.zeros(0)
+    text = stack({"t": NonTensorData("x")})
+    return [
+        ("plain", stack(), keys), ("three levels", stack({("a", "b", "c"): torch.ones(2)}), keys + (("a", "b", "c"),)),
+        ("no keys", stack(), ()), ("empty stack", LazyStackedTensorDict(stack_dim=0), keys),
+        ("one sample locked", locked_one, keys), ("stack locked", locked_all, keys),
+        ("a TensorDict subclass", subclass, keys), ("a key missing", missing, keys),
+        ("a leaf on the path", leaf_on_path, keys), ("a container as the value", stack(), ("log_probs",)),
+        ("non-tensor data", text, keys + ("t",)),
+        ("a dense stack", TensorDict({"reward": torch.zeros(3, 2, 1)}, batch_size=(3,)), ("reward",)),
+        ("2-d samples", lazy_stack([TensorDict({"reward": torch.zeros(2, 1)}, batch_size=(2,))] * 2), ("reward",)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_odd_stacks())), ids=[c[0] for c in _odd_stacks()])
+def test_sample_leaves_walks_alike_in_c_and_in_python(case, monkeypatch):
+    from kl_kernels.torchrl import _io
+    if _io._walker() is None:
+        pytest.skip("the CPU extension has no walker")
+    _, td, keys = _odd_stacks()[case]
+    got = _io.sample_leaves(td, keys)
+    monkeypatch.setattr(_io, "WALK_IN_C", False)
+    want = _io.sample_leaves(td, keys)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and len(got[1]) == len(keys)
+    assert [e is w for e, w in zip(got[0], want[0])] == [True] * len(want[0]) and len(got[0]) == len(want[0])
+    for g, w in zip(got[1], want[1]):
+        assert len(g) == len(w) and all(a is b for a, b in zip(g, w))  # the very objects
+
+
+def test_sample_leaves_finds_what_tensordict_finds():
+    from kl_kernels.torchrl import _io
+    _, td, keys = _odd_stacks()[1]
+    entries, leaves = _io.sample_leaves(td, keys)
+    assert entries == [sub._tensordict for sub in td.tensordicts]
+    for key, values in zip(keys, leaves):
+        assert all(v is t for v, t in zip(values, td.get(key, as_list=True)))
+
+
 def test_klrewardtransform_assistant_only_false_and_missing_reward():
     """TorchRL: UnboundLocalError (assistant_only=False) and AttributeError (no reward)."""
     policy, ref_model = TinyLM(seed=1), TinyLM(seed=2)

@@ -149,16 +149,16 @@ def per_sample_floor(td, batch: RLHFBatch):
     from ..torchrl import _io
 
     work = _io.shallow_copy(td)
-    entries = _io.sample_entries(work)
     lengths = ragged.offsets_to_lengths(batch.offsets).tolist()
     kl = torch.zeros(batch.num_tokens, dtype=batch.lp.dtype, device=batch.lp.device)
     reward = torch.zeros(batch.num_tokens, 1, dtype=torch.float32, device=batch.lp.device)
 
     def call():
-        for e in entries:  # the three inputs of each sample, where a transform finds them
-            e["log_probs"]._tensordict["full"].data_ptr()
-            e["ref_log_probs"]._tensordict["full"].data_ptr()
-            e["reward"].data_ptr()
+        # the three inputs of each sample, found as our transform finds them, and their addresses
+        entries, leaves = _io.sample_leaves(work, (("log_probs", "full"), ("ref_log_probs", "full"), "reward"))
+        for tensors in leaves:
+            for t in tensors:
+                t.data_ptr()
         for e, k, r in zip(entries, torch.unsafe_split_with_sizes(kl, lengths),
                            torch.unsafe_split_with_sizes(reward, lengths)):
             e["kl_penalty"], e["reward"] = k, r

@@ -10,12 +10,13 @@ nested tensors), so the numeric work is one vectorized call, never a loop over s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unravel_key
 
-from .. import ragged
+from .. import _extensions, ragged
 
 
 @dataclass
@@ -113,11 +114,47 @@ def sample_entries(td: TensorDictBase) -> list[dict] | None:
     return [sub._tensordict for sub in td.tensordicts]
 
 
+def sample_leaves(td: TensorDictBase, keys) -> tuple[list[dict], list[list]] | None:
+    """``(entries, leaves)``: :func:`sample_entries` of ``td`` and, for each of ``keys``, every
+    sample's value under it (``leaves[k][i]``: a leaf, or anything else: the caller checks); or
+    ``None`` when ``td`` is not such a stack or some sample lacks a key.
+
+    One pass over the samples, every key of a sample together, in C when the CPU extension is there
+    (``csrc/cpu/tensordict_samples.cpp``: ~0.1 ms less than the Python walk for three keys at B = 256
+    right after another call has evicted the caches), else in Python; both follow the same rules
+    (tests compare them)."""
+    if not is_lazy(td) or td.batch_dims != 1 or td.is_locked:
+        return None
+    paths = tuple(_path(key) for key in keys)
+    walk = _walker() if WALK_IN_C else None
+    if walk is not None:
+        return walk(td.tensordicts, TensorDict, paths)
+    if not plain_samples(td):
+        return None
+    entries = [sub._tensordict for sub in td.tensordicts]
+    leaves = [entries_at(entries, path) for path in paths]
+    return None if any(x is None for x in leaves) else (entries, leaves)
+
+
+# Whether sample_leaves walks the samples in C (when the extension has the walker); tests switch it
+# off to compare with the Python walk.
+WALK_IN_C = True
+
+
+@functools.lru_cache(maxsize=None)
+def _walker():
+    return _extensions.kernel("_C", "sample_leaves")[0]
+
+
+def _path(key) -> tuple[str, ...]:
+    path = unravel_key(key)
+    return (path,) if isinstance(path, str) else path
+
+
 def entries_at(entries: list[dict], key) -> list | None:
     """Each sample's value under ``key`` (a leaf, or anything else: the caller checks), or ``None``
     when some sample lacks it. One comprehension per path level: this runs per sample and call."""
-    path = unravel_key(key)
-    path = (path,) if isinstance(path, str) else path
+    path = _path(key)
     try:
         nodes = [e[path[0]] for e in entries]
         for name in path[1:]:

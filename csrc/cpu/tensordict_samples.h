@@ -1,0 +1,12 @@
+// Walking the samples of a lazily stacked TensorDict to their per-sample entries in one C pass
+// (kl_kernels/torchrl/_io.py's sample_leaves; see tensordict_samples.cpp).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace kl {
+
+// See tensordict_samples.cpp.
+pybind11::object sample_leaves(pybind11::handle samples, pybind11::handle container_type, pybind11::handle paths);
+
+}  // namespace kl
