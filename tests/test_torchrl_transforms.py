@@ -309,6 +309,22 @@ def test_sample_leaves_walks_alike_in_c_and_in_python(case, monkeypatch):
         assert len(g) == len(w) and all(a is b for a, b in zip(g, w))  # the very objects
 
 
+def test_put_entries_sets_each_samples_value_in_c():
+    from kl_kernels.torchrl import _io
+    put = _io._putter()
+    if put is None:
+        pytest.skip("the CPU extension has no put_entries")
+    entries = [{"a": 1}, {}, {"a": 3}]
+    values = [torch.zeros(1), torch.ones(2), torch.zeros(3)]
+    assert put(entries, "a", values) is True
+    assert [e["a"] is v for e, v in zip(entries, values)] == [True] * 3
+    for bad in ((entries[:2], "a", values), (entries, ("a",), values), (entries + [[]], "a", values + [1]),
+                (tuple(entries), "a", values)):
+        before = [dict(e) if isinstance(e, dict) else e for e in bad[0]]
+        assert put(*bad) is False  # nothing set: _io.put_entries then loops in Python
+        assert [dict(e) if isinstance(e, dict) else e for e in bad[0]] == before
+
+
 def test_sample_leaves_finds_what_tensordict_finds():
     from kl_kernels.torchrl import _io
     _, td, keys = _odd_stacks()[1]

@@ -1,5 +1,6 @@
 // sample_leaves: the entry dicts of the samples of a lazily stacked TensorDict, and each sample's
-// value under some keys, in one pass (kl_kernels/torchrl/_io.py).
+// value under some keys, in one pass; put_entries: one value set into each of those dicts
+// (kl_kernels/torchrl/_io.py).
 //
 // A TorchRL transform on a lazy stack of B samples finds its inputs in every sample: for a nested
 // key ("log_probs", "full"), sample -> its entry dict -> the sub-TensorDict -> its entry dict -> the
@@ -90,6 +91,28 @@ py::object sample_leaves(py::handle samples, py::handle container_type, py::hand
     }
   }
   return py::make_tuple(entries, leaves);
+}
+
+// entries[i][name] = values[i] for every i (two lists of one length, exact dicts, a str name):
+// true; false, with nothing set, for anything else. A transform storing its per-sample results.
+bool put_entries(py::handle entries, py::handle name, py::handle values) {
+  PyObject* e = entries.ptr();
+  PyObject* v = values.ptr();
+  if (!PyList_Check(e) || !PyList_Check(v) || PyList_GET_SIZE(e) != PyList_GET_SIZE(v) ||
+      !PyUnicode_CheckExact(name.ptr()))
+    return false;
+  const Py_ssize_t n = PyList_GET_SIZE(e);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!PyDict_CheckExact(PyList_GET_ITEM(e, i))) return false;
+  // Holding both lists: replacing a value frees the old one, which may run arbitrary code (a
+  // finalizer) that could change the lists.
+  const py::tuple dicts = py::reinterpret_steal<py::tuple>(PyList_AsTuple(e));
+  const py::tuple items = py::reinterpret_steal<py::tuple>(PyList_AsTuple(v));
+  if (!dicts || !items) throw py::error_already_set();
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (PyDict_SetItem(PyTuple_GET_ITEM(dicts.ptr(), i), name.ptr(), PyTuple_GET_ITEM(items.ptr(), i)) != 0)
+      throw py::error_already_set();
+  return true;
 }
 
 }  // namespace kl

@@ -111,13 +111,19 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
                       return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend)
 
 
-def kl_reward_storing(store: Callable[[KLRewardOutput], None], *args, **kwargs) -> KLRewardOutput:
+def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_log_probs, reward=None, *, coef=1.0,
+                      estimator="k1", mask=None, offsets=None, lengths=None, padding_side="left", prompt_lens=None,
+                      reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False, detach=True,
+                      mask_nan=False, backend="auto") -> KLRewardOutput:
     """:func:`kl_reward` (same arguments), calling ``store(out)`` with its outputs before returning
     them, possibly while the kernel is still writing them: ``store`` may put the output tensors
     somewhere (a transform setting per-sample views into the samples' TensorDicts) but must not read
     their values. For list inputs on the CPU that work overlaps the kernel. An exception from
     ``store`` propagates once the kernel is done."""
-    return _kl_reward(*args, store=store, **kwargs)
+    return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
+                      lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
+                      reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
+                      return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, store=store)
 
 
 def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,

@@ -136,14 +136,19 @@ def sample_leaves(td: TensorDictBase, keys) -> tuple[list[dict], list[list]] | N
     return None if any(x is None for x in leaves) else (entries, leaves)
 
 
-# Whether sample_leaves walks the samples in C (when the extension has the walker); tests switch it
-# off to compare with the Python walk.
+# Whether sample_leaves and put_entries loop over the samples in C (when the extension has them);
+# tests switch it off to compare with the Python loops.
 WALK_IN_C = True
 
 
 @functools.lru_cache(maxsize=None)
 def _walker():
     return _extensions.kernel("_C", "sample_leaves")[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _putter():
+    return _extensions.kernel("_C", "put_entries")[0]
 
 
 def _path(key) -> tuple[str, ...]:
@@ -183,7 +188,11 @@ def set_entries(td: LazyStackedTensorDict, entries: list[dict], name: str, tenso
 
 def put_entries(entries: list[dict], name: str, tensors: list) -> None:
     """Set top-level entry ``name`` of each sample (``entries`` from :func:`sample_entries`) to one
-    of ``tensors``, with no check: the caller knows each tensor is on its sample's device."""
+    of ``tensors``, with no check: the caller knows each tensor is on its sample's device. In one C
+    loop when the extension has it (``csrc/cpu/tensordict_samples.cpp``)."""
+    put = _putter() if WALK_IN_C else None
+    if put is not None and put(entries, name, tensors):
+        return
     for e, t in zip(entries, tensors):
         e[name] = t
 
