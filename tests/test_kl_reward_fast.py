@@ -253,19 +253,26 @@ def test_kl_reward_asks_the_lane_only_without_the_options_it_leaves_out(monkeypa
 # ---------------------------------------------------------------- differential: anything it takes
 
 
-@st.composite
-def raw_calls(draw):
-    """kl_reward arguments, plain dense tensors but often wrong: both layouts, every dtype pairing,
-    reward shapes right and wrong, offsets and lengths valid or not, odd strings and flags. Half the
-    draws pick among valid choices only (so the lane takes many of them), the rest among all."""
+def _start(draw):
+    """What the raw-call strategies share: a seeded generator; ``clean``, true in half the draws, where
+    ``pick(valid, wrong)`` chooses among the valid choices only (so the lanes take many), and among
+    all in the rest; and 0 to 4 sequence lengths (0 and 1 included)."""
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     clean = draw(st.booleans())
 
     def pick(valid, wrong=()):
         return draw(st.sampled_from(list(valid) if clean else [*valid, *wrong]))
 
-    b = draw(st.integers(0, 4))
-    lens = [draw(st.sampled_from([0, 1, 2, 5, 9])) for _ in range(b)]
+    return g, clean, pick, [draw(st.sampled_from([0, 1, 2, 5, 9])) for _ in range(draw(st.integers(0, 4)))]
+
+
+@st.composite
+def raw_calls(draw):
+    """kl_reward arguments, plain dense tensors but often wrong: both layouts, every dtype pairing,
+    reward shapes right and wrong, offsets and lengths valid or not, odd strings and flags. Half the
+    draws pick among valid choices only (so the lane takes many of them), the rest among all."""
+    g, clean, pick, lens = _start(draw)
+    b = len(lens)
     n = sum(lens)
     padded = draw(st.booleans())
     width = (max(lens, default=0) + draw(st.integers(0, 2))) if padded else None
@@ -304,15 +311,21 @@ def raw_calls(draw):
     return lp, ref, reward, kw
 
 
-@given(raw_calls())
-def test_whatever_the_lane_takes_the_general_path_returns_bitwise(call):
+def _agrees_with_the_general_path(lane, call):
+    """Whatever ``lane`` takes of ``call`` (under autograd, so inputs requiring grad are declined),
+    the general path returns bitwise."""
     lp, ref, reward, kw = call
     with torch.enable_grad():
-        got = _lane(lp, ref, reward, **kw)
+        got = lane(lp, ref, reward, **kw)
         if got is None:
             return
         want = _general(lp, ref, reward, **kw)  # must not raise: the lane took it
     _assert_same(got, want)
+
+
+@given(raw_calls())
+def test_whatever_the_lane_takes_the_general_path_returns_bitwise(call):
+    _agrees_with_the_general_path(_lane, call)
 
 
 # ---------------------------------------------------------------- the list lane (list_plan.cpp)
@@ -472,14 +485,8 @@ def raw_list_calls(draw):
     """kl_reward arguments as lists of per-sequence tensors, often wrong: lengths that disagree,
     strided or oddly shaped samples, dtypes mixed within a list, reward ranks and dtypes right and
     wrong, odd strings and flags. Half the draws pick among valid choices only."""
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    clean = draw(st.booleans())
-
-    def pick(valid, wrong=()):
-        return draw(st.sampled_from(list(valid) if clean else [*valid, *wrong]))
-
-    b = draw(st.integers(0, 4))
-    lens = [draw(st.sampled_from([0, 1, 2, 5, 9])) for _ in range(b)]
+    g, clean, pick, lens = _start(draw)
+    b = len(lens)
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     dt = pick(dtypes, [torch.float64])
 
@@ -522,13 +529,7 @@ def raw_list_calls(draw):
 
 @given(raw_list_calls())
 def test_whatever_the_list_lane_takes_the_general_path_returns_bitwise(call):
-    lp, ref, reward, kw = call
-    with torch.enable_grad():
-        got = _list_lane(lp, ref, reward, **kw)
-        if got is None:
-            return
-        want = _general(lp, ref, reward, **kw)  # must not raise: the lane took it
-    _assert_same(got, want)
+    _agrees_with_the_general_path(_list_lane, call)
 
 
 def test_the_lanes_read_the_flags_of_the_tensor_type_as_it_is_now(monkeypatch):

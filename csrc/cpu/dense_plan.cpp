@@ -72,12 +72,11 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
                                 py::handle coef, py::handle estimator, py::handle padding_side,
                                 py::handle reward_placement, py::handle return_ref, py::handle detach,
                                 py::handle mask_nan, bool grad_enabled) {
-  const dlpack::ExchangeAPI* api = exchange_api(tensor_type.ptr());
-  if (api == nullptr || !PyBool_Check(mask_nan.ptr())) return py::none();
+  const dlpack::ExchangeAPI* api;
   KLRewardArgs a;
   Options o;
-  if (!read_options(estimator.ptr(), padding_side.ptr(), reward_placement.ptr(), return_ref.ptr(), detach.ptr(),
-                    grad_enabled, &a, &o))
+  if (!read_options(tensor_type.ptr(), estimator.ptr(), padding_side.ptr(), reward_placement.ptr(), return_ref.ptr(),
+                    detach.ptr(), mask_nan.ptr(), grad_enabled, &api, &a, &o))
     return py::none();
   const bool reject_grad = o.reject_grad;
 
@@ -160,9 +159,6 @@ py::object kl_reward_dense_plan(py::handle tensor_type, py::handle log_probs, py
       a.rw_s1 = 0;
     }
   }
-  // NaN pads: the general path folds them into the mask only for autograd (declined above), a
-  // compiled call or another device; the cpu kernel skips them itself
-  a.mask_nan = mask_nan.ptr() == Py_True;
   return py::make_tuple(py::cast(a), a.reward_dtype, trailing);
 }
 

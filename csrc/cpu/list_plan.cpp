@@ -70,12 +70,11 @@ py::object kl_reward_list_plan(py::handle tensor_type, py::handle log_probs, py:
                                py::handle reward, py::handle mask, py::handle coef, py::handle estimator,
                                py::handle padding_side, py::handle reward_placement, py::handle return_ref,
                                py::handle detach, py::handle mask_nan, bool grad_enabled) {
-  const dlpack::ExchangeAPI* api = exchange_api(tensor_type.ptr());
-  if (api == nullptr || !PyBool_Check(mask_nan.ptr())) return py::none();
+  const dlpack::ExchangeAPI* api;
   KLRewardArgs a;
   Options o;
-  if (!read_options(estimator.ptr(), padding_side.ptr(), reward_placement.ptr(), return_ref.ptr(), detach.ptr(),
-                    grad_enabled, &a, &o))
+  if (!read_options(tensor_type.ptr(), estimator.ptr(), padding_side.ptr(), reward_placement.ptr(), return_ref.ptr(),
+                    detach.ptr(), mask_nan.ptr(), grad_enabled, &api, &a, &o))
     return py::none();
   if (!PyList_Check(log_probs.ptr()) && !PyTuple_Check(log_probs.ptr())) return py::none();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(log_probs.ptr());
@@ -166,7 +165,6 @@ py::object kl_reward_list_plan(py::handle tensor_type, py::handle log_probs, py:
   } else {
     a.reward_dtype = a.dtype;
   }
-  a.mask_nan = mask_nan.ptr() == Py_True;
   if (!read_coef(api, tensor_type.ptr(), coef.ptr(), &a)) return py::none();
   // What keeps the addresses valid while the kernel runs: the buffer and every tensor read.
   py::tuple keep = py::make_tuple(buffer, lps, refs, rewards, masks);

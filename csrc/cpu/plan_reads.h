@@ -136,18 +136,26 @@ struct Options {
 };
 
 // The options every lane reads alike: the estimator (into a->est), padding_side (a->left_pad),
-// reward_placement, and return_ref and detach, which must be bools; false where problem.py raises.
-// With autograd recording (grad_enabled) and detach=False, inputs that require grad go the general
-// way, which records the op for autograd.
-inline bool read_options(PyObject* estimator, PyObject* padding_side, PyObject* reward_placement, PyObject* return_ref,
-                         PyObject* detach, bool grad_enabled, KLRewardArgs* a, Options* o) {
+// reward_placement, and return_ref, detach and mask_nan (a->mask_nan), which must be bools; false
+// where problem.py raises. With autograd recording (grad_enabled) and detach=False, inputs that
+// require grad go the general way, which records the op for autograd. (NaN pads: the general path
+// folds mask_nan into the mask only for autograd, a compiled call or another device, none of which
+// a lane takes; the cpu kernel skips them itself.)
+// Also looks up the exchange table of `tensor_type` (*api): false without one.
+inline bool read_options(PyObject* tensor_type, PyObject* estimator, PyObject* padding_side, PyObject* reward_placement,
+                         PyObject* return_ref, PyObject* detach, PyObject* mask_nan, bool grad_enabled,
+                         const dlpack::ExchangeAPI** api, KLRewardArgs* a, Options* o) {
   static const char* const kSides[] = {"left", "right"};
+  *api = exchange_api(tensor_type);
+  if (*api == nullptr) return false;
   static const char* const kPlacements[] = {"auto", "token", "sequence", "last"};
   if (!parse_estimator(estimator, &a->est)) return false;
   const int side = which(padding_side, kSides);
   const int placement_arg = which(reward_placement, kPlacements);
-  if (side < 0 || placement_arg < 0 || !PyBool_Check(return_ref) || !PyBool_Check(detach)) return false;
+  if (side < 0 || placement_arg < 0 || !PyBool_Check(return_ref) || !PyBool_Check(detach) || !PyBool_Check(mask_nan))
+    return false;
   a->left_pad = side == 0;
+  a->mask_nan = mask_nan == Py_True;
   o->placement_arg = placement_arg;
   o->reject_grad = grad_enabled && detach == Py_False;
   return true;
