@@ -550,3 +550,25 @@ def test_the_lanes_read_the_flags_of_the_tensor_type_as_it_is_now(monkeypatch):
         monkeypatch.undo()
         assert _list_lane(lp, ref, detach=False) is not None
         assert _lane(*dense, offsets=offsets, detach=False) is not None
+
+
+@pytest.mark.parametrize("flag", ["negative bit", "requires grad"])
+def test_a_flag_found_while_the_kernel_runs_hands_nothing_out(flag):
+    """The list lane reads the negative bit and requires_grad while its kernel runs (list_plan.cpp):
+    when one is set, store never sees the lane's outputs, and the general path's result (negation
+    applied, autograd recorded) is what kl_reward_storing returns and stores, once."""
+    lp, ref, mask = _samples()
+    reward = _token_rewards("L1")
+    if flag == "negative bit":
+        lp = [*lp[:3], _neg_bit(-lp[3]), *lp[4:]]  # the same values, through a pending negation
+    else:
+        lp = [*lp[:3], lp[3].clone().requires_grad_(), *lp[4:]]
+    seen = []
+    with torch.enable_grad():
+        assert _list_lane(lp, ref, reward, detach=False, store=seen.append) is None
+        assert seen == []
+        out = kl_reward_storing(seen.append, lp, ref, reward, detach=False)
+    assert len(seen) == 1 and seen[0] is out
+    plain = [x.detach().clone() for x in lp]  # negation resolved, no autograd
+    _assert_same_tensors("kl", [k.detach() for k in out.kl], _general(plain, ref, reward).kl)
+    assert (out.kl[3].grad_fn is not None) == (flag == "requires grad")

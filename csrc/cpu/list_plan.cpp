@@ -10,6 +10,13 @@
 // (log-probs, reference, reward and mask of sample i, then of sample i + 1) and the struct is filled
 // in C.
 //
+// Two facts are read later, while the kernel runs (kl_reward_list_readable): the negative bit of
+// every tensor and, when autograd would record, requires_grad of the log-probs. They cost ~40 ns a
+// read through torch's Python API (~0.2 ms at B = 1024, three tensors a sample) and are all but
+// never set, so the kernel runs on the addresses read here and the flags are read next to it: when
+// one is set, the outputs are dropped unseen and the general path runs (the kernel only read the
+// inputs' memory, which is valid whatever the flags say).
+//
 // Like the dense lane (dense_plan.cpp) it never reports an error: anything it does not fully
 // understand, every invalid input included, makes it return None and the general path runs and
 // reports. tests/test_kl_reward_fast.py holds it to giving bitwise what the general path gives for
@@ -46,16 +53,14 @@ bool snapshot(py::handle list, Py_ssize_t n, py::tuple* out) {
   return true;
 }
 
-// Sequence i of a list, as ragged.SequenceList.of accepts it: exactly `tensor_type`, on the CPU, of
-// shape [L] (rank 1) or [L, 1] (rank 2), contiguous (consecutive values adjacent), of length `len`
-// unless that is negative, readable in place (no negative bit; with reject_grad, no grad).
+// Sequence i of a list, as ragged.SequenceList.of accepts it, but for the flags (see
+// kl_reward_list_readable): exactly `tensor_type`, on the CPU, of shape [L] (rank 1) or [L, 1]
+// (rank 2), contiguous (consecutive values adjacent), of length `len` unless that is negative.
 bool read_sequence(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* obj, int32_t rank, int64_t len,
-                   bool reject_grad, View* v) {
-  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(tensor_type) || !read_cpu_dltensor(api, obj, &v->t) ||
-      v->ndim() != rank || (rank == 2 && v->size(1) != 1) || (len >= 0 && v->size(0) != len) ||
-      (v->size(0) > 1 && v->stride(0) != 1))
-    return false;
-  return readable_in_place(obj, reject_grad);
+                   View* v) {
+  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(tensor_type) && read_cpu_dltensor(api, obj, &v->t) &&
+         v->ndim() == rank && (rank != 2 || v->size(1) == 1) && (len < 0 || v->size(0) == len) &&
+         (v->size(0) <= 1 || v->stride(0) == 1);
 }
 
 // Where a list's sequences start: the data address of a tensor read in place (launch.py's
@@ -99,10 +104,10 @@ py::object kl_reward_list_plan(py::handle tensor_type, py::handle log_probs, py:
   int32_t reward_rank = 0;  // that of the first reward; every reward has the same
   for (Py_ssize_t i = 0; i < n; ++i) {
     View lp, ref;
-    if (!read_sequence(api, tensor_type.ptr(), PyTuple_GET_ITEM(lps.ptr(), i), 1, -1, o.reject_grad, &lp))
+    if (!read_sequence(api, tensor_type.ptr(), PyTuple_GET_ITEM(lps.ptr(), i), 1, -1, &lp))
       return py::none();
     const int64_t len = lp.size(0);
-    if (!read_sequence(api, tensor_type.ptr(), PyTuple_GET_ITEM(refs.ptr(), i), 1, len, o.reject_grad, &ref))
+    if (!read_sequence(api, tensor_type.ptr(), PyTuple_GET_ITEM(refs.ptr(), i), 1, len, &ref))
       return py::none();
     const int32_t dtype = float_code(lp);
     if (i == 0) a.dtype = dtype;
@@ -120,14 +125,14 @@ py::object kl_reward_list_plan(py::handle tensor_type, py::handle log_probs, py:
         a.reward_dtype = float_code(rv);
         if ((reward_rank != 1 && reward_rank != 2) || a.reward_dtype < 0) return py::none();
       }
-      if (!read_sequence(api, tensor_type.ptr(), r, reward_rank, len, false, &rv) ||
+      if (!read_sequence(api, tensor_type.ptr(), r, reward_rank, len, &rv) ||
           float_code(rv) != a.reward_dtype)
         return py::none();
       reward_at[i] = start_of(rv);
     }
     if (has_mask) {
       View mv;
-      if (!read_sequence(api, tensor_type.ptr(), PyTuple_GET_ITEM(masks.ptr(), i), 1, len, false, &mv) ||
+      if (!read_sequence(api, tensor_type.ptr(), PyTuple_GET_ITEM(masks.ptr(), i), 1, len, &mv) ||
           !mv.is(kDLBool, 8))
         return py::none();
       mask_at[i] = start_of(mv);
@@ -166,9 +171,30 @@ py::object kl_reward_list_plan(py::handle tensor_type, py::handle log_probs, py:
     a.reward_dtype = a.dtype;
   }
   if (!read_coef(api, tensor_type.ptr(), coef.ptr(), &a)) return py::none();
-  // What keeps the addresses valid while the kernel runs: the buffer and every tensor read.
-  py::tuple keep = py::make_tuple(buffer, lps, refs, rewards, masks);
+  // What keeps the addresses valid while the kernel runs (the buffer and every tensor read), and
+  // what kl_reward_list_readable checks.
+  py::tuple keep = py::make_tuple(buffer, lps, refs, rewards, masks, o.reject_grad);
   return py::make_tuple(py::cast(a), a.dtype, a.reward_dtype, reward_rank == 2, lengths, keep);
+}
+
+bool kl_reward_list_readable(py::handle keep) {
+  PyObject* k = keep.ptr();
+  if (!PyTuple_Check(k) || PyTuple_GET_SIZE(k) != 6) return false;
+  PyObject* lists[4];
+  for (int j = 0; j < 4; ++j) {
+    lists[j] = PyTuple_GET_ITEM(k, j + 1);
+    if (!PyTuple_Check(lists[j])) return false;
+  }
+  const bool reject_grad = PyTuple_GET_ITEM(k, 5) == Py_True;
+  const Py_ssize_t n = PyTuple_GET_SIZE(lists[0]);
+  for (Py_ssize_t i = 0; i < n; ++i) {  // sample by sample, as the plan read them
+    for (int j = 0; j < 4; ++j) {
+      if (i >= PyTuple_GET_SIZE(lists[j])) continue;  // no reward, or no mask: an empty tuple
+      // gradients matter for the log-probs only: the reward and the mask are data
+      if (!readable_in_place(PyTuple_GET_ITEM(lists[j], i), reject_grad && j < 2)) return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace kl

@@ -11,11 +11,17 @@ namespace kl {
 // with exactly these arguments: (KLRewardArgs with every input set, log-prob dtype code, reward
 // dtype code, trailing-dim flag of the reward output, the sequence lengths as a list of ints, what
 // keeps the addresses valid). None for anything else (that path then runs and reports). The outputs
-// (kl, reward_out, ref_out, kl_sum, count) are left for the caller to allocate and set.
+// (kl, reward_out, ref_out, kl_sum, count) are left for the caller to allocate and set. The flags
+// the kernel's reads do not depend on are left to kl_reward_list_readable: the lane holds only if
+// it says true.
 pybind11::object kl_reward_list_plan(pybind11::handle tensor_type, pybind11::handle log_probs,
                                      pybind11::handle ref_log_probs, pybind11::handle reward, pybind11::handle mask,
                                      pybind11::handle coef, pybind11::handle estimator, pybind11::handle padding_side,
                                      pybind11::handle reward_placement, pybind11::handle return_ref,
                                      pybind11::handle detach, pybind11::handle mask_nan, bool grad_enabled);
+
+// For the `keep` of a plan: whether every tensor it read may be read in place (no negative bit)
+// and, where autograd would record, no log-prob tensor requires grad. False: the general path runs.
+bool kl_reward_list_readable(pybind11::handle keep);
 
 }  // namespace kl

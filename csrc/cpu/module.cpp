@@ -37,6 +37,7 @@ py::dict probe() {
   kernels.append("kl_reward_forward_during");
   kernels.append("kl_reward_dense_plan");
   kernels.append("kl_reward_list_plan");
+  kernels.append("kl_reward_list_readable");
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
   info["kernels"] = kernels;
@@ -110,6 +111,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("mask_nan"), py::arg("grad_enabled"),
         "(KLRewardArgs, dtype code, reward dtype code, trailing, lengths, keep) for a kl_reward call on lists of\n"
         "per-sequence CPU tensors that the general path would read in place, or None (outputs left to set).");
+  m.def("kl_reward_list_readable", &kl::kl_reward_list_readable, py::arg("keep"),
+        "Whether the tensors of a list plan (its `keep`) may be read in place: no negative bit and, where\n"
+        "autograd would record, no log-prob requiring grad.");
   m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward forward on the CPU; returns 0 or an error code (1: unsupported dtypes).");

@@ -11,7 +11,8 @@ outputs and launches:
 * lists of per-sequence CPU tensors (a lazily stacked TorchRL batch), read in place with a
   per-token reward list or none: ``kl_reward_list_plan`` (``csrc/cpu/list_plan.cpp``), which reads
   each sample's tensors together in one pass; the per-sequence results are split off (and handed
-  to ``store``) while the kernel runs.
+  to ``store``) while the kernel runs, once ``kl_reward_list_readable`` has confirmed the flags the
+  plan left for then (else the outputs are dropped and the general path runs).
 
 The lanes never report an error: for anything else, every invalid input included, the plan is None
 and the general path runs, raises and reports as always. ``tests/test_kl_reward_fast.py`` checks over
@@ -39,6 +40,7 @@ _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}  # the plans' dty
 class _Kernels(NamedTuple):
     dense_plan: Callable
     list_plan: Callable | None  # None: an extension built before the list lane (that lane is closed)
+    list_readable: Callable | None
     forward: Callable
     forward_during: Callable | None
 
@@ -49,7 +51,7 @@ def _kernels() -> _Kernels | None:
     found = {name: _extensions.kernel("_C", f"kl_reward_{name}")[0] for name in _Kernels._fields}
     if found["dense_plan"] is None or found["forward"] is None:
         return None
-    if found["forward_during"] is None:
+    if found["forward_during"] is None or found["list_readable"] is None:
         found["list_plan"] = None
     return _Kernels(**found)
 
@@ -106,6 +108,10 @@ def _run_list(kernels: _Kernels, log_probs, ref_log_probs, reward, coef, estimat
 
     def split():
         # Runs while the kernel writes the outputs: views and stores only (see launch.forward_during).
+        # First the flags the plan left out (list_plan.cpp): when one is set (a negative bit, or a
+        # log-prob requiring grad under autograd), nothing is handed out and the general path runs.
+        if not kernels.list_readable(keep):
+            return
         # The outputs need no autograd, so their parts need no view tracking (as ragged.to_list).
         parts = torch.unsafe_split_with_sizes
         out = KLRewardOutput(list(parts(kl, lengths)), list(parts(reward_out.unsqueeze(-1) if trailing else reward_out,
@@ -117,4 +123,4 @@ def _run_list(kernels: _Kernels, log_probs, ref_log_probs, reward, coef, estimat
 
     raise_for(kernels.forward_during(args, torch.get_num_threads(), split), None, "kl_reward")
     del keep
-    return done[0]
+    return done[0] if done else None
