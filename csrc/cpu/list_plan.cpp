@@ -53,22 +53,6 @@ bool snapshot(py::handle list, Py_ssize_t n, py::tuple* out) {
   return true;
 }
 
-// Sequence i of a list, as ragged.SequenceList.of accepts it, but for the flags (see
-// kl_reward_list_readable): exactly `tensor_type`, on the CPU, of shape [L] (rank 1) or [L, 1]
-// (rank 2), contiguous (consecutive values adjacent), of length `len` unless that is negative.
-bool read_sequence(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* obj, int32_t rank, int64_t len,
-                   View* v) {
-  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(tensor_type) && read_cpu_dltensor(api, obj, &v->t) &&
-         v->ndim() == rank && (rank != 2 || v->size(1) == 1) && (len < 0 || v->size(0) == len) &&
-         (v->size(0) <= 1 || v->stride(0) == 1);
-}
-
-// Where a list's sequences start: the data address of a tensor read in place (launch.py's
-// SequenceList.addresses holds the same, the byte offset included).
-int64_t start_of(const View& v) {
-  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.t.data) + static_cast<uintptr_t>(v.t.byte_offset));
-}
-
 }  // namespace
 
 py::object kl_reward_list_plan(py::handle tensor_type, py::handle log_probs, py::handle ref_log_probs,

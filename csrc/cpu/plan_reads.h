@@ -1,6 +1,7 @@
 // What kl_reward's C fast lanes (dense_plan.cpp, list_plan.cpp) read from Python objects, read one
 // way for both: a tensor's facts through DLPack's exchange table, the coefficient, the estimator and
-// option strings, in the forms problem.py and launch.py accept for the cpu kernel.
+// option strings, in the forms problem.py and launch.py accept for the cpu kernel. The per-sequence
+// reader also serves sequence_facts (tensor_lists.cpp).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -124,6 +125,23 @@ inline bool read_coef(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyO
   a->coef_mode = kCoefScalar;
   a->coef_scalar = static_cast<float>(v);
   return true;
+}
+
+// Sequence i of a list that a kernel reads in place, as ragged.SequenceList.of accepts it but for
+// the flags (py_tensor.h's readable_in_place): exactly `tensor_type`, on the CPU, of shape [L]
+// (rank 1) or [L, 1] (rank 2), contiguous (consecutive values adjacent), of length `len` unless that
+// is negative. Shared by the list lane (list_plan.cpp) and sequence_facts (tensor_lists.cpp).
+inline bool read_sequence(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* obj, int32_t rank,
+                          int64_t len, View* v) {
+  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(tensor_type) && read_cpu_dltensor(api, obj, &v->t) &&
+         v->ndim() == rank && (rank != 2 || v->size(1) == 1) && (len < 0 || v->size(0) == len) &&
+         (v->size(0) <= 1 || v->stride(0) == 1);
+}
+
+// Where such a sequence starts: its data address, the byte offset included (also for an empty one,
+// which View::address() gives as 0): what ragged.SequenceList.addresses holds.
+inline int64_t start_of(const View& v) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.t.data) + static_cast<uintptr_t>(v.t.byte_offset));
 }
 
 // The placement argument as read by read_options (problem.py's PLACEMENTS, in order).

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cpu/dlpack_exchange.h"
+#include "cpu/plan_reads.h"
 #include "cpu/py_tensor.h"
 
 namespace py = pybind11;
@@ -29,20 +30,18 @@ struct Sequence {
   uintptr_t address = 0;
 };
 
-// Through the exchange table: false when the kernel cannot read `t` in place (not on the CPU, not
-// [L] / [L, 1], not contiguous, another dtype than `*dtype`, set from the first tensor), or when
-// the table cannot describe it (its error is cleared: the caller's general path reports).
-bool read_exchange(const dlpack::ExchangeAPI* api, PyObject* t, int32_t rank, bool first, dlpack::DataType* dtype,
-                   Sequence* s) {
-  dlpack::Tensor d;
-  if (!read_cpu_dltensor(api, t, &d) || d.ndim != rank) return false;
-  if (first) *dtype = d.dtype;
-  if (!(d.dtype == *dtype)) return false;
-  s->len = d.shape[0];
-  if (rank == 2 && d.shape[1] != 1) return false;
-  // [L] and [L, 1] are contiguous when consecutive values are adjacent (or there is at most one).
-  if (s->len > 1 && d.strides != nullptr && d.strides[0] != 1) return false;
-  s->address = reinterpret_cast<uintptr_t>(d.data) + d.byte_offset;
+// Through the exchange table (plan_reads.h's read_sequence): false when the kernel cannot read `t`
+// in place (not on the CPU, not [L] / [L, 1], not contiguous, another dtype than `*dtype`, set from
+// the first tensor), or when the table cannot describe it (its error is cleared: the caller's
+// general path reports).
+bool read_exchange(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* t, int32_t rank, bool first,
+                   dlpack::DataType* dtype, Sequence* s) {
+  plan::View v;
+  if (!plan::read_sequence(api, tensor_type, t, rank, -1, &v)) return false;
+  if (first) *dtype = v.t.dtype;
+  if (!(v.t.dtype == *dtype)) return false;
+  s->len = v.size(0);
+  s->address = static_cast<uintptr_t>(plan::start_of(v));
   return true;
 }
 
@@ -123,7 +122,7 @@ py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trail
     PyObject* t = items[i];
     if (Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(tensor_type.ptr())) return py::none();
     Sequence s;
-    const bool readable = api != nullptr ? read_exchange(api, t, rank, i == 0, &dtype, &s)
+    const bool readable = api != nullptr ? read_exchange(api, tensor_type.ptr(), t, rank, i == 0, &dtype, &s)
                                          : read_attributes(t, rank, i == 0, &dtype_object, &s);
     if (!readable || !readable_in_place(t, reject_grad)) return py::none();
     off[i + 1] = off[i] + s.len;

@@ -159,9 +159,9 @@ def per_sample_floor(td, batch: RLHFBatch):
         for tensors in leaves:
             for t in tensors:
                 t.data_ptr()
-        for e, k, r in zip(entries, torch.unsafe_split_with_sizes(kl, lengths),
-                           torch.unsafe_split_with_sizes(reward, lengths)):
-            e["kl_penalty"], e["reward"] = k, r
+        # and two per-sample results stored the way our transform stores them
+        _io.put_entries(entries, "kl_penalty", list(torch.unsafe_split_with_sizes(kl, lengths)))
+        _io.put_entries(entries, "reward", list(torch.unsafe_split_with_sizes(reward, lengths)))
         return work
     return call
 

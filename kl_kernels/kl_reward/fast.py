@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import _extensions
+from .. import _extensions, ragged
 from ..backends import ENV_VAR
 from .launch import DTYPE_CODES, allocate_outputs, raise_for
 from .problem import KLRewardOutput
@@ -112,11 +112,9 @@ def _run_list(kernels: _Kernels, log_probs, ref_log_probs, reward, coef, estimat
         # log-prob requiring grad under autograd), nothing is handed out and the general path runs.
         if not kernels.list_readable(keep):
             return
-        # The outputs need no autograd, so their parts need no view tracking (as ragged.to_list).
-        parts = torch.unsafe_split_with_sizes
-        out = KLRewardOutput(list(parts(kl, lengths)), list(parts(reward_out.unsqueeze(-1) if trailing else reward_out,
-                                                                   lengths)),
-                             None if ref_out is None else list(parts(ref_out, lengths)), kl_sum, count)
+        out = KLRewardOutput(ragged.to_list(kl, None, lengths),
+                             ragged.to_list(reward_out.unsqueeze(-1) if trailing else reward_out, None, lengths),
+                             None if ref_out is None else ragged.to_list(ref_out, None, lengths), kl_sum, count)
         done.append(out)
         if store is not None:
             store(out)

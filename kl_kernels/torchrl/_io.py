@@ -129,9 +129,9 @@ def sample_leaves(td: TensorDictBase, keys) -> tuple[list[dict], list[list]] | N
     walk = _walker() if WALK_IN_C else None
     if walk is not None:
         return walk(td.tensordicts, TensorDict, paths)
-    if not plain_samples(td):
+    entries = sample_entries(td)
+    if entries is None:
         return None
-    entries = [sub._tensordict for sub in td.tensordicts]
     leaves = [entries_at(entries, path) for path in paths]
     return None if any(x is None for x in leaves) else (entries, leaves)
 
