@@ -304,6 +304,8 @@ def test_sample_leaves_walks_alike_in_c_and_in_python(case, monkeypatch):
         assert got is None
         return
     assert got is not None and len(got[1]) == len(keys)
+    for walked in (got, want):  # tuples, which put_entries and kl_reward's list lane take without a copy
+        assert type(walked[0]) is tuple and type(walked[1]) is tuple and all(type(v) is tuple for v in walked[1])
     assert [e is w for e, w in zip(got[0], want[0])] == [True] * len(want[0]) and len(got[0]) == len(want[0])
     for g, w in zip(got[1], want[1]):
         assert len(g) == len(w) and all(a is b for a, b in zip(g, w))  # the very objects
@@ -316,20 +318,42 @@ def test_put_entries_sets_each_samples_value_in_c():
         pytest.skip("the CPU extension has no put_entries")
     entries = [{"a": 1}, {}, {"a": 3}]
     values = [torch.zeros(1), torch.ones(2), torch.zeros(3)]
-    assert put(entries, "a", values) is True
-    assert [e["a"] is v for e, v in zip(entries, values)] == [True] * 3
+    for sequence in (list, tuple):
+        assert put(sequence(entries), "a", sequence(values)) is True
+        assert [e["a"] is v for e, v in zip(entries, values)] == [True] * 3
+        values = [v + 1 for v in values]
     for bad in ((entries[:2], "a", values), (entries, ("a",), values), (entries + [[]], "a", values + [1]),
-                (tuple(entries), "a", values)):
-        before = [dict(e) if isinstance(e, dict) else e for e in bad[0]]
+                (iter(entries), "a", values), (entries, "a", torch.zeros(3)), (entries, "a", iter(values))):
+        before = [dict(e) if isinstance(e, dict) else e for e in bad[0]] if isinstance(bad[0], list) else None
         assert put(*bad) is False  # nothing set: _io.put_entries then loops in Python
-        assert [dict(e) if isinstance(e, dict) else e for e in bad[0]] == before
+        if before is not None:
+            assert [dict(e) if isinstance(e, dict) else e for e in bad[0]] == before
+
+
+def test_put_entries_survives_a_finalizer_emptying_its_values():
+    """Replacing a value frees the old one; its finalizer may change the values being stored. The C
+    loop reads them in place, so it must notice (an error, never a read past the end)."""
+    from kl_kernels.torchrl import _io
+    put = _io._putter()
+    if put is None:
+        pytest.skip("the CPU extension has no put_entries")
+    values = [torch.zeros(1), torch.ones(2), torch.zeros(3)]
+
+    class EmptiesValues:
+        def __del__(self):
+            values.clear()
+
+    entries = [{"a": EmptiesValues()}, {}, {}]
+    with pytest.raises(ValueError, match="changed size"):
+        put(entries, "a", values)
+    assert type(entries[0]["a"]) is torch.Tensor and entries[1] == {} and entries[2] == {}
 
 
 def test_sample_leaves_finds_what_tensordict_finds():
     from kl_kernels.torchrl import _io
     _, td, keys = _odd_stacks()[1]
     entries, leaves = _io.sample_leaves(td, keys)
-    assert entries == [sub._tensordict for sub in td.tensordicts]
+    assert entries == tuple(sub._tensordict for sub in td.tensordicts)
     for key, values in zip(keys, leaves):
         assert all(v is t for v, t in zip(values, td.get(key, as_list=True)))
 

@@ -92,11 +92,12 @@ PYBIND11_MODULE(_C, m) {
         "(dtype, tokens, addresses, offsets, tensors as a tuple) of a list of contiguous CPU [L] (or [L, 1])\n"
         "tensors of one dtype read in place by the CPU kernel, or None when the list is not such.");
   m.def("sample_leaves", &kl::sample_leaves, py::arg("samples"), py::arg("container_type"), py::arg("paths"),
-        "(entry dicts, values under each path) of a list of plain TensorDict samples in one pass, or None\n"
+        "(entry dicts, values under each path), as tuples, of a list of plain TensorDict samples in one pass, or None\n"
         "(a sample not exactly container_type, locked, or lacking a key; see kl_kernels/torchrl/_io.py).");
   m.def("put_entries", &kl::put_entries, py::arg("entries"), py::arg("name"), py::arg("values"),
-        "entries[i][name] = values[i] for two lists of one length (exact dicts, a str name): True; False,\n"
-        "with nothing set, for anything else.");
+        "entries[i][name] = values[i] for two lists or tuples of one length (exact dicts, a str name): True;\n"
+        "False,"
+        " with nothing set, for anything else.");
   m.def("exchange_api_version", &kl::exchange_api_version, py::arg("tensor_type"),
         "(major, minor) of the DLPack exchange table sequence_facts reads tensor_type through, or None.");
   m.def("kl_reward_dense_plan", &kl::kl_reward_dense_plan, py::arg("tensor_type"), py::arg("log_probs"),
