@@ -96,8 +96,7 @@ PYBIND11_MODULE(_C, m) {
         "(a sample not exactly container_type, locked, or lacking a key; see kl_kernels/torchrl/_io.py).");
   m.def("put_entries", &kl::put_entries, py::arg("entries"), py::arg("name"), py::arg("values"),
         "entries[i][name] = values[i] for two lists or tuples of one length (exact dicts, a str name): True;\n"
-        "False,"
-        " with nothing set, for anything else.");
+        "False, with nothing set, for anything else.");
   m.def("exchange_api_version", &kl::exchange_api_version, py::arg("tensor_type"),
         "(major, minor) of the DLPack exchange table sequence_facts reads tensor_type through, or None.");
   m.def("kl_reward_dense_plan", &kl::kl_reward_dense_plan, py::arg("tensor_type"), py::arg("log_probs"),

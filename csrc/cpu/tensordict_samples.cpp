@@ -114,9 +114,9 @@ bool put_entries(py::handle entries, py::handle name, py::handle values) {
   if (PySequence_Fast_GET_SIZE(v) != n) return false;
   for (Py_ssize_t i = 0; i < n; ++i)
     if (!PyDict_CheckExact(PyTuple_GET_ITEM(dicts.ptr(), i))) return false;
-  // The values are read in place, each held while it is stored; a list changed by such a finalizer
-  // is read as it is then, and one that shrank stops the loop with an error.
-  const py::object held = py::reinterpret_borrow<py::object>(v);
+  // The values are read in place (the call's own argument keeps the sequence alive), each value held
+  // while it is stored; a list changed by such a finalizer is read as it is then, and one that shrank
+  // stops the loop with an error.
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (i >= PySequence_Fast_GET_SIZE(v)) throw py::value_error("put_entries: values changed size while being stored");
     const py::object item = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(v, i));
