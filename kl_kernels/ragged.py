@@ -147,8 +147,9 @@ def padded_validity(lengths: torch.Tensor | None, batch: int, width: int, paddin
 def _int64_facts_cpu(v: torch.Tensor):
     """``(first, last, min, max, non_decreasing)`` of a non-empty contiguous int64 CPU vector, read
     by the CPU extension in one call (instead of five torch ops: these checks run on every call), or
-    ``None`` where torch ops must do it (other devices, strided or other dtypes, no extension)."""
-    if v.device.type != "cpu" or v.dtype != torch.int64 or not v.is_contiguous() or v.numel() == 0:
+    ``None`` where torch ops must do it (other devices, strided or other dtypes, no extension, and a
+    tensor with torch's negative bit, whose memory holds the negation of its values)."""
+    if v.device.type != "cpu" or v.dtype != torch.int64 or not v.is_contiguous() or v.numel() == 0 or v.is_neg():
         return None
     fn = _int64_facts_kernel()
     return None if fn is None else fn(v.data_ptr(), v.numel())
@@ -277,6 +278,27 @@ def to_padded(values: torch.Tensor, offsets: torch.Tensor, *, padding_side: str 
 
 
 # --------------------------------------------------------------------------- lists
+
+
+def plain_sequence(x, name: str):
+    """A list or tuple argument as every reader will see it; anything else as it is.
+
+    An exact ``list`` or ``tuple`` comes back unchanged. A subclass may override ``__len__``,
+    ``__getitem__`` or ``__iter__`` so that different readers see different items (a C reader
+    sized by ``len()`` read past the end of a shorter iteration): it is read here once, through
+    its iterator, into a tuple that every backend then reads, and a ``len()`` that disagrees with
+    what it yields is a ``ValueError`` naming ``name``. The ops call this on every sequence
+    argument before anything else reads it.
+    """
+    kind = type(x)
+    if kind is list or kind is tuple or not isinstance(x, (list, tuple)):
+        return x
+    items = tuple(iter(x))
+    claimed = len(x)
+    if claimed != len(items):
+        raise ValueError(f"{name} is a {kind.__name__} (a {'list' if isinstance(x, list) else 'tuple'} subclass) "
+                         f"whose len() is {claimed} but which yields {len(items)} items: pass a plain list")
+    return items
 
 
 def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragged:

@@ -71,7 +71,12 @@ def test_packed_norm_length_required():
 
 
 def test_process_group_without_init():
+    import torch.distributed as dist
+
+    group = dist.ProcessGroup(0, 1)  # a real group object, while torch.distributed is not initialized
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        kl_penalty_loss(**_ok(process_group=group))
+    with pytest.raises(TypeError, match="process_group must be None or a torch.distributed.ProcessGroup"):
         kl_penalty_loss(**_ok(process_group=object()))
 
 

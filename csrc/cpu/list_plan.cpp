@@ -40,17 +40,19 @@ using namespace plan;
 
 // A list or tuple argument as a tuple of n items in `*out` (a snapshot: reading a tensor's flags may
 // run Python code, a TorchFunctionMode, that could change the caller's list); false when it is not
-// a list or tuple of n.
+// exactly a list or tuple of n. Subclasses are declined: their __len__ and __iter__ may disagree
+// (api.py reads them once, through ragged.plain_sequence, before any lane); the snapshot's size
+// is checked all the same, as everything below indexes it up to n.
 bool snapshot(py::handle list, Py_ssize_t n, py::tuple* out) {
   PyObject* l = list.ptr();
-  if ((!PyList_Check(l) && !PyTuple_Check(l)) || PySequence_Fast_GET_SIZE(l) != n) return false;
+  if ((!PyList_CheckExact(l) && !PyTuple_CheckExact(l)) || PySequence_Fast_GET_SIZE(l) != n) return false;
   PyObject* t = PySequence_Tuple(l);
   if (t == nullptr) {
     PyErr_Clear();
     return false;
   }
   *out = py::reinterpret_steal<py::tuple>(t);
-  return true;
+  return PyTuple_GET_SIZE(t) == n;
 }
 
 }  // namespace
@@ -65,7 +67,7 @@ py::object kl_reward_list_plan(py::handle tensor_type, py::handle log_probs, py:
   if (!read_options(tensor_type.ptr(), estimator.ptr(), padding_side.ptr(), reward_placement.ptr(), return_ref.ptr(),
                     detach.ptr(), mask_nan.ptr(), grad_enabled, &api, &a, &o))
     return py::none();
-  if (!PyList_Check(log_probs.ptr()) && !PyTuple_Check(log_probs.ptr())) return py::none();
+  if (!PyList_CheckExact(log_probs.ptr()) && !PyTuple_CheckExact(log_probs.ptr())) return py::none();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(log_probs.ptr());
   if (n == 0) return py::none();  // an empty batch has no dtype to read: the general path packs it
   py::tuple lps, refs, rewards, masks;  // empty unless given

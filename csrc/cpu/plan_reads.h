@@ -6,8 +6,10 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "common/kl_reward_args.h"
 #include "cpu/dlpack_exchange.h"
@@ -118,10 +120,16 @@ inline bool read_coef(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyO
     } else {
       return false;
     }
+    // Non-finite values are refused by the general path (_checks.py): decline. B floats at most.
+    const float* values = reinterpret_cast<const float*>(t.address());
+    for (int64_t i = 0, n = t.ndim() == 0 ? 1 : t.size(0); i < n; ++i)
+      if (!std::isfinite(values[i])) return false;
     a->coef = t.address();
     a->coef_scalar = 0.0f;
     return true;
   }
+  // A coefficient that is not finite in float32 is refused by the general path (_checks.py): decline.
+  if (!(std::fabs(v) <= static_cast<double>(std::numeric_limits<float>::max()))) return false;
   a->coef_mode = kCoefScalar;
   a->coef_scalar = static_cast<float>(v);
   return true;

@@ -94,7 +94,8 @@ py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trail
   static PyObject* const s_dtype = interned("dtype");
 
   PyObject* seq = tensors.ptr();
-  if (!PyList_Check(seq) && !PyTuple_Check(seq)) return py::none();
+  // Exactly a list or tuple: a subclass's __len__ and __iter__ may disagree (see the snapshot below).
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return py::none();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   if (n == 0) return py::none();
   const int64_t* like_offsets = nullptr;
@@ -114,6 +115,7 @@ py::object sequence_facts(py::handle tensors, py::handle tensor_type, bool trail
   // A snapshot: an attribute read may run Python code (a TorchFunctionMode), which could resize a list.
   const py::tuple snapshot = py::reinterpret_steal<py::tuple>(PySequence_Tuple(seq));
   if (!snapshot) throw py::error_already_set();
+  if (PyTuple_GET_SIZE(snapshot.ptr()) != n) return py::none();  // everything below reads n items
   PyObject** items = &PyTuple_GET_ITEM(snapshot.ptr(), 0);
   const int32_t rank = trailing_one ? 2 : 1;
   PyObject* dtype_object = nullptr;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import backends as _dispatch
+from .. import ragged
 from .aggregate import KLPenaltyLossOutput, aggregate, on_host
 from .backends import REGISTRY
 from .ops import run_fused_aggregated
@@ -91,6 +92,11 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         >>> lp.grad[0]  # left padding: no gradient at column 0
         tensor([ 0.0000, -0.2410, -0.2200])
     """
+    # A list/tuple subclass is read once, here, so that every backend sees the same items.
+    log_probs, old_log_probs, advantages, ref_log_probs, mask, entropy = (
+        ragged.plain_sequence(x, name) for x, name in (
+            (log_probs, "log_probs"), (old_log_probs, "old_log_probs"), (advantages, "advantages"),
+            (ref_log_probs, "ref_log_probs"), (mask, "mask"), (entropy, "entropy")))
     problem, kind, offsets_of_kind = build_problem(
         log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ragged
+from .. import _checks, ragged
 from ..kl_reward.problem import (ESTIMATORS, NativeLayout, _check_device, _check_logprob_tensor,
                                  _normalize_layout, _pack_ragged_arg, _same_device)
 
@@ -164,18 +164,32 @@ def _beta(beta, batch, device):
             raise ValueError(f"beta must be a float, a 0-dim tensor or a per-sequence [B] tensor (B = {batch}); "
                              f"got shape {list(beta.shape)}")
         _check_device("beta", beta.device, device)
-        return beta.detach()  # a coefficient, read on device: no host sync, no gradient
-    return _real("beta", beta)
+        # a coefficient, read on device (values checked on the CPU only: no host sync), no gradient
+        return _checks.finite_coefficient_tensor("beta", beta.detach())
+    return _checks.finite_scalar("beta", _real("beta", beta))
+
+
+def _check_process_group(process_group) -> None:
+    """None, or a torch.distributed ProcessGroup (e.g. ``torch.distributed.group.WORLD``)."""
+    if process_group is None:
+        return
+    import torch.distributed as dist
+
+    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if group_type is None or not isinstance(process_group, group_type):
+        raise TypeError("process_group must be None or a torch.distributed.ProcessGroup (e.g. "
+                        f"torch.distributed.group.WORLD), got {type(process_group).__name__}")
 
 
 def _num_global_tokens(n, aggregation, process_group, device):
+    if n is not None and process_group is not None:
+        raise ValueError("pass num_global_tokens or process_group, not both")
+    _check_process_group(process_group)
     if n is None:
         return None
     if aggregation != "token-mean":
         raise ValueError(f"num_global_tokens applies to aggregation='token-mean' only, got {aggregation!r} "
                          "(use process_group for the sequence count of the seq-mean aggregations)")
-    if process_group is not None:
-        raise ValueError("pass num_global_tokens or process_group, not both")
     if isinstance(n, torch.Tensor):
         if n.dim() != 0 or n.dtype.is_complex or n.dtype == torch.bool:
             raise ValueError(f"num_global_tokens must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
@@ -212,6 +226,8 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
 
     device = log_probs[0].device if isinstance(log_probs, (list, tuple)) and log_probs else (
         log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu"))
+    _checks.dense_layouts(log_probs=log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                          advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
     _same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,
                  entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
     kind, lp, old, mask, offsets, lengths = _normalize_layout(log_probs, old_log_probs, mask, offsets, lengths,

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ..kl_reward.problem import STRAIGHT_THROUGH
-from ..kl_reward.reference import _final_mask, _token_frame, estimate
+from ..kl_reward.reference import _final_mask, _token_frame, estimate, straight_through
 from .problem import LOG_RATIO_BOUND, KLPenaltyProblem
 
 STAT_COLUMNS = ("objective", "kl", "entropy", "ratio", "clipped")
@@ -92,8 +92,7 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
     d = torch.where(m, lp, 0.0) - other if p.ref_log_probs is not None else other - torch.where(m, lp, 0.0)
     kl = estimate(d, p.estimator)
     if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
-        k2 = 0.5 * d * d
-        kl = kl.detach() + (k2 - k2.detach())  # value: the estimator; gradient: d (k2's)
+        kl = straight_through(kl, d)  # value: the estimator; gradient: d (k2's)
 
     beta = p.beta
     if isinstance(beta, torch.Tensor):

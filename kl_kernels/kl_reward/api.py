@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from .. import backends as _dispatch
+from .. import ragged
 from . import fast
 from .backends import REGISTRY
 from .ops import run_fused_list
@@ -130,6 +131,11 @@ def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1
                lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
                clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
                store=None) -> KLRewardOutput:
+    # A list/tuple subclass is read once, here, so that every lane and backend sees the same items.
+    log_probs = ragged.plain_sequence(log_probs, "log_probs")
+    ref_log_probs = ragged.plain_sequence(ref_log_probs, "ref_log_probs")
+    reward = ragged.plain_sequence(reward, "reward")
+    mask = ragged.plain_sequence(mask, "mask")
     if prompt_lens is None and clamp_input is None and clamp_output is None:
         # plain CPU tensors, or lists of them: checked and launched in one C call (fast.py), else None
         out = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths, padding_side,

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import ragged
+from .. import _checks, ragged
 
 ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k3+")
 STRAIGHT_THROUGH = frozenset({"k1+", "abs+", "k3+"})
@@ -322,8 +322,10 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
                 _check_logprob_tensor(t, f"log_probs[{i}]")
                 if t.dim() != 1:
                     raise ValueError(f"log_probs[{i}] must be 1-D [L], got shape {list(t.shape)}")
-            if len({t.dtype for t in log_probs}) > 1:
-                raise TypeError("log_probs tensors must share one dtype")
+            other = next((i for i, t in enumerate(log_probs) if t.dtype != log_probs[0].dtype), None)
+            if other is not None:
+                raise TypeError(f"log_probs tensors must share one dtype: log_probs[{other}] is "
+                                f"{log_probs[other].dtype} but log_probs[0] is {log_probs[0].dtype}")
             packed = ragged.from_list(log_probs, name="log_probs")  # empty: float32 on the CPU
         else:
             _check_logprob_tensor(log_probs, "log_probs")
@@ -480,11 +482,11 @@ def _normalize_coef(coef, batch, device):
             raise ValueError(f"coef must be a float, a 0-dim tensor or a per-sequence [B] tensor (B = {batch}); "
                              f"got shape {list(coef.shape)}")
         _check_device("coef", coef.device, device)
-        coef = coef.detach()
+        coef = _checks.finite_coefficient_tensor("coef", coef.detach())
         return coef if coef.dtype.is_floating_point else coef.to(torch.float32)
     if isinstance(coef, bool) or not isinstance(coef, numbers.Real):
         raise TypeError(f"coef must be a float, a 0-dim tensor or a per-sequence [B] tensor, got {type(coef).__name__}")
-    return float(coef)
+    return _checks.finite_scalar("coef", float(coef))
 
 
 def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device):
@@ -531,6 +533,8 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
 
     device = log_probs[0].device if isinstance(log_probs, (list, tuple)) and log_probs else (
         log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu"))
+    _checks.dense_layouts(log_probs=log_probs, ref_log_probs=ref_log_probs, reward=reward, mask=mask, offsets=offsets,
+                          lengths=lengths, prompt_lens=prompt_lens, coef=coef)
     _same_device(device, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets, lengths=lengths,
                  prompt_lens=prompt_lens, reward=reward, coef=coef)
     eager = not torch.compiler.is_compiling()

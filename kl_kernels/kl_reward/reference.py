@@ -53,6 +53,32 @@ def estimate(x: torch.Tensor, estimator: str) -> torch.Tensor:
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward ``value``, backward ``grad * d``: the straight-through estimators' k2 gradient.
+
+    The usual trick ``value.detach() + (k2 - k2.detach())`` computes ``inf - inf = NaN`` in the
+    forward wherever the log-ratio ``d`` is infinite; the fused kernels return the estimator's
+    value there (+-inf) and the gradient ``d``, and so does this."""
+
+    @staticmethod
+    def forward(value, d):
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (d,) = ctx.saved_tensors
+        return None, grad * d
+
+
+def straight_through(value: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``value`` (an estimator's value on ``d``) with the gradient of k2 at ``d`` (``d`` itself)."""
+    return _StraightThrough.apply(value.detach(), d)
+
+
 def _token_frame(p: KLRewardProblem):
     """Validity, position-in-sequence and a per-sequence broadcaster for the problem's layout."""
     device = p.device
@@ -119,8 +145,7 @@ def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
     if p.clamp_output is not None:
         value = torch.clamp(value, *p.clamp_output)
     if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
-        k2 = 0.5 * d * d
-        value = value.detach() + (k2 - k2.detach())  # forward: exactly `value`; backward: d
+        value = straight_through(value, d)  # forward: exactly `value`; backward: d
     kl = torch.where(m, value, 0.0)
 
     if p.layout == "padded":

@@ -1,0 +1,55 @@
+"""Argument checks that every op shares (no op owns them).
+
+Coefficients (``kl_reward``'s ``coef``, ``kl_penalty_loss``'s ``beta``) reach the kernels as float32:
+a value that is not finite in float32 (NaN, +-inf, or a finite float beyond float32's range, e.g.
+``2**200``) is rejected here, so that no backend is asked to compute with it (before this check
+the CPU kernel and the torch reference disagreed on padding tokens for such a coefficient).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def finite_scalar(name: str, value: float) -> float:
+    """``value`` (a float) if it is finite in float32, else a ValueError naming ``name``."""
+    if math.isnan(value) or math.isinf(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite and within float32's range (|{name}| <= {FLOAT32_MAX:.4g}), "
+                         f"got {value}")
+    return value
+
+
+def finite_coefficient_tensor(name: str, value: torch.Tensor) -> torch.Tensor:
+    """Check a coefficient tensor's values on the CPU (one pass over <= B values, no sync there).
+
+    On an accelerator the values are not read: that would synchronize the host with the device on
+    every call. A non-finite coefficient there gives non-finite rewards / losses on the counted
+    tokens, as the arithmetic says; it is the caller's to avoid (documented in the ops)."""
+    if value.device.type == "cpu" and value.numel() and not torch.compiler.is_compiling():
+        bad = ~(value.abs() <= FLOAT32_MAX)  # NaN compares false: caught too
+        if bool(bad.any()):
+            first = value.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+            raise ValueError(f"{name} must be finite and within float32's range (|{name}| <= {FLOAT32_MAX:.4g}), "
+                             f"got a value of {first}")
+    return value
+
+
+_DENSE_LAYOUTS = (torch.strided, torch.jagged)  # a strided nested tensor reports torch.strided
+
+
+def dense_layouts(**arguments) -> None:
+    """A TypeError naming the first tensor argument (or list element) stored sparse (COO, CSR, CSC,
+    BSR, BSC) or in another non-strided layout: the kernels and the reference read strided memory,
+    and torch's own message ("Cannot access data pointer of Tensor that doesn't have storage") names
+    no argument. Non-tensor arguments are left to the ops' own checks."""
+    for name, value in arguments.items():
+        items = enumerate(value) if type(value) in (list, tuple) else ((None, value),)
+        for i, t in items:
+            if isinstance(t, torch.Tensor) and t.layout not in _DENSE_LAYOUTS:
+                where = name if i is None else f"{name}[{i}]"
+                raise TypeError(f"{where} must be a strided (dense) tensor, got layout {t.layout} "
+                                f"(convert it with .to_dense())")
