@@ -53,3 +53,16 @@ def dense_layouts(**arguments) -> None:
                 where = name if i is None else f"{name}[{i}]"
                 raise TypeError(f"{where} must be a strided (dense) tensor, got layout {t.layout} "
                                 f"(convert it with .to_dense())")
+
+
+def device_of(log_probs) -> torch.device:
+    """The device of the log-probs argument (a tensor, or a list or tuple of them: its first
+    element's; an empty list is on the CPU). Any other first element is a TypeError naming it."""
+    if isinstance(log_probs, (list, tuple)):
+        if not log_probs:
+            return torch.device("cpu")
+        first = log_probs[0]
+        if not isinstance(first, torch.Tensor):
+            raise TypeError(f"log_probs[0] must be a tensor, got {type(first).__name__}")
+        return first.device
+    return log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu")

@@ -224,8 +224,7 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     if not isinstance(log_probs, (list, tuple, torch.Tensor)):
         raise TypeError(f"log_probs must be a tensor, a nested tensor or a list of tensors, got {type(log_probs).__name__}")
 
-    device = log_probs[0].device if isinstance(log_probs, (list, tuple)) and log_probs else (
-        log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu"))
+    device = _checks.device_of(log_probs)
     _checks.dense_layouts(log_probs=log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                           advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
     _same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,

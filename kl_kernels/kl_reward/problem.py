@@ -448,7 +448,8 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None
                              f"with B = {batch}, got shape {list(shape)}")
         return reward.reshape(batch), placement, seq_match[0]
     # auto
-    if token_matches and seq_match is not None:
+    if token_matches and seq_match is not None and reward.numel():
+        # (an empty reward of an empty batch, N = B = 0, means the same either way: taken per token)
         raise ValueError(f"reward of shape {list(shape)} is ambiguous: it fits both a per-token reward and a "
                          "per-sequence one; pass reward_placement='token', 'sequence' or 'last'")
     if token_matches:
@@ -531,8 +532,7 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
     if not isinstance(log_probs, (list, tuple, torch.Tensor)):
         raise TypeError(f"log_probs must be a tensor, a nested tensor or a list of tensors, got {type(log_probs).__name__}")
 
-    device = log_probs[0].device if isinstance(log_probs, (list, tuple)) and log_probs else (
-        log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu"))
+    device = _checks.device_of(log_probs)
     _checks.dense_layouts(log_probs=log_probs, ref_log_probs=ref_log_probs, reward=reward, mask=mask, offsets=offsets,
                           lengths=lengths, prompt_lens=prompt_lens, coef=coef)
     _same_device(device, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets, lengths=lengths,
