@@ -203,3 +203,27 @@ def test_c_list_readers_decline_subclasses():
     """The C readers themselves (not only api.py's plain_sequence) refuse list subclasses."""
     proc = subprocess.run([sys.executable, "-c", _C_READERS], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "DECLINED" in proc.stdout, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+
+
+# ---------------------------------------------------------------- found by the fuzzer (tests/fuzz)
+
+
+@pytest.mark.parametrize("bounds", [(None, 2.0 ** 200), (-1e39, None), (-math.inf, math.inf)])
+def test_clamp_bounds_beyond_float32(bounds):
+    """torch.clamp raised RuntimeError ('cannot be converted to type float without overflow') for a
+    bound beyond float32's range on float32 values; such a bound is as good as infinite there."""
+    lp, ref = torch.tensor([-1.0, -50.0, 3e38]), torch.tensor([-2.0, 0.0, -3e38])
+    outs = [kl_reward(lp, ref, offsets=torch.tensor([0, 3]), coef=0.1, estimator="k2", clamp_output=bounds,
+                      clamp_input=bounds, backend=b).kl for b in ("torch", "cpu")]
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("bounds", [(-1.09e308, -1.79e308), (math.inf, math.inf), (-math.inf, -math.inf),
+                                    (None, -1e39), (4e38, None)])
+def test_degenerate_clamp_bounds_are_rejected(bounds):
+    """(-1.09e308, -1.79e308) is reversed but both saturate to -inf; an all-infinite pin made the
+    torch reference return inf where the CPU kernel read 'no bound'."""
+    lp, ref = torch.tensor([-3.0, 1.0]), torch.zeros(2)
+    for backend in ("auto", "torch", "cpu"):
+        with pytest.raises(ValueError, match="clamp_input"):
+            kl_reward(lp, ref, offsets=torch.tensor([0, 2]), clamp_input=bounds, backend=backend)

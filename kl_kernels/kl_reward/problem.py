@@ -195,6 +195,15 @@ def _check_clamp(name, bounds):
         return None
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"{name} must satisfy lo <= hi, got {bounds!r}")
+    # A bound beyond float32's range is +-inf to the float32 kernels, which read an infinite bound as
+    # no bound: saturate it for every backend (torch.clamp refuses such a bound on a float32 tensor),
+    # and refuse the two that would pin every value to an infinity (a lower bound of +inf, an upper
+    # bound of -inf), where "no bound" and "clamp" disagree.
+    lo, hi = (None if v is None else v if abs(v) <= _checks.FLOAT32_MAX else math.copysign(math.inf, v)
+              for v in (lo, hi))
+    if lo == math.inf or hi == -math.inf:
+        raise ValueError(f"{name} must have a lower bound < +inf and an upper bound > -inf (after rounding to "
+                         f"float32's range, |bound| <= {_checks.FLOAT32_MAX:.4g}), got {bounds!r}")
     return lo, hi
 
 
