@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -97,13 +98,14 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     """``[B]`` lengths -> ``[B + 1]`` int64 offsets starting at 0."""
     lengths = torch.as_tensor(lengths)
     out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths.to(torch.int64), dim=0, out=out[1:])
+    torch.cumsum(lengths.to(torch.int64), dim=0, out=out.narrow(0, 1, lengths.shape[0]))
     return out
 
 
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
     """``[B + 1]`` offsets -> ``[B]`` lengths (int64)."""
-    return offsets[1:] - offsets[:-1]
+    n = offsets.shape[0] - 1  # narrow, not offsets[1:]: see check_offsets
+    return offsets.narrow(0, 1, n) - offsets.narrow(0, 0, n)
 
 
 def token_index(offsets: torch.Tensor, num_tokens: int, *, positions: bool = True):
@@ -169,13 +171,32 @@ def values_checkable(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and t.device.type != "meta"
 
 
+SYNC_CHECKS_ENV = "KL_KERNELS_SYNC_CHECKS"
+
+
+def checks_on_host(t: torch.Tensor) -> bool:
+    """Whether the value checks of ``t`` read its values on the host, raising ``ValueError``: always
+    for CPU tensors; for accelerator tensors only with ``KL_KERNELS_SYNC_CHECKS=1`` (one host
+    synchronization per call, for debugging). Otherwise they are enqueued on the device with
+    :func:`device_check`: no host synchronization, CUDA-graph capturable."""
+    return t.device.type == "cpu" or os.environ.get(SYNC_CHECKS_ENV, "").strip() == "1"
+
+
+def device_check(ok: torch.Tensor, message: str) -> None:
+    """Assert ``ok`` (a bool tensor on an accelerator) without reading it on the host
+    (``torch._assert_async``): a violation surfaces as a device-side assertion naming ``message``
+    at the next synchronization, after which the CUDA context is unusable (set
+    ``KL_KERNELS_SYNC_CHECKS=1`` to get a ``ValueError`` instead, at the cost of a sync)."""
+    torch._assert_async(ok, f"kl_kernels: {message}")
+
+
 def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:
     """Raise if ``offsets`` is not a valid ``[B + 1]`` int64 offsets vector for ``num_tokens``.
 
     Structure (type, dtype, rank, device) is always checked; the values (start at 0,
-    non-decreasing, end at ``num_tokens``) are checked too, at the cost of one host
-    synchronisation on accelerators. Under ``torch.compile`` the value checks are skipped so as
-    not to break the graph, and on the meta device, which has no values.
+    non-decreasing, end at ``num_tokens``) too: on the host for CPU tensors, on the device for
+    accelerator tensors (:func:`checks_on_host`). Under ``torch.compile`` the value checks are
+    skipped so as not to break the graph, and on the meta device, which has no values.
     """
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D int64 tensor [B + 1], got {type(offsets).__name__}")
@@ -187,12 +208,23 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
         raise ValueError(f"{name} must be on {device} like the values, got {offsets.device}")
     if not values_checkable(offsets):
         return
+    if not checks_on_host(offsets):
+        # (narrow/select rather than Python indexing: the same ops, and they also trace under a fake
+        # CUDA mode on a CPU-only torch, which tests/test_no_host_sync.py uses)
+        n = offsets.shape[0]
+        ok = offsets.select(0, 0).eq(0) & offsets.select(0, n - 1).eq(num_tokens)
+        if n > 1:
+            ok = ok & offsets.narrow(0, 1, n - 1).ge(offsets.narrow(0, 0, n - 1)).all()
+        device_check(ok, f"{name} must start at 0, be non-decreasing and end at N = {num_tokens}")
+        return
     facts = _int64_facts_cpu(offsets)
     if facts is not None:
         first_v, last_v, decreasing_v = facts[0], facts[1], not facts[4]
     else:
-        first, last = offsets[0], offsets[-1]
-        decreasing = (offsets[1:] < offsets[:-1]).any() if offsets.shape[0] > 1 else torch.zeros((), dtype=torch.bool)
+        n = offsets.shape[0]
+        first, last = offsets.select(0, 0), offsets.select(0, n - 1)
+        decreasing = offsets.narrow(0, 1, n - 1).lt(offsets.narrow(0, 0, n - 1)).any() if n > 1 else \
+            torch.zeros((), dtype=torch.bool)
         # One host sync for all three facts.
         first_v, last_v, decreasing_v = torch.stack(
             [first, last, decreasing.to(torch.int64).to(offsets.device)]).tolist()
@@ -212,14 +244,17 @@ def _check_padding_side(padding_side) -> None:
 def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths") -> torch.Tensor:
     """Raise unless ``lengths`` is an integer ``[B]`` tensor with ``0 <= lengths <= width``; return it as int64.
 
-    The value checks cost one host sync and are skipped under ``torch.compile`` and on the meta device.
+    The value checks run on the device for accelerator tensors (:func:`checks_on_host`) and are
+    skipped under ``torch.compile`` and on the meta device.
     """
     lengths = torch.as_tensor(lengths)
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor [B], got {lengths.dtype}")
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
-    if batch and values_checkable(lengths):
+    if batch and values_checkable(lengths) and not checks_on_host(lengths):
+        device_check(((lengths >= 0) & (lengths <= width)).all(), f"{name} must be in [0, T = {width}]")
+    elif batch and values_checkable(lengths):
         facts = _int64_facts_cpu(lengths)
         lo, hi = facts[2:4] if facts is not None else torch.stack([lengths.min(), lengths.max()]).tolist()
         if lo < 0:
@@ -320,7 +355,7 @@ def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragg
         if t.shape[1:] != tensors[0].shape[1:]:
             raise ValueError(f"{name}[{i}] has shape {list(t.shape)} but {name}[0] has {list(tensors[0].shape)}: "
                              "all tensors must be [L_b, *F] with the same F")
-    lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device)
+    lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device)  # from the host
     return Ragged(torch.cat(tensors), lengths_to_offsets(lengths))
 
 

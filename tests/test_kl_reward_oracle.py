@@ -15,8 +15,9 @@ from strategies import cases
 
 
 def _auto_is_ambiguous(case: Case, layout: str) -> bool:
-    """A per-token reward with reward_placement='auto' whose shape also fits a per-sequence one."""
-    if case.placement != "auto" or case.reward_kind not in ("token", "token1"):
+    """A per-token reward with reward_placement='auto' whose shape also fits a per-sequence one (an
+    empty reward of an empty batch is not: either reading gives the same nothing)."""
+    if case.placement != "auto" or case.reward_kind not in ("token", "token1") or case.batch == 0:
         return False
     if layout == "packed":
         return sum(case.lengths) == case.batch

@@ -124,14 +124,17 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
     md = raw.seq_loss.dtype
     dev = raw.count.device
     # Few, small ops: at RLHF batch sizes each torch call here costs about as much as a kernel pass.
+    # (Tensor methods (select, narrow, unbind) rather than Python indexing throughout: the same ops,
+    # and they also run under a fake CUDA mode on a CPU-only torch, tests/test_no_host_sync.py.)
     col = raw.stats.detach().to(torch.float64).sum(0)  # objective, kl, entropy, ratio, clipped totals
+    _, col_kl, _, col_ratio, col_clip = col.unbind()
     n_tokens = raw.count.sum().to(torch.float64)
     n_seqs = torch.tensor(float(p.batch_size), dtype=torch.float64, device=dev)
     if process_group is not None:  # one all-reduce of every count and total
         n_tokens, n_seqs, kl_total, ratio_total, clip_total = _all_reduce(
-            torch.stack([n_tokens, n_seqs, col[1], col[3], col[4]]), process_group).unbind()
+            torch.stack([n_tokens, n_seqs, col_kl, col_ratio, col_clip]), process_group).unbind()
     else:
-        kl_total, ratio_total, clip_total = col[1], col[3], col[4]
+        kl_total, ratio_total, clip_total = col_kl, col_ratio, col_clip
     denom = n_tokens.clamp_min(1.0)
     diag = [(kl_total / denom).to(md), (ratio_total / denom).to(md), (clip_total / denom).to(md)]
     num_tokens = n_tokens.round().to(torch.int64)
@@ -149,15 +152,16 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
                                                                   device=dev)
         w = _uniform_weight(p, n, n_seqs)
         loss = (raw.seq_loss.to(torch.float64).sum() * w).to(md)
-        parts = col[:3] * w
-        kl_part = (raw.stats[:, 1].to(torch.float64) * p.beta.to(torch.float64)).sum() * w if per_seq_beta else (
-            parts[1] * (p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta))
+        parts = col.narrow(0, 0, 3) * w
+        kl_part = (raw.stats.select(1, 1).to(torch.float64) * p.beta.to(torch.float64)).sum() * w if per_seq_beta \
+            else parts.select(0, 1) * (p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta)
     else:  # "seq-mean-token-mean": per-sequence weights
         weight = 1.0 / (raw.count.to(torch.float64).clamp_min(1.0) * n_seqs.clamp_min(1.0))
         loss = (weight * raw.seq_loss.to(torch.float64)).sum().to(md)
-        wstats = weight.unsqueeze(1) * raw.stats.detach()[:, :3].to(torch.float64)
+        wstats = weight.unsqueeze(1) * raw.stats.detach().narrow(1, 0, 3).to(torch.float64)
         parts = wstats.sum(0)
         beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
-        kl_part = (wstats[:, 1] * beta).sum()
-    loss_ent = parts[2] * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
-    return KLPenaltyLossOutput(loss, parts[0].to(md), kl_part.to(md), loss_ent.to(md), *diag, num_tokens)
+        kl_part = (wstats.select(1, 1) * beta).sum()
+    part_objective, _, part_entropy = parts.unbind()
+    loss_ent = part_entropy * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
+    return KLPenaltyLossOutput(loss, part_objective.to(md), kl_part.to(md), loss_ent.to(md), *diag, num_tokens)

@@ -144,11 +144,16 @@ class OutputLayout:
     kind: str  # "packed", "padded", "list", "nested_jagged", "nested_strided"
     offsets: torch.Tensor | None
     reward_trailing: bool
+    lengths: tuple | None = None  # lists: the sequence lengths as Python ints (read from the shapes)
 
     def restore(self, raw: RawOutputs) -> KLRewardOutput:
         reward = raw.reward.unsqueeze(-1) if self.reward_trailing else raw.reward
-        # lists: the lengths as Python ints once for every output (a lazily stacked batch calls this per step)
-        lengths = ragged.offsets_to_lengths(self.offsets).tolist() if self.kind == "list" else None
+        # lists: the lengths as Python ints once for every output (a lazily stacked batch calls this
+        # per step), from the inputs' shapes when known (no device read)
+        lengths = None
+        if self.kind == "list":
+            lengths = list(self.lengths) if self.lengths is not None else \
+                ragged.offsets_to_lengths(self.offsets).tolist()
         ref = self._tokens(raw.ref_log_probs, lengths) if raw.ref_log_probs is not None else None
         return KLRewardOutput(self._tokens(raw.kl, lengths), self._tokens(reward, lengths), ref, raw.kl_sum, raw.count)
 
@@ -255,10 +260,12 @@ def _same_device(device, **tensors):
 # --------------------------------------------------------------------------- layouts
 
 
-def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32):
+def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_lengths=None):
     """A list / nested argument in the same ragged structure as log_probs -> packed values.
 
     ``empty_dtype`` is the dtype given to an empty list, which carries none of its own.
+    ``lp_lengths``: log_probs' sequence lengths as Python ints (lists: compared with ``x``'s own
+    shapes on the host, whatever the device).
     """
     if kind == "list":
         if not isinstance(x, (list, tuple)):
@@ -277,8 +284,18 @@ def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32):
         raise ValueError(f"{name} has {r.batch_size} sequences but log_probs has {lp_offsets.shape[0] - 1}")
     if r.num_tokens:
         _check_device(name, r.offsets.device, lp_offsets.device)
-    if not torch.equal(r.offsets.to(lp_offsets.device), lp_offsets):
-        lens_x, lens_lp = r.lengths.tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
+    if lp_lengths is not None:  # host facts: no device read
+        lens_x, lens_lp = [t.shape[0] for t in x], list(lp_lengths)
+        same = lens_x == lens_lp
+    elif not ragged.checks_on_host(lp_offsets) and ragged.values_checkable(lp_offsets):
+        ragged.device_check((r.offsets.to(lp_offsets.device) == lp_offsets).all(),
+                            f"{name} must have the sequence lengths of log_probs")
+        same = True
+    else:
+        same = torch.equal(r.offsets.to(lp_offsets.device), lp_offsets)
+        if not same:
+            lens_x, lens_lp = r.lengths.tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
+    if not same:
         b = next(i for i, (u, v) in enumerate(zip(lens_x, lens_lp)) if u != v)
         raise ValueError(f"{name} must have the sequence lengths of log_probs: sequence {b} has "
                          f"{lens_x[b]} tokens in {name} but {lens_lp[b]} in log_probs")
@@ -342,13 +359,14 @@ def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_
                 raise ValueError(f"nested log_probs must be [B, j] (1-D per sequence), got {log_probs.dim()} dims")
             packed = ragged.from_nested(log_probs, name="log_probs")
         lp, offsets = packed
-        ref = _pack_ragged_arg(ref_log_probs, second, offsets, kind, lp.dtype)
+        host_lengths = [t.shape[0] for t in log_probs] if kind == "list" else None
+        ref = _pack_ragged_arg(ref_log_probs, second, offsets, kind, lp.dtype, host_lengths)
         _check_logprob_tensor(ref, second)
         if ref.dim() != 1:
             raise ValueError(f"{second} must be 1-D [L] per sequence like log_probs, got "
                              f"[L, {', '.join(map(str, ref.shape[1:]))}]")
         if mask is not None:
-            mask = _pack_ragged_arg(mask, "mask", offsets, kind, torch.bool)
+            mask = _pack_ragged_arg(mask, "mask", offsets, kind, torch.bool, host_lengths)
             _check_mask_tensor(mask, lp.shape)
         return kind, lp, ref, mask, offsets, None
 
@@ -507,6 +525,10 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
             what = "lengths" if lengths is not None else f"T = {width}"
         else:
             seq_len, what = ragged.offsets_to_lengths(offsets), "the sequence lengths"
+        if not ragged.checks_on_host(prompt_lens):
+            ragged.device_check(((prompt_lens >= 0) & (prompt_lens <= seq_len)).all(),
+                                f"prompt_lens must be in [0, {what}]")
+            return prompt_lens
         negative, too_long = torch.stack([(prompt_lens < 0).any(), (prompt_lens > seq_len).any()]).tolist()
         if negative:
             raise ValueError("prompt_lens must be >= 0")
@@ -582,4 +604,5 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward=reward, placement=placement,
         reward_dtype=reward_dtype, coef=_normalize_coef(coef, batch, device), estimator=estimator,
         clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, mask_nan=mask_nan)
-    return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, trailing)
+    host_lengths = tuple(t.shape[0] for t in log_probs) if kind == "list" else None
+    return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, trailing, host_lengths)

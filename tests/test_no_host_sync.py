@@ -1,0 +1,148 @@
+"""No host synchronization on accelerators: an eager call with CUDA tensors reads no value on the host.
+
+Proved on a machine without a GPU: under ``FakeTensorMode`` the inputs are fake CUDA tensors (shapes,
+dtypes and devices, no data), and any data-dependent read (``.tolist()``, ``.item()``, ``bool(t)``,
+``torch.equal``) raises ``DataDependentOutputException``. Each call must get through validation,
+dispatch and the launcher's argument building to the kernel launch, which is replaced by a recorder
+(there is no GPU to launch on). The value checks of offsets, lengths, prompt_lens and ragged
+structure run on the device instead (``torch._assert_async``; ``ragged.checks_on_host``).
+
+A negative control: with ``KL_KERNELS_SYNC_CHECKS=1`` (host checks, opt-in) the same call must fail
+here, so the test cannot pass while a host read is in the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+
+from kl_kernels import _extensions, kl_penalty_loss, kl_reward
+from kl_kernels.kl_penalty import backends as loss_backends
+from kl_kernels.kl_penalty import launch as loss_launch
+from kl_kernels.kl_reward import backends as reward_backends
+from kl_kernels.kl_reward import launch as reward_launch
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Make the ``cuda`` backend runnable with fake tensors and record its kernel launches."""
+    recorded = []
+    module = _extensions.load("_C")[0]  # the same argument structs as _cuda's
+    if module is None:
+        pytest.skip("kl_kernels._C is not built")
+
+    def record(module, op, kind, args, device, what):
+        assert device.type == "cuda"
+        recorded.append((op, kind))
+
+    for launch in (reward_launch, loss_launch):
+        monkeypatch.setattr(launch, "launch_kernel", record)
+        monkeypatch.setattr(launch, "kernel_module", lambda device, *a, **k: module)
+    for backends in (reward_backends, loss_backends):
+        rows = [dataclasses.replace(b, availability=lambda: []) if b.name == "cuda" else b for b in backends.REGISTRY]
+        monkeypatch.setattr(backends, "REGISTRY", rows)
+    monkeypatch.setattr(sys.modules["kl_kernels.kl_reward.api"], "REGISTRY", reward_backends.REGISTRY)
+    monkeypatch.setattr(sys.modules["kl_kernels.kl_penalty.api"], "REGISTRY", loss_backends.REGISTRY)
+    monkeypatch.delenv("KL_KERNELS_SYNC_CHECKS", raising=False)
+    return recorded
+
+
+def _reward_calls():
+    """kl_reward calls (built inside the fake mode): every layout, prompt_lens, rewards, tensor coefs."""
+    d = "cuda"
+    lens = [3, 0, 5, 1]
+    n = sum(lens)
+    lp_packed, ref_packed = torch.randn(n, device=d), torch.randn(n, device=d)
+    offsets = torch.tensor([0, 3, 3, 8, 9], device=d)
+    lp_pad, ref_pad = torch.randn(4, 5, device=d), torch.randn(4, 5, device=d)
+    lengths = torch.tensor(lens, device=d)
+    lists = [torch.randn(k, device=d) for k in lens]
+    jag = [torch.randn(k, device=d) for k in (3, 2, 5)]
+    return {
+        "packed": dict(log_probs=lp_packed, ref_log_probs=ref_packed, reward=torch.randn(n, device=d), offsets=offsets,
+                       mask=torch.ones(n, dtype=torch.bool, device=d), coef=torch.full((4,), 0.1, device=d),
+                       prompt_lens=torch.tensor([1, 0, 2, 0], device=d), estimator="k3"),
+        "padded-last": dict(log_probs=lp_pad, ref_log_probs=ref_pad, reward=torch.randn(4, device=d),
+                            reward_placement="last", lengths=lengths, padding_side="right", coef=torch.tensor(0.2, device=d),
+                            clamp_input=(-20, 20), clamp_output=(-10, 10), estimator="k3"),
+        "padded-prompt": dict(log_probs=lp_pad, ref_log_probs=ref_pad, lengths=lengths,
+                              prompt_lens=torch.tensor([1, 0, 2, 0], device=d), return_ref=True),
+        "list": dict(log_probs=lists, ref_log_probs=[t + 1 for t in lists], reward=[t * 0 for t in lists],
+                     mask=[torch.ones(t.shape[0], dtype=torch.bool, device=d) for t in lists]),
+        "nested": dict(log_probs=torch.nested.nested_tensor(jag, layout=torch.jagged),
+                       ref_log_probs=torch.nested.nested_tensor([t + 1 for t in jag], layout=torch.jagged),
+                       reward=torch.nested.nested_tensor([t * 0 for t in jag], layout=torch.jagged)),
+    }
+
+
+def _loss_calls():
+    d = "cuda"
+    lens = [3, 0, 5, 1]
+    n = sum(lens)
+    offsets = torch.tensor([0, 3, 3, 8, 9], device=d)
+    return {
+        "packed": dict(log_probs=torch.randn(n, device=d), old_log_probs=torch.randn(n, device=d),
+                       advantages=torch.randn(4, 1, device=d), ref_log_probs=torch.randn(n, device=d), offsets=offsets,
+                       beta=torch.full((4,), 0.1, device=d), clip_epsilon=0.2, estimator="k3"),
+        "padded": dict(log_probs=torch.randn(4, 5, device=d), old_log_probs=torch.randn(4, 5, device=d),
+                       advantages=torch.randn(4, device=d), lengths=torch.tensor(lens, device=d),
+                       aggregation="seq-mean-token-mean", entropy=torch.rand(4, 5, device=d), entropy_coef=0.01),
+        "list": dict(log_probs=[torch.randn(k, device=d) for k in lens],
+                     old_log_probs=[torch.randn(k, device=d) for k in lens], advantages=torch.randn(4, device=d),
+                     aggregation="seq-mean-token-sum"),
+    }
+
+
+def _fake_mode():
+    # a shape environment: jagged nested tensors carry a symbolic ragged size even when fake
+    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
+
+
+REWARD_CASES = ["packed", "padded-last", "padded-prompt", "list", "nested"]
+LOSS_CASES = ["packed", "padded", "list"]
+
+
+@pytest.mark.parametrize("case", REWARD_CASES)
+def test_kl_reward_reaches_the_launch_without_a_host_read(launches, case):
+    with _fake_mode():
+        out = kl_reward(**_reward_calls()[case], backend="cuda")
+    assert launches == [("kl_reward", "forward")]
+    kl = out.kl[0] if isinstance(out.kl, list) else out.kl
+    assert kl.device.type == "cuda"
+
+
+@pytest.mark.parametrize("case", LOSS_CASES)
+def test_kl_penalty_loss_without_a_host_read(launches, case):
+    # Forward without autograd: a CPU-only torch aborts in autograd's CUDA device guard on fake CUDA
+    # tensors (torch's limitation, not ours), so the autograd path is not exercised here. It adds
+    # no host read of ours: _EagerFused wraps the same launcher, and the aggregation below is shared.
+    with _fake_mode():
+        out = kl_penalty_loss(**_loss_calls()[case], backend="cuda")
+    assert launches == [("kl_penalty", "forward")]
+    assert out.loss.device.type == "cuda"
+
+
+@pytest.mark.parametrize("case", ["packed", "padded-prompt"])
+def test_host_checks_opt_in_is_a_host_read(launches, monkeypatch, case):
+    """The negative control: KL_KERNELS_SYNC_CHECKS=1 reads the offsets/lengths on the host, and the
+    fake mode catches it: a host read in the eager path cannot go unnoticed by the tests above."""
+    monkeypatch.setenv("KL_KERNELS_SYNC_CHECKS", "1")
+    with _fake_mode():
+        with pytest.raises((DataDependentOutputException, GuardOnDataDependentSymNode)):
+            kl_reward(**_reward_calls()[case], backend="cuda")
+    assert launches == []
+
+
+def test_device_checks_catch_bad_values_on_cpu_tensors_too():
+    """The device-side form of the checks is the same predicate: run on CPU tensors (where
+    _assert_async raises at once) it rejects what the host checks reject."""
+    from kl_kernels import ragged
+
+    bad = torch.tensor([0, 3, 2, 5])
+    with pytest.raises(RuntimeError, match="offsets must start at 0, be non-decreasing"):
+        ragged.device_check((bad[1:] >= bad[:-1]).all(), "offsets must start at 0, be non-decreasing and end at N = 5")
