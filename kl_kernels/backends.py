@@ -5,7 +5,10 @@ Each op keeps an ordered registry of :class:`Backend` objects (its preference or
 is present (extension built and loaded, kernel compiled, device visible). Dispatch:
 
 * ``backend="auto"``: the first backend that accepts the inputs. The environment variable
-  ``KL_KERNELS_BACKEND`` overrides ``"auto"`` (and only ``"auto"``) with an explicit name.
+  ``KL_KERNELS_BACKEND`` overrides ``"auto"`` (and only ``"auto"``) with an explicit name. On the
+  devices in a backend's ``self_check_devices`` (the GPU kernels on ``cuda``, which CI never runs
+  on a GPU), ``"auto"`` takes it only once it has passed the first-use self-check there
+  (:mod:`kl_kernels.selfcheck`); a failure is logged and ``"auto"`` moves on.
 * an explicit name: that backend, or :class:`BackendUnavailableError` listing every reason it
   cannot run these inputs.
 
@@ -51,6 +54,7 @@ class Backend:
     notes: str = ""
     requires: Callable[[object], list] | None = None
     auto_devices: frozenset | None = None  # where "auto" may pick it (default: all its devices)
+    self_check_devices: frozenset = frozenset()  # where "auto" needs it to pass selfcheck first
 
     def unavailable_reasons(self) -> list[str]:
         return list(_unavailable_reasons(self.availability))
@@ -85,12 +89,24 @@ class Backend:
             return False
         return self.requires is None or not self.requires(problem)
 
-    def auto_rejection_reasons(self, problem) -> list[str]:
-        """rejection_reasons, plus devices where it runs only when asked for by name."""
+    def auto_rejection_reasons(self, problem, op: str = "") -> list[str]:
+        """rejection_reasons, plus devices where it runs only when asked for by name, and a failed
+        first-use self-check."""
         reasons = self.rejection_reasons(problem)
         if not reasons and self.auto_devices is not None and problem.device.type not in self.auto_devices:
             reasons.append(f"on {problem.device.type} {self.name} runs only when requested by name")
+        if not reasons and op and not self.trusted(op, problem.device):
+            reasons.append(f"{self.name} failed its first-use self-check on {problem.device} "
+                           "(logged by the 'kl_kernels' logger; `kl-kernels info --check` repeats it)")
         return reasons
+
+    def trusted(self, op: str, device: torch.device) -> bool:
+        """Whether "auto" may use it on ``device``: no self-check needed there, or it passed."""
+        if device.type not in self.self_check_devices:
+            return True
+        from . import selfcheck  # not at import time: it imports the ops
+
+        return selfcheck.passed(op, self.name, device)
 
     def describe(self) -> dict:
         reasons = self.unavailable_reasons()
@@ -151,7 +167,8 @@ def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backen
                 f"{op}: backend {name!r}{source} cannot run these inputs:\n  - " + "\n  - ".join(reasons))
         return chosen
     for candidate in registry:
-        if candidate.accepts(problem, auto=True):
+        if candidate.accepts(problem, auto=True) and candidate.trusted(op, problem.device):
             return candidate
-    all_reasons = [f"{candidate.name}: " + "; ".join(candidate.auto_rejection_reasons(problem)) for candidate in registry]
+    all_reasons = [f"{candidate.name}: " + "; ".join(candidate.auto_rejection_reasons(problem, op))
+                   for candidate in registry]
     raise BackendUnavailableError(f"{op}: no backend can run these inputs:\n  - " + "\n  - ".join(all_reasons))

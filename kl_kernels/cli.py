@@ -24,8 +24,37 @@ def _progress():
         return lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
+def cmd_check() -> int:
+    """``kl-kernels info --check``: the self-check of every available non-reference backend, on every
+    device it runs on here (for CUDA, the current device)."""
+    import torch
+
+    from . import selfcheck
+    from .kl_penalty.backends import REGISTRY as PENALTY_REGISTRY
+    from .kl_reward.backends import REGISTRY
+    failed = 0
+    for op, registry in (("kl_reward", REGISTRY), ("kl_penalty_loss", PENALTY_REGISTRY)):
+        for b in registry:
+            if b.name == "torch":
+                continue
+            reasons = b.unavailable_reasons()
+            for device in sorted(b.devices):
+                if device == "cuda" and not torch.cuda.is_available():
+                    continue
+                if reasons:
+                    print(f"{op:16s} {b.name:14s} {device:5s} skipped: {'; '.join(reasons)}")
+                    continue
+                failures = selfcheck.run(op, b.name, device)
+                failed += bool(failures)
+                print(f"{op:16s} {b.name:14s} {device:5s} " + ("passed" if not failures else
+                      f"FAILED ({len(failures)}): " + "; ".join(failures[:3])))
+    return 1 if failed else 0
+
+
 def cmd_info(args) -> int:
     from . import info
+    if args.check:
+        return cmd_check()
     data = info()
     if args.json:
         print(json.dumps(data, indent=2))
@@ -87,6 +116,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="backends, build and runtime facts")
     p_info.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p_info.add_argument("--check", action="store_true",
+                        help="run the first-use self-check (kl_kernels.selfcheck) of every available fused "
+                             "backend on every device here, against the torch reference; exit 1 if one fails")
     p_info.set_defaults(func=cmd_info)
     p_bench = sub.add_parser("bench", help="check and time kl_reward, the TorchRL transforms and kl_penalty_loss "
                                                    "on RLHF-shaped batches")

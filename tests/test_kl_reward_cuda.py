@@ -140,12 +140,20 @@ def test_cuda_graph_capture_and_replay():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_auto_does_not_pick_an_unvalidated_kernel():
-    """Until a GPU run flips CUDA_KERNEL_VALIDATED_ON_GPU, only backend="cuda" runs the CUDA kernel."""
+def test_auto_picks_the_cuda_kernel_only_after_its_self_check():
+    """On a GPU "auto" runs the first-use self-check (kl_kernels/selfcheck.py) before taking the CUDA kernel."""
+    from kl_kernels import selfcheck
+    from kl_kernels.backends import select
     from kl_kernels.kl_reward import backends
+    from kl_kernels.kl_reward.problem import build_problem
+    selfcheck.clear()
     lp, ref, _, offsets, _ = _batch("cuda", n_seq=3, max_len=20)
-    cuda = next(b for b in backends.REGISTRY if b.name == "cuda")
-    assert (cuda.auto_devices is None) == backends.CUDA_KERNEL_VALIDATED_ON_GPU
+    problem, _ = build_problem(lp, ref, None, coef=0.1, estimator="k1", mask=None, offsets=offsets, lengths=None,
+                               padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
+                               clamp_output=None, return_ref=False, detach=True)
+    chosen = select(backends.REGISTRY, "auto", op="kl_reward", problem=problem)
+    assert any(key[:2] == ("kl_reward", "cuda") for key in selfcheck.verdicts())
+    assert chosen.name == "cuda" and selfcheck.passed("kl_reward", "cuda", lp.device), selfcheck.verdicts()
 
 
 def test_nan_through_the_clamps():

@@ -3,18 +3,17 @@
 =========  =========  ========================  ============================================
 backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
-cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``): by name only until a GPU
-                                                run validates it (``CUDA_KERNEL_VALIDATED_ON_GPU``)
+cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``); "auto" only after
+                                                its first-use self-check on the device
 triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/kl_penalty.py``);
                                                 CPU tensors under ``TRITON_INTERPRET=1`` on request
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``)
 torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference (autograd)
 =========  =========  ========================  ============================================
 
-The CUDA C++ kernel compiles in CI but has not yet run on a GPU: like kl_reward's, ``"auto"`` does
-not pick it until a GPU run of the suite flips ``CUDA_KERNEL_VALIDATED_ON_GPU`` (shared with
-kl_reward); ``"auto"`` on a GPU runs the Triton kernels when Triton is installed, else the torch
-reference.
+The GPU kernels have not run on a GPU in CI: as for kl_reward, ``"auto"`` on a CUDA device takes the
+cuda and triton rows only after they pass the first-use self-check there (:mod:`kl_kernels.selfcheck`),
+else the next row (the torch reference at last).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 =========  =========  ========================  ============================================
 backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
-cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``); by name
-                                                only until validated on a GPU (see below)
+cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``); "auto" only
+                                                after its first-use self-check (see below)
 triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/``); CPU
                                                 tensors too under ``TRITON_INTERPRET=1``, on
                                                 explicit request only
@@ -82,26 +82,27 @@ def _same_logprob_dtype(problem) -> list[str]:
     return []
 
 
-# The CUDA C++ kernel compiles in CI but has not yet run on a GPU (no GPU was available while it
-# was written). Until a GPU run of the test suite validates it, "auto" does not pick it: it runs
-# only when asked for by name (backend="cuda" or KL_KERNELS_BACKEND=cuda). Flip this after that run.
-CUDA_KERNEL_VALIDATED_ON_GPU = False
+# The GPU kernels are compiled and statically checked in CI and run there in emulation, but no CI
+# machine has a GPU: on a CUDA device "auto" takes the cuda and triton rows only once they have passed
+# the first-use self-check on that device (kl_kernels/selfcheck.py), and otherwise moves on (a backend
+# named explicitly runs without it).
+GPU_SELF_CHECK = frozenset({"cuda"})
 
 
 def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
     """The ``cuda``, ``triton`` and ``cpu`` rows of an op, in ``"auto"`` order: C++ kernels found by
     their forward symbol ``kernel`` in ``_cuda`` / ``_C``, all run by ``run_fused(problem,
     triton=False|True)``, all declining problems that ``requires`` rejects. One place for the
-    policy every op shares (the CUDA validation gate, Triton's interpreter on explicit request)."""
+    policy every op shares (the GPU self-check, Triton's interpreter on explicit request)."""
     return [
         Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cuda_reasons, kernel),
-                run_fused, requires=requires, auto_devices=None if CUDA_KERNEL_VALIDATED_ON_GPU else frozenset(),
-                notes="fused CUDA C++ kernel" + ("" if CUDA_KERNEL_VALIDATED_ON_GPU else
-                                                 " (not yet validated on a GPU: runs only when requested by name)")),
+                run_fused, requires=requires, self_check_devices=GPU_SELF_CHECK,
+                notes="fused CUDA C++ kernel (auto: after its first-use self-check on the device)"),
         Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
                 _triton_reasons, functools.partial(run_fused, triton=True), requires=requires,
-                auto_devices=frozenset({"cuda"}),
-                notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else "")),
+                auto_devices=frozenset({"cuda"}), self_check_devices=GPU_SELF_CHECK,
+                notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else
+                                          " (auto: after its first-use self-check on the device)")),
         Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cpu_reasons, kernel),
                 run_fused, requires=requires, notes="fused multi-threaded C++ kernel"),
     ]
