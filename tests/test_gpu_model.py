@@ -1,0 +1,33 @@
+"""bench/gpu_model.md, the GPU paper model, is generated from the compiled CUDA kernels: regenerate it
+from this build and require the committed page to match (a kernel whose registers change must come
+with its page: ``python -m kl_kernels.bench.gpu_model --write``). Also checks the model's arithmetic
+on known limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kl_kernels.bench import gpu_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_occupancy_arithmetic():
+    # 256 threads: 8 warps. 64 registers/thread -> 2048 per warp -> 32 warps -> 4 blocks.
+    assert gpu_model.blocks_per_sm(64, 0, 256, "sm_90") == (4, "registers")
+    assert gpu_model.blocks_per_sm(150, 0, 256, "sm_90") == (1, "registers")  # 152 x 32 = 4864 per warp
+    assert gpu_model.blocks_per_sm(32, 0, 256, "sm_90") == (8, "threads")
+    assert gpu_model.blocks_per_sm(32, 100_000, 256, "sm_90")[0] == 2
+    assert gpu_model.bandwidth_efficiency(1, 256, 4, 4) == 1.0
+    assert gpu_model.bandwidth_efficiency(1, 32, 1, 2) < 0.1
+
+
+def test_page_is_up_to_date():
+    so, tool = gpu_model.built_extension(), gpu_model.cuobjdump()
+    if so is None or tool is None:
+        pytest.skip("needs kl_kernels._cuda built with nvcc and triton's cuobjdump")
+    want = gpu_model.page(so, tool)
+    got = (REPO / "bench" / "gpu_model.md").read_text()
+    assert got == want, "bench/gpu_model.md is stale: run `python -m kl_kernels.bench.gpu_model --write`"
