@@ -1,8 +1,8 @@
 // pybind11 module kl_kernels._C: the CPU extension.
 //
 // Exposes the fused kl_reward and kl_penalty_loss kernels (forward, backward) over a plain argument struct of raw
-// addresses, sizes and strides; kl_kernels/kl_reward/kernels.py is the host launcher that fills
-// it from torch tensors. No torch headers here: one build serves every torch version.
+// addresses, sizes and strides; kl_kernels/kl_reward/launch.py and kl_kernels/kl_penalty/launch.py
+// are the host launchers that fill them from torch tensors. No torch headers here: one build serves every torch version.
 #include <pybind11/pybind11.h>
 
 #include <exception>

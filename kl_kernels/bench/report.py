@@ -93,8 +93,16 @@ def _plot(rows, machine, copy_gbs, path: Path) -> Path | None:
         print("matplotlib not installed: no PNG plot (pip install 'kl_kernels[bench]')", file=sys.stderr)
         return None
     panels = list(dict.fromkeys((r["size"], r["task"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (size, task) in zip(axes[0], panels):
+    # A grid a person reads at a glance: one row per task, one column per size (8 panels in one strip
+    # made a 5280 x 495 image).
+    tasks = list(dict.fromkeys(task for _, task in panels))
+    sizes = list(dict.fromkeys(size for size, _ in panels))
+    fig, axes = plt.subplots(len(tasks), len(sizes), figsize=(6.5 * len(sizes), 3.6 * len(tasks)), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for size, task in panels:
+        ax = axes[tasks.index(task)][sizes.index(size)]
+        ax.set_visible(True)
         sel = [r for r in rows if r["size"] == size and r["task"] == task]
         labels = [f"{r['impl']}\n({r['layout']})" for r in sel]
         ax.barh(labels, [r["gbs"] for r in sel], color="tab:blue")
