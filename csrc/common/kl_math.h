@@ -15,6 +15,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/codes.h"
+
 #if defined(__CUDACC__)
 #define KL_HD __host__ __device__ __forceinline__
 #include <cuda_bf16.h>
@@ -25,10 +27,8 @@
 
 namespace kl {
 
-enum Estimator : int32_t { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3 };
-
-// Dtype codes used across the Python/C++ boundary.
-enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// Estimator and DType (the codes used across the Python/C++ boundary) are in common/codes.h,
+// generated from kl_kernels/codes.py.
 
 struct EstimatorParams {
   int32_t estimator;         // Estimator

@@ -19,7 +19,7 @@
 
 namespace kl {
 
-constexpr float kLogRatioBound = 20.0f;  // exp(20) ~ 4.9e8: ratio * A stays finite in float32
+// kLogRatioBound (exp(20) ~ 4.9e8: ratio * A stays finite in float32): common/codes.h.
 
 struct PPOToken {
   float obj, kl, ratio, clipped, grad;  // grad: d(obj + beta * kl) / d lp

@@ -21,9 +21,7 @@
 
 namespace kl {
 
-enum Layout : int32_t { kPacked = 0, kPadded = 1 };
-enum Placement : int32_t { kNoReward = 0, kToken = 1, kSequence = 2, kLast = 3 };
-enum CoefMode : int32_t { kCoefScalar = 0, kCoefTensor0d = 1, kCoefPerSeq = 2 };
+// Layout, Placement and CoefMode: common/codes.h (generated from kl_kernels/codes.py).
 
 struct KLRewardArgs {
   // geometry

@@ -68,16 +68,11 @@ inline bool read(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject
          readable_in_place(obj, reject_grad);
 }
 
-// problem.py's ESTIMATORS: (estimator code, straight-through).
+// The estimator names of kl_kernels/codes.py (common/codes.h's kEstimatorNames, generated from it):
+// (estimator code, straight-through).
 inline bool parse_estimator(PyObject* s, EstimatorParams* est) {
-  struct Entry {
-    const char* name;
-    int32_t code, straight_through;
-  };
-  static const Entry table[] = {{"k1", kK1, 0}, {"abs", kAbs, 0}, {"k2", kK2, 0}, {"k3", kK3, 0},
-                                {"k1+", kK1, 1}, {"abs+", kAbs, 1}, {"k3+", kK3, 1}};
   if (!PyUnicode_Check(s)) return false;
-  for (const Entry& e : table) {
+  for (const EstimatorName& e : kEstimatorNames) {
     if (PyUnicode_CompareWithASCIIString(s, e.name) == 0) {
       est->estimator = e.code;
       est->straight_through = e.straight_through;

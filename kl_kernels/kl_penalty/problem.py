@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _checks, ragged
+from .. import _checks, codes, ragged
 from ..kl_reward.problem import (ESTIMATORS, NativeLayout, _check_device, _check_logprob_tensor,
                                  _normalize_layout, _pack_ragged_arg, _same_device)
 
@@ -23,7 +23,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-
                 "none")
 # The log-ratio log_probs - old_log_probs is clamped to +-LOG_RATIO_BOUND before exp: exp(20) ~ 4.9e8
 # keeps the ratio (and ratio * advantage) finite in float32 where a diverged token would give inf.
-LOG_RATIO_BOUND = 20.0
+LOG_RATIO_BOUND = codes.LOG_RATIO_BOUND  # the one table: kl_kernels/codes.py
 
 
 @dataclass

@@ -12,12 +12,13 @@ import math
 
 import torch
 
-from .. import _extensions, ragged
+from .. import _extensions, codes, ragged
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ESTIMATOR_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
-PLACEMENT_CODES = {None: 0, "token": 1, "sequence": 2, "last": 3}
-LAYOUT_CODES = {"packed": 0, "padded": 1, "list": 0}  # list: packed geometry, inputs read in place
+# The kernels' codes, from the one table (kl_kernels/codes.py, which csrc/common/codes.h is generated from).
+DTYPE_CODES = {getattr(torch, name): code for name, code in codes.DTYPE_CODES.items()}
+ESTIMATOR_CODES = codes.ESTIMATOR_CODES
+PLACEMENT_CODES = codes.PLACEMENT_CODES
+LAYOUT_CODES = {**codes.LAYOUT_CODES, "list": codes.LAYOUT_CODES["packed"]}  # list: packed geometry, read in place
 
 
 def clamp_bounds(clamp) -> tuple[float, float]:

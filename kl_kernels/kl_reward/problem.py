@@ -25,10 +25,10 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _checks, ragged
+from .. import _checks, codes, ragged
 
-ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k3+")
-STRAIGHT_THROUGH = frozenset({"k1+", "abs+", "k3+"})
+ESTIMATORS = codes.ESTIMATORS  # the one table: kl_kernels/codes.py
+STRAIGHT_THROUGH = codes.STRAIGHT_THROUGH
 PLACEMENTS = ("auto", "token", "sequence", "last")
 LOGPROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _DTYPE_NAMES = "float32, bfloat16, float16 (or float64 with the torch backend)"
