@@ -246,21 +246,39 @@ KL_HD float inside(float v, int32_t lo_set, float lo, int32_t hi_set, float hi) 
   return (((lo_set == 0) | (v >= lo)) & ((hi_set == 0) | (v <= hi))) ? 1.0f : 0.0f;
 }
 
+// The estimators, written once: a compile-time estimator (kernels specialized on it, the loss's) and
+// a runtime one (kl_reward's kernels) run the same expressions.
+template <int32_t EST>
+KL_HD float est_value(float x) {
+  if constexpr (EST == kK1) return x;
+  else if constexpr (EST == kAbs) return fabsf(x);
+  else if constexpr (EST == kK2) return 0.5f * x * x;
+  else return expm1_vec(-x) + x;  // expm1 keeps k3 accurate near 0
+}
+
+template <int32_t EST>
+KL_HD float est_derivative(float x) {
+  if constexpr (EST == kK1) return 1.0f;
+  else if constexpr (EST == kAbs) return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+  else if constexpr (EST == kK2) return x;
+  else return -expm1_vec(-x);  // d/dx (expm1(-x) + x) = 1 - exp(-x)
+}
+
 KL_HD float estimate_raw(float x, int32_t estimator) {
   switch (estimator) {
-    case kK1: return x;
-    case kAbs: return fabsf(x);
-    case kK2: return 0.5f * x * x;
-    default: return expm1_vec(-x) + x;  // expm1 keeps k3 accurate near 0
+    case kK1: return est_value<kK1>(x);
+    case kAbs: return est_value<kAbs>(x);
+    case kK2: return est_value<kK2>(x);
+    default: return est_value<kK3>(x);
   }
 }
 
 KL_HD float estimate_grad_raw(float x, int32_t estimator) {
   switch (estimator) {
-    case kK1: return 1.0f;
-    case kAbs: return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
-    case kK2: return x;
-    default: return -expm1_vec(-x);  // d/dx (expm1(-x) + x) = 1 - exp(-x)
+    case kK1: return est_derivative<kK1>(x);
+    case kAbs: return est_derivative<kAbs>(x);
+    case kK2: return est_derivative<kK2>(x);
+    default: return est_derivative<kK3>(x);
   }
 }
 

@@ -25,21 +25,7 @@ struct PPOToken {
   float obj, kl, ratio, clipped, grad;  // grad: d(obj + beta * kl) / d lp
 };
 
-template <int32_t EST>
-KL_HD float est_value(float x) {
-  if constexpr (EST == kK1) return x;
-  else if constexpr (EST == kAbs) return fabsf(x);
-  else if constexpr (EST == kK2) return 0.5f * x * x;
-  else return expm1_vec(-x) + x;  // expm1 keeps k3 accurate near 0
-}
-
-template <int32_t EST>
-KL_HD float est_derivative(float x) {
-  if constexpr (EST == kK1) return 1.0f;
-  else if constexpr (EST == kAbs) return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
-  else if constexpr (EST == kK2) return x;
-  else return -expm1_vec(-x);
-}
+// est_value / est_derivative: the estimators of common/kl_math.h (written once for both ops).
 
 // One counted token. ST (straight-through): value of EST, derivative of k2 (d). A template
 // parameter, not a runtime flag: a loop-invariant bool select keeps GCC from vectorizing the loop.
