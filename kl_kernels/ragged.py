@@ -47,6 +47,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ._compat import torch as torch_compat
+
 __all__ = [
     "Ragged",
     "RaggedLayout",
@@ -187,7 +189,7 @@ def device_check(ok: torch.Tensor, message: str) -> None:
     (``torch._assert_async``): a violation surfaces as a device-side assertion naming ``message``
     at the next synchronization, after which the CUDA context is unusable (set
     ``KL_KERNELS_SYNC_CHECKS=1`` to get a ``ValueError`` instead, at the cost of a sync)."""
-    torch._assert_async(ok, f"kl_kernels: {message}")
+    torch_compat.assert_async(ok, f"kl_kernels: {message}")
 
 
 def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:

@@ -10,6 +10,9 @@
 
 #include "common/bind_args.h"
 #include "common/build_info.h"
+#include "cpu/compat/cpython.h"
+#include "cpu/compat/openmp.h"
+#include "cpu/compat/torch_dlpack.h"
 #include "cpu/dense_plan.h"
 #include "cpu/int64_facts.h"
 #include "cpu/kl_penalty_cpu.h"
@@ -99,6 +102,17 @@ PYBIND11_MODULE(_C, m) {
         "False, with nothing set, for anything else.");
   m.def("exchange_api_version", &kl::exchange_api_version, py::arg("tensor_type"),
         "(major, minor) of the DLPack exchange table sequence_facts reads tensor_type through, or None.");
+  m.def(
+      "compat_paths",
+      [](py::handle tensor_type) {
+        py::dict d;
+        d["cpython_type_lookup"] = kl::compat::type_lookup_active();
+        d["dlpack_exchange"] = kl::compat::dlpack_exchange_api(tensor_type.ptr()) != nullptr;
+        d["openmp_gomp_parallel"] = kl::compat::loaded_gomp_parallel() != nullptr;
+        return d;
+      },
+      py::arg("tensor_type"),
+      "Which private paths of csrc/cpu/compat/ are in use (False: their fallback), for tests and info.");
   m.def("kl_reward_dense_plan", &kl::kl_reward_dense_plan, py::arg("tensor_type"), py::arg("log_probs"),
         py::arg("ref_log_probs"), py::arg("reward"), py::arg("mask"), py::arg("offsets"), py::arg("lengths"),
         py::arg("coef"), py::arg("estimator"), py::arg("padding_side"), py::arg("reward_placement"),

@@ -2,6 +2,8 @@
 // process has one, else on a persistent thread pool of our own.
 #include "cpu/parallel.h"
 
+#include "cpu/compat/openmp.h"
+
 #include <dlfcn.h>
 #include <link.h>
 #include <unistd.h>
@@ -89,29 +91,9 @@ Pool& pool() {
 // point of `#pragma omp parallel`, which libgomp and Intel's libiomp both export) hands the work to
 // the very threads that are spinning. The runtime is looked up among the libraries already loaded
 // (RTLD_NOLOAD): we never load or link an OpenMP runtime of our own.
-using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
-
-GompParallel loaded_gomp_parallel() {
-  static const GompParallel fn = [] {
-    GompParallel found = nullptr;
-    dl_iterate_phdr(
-        [](dl_phdr_info* info, size_t, void* out) -> int {
-          const char* name = info->dlpi_name;
-          if (name == nullptr || (std::strstr(name, "libgomp") == nullptr && std::strstr(name, "libiomp") == nullptr))
-            return 0;
-          void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
-          if (handle == nullptr) return 0;
-          void* sym = dlsym(handle, "GOMP_parallel");
-          dlclose(handle);  // drops the reference RTLD_NOLOAD took; the library stays loaded
-          if (sym == nullptr) return 0;
-          *static_cast<GompParallel*>(out) = reinterpret_cast<GompParallel>(sym);
-          return 1;
-        },
-        &found);
-    return found;
-  }();
-  return fn;
-}
+// (The lookup: compat/openmp.h.)
+using compat::GompParallel;
+using compat::loaded_gomp_parallel;
 
 // GNU OpenMP is not fork-safe: in a child forked after the parent's OpenMP team exists, the next
 // parallel region hangs (torch's own ops do too). The process that loaded this module keeps using

@@ -1,6 +1,9 @@
 // See py_tensor.h.
 #include "cpu/py_tensor.h"
 
+#include "cpu/compat/cpython.h"
+#include "cpu/compat/torch_dlpack.h"
+
 namespace py = pybind11;
 
 namespace kl {
@@ -12,30 +15,7 @@ PyObject* interned(const char* name) {
 }
 
 const dlpack::ExchangeAPI* exchange_api(PyObject* tensor_type) {
-  static PyObject* cached_type = nullptr;  // a strong reference: the address cannot be reused
-  static const dlpack::ExchangeAPI* cached = nullptr;
-  if (tensor_type == cached_type) return cached;
-  const dlpack::ExchangeAPI* found = nullptr;
-  PyObject* capsule = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
-  if (capsule == nullptr) {
-    PyErr_Clear();
-  } else {
-    if (PyCapsule_IsValid(capsule, "dlpack_exchange_api")) {
-      auto* header = static_cast<dlpack::ExchangeAPIHeader*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
-      // A newer major version chains the older tables it still offers.
-      while (header != nullptr && header->version.major > dlpack::kMajorVersion) header = header->prev_api;
-      if (header != nullptr && header->version.major == dlpack::kMajorVersion) {
-        auto* api = reinterpret_cast<const dlpack::ExchangeAPI*>(header);
-        if (api->dltensor_from_py_object_no_sync != nullptr) found = api;
-      }
-    }
-    Py_DECREF(capsule);
-  }
-  Py_INCREF(tensor_type);
-  Py_XDECREF(cached_type);
-  cached_type = tensor_type;
-  cached = found;
-  return found;
+  return compat::dlpack_exchange_api(tensor_type);  // torch's table: compat/torch_dlpack.h
 }
 
 bool read_cpu_dltensor(const dlpack::ExchangeAPI* api, PyObject* t, dlpack::Tensor* out) {
@@ -70,7 +50,7 @@ class FlagReader {
   void look_up(PyTypeObject* tp) {
     method_ = nullptr;
     get_ = nullptr;
-    PyObject* d = _PyType_Lookup(tp, name_);  // borrowed; assigns the type a version tag
+    PyObject* d = compat::type_lookup(tp, name_);  // borrowed (or null: the generic read below)
     if (d != nullptr && call_ && Py_IS_TYPE(d, &PyMethodDescr_Type)) {
       PyMethodDef* m = reinterpret_cast<PyMethodDescrObject*>(d)->d_method;
       if ((m->ml_flags & ~METH_COEXIST) == METH_NOARGS) method_ = m->ml_meth;

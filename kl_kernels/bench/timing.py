@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from .._compat import torch as torch_compat
+
 
 @dataclass
 class Timing:
@@ -81,7 +83,7 @@ def cold_compile_seconds(first_call: Callable[[], object], device: torch.device)
     """Run a freshly ``torch.compile``d callable once and return how long it took: its cold compile
     time. Inductor's caches are off for that call, or an earlier run's on-disk cache would answer."""
     t0 = time.perf_counter()
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with torch_compat.inductor_caches_disabled():
         first_call()
     _sync(device)
     return time.perf_counter() - t0

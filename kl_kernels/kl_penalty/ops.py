@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._compat import torch as torch_compat
 from ..kl_reward.launch import ESTIMATOR_CODES, LAYOUT_CODES
 from . import launch, launch_triton
 from .aggregate import KLPenaltyLossOutput, uniform_parts
@@ -25,10 +26,8 @@ from .problem import KLPenaltyProblem
 from .reference import RawLoss
 
 _DEVICES = ("cpu", "cuda")
-# Private autograd queries (AOTAutograd uses both), looked up once; a torch without them never
+# Private autograd queries (AOTAutograd uses both) live in _compat.torch; a torch without them never
 # scales the gradient buffer in place (_may_scale_in_place).
-_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 
 
 def _setup_context(ctx, inputs, output):
@@ -173,7 +172,7 @@ class _EagerTotal(torch.autograd.Function):
         ctx.dtypes = (lp.dtype, ent is not None and ent.requires_grad, args[3].dtype)
         # Saved-tensor hooks (offloading, checkpointing tools) may keep the buffer they were handed:
         # then the backward must not write into it.
-        ctx.plain_saved = _TOP_SAVED_TENSORS_HOOKS is not None and _TOP_SAVED_TENSORS_HOOKS(True) is None
+        ctx.plain_saved = not torch_compat.saved_tensors_hooks_active()
         ctx.set_materialize_grads(False)
         # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
         loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
@@ -206,7 +205,7 @@ def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
     graph's last (no ``retain_graph``: the saved buffer is released right after) and no
     saved-tensor hook may hold it. Float32 log-probs only (the buffer is float32)."""
     return (lp_dtype == torch.float32 and not entropy_grad and ctx.plain_saved and math.isfinite(scale)
-            and math.copysign(1.0, scale) > 0 and not _KEEP_GRAPH())
+            and math.copysign(1.0, scale) > 0 and not torch_compat.graph_keeps_graph())
 
 
 def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLossOutput:

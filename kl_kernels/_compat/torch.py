@@ -1,0 +1,57 @@
+"""torch's private Python APIs that kl_kernels uses, each with a safe fallback.
+
+Checked on torch 2.13.0 and 2.14.1 (CI). Each lookup happens once, at import; a torch without the
+internal gets the fallback, which is always correct and at worst slower:
+
+* ``saved_tensors_hooks_active()``: whether a ``torch.autograd.graph.saved_tensors_hooks`` context is
+  active (``torch._C._autograd._top_saved_tensors_default_hooks``). Fallback: ``True`` (assume hooks:
+  the loss then never hands its gradient buffer to autograd in place).
+* ``graph_keeps_graph()``: whether the running backward retains its graph
+  (``torch._C._autograd._get_current_graph_task_keep_graph``). Fallback: ``True`` (same effect).
+* ``assert_async(ok, message)``: a device-side assertion without a host sync (``torch._assert_async``).
+  Fallback: read ``ok`` on the host and raise ``RuntimeError`` (correct, one synchronization).
+* ``inductor_caches_disabled()``: a context with Inductor's caches off, for cold-compile timing
+  (``torch._inductor.config.patch``). Fallback: a no-op context (the bench then reports a warm figure
+  as cold, and says so in its notes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+CHECKED_ON = ("2.13.0", "2.14.1")
+
+_autograd = getattr(torch._C, "_autograd", None)
+_TOP_SAVED_TENSORS_HOOKS = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
+_KEEP_GRAPH = getattr(_autograd, "_get_current_graph_task_keep_graph", None)
+_ASSERT_ASYNC = getattr(torch, "_assert_async", None)
+
+
+def saved_tensors_hooks_active() -> bool:
+    if _TOP_SAVED_TENSORS_HOOKS is None:
+        return True
+    return _TOP_SAVED_TENSORS_HOOKS(True) is not None
+
+
+def graph_keeps_graph() -> bool:
+    if _KEEP_GRAPH is None:
+        return True
+    return bool(_KEEP_GRAPH())
+
+
+def assert_async(ok: torch.Tensor, message: str) -> None:
+    if _ASSERT_ASYNC is not None:
+        _ASSERT_ASYNC(ok, message)
+        return
+    if not bool(ok):
+        raise RuntimeError(message)
+
+
+def inductor_caches_disabled():
+    try:
+        from torch._inductor import config
+        return config.patch(force_disable_caches=True)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()

@@ -1,0 +1,141 @@
+"""Private internals sit in one compat module per library (kl_kernels/_compat/, csrc/cpu/compat/),
+each with a fallback that is tested here, and nowhere else in the package."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kl_kernels import kl_penalty_loss
+from kl_kernels._compat import torch as torch_compat
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kl_kernels"
+
+
+def test_private_torch_apis_only_in_the_compat_module():
+    pattern = re.compile(r"torch\._(?!dynamo\b|_version__)[A-Za-z]\w*")  # torch._C, torch._assert_async, ...
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.parts[-2] == "_compat":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code) and not code.lstrip().startswith((">>>", "``")) and "``torch._" not in code:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}")
+    assert not offenders, "private torch API outside kl_kernels/_compat:\n" + "\n".join(offenders)
+
+
+def test_the_lookups_succeed_on_the_torch_under_test():
+    assert torch_compat._TOP_SAVED_TENSORS_HOOKS is not None and torch_compat._KEEP_GRAPH is not None
+    assert torch_compat._ASSERT_ASYNC is not None
+    assert torch_compat.saved_tensors_hooks_active() is False
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert torch_compat.saved_tensors_hooks_active() is True
+
+
+def _loss_grad():
+    lp = torch.randn(3, 7, requires_grad=True)
+    out = kl_penalty_loss(lp, torch.randn(3, 7), torch.randn(3), beta=0.1, clip_epsilon=0.2,
+                          lengths=torch.tensor([7, 3, 0]))
+    out.loss.backward()
+    return lp.grad
+
+
+@pytest.mark.parametrize("missing", ["_TOP_SAVED_TENSORS_HOOKS", "_KEEP_GRAPH"])
+def test_autograd_fallbacks_give_the_same_gradient(monkeypatch, missing):
+    torch.manual_seed(0)
+    want = _loss_grad()
+    monkeypatch.setattr(torch_compat, missing, None)
+    assert (torch_compat.saved_tensors_hooks_active() if missing == "_TOP_SAVED_TENSORS_HOOKS"
+            else torch_compat.graph_keeps_graph()) is True  # the safe answer
+    torch.manual_seed(0)
+    assert torch.equal(_loss_grad(), want)
+
+
+def test_assert_async_fallback(monkeypatch):
+    monkeypatch.setattr(torch_compat, "_ASSERT_ASYNC", None)
+    torch_compat.assert_async(torch.tensor(True), "fine")
+    with pytest.raises(RuntimeError, match="broken rule"):
+        torch_compat.assert_async(torch.tensor(False), "broken rule")
+
+
+def test_inductor_fallback(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_inductor(name, *args, **kwargs):
+        if name.startswith("torch._inductor"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_inductor)
+    with torch_compat.inductor_caches_disabled():
+        pass
+
+
+# ---------------------------------------------------------------- the C++ extension's compat headers
+
+CSRC = PACKAGE.parent / "csrc"
+_CPP_PRIVATE = ("_PyType_Lookup", "__dlpack_c_exchange_api__", "GOMP_parallel", "dl_iterate_phdr")
+
+
+def test_private_cpp_internals_only_in_the_compat_folder():
+    offenders = []
+    for path in CSRC.rglob("*"):
+        if path.suffix not in (".h", ".cpp", ".cu", ".cuh") or "compat" in path.parts:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            offenders += [f"{path.relative_to(CSRC)}:{i}: {name}" for name in _CPP_PRIVATE if name in code]
+    assert not offenders, "private internals outside csrc/cpu/compat/:\n" + "\n".join(offenders)
+
+
+def test_private_cpp_paths_are_in_use_here():
+    from kl_kernels import _extensions
+    module = _extensions.load("_C")[0]
+    if module is None:
+        pytest.skip("kl_kernels._C is not built")
+    paths = module.compat_paths(torch.Tensor)
+    assert paths == {"cpython_type_lookup": True, "dlpack_exchange": True, "openmp_gomp_parallel": True}, paths
+
+
+_FALLBACK_RUN = """
+import torch
+from kl_kernels import _extensions, kl_reward, kl_penalty_loss
+paths = _extensions.load("_C")[0].compat_paths(torch.Tensor)
+assert not any(paths.values()), paths
+g = torch.Generator().manual_seed(0)
+lists = [torch.randn(n, generator=g) for n in (0, 1, 700, 33)]
+refs = [torch.randn(n, generator=g) for n in (0, 1, 700, 33)]
+dense = torch.randn(4, 50, generator=g), torch.randn(4, 50, generator=g)
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    got = kl_reward(lists, refs, [t * 0 + 1 for t in lists], coef=0.1, estimator="k3")
+    want = kl_reward(lists, refs, [t * 0 + 1 for t in lists], coef=0.1, estimator="k3", backend="torch")
+    for a, b in zip(got.kl + got.reward, want.kl + want.reward):
+        torch.testing.assert_close(a, b)
+    got = kl_reward(*dense, lengths=torch.tensor([50, 0, 7, 1]), coef=torch.tensor(0.2))
+    want = kl_reward(*dense, lengths=torch.tensor([50, 0, 7, 1]), coef=torch.tensor(0.2), backend="torch")
+    torch.testing.assert_close(got.kl, want.kl)
+    lp = dense[0].clone().requires_grad_()
+    out = kl_penalty_loss(lp, dense[1], torch.randn(4), clip_epsilon=0.2, lengths=torch.tensor([50, 0, 7, 1]))
+    out.loss.backward()
+print("FALLBACKS OK")
+"""
+
+
+def test_cpp_fallbacks_give_the_same_answers():
+    """With every private path off (KL_KERNELS_COMPAT_FALLBACKS), the fast lanes, list reads and the
+    thread pool still give the reference's answers."""
+    import os
+    import subprocess
+    import sys
+    from kl_kernels import _extensions
+    if _extensions.load("_C")[0] is None:
+        pytest.skip("kl_kernels._C is not built")
+    env = dict(os.environ, KL_KERNELS_COMPAT_FALLBACKS="cpython,dlpack,openmp")
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "FALLBACKS OK" in proc.stdout, proc.stderr[-3000:]
