@@ -12,13 +12,13 @@ from .. import ragged
 from . import fast
 from .backends import REGISTRY
 from .ops import run_fused_list
-from .problem import KLRewardOutput, build_problem
+from .problem import KLRewardOutput, RawOutputs, build_problem
 
 
 def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None,
               offsets=None, lengths=None, padding_side="left", prompt_lens=None,
               reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False,
-              detach=True, mask_nan=False, backend="auto") -> KLRewardOutput:
+              detach=True, mask_nan=False, backend="auto", out=None) -> KLRewardOutput:
     r"""Assistant-masked, ragged-batch KL estimate and KL-penalized reward, in one call.
 
     Per token ``t`` of sequence ``b``, with ``d = log_probs - ref_log_probs`` (math in float32,
@@ -74,6 +74,14 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides it), ``"torch"``, ``"cpu"``,
             ``"cuda"`` or ``"triton"``. An explicit backend that cannot run raises
             :class:`~kl_kernels.BackendUnavailableError` with every reason.
+        out: optional buffers for the results, so a training loop can reuse its memory (no page
+            faults on the CPU; fixed addresses for CUDA graph capture): a :class:`KLRewardOutput` or
+            5-tuple ``(kl, reward, ref_log_probs, kl_sum, count)`` of tensors shaped, typed and placed
+            exactly as the results would be (each entry may be ``None``: allocated as usual;
+            ``ref_log_probs`` must be ``None`` without ``return_ref``), contiguous, overlapping
+            neither each other nor the inputs. Packed and padded layouts only, and no autograd
+            (``detach=True`` or no input requiring grad). The fused ``cpu`` and ``cuda`` kernels
+            write into them; the other backends copy. The result holds these very tensors.
 
     Returns:
         :class:`KLRewardOutput` ``(kl, reward, ref_log_probs, kl_sum, count)``: ``kl`` in the
@@ -109,7 +117,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
     return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
-                      return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend)
+                      return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, out=out)
 
 
 def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_log_probs, reward=None, *, coef=1.0,
@@ -130,13 +138,13 @@ def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_lo
 def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
                lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
                clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
-               store=None) -> KLRewardOutput:
+               store=None, out=None) -> KLRewardOutput:
     # A list/tuple subclass is read once, here, so that every lane and backend sees the same items.
     log_probs = ragged.plain_sequence(log_probs, "log_probs")
     ref_log_probs = ragged.plain_sequence(ref_log_probs, "ref_log_probs")
     reward = ragged.plain_sequence(reward, "reward")
     mask = ragged.plain_sequence(mask, "mask")
-    if prompt_lens is None and clamp_input is None and clamp_output is None:
+    if prompt_lens is None and clamp_input is None and clamp_output is None and out is None:
         # plain CPU tensors, or lists of them: checked and launched in one C call (fast.py), else None
         out = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths, padding_side,
                            reward_placement, return_ref, detach, mask_nan, backend, store)
@@ -145,18 +153,19 @@ def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1
     return _general(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                     lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                     reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
-                    return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, store=store)
+                    return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, store=store, out=out)
 
 
 def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
              lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
              clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
-             store=None) -> KLRewardOutput:
+             store=None, out=None) -> KLRewardOutput:
     """kl_reward's general path: validate and normalize (problem.py), dispatch, run, restore the layout."""
     problem, layout = build_problem(
         log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
-        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach, mask_nan=mask_nan)
+        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach, mask_nan=mask_nan,
+        out=out)
     try:
         impl = _dispatch.select(REGISTRY, backend, op="kl_reward", problem=problem)
     except _dispatch.BackendUnavailableError:
@@ -173,7 +182,17 @@ def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1",
         return done[0]
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)
-    return _restore(layout, raw, store)
+    if problem.out is None:
+        return _restore(layout, raw, store)
+    result = layout.restore(_into(problem.out, raw))
+    # the caller's own tensors (not views of them, e.g. a reward with its trailing dim restored)
+    return KLRewardOutput(*(r if o is None else o for o, r in zip(out, result)))
+
+
+def _into(out: RawOutputs, raw: RawOutputs) -> RawOutputs:
+    """The results in the caller's ``out`` buffers: those a kernel wrote in place are already there;
+    the rest (the torch and triton backends, ``None`` entries) are copied or kept."""
+    return RawOutputs(*(r if o is None else (o if o is r else o.copy_(r)) for o, r in zip(out, raw)))
 
 
 def _restore(layout, raw, store):

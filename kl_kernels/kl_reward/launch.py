@@ -170,12 +170,14 @@ def raise_for(code: int, module, what: str) -> None:
 
 
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
-            left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan=False):
+            left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan=False,
+            out=None):
     """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count). List inputs
-    (:class:`~kl_kernels.ragged.SequenceList`) and ``mask_nan`` are for the CPU kernel, outside autograd."""
+    (:class:`~kl_kernels.ragged.SequenceList`) and ``mask_nan`` are for the CPU kernel, outside autograd.
+    ``out``: checked result buffers (problem.py's ``_check_out``), written in place where given."""
     outputs, args, module, keep = _prepare_forward(
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
-        placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan)
+        placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan, out)
     launch_kernel(module, "kl_reward", "forward", args, outputs[0].device, "kl_reward")
     del keep
     return outputs
@@ -205,7 +207,7 @@ def forward_during(during, log_probs, ref_log_probs, mask, offsets, lengths, pro
 
 def _prepare_forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar,
                      layout, left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype,
-                     mask_nan):
+                     mask_nan, out=None):
     """The forward's outputs (allocated) and filled argument struct, its module, and what it points into."""
     log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef = resolved(
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
@@ -217,21 +219,24 @@ def _prepare_forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_le
     # The inputs themselves too: resolved() may have made copies that nothing else holds.
     keep += [log_probs, ref_log_probs, mask, reward]
     kl, reward_out, ref_out, kl_sum, count = allocate_outputs(args, log_probs.shape, log_probs.dtype, reward_dtype,
-                                                              log_probs.device, return_ref)
+                                                              log_probs.device, return_ref, out)
     if ref_out is None:  # the launchers always return five tensors
         ref_out = torch.empty((0,), dtype=ref_log_probs.dtype, device=log_probs.device)
     return (kl, reward_out, ref_out, kl_sum, count), args, module, keep
 
 
-def allocate_outputs(args, shape, dtype, reward_dtype, device, return_ref: bool) -> tuple:
+def allocate_outputs(args, shape, dtype, reward_dtype, device, return_ref: bool, out=None) -> tuple:
     """The forward's outputs (kl, reward_out, ref_out or None without ``return_ref``, kl_sum, count)
-    for a filled ``args`` (``args.batch`` sequences of log-probs ``shape``/``dtype``), allocated and
-    pointed at by ``args`` (with the reward output's dtype code)."""
-    kl = torch.empty(shape, dtype=dtype, device=device)
-    reward_out = torch.empty(shape, dtype=reward_dtype, device=device)
-    ref_out = torch.empty(shape, dtype=dtype, device=device) if return_ref else None
-    kl_sum = torch.empty(args.batch, dtype=torch.float32, device=device)
-    count = torch.empty(args.batch, dtype=torch.int64, device=device)
+    for a filled ``args`` (``args.batch`` sequences of log-probs ``shape``/``dtype``), allocated (or
+    taken from ``out``, the caller's checked buffers, where given) and pointed at by ``args`` (with
+    the reward output's dtype code)."""
+    given = out if out is not None else (None,) * 5
+    kl = given[0] if given[0] is not None else torch.empty(shape, dtype=dtype, device=device)
+    reward_out = given[1] if given[1] is not None else torch.empty(shape, dtype=reward_dtype, device=device)
+    ref_out = (given[2] if given[2] is not None else torch.empty(shape, dtype=dtype, device=device)) \
+        if return_ref else None
+    kl_sum = given[3] if given[3] is not None else torch.empty(args.batch, dtype=torch.float32, device=device)
+    count = given[4] if given[4] is not None else torch.empty(args.batch, dtype=torch.int64, device=device)
     args.reward_dtype = DTYPE_CODES[reward_dtype]
     args.kl, args.reward_out, args.ref_out = _ptr(kl), _ptr(reward_out), _ptr(ref_out)
     args.kl_sum, args.count = _ptr(kl_sum), _ptr(count)

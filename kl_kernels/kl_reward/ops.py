@@ -99,9 +99,11 @@ def run_fused(p: KLRewardProblem, triton: bool = False) -> RawOutputs:
     elif needs_graph or torch.compiler.is_compiling():
         op = torch.ops.kl_kernels.kl_reward_triton_fwd if triton else torch.ops.kl_kernels.kl_reward_fwd
         kl, reward, ref_out, kl_sum, count = op(*args)
-    else:
+    elif triton:
         # Eager and no autograd: the op would only add dispatcher overhead around the same launch.
-        kl, reward, ref_out, kl_sum, count = (launch_triton if triton else launch).forward(*args)
+        kl, reward, ref_out, kl_sum, count = launch_triton.forward(*args)
+    else:  # the C++ kernels write into the caller's out= buffers (api.py copies for the others)
+        kl, reward, ref_out, kl_sum, count = launch.forward(*args, out=p.out)
     return _raw(p, (kl, reward, ref_out, kl_sum, count))
 
 

@@ -103,6 +103,7 @@ class KLRewardProblem(NativeLayout):
     clamp_output: tuple | None
     return_ref: bool
     mask_nan: bool = False
+    out: "RawOutputs | None" = None  # caller-provided result buffers, in this layout (api.py's out=)
 
     def packed(self) -> "KLRewardProblem":
         """This problem in the packed layout (``"list"`` problems are packed; others returned as is)."""
@@ -548,8 +549,65 @@ def and_not_nan(mask, lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- entry point
 
 
+def _check_out(out, kind, lp, ref, reward_dtype, trailing, batch, return_ref, graph, inputs):
+    """The caller's ``out=`` buffers as :class:`RawOutputs` in the problem's layout (a reward's
+    trailing dim dropped), after every check: the layout, entries, shapes, dtypes, device,
+    contiguity, no autograd, no overlap with each other or with the inputs."""
+    names = KLRewardOutput._fields
+    if not isinstance(out, tuple) or len(out) != 5:
+        raise TypeError(f"out must be a KLRewardOutput or a 5-tuple {names} of tensors or None, "
+                        f"got {type(out).__name__}")
+    if kind not in ("packed", "padded"):
+        raise TypeError(f"out= takes the packed or padded layout, not a {kind.replace('_', ' ')} (results of "
+                        "those layouts are views into one buffer: pass out= with the packed tensors)")
+    if graph:
+        raise ValueError("out= does not record autograd: pass detach=True, or inputs that do not require grad")
+    tok = tuple(lp.shape)
+    want = {"kl": (tok, lp.dtype), "reward": (tok + ((1,) if trailing else ()), reward_dtype),
+            "ref_log_probs": (tok, ref.dtype), "kl_sum": ((batch,), torch.float32),
+            "count": ((batch,), torch.int64)}
+    if torch.float64 in (lp.dtype, ref.dtype):  # the reference's float64 mode sums in float64
+        want["kl_sum"] = ((batch,), torch.float64)
+    given = []
+    for name, t in zip(names, out):
+        if t is None:
+            given.append(None)
+            continue
+        if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
+            raise TypeError(f"out.{name} must be a strided tensor or None, got {type(t).__name__}")
+        if name == "ref_log_probs" and not return_ref:
+            raise ValueError("out.ref_log_probs must be None without return_ref=True")
+        shape, dtype = want[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"out.{name} must be {dtype} of shape {list(shape)}, got {t.dtype} {list(t.shape)}")
+        _check_device(f"out.{name}", t.device, lp.device)
+        if not t.is_contiguous() or t.requires_grad or t.is_neg() or t.is_conj():
+            raise ValueError(f"out.{name} must be contiguous, not require grad and carry no negative or conjugate "
+                             "bit")
+        given.append(t)
+    outs = [(f"out.{n}", t) for n, t in zip(names, given) if t is not None and t.numel()]
+    others = outs + [(n, t) for n, t in inputs if isinstance(t, torch.Tensor) and t.numel() and not t.is_nested]
+
+    def extent(t):  # the bytes a strided tensor can touch
+        start = t.data_ptr()
+        return start, start + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())))
+
+    for i, (name, t) in enumerate(outs):
+        a0, a1 = extent(t)
+        for other, u in others[i + 1:]:
+            b0, b1 = extent(u)
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"{name} overlaps {other}: the result buffers must share no memory with each other "
+                                 "or with the inputs")
+    kl, reward, ref_out, kl_sum, count = given
+    if reward is not None and trailing:
+        reward = reward.squeeze(-1)
+    return RawOutputs(kl, reward, ref_out, kl_sum, count)
+
+
 def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
-                  prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach, mask_nan=False):
+                  prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach, mask_nan=False,
+                  out=None):
     """Validate everything and return ``(KLRewardProblem, OutputLayout)``."""
     if not isinstance(mask_nan, bool):
         raise TypeError(f"mask_nan must be a bool, got {type(mask_nan).__name__}")
@@ -599,10 +657,17 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
         if not eager or graph or device.type != "cpu":
             mask, mask_nan = and_not_nan(mask, lp, ref), False
 
+    if out is not None:
+        graph = torch.is_grad_enabled() and not detach and (lp.requires_grad or ref.requires_grad)
+        out = _check_out(out, kind, lp, ref, reward_dtype, trailing, batch, return_ref, graph,
+                         [("log_probs", lp), ("ref_log_probs", ref), ("mask", mask), ("reward", reward),
+                          ("offsets", offsets), ("lengths", lengths), ("prompt_lens", prompt_lens),
+                          ("coef", coef)])
+
     problem = KLRewardProblem(
         layout=layout, log_probs=lp, ref_log_probs=ref, mask=mask, offsets=offsets if layout != "padded" else None,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward=reward, placement=placement,
         reward_dtype=reward_dtype, coef=_normalize_coef(coef, batch, device), estimator=estimator,
-        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, mask_nan=mask_nan)
+        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, mask_nan=mask_nan, out=out)
     host_lengths = tuple(t.shape[0] for t in log_probs) if kind == "list" else None
     return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, trailing, host_lengths)
