@@ -46,11 +46,15 @@ def test_bench_tiny_writes_results(tmp_path):
     except ImportError:
         pass
     assert data["copy_bandwidth_gbs"] > 0 and data["machine"]["torch"]
-    copies = {(r["task"], r["layout"]): r for r in data["rows"] if r["impl"] == "copy (same bytes)"}
+    # both allocator settings, glibc's default first
+    assert [r["malloc"] for r in data["rows"]][0] == "glibc default"
+    assert {r["malloc"] for r in data["rows"]} == {"glibc default", data["rows"][-1]["malloc"]} != {"glibc default"}
+    assert "kl_reward[cpu] out=" in impls
+    copies = {(r["malloc"], r["task"], r["layout"]): r for r in data["rows"] if r["impl"] == "copy (same bytes)"}
     for row in data["rows"]:
         assert row["median_ms"] > 0 and row["gbs"] > 0
         # every layout of every table has its same-bytes copy, timed in the same rounds, as its % reference
-        floor = copies[(row["task"], row["layout"])]
+        floor = copies[(row["malloc"], row["task"], row["layout"])]
         assert row["mbytes"] == floor["mbytes"]
         assert row["pct_copy_bw"] == pytest.approx(100 * row["gbs"] / floor["gbs"])
         if row["impl"] == FLOOR:  # computes nothing: its results are garbage, and it says so

@@ -6,7 +6,8 @@ reference log-probs returned. Contenders, timed side by side in one process:
 
 * ``per-sample eager (TorchRL style)``: the loop TorchRL 0.14's ``KLRewardTransform`` runs on
   padded inputs (``masked_fill`` per sample, ``pad_sequence``, subtract, broadcast);
-* ``kl_reward[<backend>]`` for each backend that runs here, packed and padded layouts;
+* ``kl_reward[<backend>]`` for each backend that runs here, packed and padded layouts, and for the
+  fused kernels also ``kl_reward[<backend>] out=``: the same call into result buffers allocated once;
 * ``torch.compile(reference)``: the torch reference compiled with ``fullgraph=True``; its cold
   compile time (inductor caches off) is reported separately and excluded from the steady state.
 
@@ -64,6 +65,14 @@ def _ours(batch: RLHFBatch, layout: str, backend: str) -> Callable[[], tuple]:
     return lambda: tuple(kl_reward(*args, backend=backend, **kw))
 
 
+def _ours_out(batch: RLHFBatch, layout: str, backend: str) -> Callable[[], tuple]:
+    """The same call writing into result buffers allocated once (``out=``), as a training loop would."""
+    args, kw = _call(batch, layout)
+    first = kl_reward(*args, backend=backend, **kw)
+    buffers = tuple(None if t is None else torch.empty_like(t) for t in first)
+    return lambda: tuple(kl_reward(*args, backend=backend, out=buffers, **kw))
+
+
 def _compiled(batch: RLHFBatch, layout: str) -> tuple[Callable[[], tuple], float]:
     """torch.compile of the reference (fullgraph); returns the callable and its compile time."""
     eager = _ours(batch, layout, "torch")
@@ -105,6 +114,9 @@ def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) ->
             # auto's view: a backend that runs here only on request (Triton's CPU interpreter) is no contender
             if not backend.auto_rejection_reasons(problem):
                 found.append(Contender(f"kl_reward[{backend.name}]", layout, _ours(batch, layout, backend.name)))
+                if backend.name in ("cpu", "cuda"):  # the kernels that write into out= buffers
+                    found.append(Contender(f"kl_reward[{backend.name}] out=", layout,
+                                           _ours_out(batch, layout, backend.name)))
     if with_compile:
         for layout in ("packed", "padded"):
             if progress:

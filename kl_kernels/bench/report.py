@@ -65,7 +65,7 @@ def print_tables(rows: list[dict], machine: dict, copy_gbs: float) -> None:
         sel = [r for r in rows if r["size"] == size and r["task"] == task]
         r0 = sel[0]
         print(table(sel, f"\n{task}, {size}: B={r0['batch']}, {r0['tokens']:,} tokens ({r0['padded_elems']:,} padded), "
-                         f"{r0['dtype']}; baseline: {r0['baseline']}"))
+                         f"{r0['dtype']}; baseline: {r0['baseline']}; malloc: {r0.get('malloc', machine['malloc'])}"))
 
 
 def write(rows: list[dict], machine: dict, copy_gbs: float, out_dir: Path) -> list[Path]:
@@ -104,7 +104,7 @@ def _plot(rows, machine, copy_gbs, path: Path) -> Path | None:
         ax = axes[tasks.index(task)][sizes.index(size)]
         ax.set_visible(True)
         sel = [r for r in rows if r["size"] == size and r["task"] == task]
-        labels = [f"{r['impl']}\n({r['layout']})" for r in sel]
+        labels = [f"{r['impl']}\n({r['layout']}{', ' + r['malloc'] if 'malloc' in r else ''})" for r in sel]
         ax.barh(labels, [r["gbs"] for r in sel], color="tab:blue")
         ax.axvline(copy_gbs, color="tab:red", linestyle="--", label=f"copy {copy_gbs:.1f} GB/s")
         ax.set_xlabel("GB/s (minimal bytes moved / median time)")
