@@ -50,7 +50,9 @@ def test_out_holds_the_results(backend, layout, trailing):
 
 def test_fused_kernel_writes_in_place_without_allocating(monkeypatch):
     """The cpu backend must not compute into fresh tensors and copy: its launcher gets the buffers."""
+    import sys
     from kl_kernels.kl_reward import launch
+    fast = sys.modules["kl_kernels.kl_reward.fast"]
     seen = []
     real = launch.allocate_outputs
 
@@ -59,14 +61,17 @@ def test_fused_kernel_writes_in_place_without_allocating(monkeypatch):
         seen.append(result)
         return result
 
-    monkeypatch.setattr(launch, "allocate_outputs", spy)
-    args, kw = _call("padded", trailing=True)
-    want = kl_reward(*args, **kw, backend="torch")
-    out = _buffers(want)
-    kl_reward(*args, **kw, backend="cpu", out=out)
-    kl, reward, _, kl_sum, count = seen[-1]
-    assert kl is out.kl and kl_sum is out.kl_sum and count is out.count
-    assert reward.data_ptr() == out.reward.data_ptr()
+    monkeypatch.setattr(launch, "allocate_outputs", spy)  # the general path's launcher
+    monkeypatch.setattr(fast, "allocate_outputs", spy)    # the fast lane's
+    for extra in ({}, {"clamp_input": (-20, 20)}):  # the fast lane, then the general path
+        args, kw = _call("padded", trailing=True)
+        want = kl_reward(*args, **kw, **extra, backend="torch")
+        out = _buffers(want)
+        seen.clear()
+        kl_reward(*args, **kw, **extra, backend="cpu", out=out)
+        kl, reward, _, kl_sum, count = seen[-1]
+        assert kl is out.kl and kl_sum is out.kl_sum and count is out.count
+        assert reward.data_ptr() == out.reward.data_ptr()
 
 
 def test_entries_may_be_none():

@@ -144,12 +144,12 @@ def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1
     ref_log_probs = ragged.plain_sequence(ref_log_probs, "ref_log_probs")
     reward = ragged.plain_sequence(reward, "reward")
     mask = ragged.plain_sequence(mask, "mask")
-    if prompt_lens is None and clamp_input is None and clamp_output is None and out is None:
+    if prompt_lens is None and clamp_input is None and clamp_output is None:
         # plain CPU tensors, or lists of them: checked and launched in one C call (fast.py), else None
-        out = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths, padding_side,
-                           reward_placement, return_ref, detach, mask_nan, backend, store)
-        if out is not None:
-            return out
+        result = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths,
+                              padding_side, reward_placement, return_ref, detach, mask_nan, backend, store, out)
+        if result is not None:
+            return result
     return _general(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                     lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                     reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,

@@ -31,7 +31,7 @@ import torch
 from .. import _extensions, ragged
 from ..backends import ENV_VAR
 from .launch import DTYPE_CODES, allocate_outputs, raise_for
-from .problem import KLRewardOutput
+from .problem import KLRewardOutput, _check_out
 
 _CPU = torch.device("cpu")
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}  # the plans' dtype codes -> dtypes
@@ -66,7 +66,7 @@ def _open(backend) -> bool:
 
 def try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths, padding_side,
             reward_placement, return_ref, detach, mask_nan, backend,
-            store: Callable[[KLRewardOutput], None] | None = None) -> KLRewardOutput | None:
+            store: Callable[[KLRewardOutput], None] | None = None, out=None) -> KLRewardOutput | None:
     """``kl_reward``'s result through a fast lane, or None when the call is not for one. The arguments
     are ``kl_reward``'s (``store`` as for ``kl_reward_storing``: called with the outputs before they
     are returned); the caller has checked that ``prompt_lens``, ``clamp_input`` and ``clamp_output``
@@ -77,7 +77,7 @@ def try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, le
     if kernels is None:
         return None
     if isinstance(log_probs, (list, tuple)):
-        if kernels.list_plan is None or offsets is not None or lengths is not None:
+        if kernels.list_plan is None or offsets is not None or lengths is not None or out is not None:
             return None
         return _run_list(kernels, log_probs, ref_log_probs, reward, coef, estimator, mask, padding_side,
                          reward_placement, return_ref, detach, mask_nan, store)
@@ -86,10 +86,19 @@ def try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, le
     if plan is None:
         return None
     args, reward_code, trailing = plan
+    given = None
+    if out is not None:  # the caller's buffers, checked as the general path checks them (problem.py)
+        given = _check_out(out, "packed" if log_probs.dim() == 1 else "padded", log_probs, ref_log_probs,
+                           _DTYPES[reward_code], trailing, args.batch, return_ref, False,
+                           (("log_probs", log_probs), ("ref_log_probs", ref_log_probs), ("mask", mask),
+                            ("reward", reward), ("offsets", offsets), ("lengths", lengths), ("coef", coef)))
     kl, reward_out, ref_out, kl_sum, count = allocate_outputs(args, log_probs.shape, log_probs.dtype,
-                                                              _DTYPES[reward_code], _CPU, return_ref)
+                                                              _DTYPES[reward_code], _CPU, return_ref, given)
     raise_for(kernels.forward(args, torch.get_num_threads()), None, "kl_reward")
-    out = KLRewardOutput(kl, reward_out.unsqueeze(-1) if trailing else reward_out, ref_out, kl_sum, count)
+    result = KLRewardOutput(kl, reward_out.unsqueeze(-1) if trailing else reward_out, ref_out, kl_sum, count)
+    if out is not None:  # the caller's own tensors (not views of them)
+        result = KLRewardOutput(*(r if o is None else o for o, r in zip(out, result)))
+    out = result
     if store is not None:
         store(out)
     return out

@@ -585,17 +585,20 @@ def _check_out(out, kind, lp, ref, reward_dtype, trailing, batch, return_ref, gr
             raise ValueError(f"out.{name} must be contiguous, not require grad and carry no negative or conjugate "
                              "bit")
         given.append(t)
-    outs = [(f"out.{n}", t) for n, t in zip(names, given) if t is not None and t.numel()]
-    others = outs + [(n, t) for n, t in inputs if isinstance(t, torch.Tensor) and t.numel() and not t.is_nested]
-
-    def extent(t):  # the bytes a strided tensor can touch
+    # Each tensor's byte extent once (the span its strides can touch), then the pairs: the outputs
+    # with each other and with the inputs (this runs on every call given out=).
+    def extent(t):
         start = t.data_ptr()
+        if t.is_contiguous():
+            return start, start + t.nbytes
         return start, start + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())))
 
-    for i, (name, t) in enumerate(outs):
-        a0, a1 = extent(t)
-        for other, u in others[i + 1:]:
-            b0, b1 = extent(u)
+    spans = [(f"out.{n}", *extent(t)) for n, t in zip(names, given) if t is not None and t.numel()]
+    n_out = len(spans)
+    spans += [(n, *extent(t)) for n, t in inputs if isinstance(t, torch.Tensor) and t.numel() and not t.is_nested]
+    for i in range(n_out):
+        name, a0, a1 = spans[i]
+        for other, b0, b1 in spans[i + 1:]:
             if a0 < b1 and b0 < a1:
                 raise ValueError(f"{name} overlaps {other}: the result buffers must share no memory with each other "
                                  "or with the inputs")
