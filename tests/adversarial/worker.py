@@ -26,6 +26,7 @@ from kl_kernels import kl_penalty_loss, kl_reward  # noqa: E402
 from kl_kernels.backends import BackendUnavailableError  # noqa: E402
 
 from adversarial.catalogue import build_catalogue  # noqa: E402
+from adversarial.results import flat  # noqa: E402
 from tolerances import TOLERANCES  # noqa: E402
 
 OPS = {"kl_reward": kl_reward, "kl_penalty_loss": kl_penalty_loss}
@@ -92,18 +93,6 @@ def _to_float64(x):
     return x
 
 
-def _flat(x):
-    """An output field as one float64 vector (lists concatenated, nested tensors' values)."""
-    if x is None:
-        return None
-    if isinstance(x, (list, tuple)):
-        return torch.cat([v.detach().reshape(-1).double() for v in x]) if x else torch.zeros(0, dtype=torch.float64)
-    if x.is_nested:
-        return torch.cat([v.detach().reshape(-1).double() for v in x.unbind()]) if x.size(0) else \
-            torch.zeros(0, dtype=torch.float64)
-    return x.detach().reshape(-1).double()
-
-
 def _dtype_of(x):
     if isinstance(x, (list, tuple)):
         return x[0].dtype if x else torch.float32
@@ -111,7 +100,7 @@ def _dtype_of(x):
 
 
 def _compare(name, got, want, per_token: bool):
-    g, w = _flat(got), _flat(want)
+    g, w = flat(got), flat(want)
     if (g is None) != (w is None):
         return f"{name}: one of result/reference is None"
     if g is None:
@@ -139,7 +128,7 @@ def _grad_inputs(kw):
 
 def _scalar(op, out):
     if op == "kl_reward":
-        total = _flat(out.kl).nan_to_num(0.0, 0.0, 0.0).sum()
+        total = flat(out.kl).nan_to_num(0.0, 0.0, 0.0).sum()
         parts = [out.kl, out.reward]
         return sum((torch.cat([v.reshape(-1) for v in p]) if isinstance(p, (list, tuple)) else
                     (torch.cat([v.reshape(-1) for v in p.unbind()]) if p.is_nested else p.reshape(-1))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import atheris
 
@@ -36,6 +37,9 @@ with atheris.instrument_imports(include=["kl_kernels"]):
 
     from kl_kernels import kl_penalty_loss, kl_reward
     from kl_kernels.backends import BackendUnavailableError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared result flattening
+from adversarial.results import flat  # noqa: E402
 
 ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k3+", "k4", "", "K1")
 PLACEMENTS = ("auto", "token", "sequence", "last", "first")
@@ -169,16 +173,6 @@ def _fingerprints(kw):
     return out
 
 
-def _flat(x):
-    if x is None:
-        return None
-    if isinstance(x, (list, tuple)):
-        return torch.cat([v.detach().reshape(-1).double() for v in x]) if x else torch.zeros(0, dtype=torch.float64)
-    if x.is_nested:
-        return torch.cat([v.detach().reshape(-1).double() for v in x.unbind()])
-    return x.detach().reshape(-1).double()
-
-
 def check(op, kw):
     before = _fingerprints(kw)
     results = {}
@@ -196,7 +190,7 @@ def check(op, kw):
             f"auto {auto!r} vs torch {ref!r}"
         return
     for field in auto._fields:
-        a, r = _flat(getattr(auto, field)), _flat(getattr(ref, field))
+        a, r = flat(getattr(auto, field)), flat(getattr(ref, field))
         if a is None or r is None:
             assert a is None and r is None, field
             continue
