@@ -91,3 +91,20 @@ def test_inputs_never_modified():
 @pytest.mark.slow
 def test_fullgraph_compile_matches_eager():
     check_fullgraph_compile("triton", "token-mean", DEVICE)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_non_finite_counted_token_stays_in_its_sequence(kind, bad):
+    """A NaN/inf reference log-prob at a counted token of sequence 0 makes its per-sequence sums
+    non-finite, never those of the later sequences in the same tile (segmented scan in the tile)."""
+    from kl_kernels.kl_penalty import launch_triton
+
+    args = [a.detach().clone().to(DEVICE) if isinstance(a, torch.Tensor) else a for a in _op_args(kind)]
+    args[5][:] = True  # every token counted
+    clean = launch_triton.forward(*args)
+    args[2].view(-1)[0] = bad  # ref_log_probs: sequence 0's first token
+    dirty = launch_triton.forward(*args)
+    assert not torch.isfinite(dirty[0][0])
+    for want, got in zip(clean[:3], dirty[:3]):
+        torch.testing.assert_close(got[1:].cpu(), want[1:].cpu(), rtol=0, atol=0, equal_nan=True)

@@ -187,3 +187,20 @@ def test_a_row_of_a_million_tokens(layout):
     check_million_token_row(layout, "triton", DEVICE)
 
 
+
+
+@pytest.mark.parametrize("bad", [float("nan"), INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("layout", ["packed", "padded_left", "list"])
+def test_non_finite_counted_token_stays_in_its_sequence(layout, bad):
+    """A NaN/inf log-prob (a -inf reference is realistic) at a counted token of sequence 0 makes
+    its kl_sum non-finite, but never that of the later sequences in the same tile (the per-sequence
+    sums are a segmented scan, not differences of tile-wide prefix sums)."""
+    lp = torch.tensor([-1.0, bad, -2.0])
+    ref = torch.tensor([-1.5, -1.0, -2.5])
+    case = Case(lp=[lp, lp[:1], lp[2:], lp[:1]], ref=[ref, ref[:1], ref[2:], ref[:1]], reward_kind="token",
+                placement="token", reward_tok=[torch.ones(3), torch.ones(1), torch.ones(1), torch.ones(1)])
+    out = kl_reward(**to_device(build(case, layout).kwargs, DEVICE), backend="triton")
+    want = kl_reward(**build(case, layout).kwargs, backend="torch")
+    assert not torch.isfinite(out.kl_sum[0])
+    torch.testing.assert_close(out.kl_sum[1:].cpu(), want.kl_sum[1:])
+    assert torch.isfinite(out.kl_sum[1:]).all()

@@ -115,3 +115,22 @@ def kl_grad(d, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr, STRAIGHT_THROUGH
         # the input clamp's selects (its backward is a where(): an exact 0 outside, NaN d included)
         g = inside(raw, out_lo, out_hi) * estimate_grad_raw(x, EST)
         return tl.where(inside(d, in_lo, in_hi) > 0.0, g, 0.0)
+
+
+@triton.jit
+def _segment_combine(a_val, a_flag, b_val, b_flag):
+    """(value, starts-a-segment) pairs: a segment start on the right discards what came before."""
+    return tl.where(b_flag != 0, b_val, a_val + b_val), a_flag | b_flag
+
+
+@triton.jit
+def segment_sum(v, first):
+    """Per lane: the sum of ``v`` (fp64) from its segment's first lane (``first``) to itself.
+
+    A segmented inclusive scan, not a difference of tile-wide prefix sums: a NaN or inf in one
+    segment never reaches another. Deterministic (a fixed combine tree), no atomics.
+    """
+    v64 = v.to(tl.float64)
+    start = (tl.arange(0, v.shape[0]) == first).to(tl.int32)
+    s, _ = tl.associative_scan((v64, start), 0, _segment_combine)
+    return s

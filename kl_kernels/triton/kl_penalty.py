@@ -12,7 +12,7 @@ token (``csrc/common/kl_penalty_math.h``)::
 
 The forward writes ``grad`` (the one float32 buffer kept for backward), optional per-token parts
 (aggregation ``"none"``) and six per-sequence sums (loss, objective, kl, entropy, ratio, clipped)
-plus the count, deterministically: fp64 prefix sums inside a tile, two boundary slots per tile,
+plus the count, deterministically: fp64 segmented scans inside a tile, two boundary slots per tile,
 and ``combine`` adds the slots of sequences that span tiles in tile order (as ``kl_reward``).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kl_math import clamp, estimate_grad_raw, estimate_raw, inside
+from .kl_math import clamp, estimate_grad_raw, estimate_raw, inside, segment_sum
 from .kl_reward import _coef, _combine_rows, _frame
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
@@ -43,10 +43,9 @@ def _load(ptr, seq, col, offs, s0, s1, counted, FLAT: tl.constexpr):
 
 @triton.jit
 def _segment(v, first):
-    """Per lane: the sum of ``v`` from its segment's first lane to itself (fp64 prefix sums)."""
-    v64 = v.to(tl.float64)
-    csum = tl.cumsum(v64, 0)
-    return csum - tl.gather(csum - v64, first, 0)
+    """Per lane: the sum of ``v`` from its segment's first lane to itself (fp64 segmented scan:
+    a NaN/inf in one sequence never reaches the next)."""
+    return segment_sum(v, first)
 
 
 @triton.jit

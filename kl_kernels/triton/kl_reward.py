@@ -6,9 +6,9 @@ length. Each element finds its sequence (padded: a division; packed: a binary se
 ``offsets``, narrowed to the tile's own range of sequences), decides whether it counts
 (validity, prompt, mask) and writes ``kl``, ``reward_out`` and the masked ref in place.
 
-Per-sequence sums are deterministic without float atomics: prefix sums inside the tile (fp64
-for the values), read at each sequence's last element in the tile minus its first, give each
-sequence's share of the tile. A sequence that lies wholly in one tile is finished
+Per-sequence sums are deterministic without float atomics: a segmented scan inside the tile
+(fp64), read at each sequence's last element in the tile, gives each sequence's share of the
+tile (a NaN or inf stays in its own sequence). A sequence that lies wholly in one tile is finished
 there; the tile's first and last segments (which may continue into neighbouring tiles) are also
 written to two slots per tile (fp64), and ``combine`` adds the slots of each spanning sequence
 in tile order, then applies the ``"last"`` placement. Two launches per forward, one backward.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kl_math import kl_grad, kl_value
+from .kl_math import kl_grad, kl_value, segment_sum
 
 # Runtime integers that change from batch to batch: no specialization on their values.
 _SIZES = ("total", "batch", "width", "lp_s0", "ref_s0", "mask_s0", "rw_s0")
@@ -166,16 +166,15 @@ def kl_reward_fwd_kernel(
         base = tl.zeros_like(k)
     tl.store(rw_out_ptr + offs, (base - c * k).to(rw_out_ptr.dtype.element_ty), mask=inb)
 
-    # Each sequence's share of this tile, without atomics: prefix sums (fp64 for the values, so
-    # differences do not cancel) read at each segment's last element minus its first.
+    # Each sequence's share of this tile, without atomics: a segmented scan (fp64) for the values,
+    # so a NaN/inf in one sequence never reaches the next; prefix-sum differences for the counts
+    # (integers: exact), read at each segment's last element.
     idx = tl.arange(0, BLOCK)
-    k64 = k.to(tl.float64)
-    csum = tl.cumsum(k64, 0)
     cnt = counted.to(tl.int32)
     ccnt = tl.cumsum(cnt, 0)
     first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)      # the segment's first lane
     last_lane = (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32)
-    seg_sum = csum - tl.gather(csum - k64, first, 0)
+    seg_sum = segment_sum(k, first)
     seg_count = ccnt - tl.gather(ccnt - cnt, first, 0)
     end = inb & (idx == last_lane)
     is_last_counted = counted & (tl.gather(ccnt, last_lane, 0) == ccnt)  # no counted lane after it
