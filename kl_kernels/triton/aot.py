@@ -1,0 +1,209 @@
+"""Compile the Triton kernels for a real NVIDIA GPU on a machine without one, and read the binaries.
+
+``python -m kl_kernels.triton.aot --arch 80 --arch 90 [--json FILE] [--table]`` runs one child
+process per architecture (without ``TRITON_INTERPRET``, with a fresh ``TRITON_CACHE_DIR`` so
+nothing cached can hide a failure). The child replaces Triton's active driver by a stub that
+reports ``GPUTarget("cuda", arch, 32)``, makes ``JITFunction.run`` compile without launching
+and the autotuner compile every config instead of benchmarking, then calls the project's own
+launchers (``kl_kernels.<op>.launch_triton.forward/backward``) on small CPU tensors, so each
+kernel is compiled with the signature, alignment attributes and constexprs a real call produces.
+For each compiled kernel it reports ``cuobjdump -res-usage`` (registers, stack, local memory,
+static shared memory), the kernel's dynamic shared memory and the SASS global-load widths
+(``cuobjdump -sass``); ptxas and cuobjdump are the ones shipped in the Triton wheel.
+
+Coverage: every autotune config for fp32 and bf16 inputs, packed and padded, forward and
+backward of both ops, plus the combine kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+H100_REGS_PER_SM = 65536
+H100_MAX_THREADS_PER_SM = 2048
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def res_usage(cubin_path: str) -> dict:
+    out = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin_path], capture_output=True, text=True,
+                         check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not m:
+        raise RuntimeError(f"no resource usage in cuobjdump output: {out[:500]}")
+    return dict(regs=int(m.group(1)), stack=int(m.group(2)), static_smem=int(m.group(3)), local=int(m.group(4)))
+
+
+def global_loads(cubin_path: str) -> dict:
+    """Count of SASS global loads by width in bits (LDG.E.128 -> 128; no width suffix -> 32)."""
+    sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin_path], capture_output=True, text=True,
+                          check=True).stdout
+    counts: dict[str, int] = {}
+    for op in re.findall(r"\bLDG\.E((?:\.[A-Z0-9_]+)*)", sass):
+        width = next((w for w in ("128", "64", "U16", "S16", "U8", "S8") if f".{w}" in op), "32")
+        counts[width] = counts.get(width, 0) + 1
+    return counts
+
+
+def blocks_per_sm(regs: int, num_warps: int) -> int:
+    """H100 blocks per SM allowed by registers (allocation granularity 256 per warp) and threads."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = H100_REGS_PER_SM // (per_warp * num_warps)
+    return min(by_regs, H100_MAX_THREADS_PER_SM // (32 * num_warps), 32)
+
+
+# --------------------------------------------------------------------------- the child process
+
+
+def _child(arch: int, out_dir: str) -> list[dict]:
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "the compile child runs without TRITON_INTERPRET"
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    class StubDriver:
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(StubDriver())
+    records: list[dict] = []
+    case = {"name": ""}
+    original_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        k = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        path = os.path.join(out_dir, f"{self.__name__}_{arch}_{k.hash[:16]}.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        records.append(dict(kernel=self.__name__, arch=arch, case=case["name"], BLOCK=kwargs.get("BLOCK"),
+                            num_warps=k.metadata.num_warps, dyn_smem=k.metadata.shared, cubin=path,
+                            **res_usage(path), loads=global_loads(path)))
+        return k
+
+    def every_config(self, *args, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        for cfg in self.configs:
+            self.fn.run(*args, grid=None, warmup=True, **kwargs, **cfg.all_kwargs())
+        self.best_config = self.configs[0]
+
+    JITFunction.run = compile_only
+    Autotuner.run = every_config
+
+    from kl_kernels.kl_penalty import launch_triton as P
+    from kl_kernels.kl_reward import launch_triton as R
+
+    g = torch.Generator().manual_seed(0)
+    lens = [700, 0, 1500, 3, 2100]
+    B = len(lens)
+    inf = float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        for layout in ("packed", "padded"):
+            case["name"] = f"{str(dtype)[6:]}-{layout}"
+            if layout == "packed":
+                shape = (sum(lens),)
+                offsets = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+                lengths = None
+            else:
+                shape = (B, max(lens))
+                offsets, lengths = None, torch.tensor(lens)
+            mk = lambda dt=dtype: torch.randn(shape, generator=g).to(dt)  # noqa: E731
+            lay = 0 if layout == "packed" else 1
+            mask = torch.rand(shape, generator=g) > 0.2
+            coef = torch.rand(B, generator=g)
+            clamp = (-10.0, 10.0, -inf, 5.0)
+            R.forward(mk(), mk(), mask, offsets, lengths, None, mk(), coef, 0.1, lay, True, 1, 3, False, clamp, True,
+                      dtype)
+            R.backward(mk(), mk(), mask, offsets, lengths, None, coef, 0.1, lay, True, 3, True, clamp, dtype, mk(),
+                       mk(), mk(), torch.randn(B))
+            _, _, _, _, grad = P.forward(mk(), mk(), mk(), mk(torch.float32), mk(torch.float32), mask, offsets,
+                                         lengths, coef, 0.05, False, lay, True, 3, False, 0.8, 1.2, 0.01, False)
+            P.backward(grad, torch.randn(B), None, mask, offsets, lengths, lay, True, dtype, True, torch.float32,
+                       0.01)
+    return records
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def compile_all(arches=(80, 90), out_dir: str | None = None) -> list[dict]:
+    """Compile in one child process per architecture (in parallel); returns the records."""
+    out_dir = out_dir or tempfile.mkdtemp(prefix="kl_triton_aot_")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = []
+    for arch in arches:
+        d = os.path.join(out_dir, f"sm{arch}")
+        os.makedirs(d, exist_ok=True)
+        e = dict(env, TRITON_CACHE_DIR=os.path.join(d, "cache"))
+        procs.append((arch, d, subprocess.Popen([sys.executable, "-m", "kl_kernels.triton.aot", "--child", str(arch),
+                                                 d], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                text=True)))
+    records = []
+    for arch, d, p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"compiling for sm_{arch} failed:\n{err[-4000:]}")
+        with open(os.path.join(d, "records.json")) as f:
+            records += json.load(f)
+    return records
+
+
+def table(records: list[dict]) -> str:
+    rows = {}
+    for r in records:
+        key = (r["kernel"], r["arch"], r["BLOCK"], r["num_warps"], r["case"].split("-")[0])
+        prev = rows.get(key)
+        if prev is None or r["regs"] > prev["regs"] or r["local"] > prev["local"]:
+            rows[key] = r
+    lines = ["| kernel | sm | BLOCK | warps | dtype | regs (max over layouts) | local/spill bytes | smem bytes "
+             "| 128-bit LDG | H100 blocks/SM (regs) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(rows, key=lambda k: (k[0], k[1], k[2] or 0, k[3], k[4])):
+        r = rows[key]
+        lines.append(f"| {r['kernel']} | {r['arch']} | {r['BLOCK'] or '-'} | {r['num_warps']} | {key[4]} | {r['regs']} "
+                     f"| {r['local'] + r['stack']} | {r['dyn_smem'] + r['static_smem']} "
+                     f"| {'yes' if r['loads'].get('128') else 'no'} | {blocks_per_sm(r['regs'], r['num_warps'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", nargs=2, metavar=("ARCH", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--arch", type=int, action="append")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.child:
+        arch, d = int(args.child[0]), args.child[1]
+        recs = _child(arch, d)
+        with open(os.path.join(d, "records.json"), "w") as f:
+            json.dump(recs, f)
+        return 0
+    recs = compile_all(tuple(args.arch or (80, 90)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(recs, f, indent=1)
+    print(table(recs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
