@@ -91,7 +91,7 @@ def test_all_sequences_empty(layout, backend):
     assert out.count.tolist() == [0, 0] and out.kl_sum.tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [pytest.param("triton", marks=pytest.mark.triton)])
 @pytest.mark.parametrize("layout", ["packed", "padded_left", "list"])
 def test_nan_in_counted_token_propagates(layout, backend):
     """NaN is never hidden: a NaN log-prob in a counted token gives NaN kl, reward and kl_sum."""
