@@ -13,6 +13,9 @@ rejects or gets wrong) are listed in ``python_api/torchrl.md``.
 ``KLPENPPOLoss`` (``from torchrl.objectives import KLPENPPOLoss`` -> ``from kl_kernels.torchrl import
 KLPENPPOLoss``) is TorchRL's KL-penalty PPO loss with the beta gradient fixed; on per-token,
 assistant-masked data it runs the fused ``kl_penalty_loss``.
+
+``patch()`` / ``unpatch()`` swap these classes into TorchRL's own modules (and back) for code that
+imports TorchRL's names itself.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "kl_kernels.torchrl needs torchrl 0.14.x and tensordict 0.14.x: pip install 'kl_kernels[torchrl]' "
         f"(import failed: {exc})") from exc
 
+from ._patch import patch, unpatch
 from .ppo import KLPENPPOLoss
 from .transforms import KLComputation, KLRewardTransform, RetrieveKL, RetrieveLogProb
 
-__all__ = ["KLComputation", "KLPENPPOLoss", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb"]
+__all__ = ["KLComputation", "KLPENPPOLoss", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb", "patch",
+           "unpatch"]

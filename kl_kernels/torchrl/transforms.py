@@ -14,6 +14,16 @@ from contextlib import nullcontext
 import torch
 from torchrl.envs.llm.transforms import kl as _trl
 
+# TorchRL's classes bound once, at import: nothing below looks them up on TorchRL's module at run
+# time, so assigning ours to TorchRL's module attributes (``patch()``) cannot make a class call
+# itself (that recursed before).
+_TrlKLComputation = _trl.KLComputation
+_TrlKLRewardTransform = _trl.KLRewardTransform
+_TrlRetrieveLogProb = _trl.RetrieveLogProb
+_TrlRetrieveKL = _trl.RetrieveKL
+_TrlRayKLRewardTransform = _trl.RayKLRewardTransform
+_TrlRayRetrieveKL = _trl.RayRetrieveKL
+
 from .. import ragged
 from ..kl_reward import kl_reward
 from ..kl_reward.api import kl_reward_storing
@@ -83,7 +93,7 @@ def _with_trailing_dim(reward: torch.Tensor, lp: Batch) -> torch.Tensor:
     return reward if reward.dim() == lp.values.dim() + 1 else reward.unsqueeze(-1)
 
 
-class KLComputation(_trl.KLComputation):
+class KLComputation(_TrlKLComputation):
     """TorchRL's ``KLComputation`` on the fused kernel: ``kl = gen - ref`` (k1) per token, and
     optionally ``reward - coeff * kl``.
 
@@ -168,7 +178,7 @@ class KLComputation(_trl.KLComputation):
         return True
 
 
-class KLRewardTransform(_trl.KLRewardTransform):
+class KLRewardTransform(_TrlKLRewardTransform):
     """TorchRL's LLM ``KLRewardTransform`` on the fused kernel.
 
     Runs the reference model, then in one pass: masks both log-probs (assistant tokens, or the
@@ -199,7 +209,7 @@ class KLRewardTransform(_trl.KLRewardTransform):
         """TorchRL's: the parent env's input mode decides. A Ray actor running this class has no
         parent; its local wrapper pushes the key it read from its own parent (``_swap_remote_class``)."""
         pushed = self.__dict__.get("_remote_action_key")
-        return pushed if pushed is not None else _trl.KLRewardTransform.action_key.fget(self)
+        return pushed if pushed is not None else _TrlKLRewardTransform.action_key.fget(self)
 
     def _mask_args(self, tensordict, lp: Batch) -> dict:
         """kl_reward's mask / lengths / prompt_lens for the counted tokens."""
@@ -266,7 +276,7 @@ class KLRewardTransform(_trl.KLRewardTransform):
         return next_tensordict
 
 
-class RetrieveLogProb(_trl.RetrieveLogProb):
+class RetrieveLogProb(_TrlRetrieveLogProb):
     """TorchRL's ``RetrieveLogProb`` with vectorized assistant masking and a working ``detach``.
 
     Same constructor as TorchRL 0.14.1. Masking zeroes the non-assistant tokens of the whole batch
@@ -301,18 +311,18 @@ class RetrieveLogProb(_trl.RetrieveLogProb):
 
 def _ours(t):
     """Our twin of a transform TorchRL's RetrieveKL built (same settings)."""
-    if isinstance(t, _trl.RetrieveLogProb) and not isinstance(t, RetrieveLogProb):
+    if isinstance(t, _TrlRetrieveLogProb) and not isinstance(t, RetrieveLogProb):
         return RetrieveLogProb(t.model, log_probs_full_key=t.log_probs_full_key, assistant_only=t.assistant_only,
                                tokenizer_kwargs=dict(t.tokenizer_kwargs), detach=t.detach,
                                device=getattr(t, "_io_device", None), tokenizer=t.tokenizer,
                                padding_side=t.padding_side)
-    if isinstance(t, _trl.KLComputation) and not isinstance(t, KLComputation):
+    if isinstance(t, _TrlKLComputation) and not isinstance(t, KLComputation):
         return KLComputation(t.gen_log_probs_full_key, t.ref_log_probs_full_key, kl_key=t.kl_key,
                              add_to_reward=t.add_to_reward, coeff=t.coeff, padding_side=t.padding_side)
     return t
 
 
-class RetrieveKL(_trl.RetrieveKL):
+class RetrieveKL(_TrlRetrieveKL):
     """TorchRL's ``RetrieveKL`` (two ``RetrieveLogProb`` and a ``KLComputation`` in a ``Compose``)
     built from this module's classes. Same constructor, validation and lazy ``"from_collector"``
     initialization as TorchRL 0.14.1."""
@@ -360,9 +370,9 @@ def _swap_remote_class(ray_transform_cls, ours):
             # local wrapper has: in TorchRL 0.14.1 every _step on the actor fails on it. Read it
             # here, as TorchRL's property would, and hand it to the actor (ours takes it).
             result = super().set_container(container)
-            if issubclass(ours, _trl.KLRewardTransform) and getattr(self.parent, "base_env", None) is not None:
+            if issubclass(ours, _TrlKLRewardTransform) and getattr(self.parent, "base_env", None) is not None:
                 try:
-                    key = _trl.KLRewardTransform.action_key.fget(self)
+                    key = _TrlKLRewardTransform.action_key.fget(self)
                 except (AttributeError, ValueError):
                     return result  # not an LLM env (no input mode): the actor fails at its step, as TorchRL's
                 self._ray.get(self._actor._set_attr.remote("_remote_action_key", key))
@@ -373,5 +383,5 @@ def _swap_remote_class(ray_transform_cls, ours):
 
 
 # use_ray_service=True goes through TorchRL's own Ray machinery, with our classes on the actor.
-KLRewardTransform._RayServiceClass = _swap_remote_class(_trl.RayKLRewardTransform, KLRewardTransform)
-RetrieveKL._RayServiceClass = _swap_remote_class(_trl.RayRetrieveKL, RetrieveKL)
+KLRewardTransform._RayServiceClass = _swap_remote_class(_TrlRayKLRewardTransform, KLRewardTransform)
+RetrieveKL._RayServiceClass = _swap_remote_class(_TrlRayRetrieveKL, RetrieveKL)
