@@ -29,8 +29,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         f"(import failed: {exc})") from exc
 
 from ._patch import patch, unpatch
+from .actor_kl import ActorKLRewardTransform
 from .ppo import KLPENPPOLoss
 from .transforms import KLComputation, KLRewardTransform, RetrieveKL, RetrieveLogProb
 
-__all__ = ["KLComputation", "KLPENPPOLoss", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb", "patch",
+__all__ = ["ActorKLRewardTransform", "KLComputation", "KLPENPPOLoss", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb", "patch",
            "unpatch"]

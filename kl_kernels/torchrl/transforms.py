@@ -27,6 +27,7 @@ _TrlRayRetrieveKL = _trl.RayRetrieveKL
 from .. import ragged
 from ..kl_reward import kl_reward
 from ..kl_reward.api import kl_reward_storing
+from .actor_kl import ActorKLRewardTransform, is_probabilistic_actor
 from ._io import Batch, has, put_entries, read, sample_leaves, shallow_copy, write
 
 _ASSISTANT_MASK = ("masks", "all_assistant_mask")
@@ -192,6 +193,24 @@ class KLRewardTransform(_TrlKLRewardTransform):
     inputs work, and the prompt fallback skips the first prompt tokens of each sequence (not the
     first columns) under left padding.
     """
+
+    def __new__(cls, *args, **kwargs):
+        # One name for both TorchRL signatures: KLRewardTransform(actor, coef=1.0, in_keys=None,
+        # out_keys=None, requires_grad=False) (TorchRL <= 0.10, classic control) builds the
+        # actor-based transform; anything else is the LLM form below.
+        first = args[0] if args else kwargs.get("actor", kwargs.get("ref_model"))
+        if cls is KLRewardTransform and is_probabilistic_actor(first):
+            if "actor" not in kwargs and args:
+                kwargs["actor"], args = args[0], args[1:]
+            kwargs.pop("ref_model", None) if "ref_model" in kwargs and kwargs["ref_model"] is first else None
+            return ActorKLRewardTransform(*args, **kwargs)
+        if "actor" in kwargs:
+            raise TypeError(f"KLRewardTransform(actor=...) needs a probabilistic actor with get_dist, got "
+                            f"{type(kwargs['actor']).__name__}")
+        if first is not None and not (isinstance(first, torch.nn.Module) or callable(first)):
+            raise TypeError("KLRewardTransform takes a probabilistic actor (classic control) or a reference "
+                            f"model wrapper (LLM) as its first argument, got {type(first).__name__}")
+        return super().__new__(cls)
 
     def __init__(self, ref_model=None, *, ref_model_factory=None, coef=1.0, in_keys=None, out_keys=None,
                  log_prob_key=("log_probs", "full"), device=None, add_to_reward: bool = True, tokenizer=None,
