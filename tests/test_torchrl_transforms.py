@@ -518,3 +518,20 @@ def test_use_ray_service_runs_our_class_on_the_actor(ray_cluster):
     got = t._step(data.clone(), nxt.clone())
     want = fixed(ours.KLRewardTransform)(TinyLM(seed=2), coef=0.2)._step(data.clone(), nxt.clone())
     assert_same(got, want, ["reward", "kl_penalty", "ref_log_probs"])
+
+
+def test_klcomputation_dense_batch_with_lazily_stacked_ragged_sub_tensordicts():
+    """A dense TensorDict(batch_size=(B,)) whose log-probs live in lazily stacked sub-TensorDicts
+    with ragged leaves (pad_output=False storage): td.get raised 'stack expects each tensor to be
+    equal size' in _io.read; TorchRL reads it with as_list=True and returns a strided nested kl."""
+    torch.manual_seed(0)
+
+    def sub():
+        return lazy_stack([TensorDict({"full": torch.randn(3)}), TensorDict({"full": torch.randn(5)})])
+
+    td = TensorDict({"a": sub(), "b": sub()}, [2])
+    want = trl.KLComputation(("a", "full"), ("b", "full"), add_to_reward=False)(td.clone())["kl_penalty"]
+    got = ours.KLComputation(("a", "full"), ("b", "full"), add_to_reward=False)(td.clone())["kl_penalty"]
+    assert got.is_nested and got.layout == want.layout == torch.strided
+    for g, w in zip(got.unbind(), want.unbind()):
+        torch.testing.assert_close(g, w)

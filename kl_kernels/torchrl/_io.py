@@ -210,7 +210,16 @@ def read(td: TensorDictBase, key) -> Batch | None:
             return None
         r, layout = ragged.pack(list(items))
         return Batch(r.values, layout, lazy=True)
-    x = td.get(key, None)
+    try:
+        x = td.get(key, None)
+    except RuntimeError:
+        # A dense TensorDict holding a lazily stacked sub-TensorDict with ragged leaves (what a
+        # pad_output=False model writes): td.get tries to stack. Read it as TorchRL does
+        # (as_list=True) and treat it as the strided nested tensor TorchRL builds from it.
+        items = td.get(key, None, as_list=True)
+        if items is None:
+            return None
+        x = torch.nested.nested_tensor(list(items))
     if x is None:
         return None
     if isinstance(x, torch.Tensor) and x.is_nested:
