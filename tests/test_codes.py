@@ -53,3 +53,14 @@ def test_a_changed_code_fails_the_check(monkeypatch):
     except AssertionError:
         return  # the table's own consistency check caught it
     assert after != before
+
+
+def test_triton_reads_the_table():
+    pytest = __import__("pytest")
+    pytest.importorskip("triton")
+    from kl_kernels.triton import kl_math, kl_penalty
+    assert (kl_math.K1.value, kl_math.ABS.value, kl_math.K2.value, kl_math.K3.value) == tuple(
+        codes.ESTIMATOR_CODES[n] for n in ("k1", "abs", "k2", "k3"))
+    assert kl_penalty.LOG_RATIO_BOUND.value == codes.LOG_RATIO_BOUND
+    source = "".join(open(m.__file__).read() for m in (kl_math, kl_penalty))
+    assert "EST == 0" not in source and "20.0, 20.0" not in source  # no literal restating the table

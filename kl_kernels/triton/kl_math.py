@@ -17,7 +17,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-K1, ABS, K2, K3 = 0, 1, 2, 3  # estimator codes, as in kl_math.h and launch.ESTIMATOR_CODES
+from .. import codes
+
+# The estimator codes, from the one table (kl_kernels/codes.py; csrc/common/codes.h is generated from it).
+K1 = tl.constexpr(codes.ESTIMATOR_CODES["k1"])
+ABS = tl.constexpr(codes.ESTIMATOR_CODES["abs"])
+K2 = tl.constexpr(codes.ESTIMATOR_CODES["k2"])
+K3 = tl.constexpr(codes.ESTIMATOR_CODES["k3"])
 
 
 @triton.jit
@@ -75,11 +81,11 @@ def inside(v, lo, hi):
 
 @triton.jit
 def estimate_raw(x, EST: tl.constexpr):
-    if EST == 0:
+    if EST == K1:
         return x
-    elif EST == 1:
+    elif EST == ABS:
         return tl.abs(x)
-    elif EST == 2:
+    elif EST == K2:
         return 0.5 * x * x
     else:
         return expm1(-x) + x
@@ -87,11 +93,11 @@ def estimate_raw(x, EST: tl.constexpr):
 
 @triton.jit
 def estimate_grad_raw(x, EST: tl.constexpr):
-    if EST == 0:
+    if EST == K1:
         return tl.zeros_like(x) + 1.0  # not x * 0 + 1: a NaN x would give NaN
-    elif EST == 1:
+    elif EST == ABS:
         return tl.where(x > 0.0, 1.0, tl.where(x < 0.0, -1.0, 0.0))
-    elif EST == 2:
+    elif EST == K2:
         return x
     else:
         return -expm1(-x)  # d/dx (expm1(-x) + x) = 1 - exp(-x)

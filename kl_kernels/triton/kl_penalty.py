@@ -21,13 +21,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import codes
+
 from .kl_math import clamp, estimate_grad_raw, estimate_raw, inside, segment_sum
 from .kl_reward import _coef, _combine_rows, _frame
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
-# clipped; 8 for the combine's power-of-two 2-D block). The log-ratio bound 20.0 written in the
-# kernel is kLogRatioBound of kl_penalty_math.h (LOG_RATIO_BOUND in problem.py).
+# clipped; 8 for the combine's power-of-two 2-D block).
 SLOT_STRIDE = 8
+# The PPO log-ratio bound, from the one table (kl_kernels/codes.py; kLogRatioBound in the C++ kernels).
+LOG_RATIO_BOUND = tl.constexpr(codes.LOG_RATIO_BOUND)
 
 _SIZES = ("total", "batch", "width", "lp_s0", "old_s0", "ref_s0", "adv_s0", "ent_s0", "mask_s0")
 
@@ -98,7 +101,7 @@ def kl_penalty_fwd_kernel(
     beta = _coef(beta_ptr, beta_scalar, seq, inb, BETA_MODE)
 
     lr_raw = lp - old
-    ratio = tl.exp(clamp(lr_raw, -20.0, 20.0))
+    ratio = tl.exp(clamp(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     gain = ratio * adv
     gain_c = clamp(ratio, clip_lo, clip_hi) * adv
     take = gain <= gain_c  # NaN: false, as torch.where in the reference
@@ -110,7 +113,7 @@ def kl_penalty_fwd_kernel(
         dk = estimate_grad_raw(d, EST)
     obj = -tl.where(take, gain, gain_c)
     # the clamp's gradient mask (a NaN is outside) selects: an exact 0 outside, not NaN * 0
-    grad = tl.where(inside(lr_raw, -20.0, 20.0) > 0.0, -adv * ratio * w, 0.0) + beta * sign * dk
+    grad = tl.where(inside(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) > 0.0, -adv * ratio * w, 0.0) + beta * sign * dk
     loss = obj + beta * kl - entropy_coef * ent
     # exactly 0 where not counted (inputs there were read as 0, but the formulas need not give 0)
     grad = tl.where(counted, grad, 0.0)
