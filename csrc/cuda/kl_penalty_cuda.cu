@@ -24,7 +24,6 @@
 #include "common/kl_penalty_args.h"
 #include "common/kl_penalty_math.h"
 #include "cuda/kl_penalty_cuda.h"
-#include "cuda/launch.cuh"
 #include "cuda/tiles.cuh"
 
 namespace kl {
@@ -216,12 +215,12 @@ template <int32_t DT, int32_t AT, int32_t EST, bool ST>
 int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
   const int64_t tiles = penalty_tiles(a);
   if (tiles > 0) {
-    (void)launch(penalty_forward_tile<DT, AT, EST, ST>, static_cast<unsigned>(tiles), kThreads, 0, stream, a, ws);
+    penalty_forward_tile<DT, AT, EST, ST><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
     if (int s = status()) return s;
   }
   if (a.g.batch > 0) {
     const int64_t blocks = (a.g.batch + kThreads - 1) / kThreads;
-    (void)launch(penalty_combine, static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream, a, ws);
+    penalty_combine<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream>>>(a, ws);
     if (int s = status()) return s;
   }
   return 0;
@@ -260,8 +259,8 @@ int kl_penalty_backward_cuda(const KLPenaltyArgs& a, uintptr_t stream) {
   if (tiles > 0x7fffffff) return 2;
   if (tiles == 0) return 0;
   return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
-    (void)launch(penalty_backward_tile<decltype(dt)::value, decltype(at)::value>, static_cast<unsigned>(tiles), kThreads,
-                 0, reinterpret_cast<cudaStream_t>(stream), a);
+    penalty_backward_tile<decltype(dt)::value, decltype(at)::value>
+        <<<static_cast<unsigned>(tiles), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
     return status();
   });
 }

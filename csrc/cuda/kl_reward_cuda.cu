@@ -25,7 +25,6 @@
 
 #include "common/kl_reward_args.h"
 #include "cuda/kl_reward_cuda.h"
-#include "cuda/launch.cuh"
 #include "cuda/tiles.cuh"
 
 namespace kl {
@@ -268,14 +267,13 @@ template <int32_t DT, int32_t RT>
 int forward_typed(const KLRewardArgs& a, uintptr_t ws, cudaStream_t stream) {
   const int64_t tiles = tiles_of(a);
   if (tiles > 0) {
-    const dim3 grid(static_cast<unsigned>(tiles));
-    if (vectorizable(a)) (void)launch(forward_tile<DT, RT, true>, grid, kThreads, 0, stream, a, ws);
-    else (void)launch(forward_tile<DT, RT, false>, grid, kThreads, 0, stream, a, ws);
+    if (vectorizable(a)) forward_tile<DT, RT, true><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
+    else forward_tile<DT, RT, false><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
     if (int s = status()) return s;
   }
   if (a.batch > 0) {
     const int64_t blocks = (a.batch + kThreads - 1) / kThreads;
-    (void)launch(combine<DT, RT>, static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream, a, ws);
+    combine<DT, RT><<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream>>>(a, ws);
     if (int s = status()) return s;
   }
   return 0;
@@ -285,7 +283,7 @@ template <int32_t DT, int32_t RT>
 int backward_typed(const KLRewardArgs& a, cudaStream_t stream) {
   const int64_t tiles = tiles_of(a);
   if (tiles == 0) return 0;
-  (void)launch(backward_tile<DT, RT>, static_cast<unsigned>(tiles), kThreads, 0, stream, a);
+  backward_tile<DT, RT><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a);
   return status();
 }
 

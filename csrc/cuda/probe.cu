@@ -4,7 +4,6 @@
 // Framework-free: plain CUDA runtime, error codes out, no exceptions cross this boundary.
 #include <cuda_runtime.h>
 
-#include "cuda/launch.cuh"
 #include "cuda/probe.h"
 
 namespace {
@@ -36,7 +35,8 @@ int kl_probe_launch(int device, int* result) {
   int* d_out = nullptr;
   err = cudaMalloc(&d_out, sizeof(int));
   if (err != cudaSuccess) return static_cast<int>(err);
-  err = kl::launch(probe_kernel, 1, 32, 0, nullptr, d_out);
+  probe_kernel<<<1, 32>>>(d_out);
+  err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaMemcpy(result, d_out, sizeof(int), cudaMemcpyDeviceToHost);
   cudaFree(d_out);
   return static_cast<int>(err);
