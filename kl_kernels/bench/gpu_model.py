@@ -34,8 +34,6 @@ ARCH = {
     "sm_80": dict(name="A100 SXM", regs=65536, threads=2048, blocks=32, smem=167936, smem_block=166912, sms=108,
                   copy_tbs=1.7),
 }
-THREADS = 256  # csrc/cuda/tiles.cuh kThreads (read from the source below)
-PER = 8        # kPer
 LAUNCH_US = 4.0
 L2_ROUND_TRIP_US = 0.2
 BYTES_IN_FLIGHT_PER_SM = 14 * 1024  # ~3.0 TB/s x 0.6 us / 132 SMs
@@ -109,11 +107,12 @@ def blocks_per_sm(regs: int, shared: int, threads: int, arch: str) -> tuple[int,
     return limits[limit], limit
 
 
-def bandwidth_efficiency(blocks: int, threads: int, streams: int, elem_bytes: int) -> float:
+def bandwidth_efficiency(blocks: int, threads: int, streams: int, elem_bytes: int, per: int | None = None) -> float:
     """Fraction of a copy's bandwidth an SM can pull with ``blocks`` resident blocks: bytes in flight
     (threads x kPer elements x streams) against what Little's law asks per SM, capped at 1 (a
     streaming kernel with enough bytes in flight runs as fast as a copy)."""
-    in_flight = blocks * threads * PER * streams * elem_bytes
+    per = _tile_constants()[1] if per is None else per  # kPer, read from csrc/cuda/tiles.cuh
+    in_flight = blocks * threads * per * streams * elem_bytes
     return min(1.0, in_flight / BYTES_IN_FLIGHT_PER_SM)
 
 
@@ -191,7 +190,7 @@ def page(so_path: str, tool: str) -> str:
             blocks = worst.get(("sm_90", kernel))
             if blocks is None:
                 continue
-            eff = bandwidth_efficiency(blocks, threads, t["streams"], e)
+            eff = bandwidth_efficiency(blocks, threads, t["streams"], e, per)
             per_token = t["read"] + t["write"]
             for size, f in facts.items():
                 nbytes = per_token * f["tokens"]
