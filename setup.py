@@ -7,6 +7,15 @@
   (``;``-separated compute capabilities, default ``80;86;89;90;100;120``); PTX of the
   newest is embedded too, so newer GPUs can JIT it.
 
+* ``kl_kernels._cuda_emu`` the same CUDA sources (``csrc/cuda/*.cu`` and ``module.cpp``) compiled
+  as C++ by the host compiler against the host emulation of CUDA in ``csrc/emu`` (each CUDA thread
+  a fiber, real barriers and warp shuffles): the ``cuda-emulated`` backend, which runs the CUDA
+  kernels on CPU tensors so that CI, which has no GPU, tests them. Built by default where the
+  emulation works (Linux: ucontext fibers, mmap'ed stacks); ``KL_KERNELS_BUILD_CUDA_EMU=0`` skips it,
+  ``=1`` forces it. Release wheels should set ``KL_KERNELS_BUILD_CUDA_EMU=0``: the module is a test
+  instrument (orders of magnitude slower than the ``cpu`` kernel, never chosen by ``"auto"``), so
+  it would only add size and build time for users; CI and ``pip install -e .[test]`` keep it.
+
 Neither extension links libtorch, and this script never imports torch: the kernels take raw
 pointers, sizes, strides and a stream, so one wheel works with any supported torch. The CUDA
 runtime is linked statically, so importing ``_cuda`` needs no libcudart on the target and
@@ -93,6 +102,17 @@ def _cuda_requested() -> Path | None:
     return nvcc
 
 
+def _cuda_emu_requested() -> bool:
+    """Whether to build ``_cuda_emu``: ``KL_KERNELS_BUILD_CUDA_EMU`` when set, else on Linux (the
+    emulation's fibers are ucontext, its stacks mmap'ed)."""
+    flag = _env_flag("KL_KERNELS_BUILD_CUDA_EMU")
+    if flag is None:
+        return sys.platform.startswith("linux")
+    if flag and os.name != "posix":
+        sys.exit("kl_kernels build: KL_KERNELS_BUILD_CUDA_EMU=1 needs a POSIX host (ucontext, mmap)")
+    return flag
+
+
 def _compile_sources_in_parallel(compiler) -> None:
     """Make ``compiler.compile`` build one extension's C++ files side by side (setuptools compiles
     them one after another; the kernels are split into one file per dtype for this)."""
@@ -119,21 +139,39 @@ class BuildExt(build_ext):
 
     def run(self):
         super().run()
-        # A skipped _cuda must not survive from an earlier build (in build/ or, for editable
-        # installs, next to the sources): the wheel would ship it and imports would load it.
-        if not any(ext.name == "kl_kernels._cuda" for ext in self.extensions):
-            places = [Path(self.build_lib) / "kl_kernels"] + ([ROOT / "kl_kernels"] if self.inplace else [])
-            for stale in (p for place in places for p in place.glob("_cuda.*")):
-                print(f"removing stale {stale} (KL_KERNELS_BUILD_CUDA=0 or no nvcc)", flush=True)
-                stale.unlink()
+        # A skipped _cuda (or _cuda_emu) must not survive from an earlier build (in build/ or, for
+        # editable installs, next to the sources): the wheel would ship it and imports would load it.
+        places = [Path(self.build_lib) / "kl_kernels"] + ([ROOT / "kl_kernels"] if self.inplace else [])
+        for name, pattern, why in (("kl_kernels._cuda", "_cuda.*", "KL_KERNELS_BUILD_CUDA=0 or no nvcc"),
+                                   ("kl_kernels._cuda_emu", "_cuda_emu.*", "KL_KERNELS_BUILD_CUDA_EMU=0")):
+            if not any(ext.name == name for ext in self.extensions):
+                for stale in (p for place in places for p in place.glob(pattern)):
+                    print(f"removing stale {stale} ({why})", flush=True)
+                    stale.unlink()
 
     def build_extension(self, ext):
         _compile_sources_in_parallel(self.compiler)
+        if getattr(ext, "emulated_cuda", False):
+            sources, ext.sources = ext.sources, []
+            ext.extra_objects = list(ext.extra_objects or []) + self._emulated_compile(ext, sources)
         cu_sources = [s for s in ext.sources if s.endswith(".cu")]
         if cu_sources:
             ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
             ext.extra_objects = list(ext.extra_objects or []) + self._nvcc_compile(ext, cu_sources)
         super().build_extension(ext)
+
+    def _emulated_compile(self, ext, sources):
+        """Every source of the emulated extension, by the host compiler with the extension's flags, the
+        .cu files as C++ (``-x c++``), into their own folder: _cuda compiles module.cpp too, with other
+        macros, and nvcc's objects of the .cu files live in ``nvcc/``."""
+        if ".cu" not in self.compiler.src_extensions:
+            self.compiler.src_extensions = [*self.compiler.src_extensions, ".cu"]
+        common = dict(output_dir=str(Path(self.build_temp) / "emu"), macros=ext.define_macros,
+                      include_dirs=ext.include_dirs, debug=self.debug, extra_postargs=ext.extra_compile_args,
+                      depends=ext.depends)
+        cu = [s for s in sources if s.endswith(".cu")]
+        return (self.compiler.compile(cu, extra_preargs=["-x", "c++"], **common)
+                + self.compiler.compile([s for s in sources if s not in cu], **common))
 
     def _nvcc_compile(self, ext, sources):
         nvcc = ext.nvcc
@@ -203,6 +241,23 @@ def _extensions() -> list[Extension]:
         # Recorded in the module so `kl-kernels info` can say what the wheel runs on.
         cuda_ext.define_macros = [("KL_KERNELS_CUDA_ARCHS", '"%s"' % ";".join(_parse_archs(arch_spec)))]
         exts.append(cuda_ext)
+    if _cuda_emu_requested():
+        # The emulation's headers come first: <cuda_runtime.h> is csrc/emu/cuda_runtime.h here.
+        emu_ext = Extension(
+            "kl_kernels._cuda_emu",
+            sources=sorted(str(p.relative_to(ROOT)) for d, pattern in (("cuda", "*.cu"), ("emu", "*.cu"),
+                                                                      ("emu", "*.cpp"))
+                           for p in (ROOT / "csrc" / d).glob(pattern)) + ["csrc/cuda/module.cpp"],
+            include_dirs=[str(ROOT / "csrc" / "emu"), *common_includes],
+            depends=headers + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu")),
+            libraries=["dl"],  # dladdr (the emulation's diagnostics)
+            define_macros=[("KL_CUDA_MODULE", "_cuda_emu"), ("KL_KERNELS_CUDA_ARCHS", '"emulated"')],
+            # -O2 -g: a test instrument; its stack traces (sanitizers, deadlock reports) should be readable.
+            extra_compile_args=["-std=c++17", "-O2", "-g", "-fvisibility=hidden", "-Wno-unknown-pragmas"],
+            language="c++",
+        )
+        emu_ext.emulated_cuda = True
+        exts.append(emu_ext)
     return exts
 
 

@@ -1,6 +1,7 @@
 """Load the compiled extensions without ever breaking ``import kl_kernels``.
 
-``_C`` (CPU) and ``_cuda`` (CUDA) are optional at import time: a wheel built without nvcc
+``_C`` (CPU), ``_cuda`` (CUDA) and ``_cuda_emu`` (the CUDA kernels under host emulation, a test
+instrument) are optional at import time: a wheel built without nvcc
 has no ``_cuda``, a machine without a driver cannot use it, a broken build may fail to load.
 Each failure is turned into a reason string that :func:`kl_kernels.info` and the backend
 dispatcher report, instead of an exception at import.
@@ -16,6 +17,8 @@ _WHY_MISSING = {
     "_C": "kl_kernels._C is not built (install kl_kernels from source or a wheel; "
           "a plain source checkout on sys.path has no compiled extension)",
     "_cuda": "kl_kernels._cuda is not built (this build had no nvcc, or KL_KERNELS_BUILD_CUDA=0)",
+    "_cuda_emu": "kl_kernels._cuda_emu (the CUDA kernels under host emulation) is not built: release wheels "
+                 "leave it out (KL_KERNELS_BUILD_CUDA_EMU=0); build from source on Linux, e.g. pip install -e .[test]",
 }
 
 

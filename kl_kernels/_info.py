@@ -9,7 +9,7 @@ import sys
 import torch
 
 from . import _extensions
-from .backends import ENV_VAR
+from .backends import BACKEND_NAMES, ENV_VAR
 from .kl_penalty.backends import REGISTRY as PENALTY_REGISTRY
 from .kl_reward.backends import REGISTRY
 from .version import __version__
@@ -38,7 +38,7 @@ def info() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "backend_override": os.environ.get(ENV_VAR) or None,
-        "extensions": {name: _extensions.probe(name) for name in ("_C", "_cuda")},
-        "backends": {b.name: b.describe() for b in sorted(REGISTRY, key=lambda b: ("torch", "cpu", "cuda", "triton").index(b.name))},
+        "extensions": {name: _extensions.probe(name) for name in ("_C", "_cuda", "_cuda_emu")},
+        "backends": {b.name: b.describe() for b in sorted(REGISTRY, key=lambda b: BACKEND_NAMES.index(b.name))},
         "kl_penalty_loss_backends": {b.name: b.describe() for b in PENALTY_REGISTRY},
     }

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 ENV_VAR = "KL_KERNELS_BACKEND"
-BACKEND_NAMES = ("torch", "cpu", "cuda", "triton")
+BACKEND_NAMES = ("torch", "cpu", "cuda", "triton", "cuda-emulated")
 
 
 class BackendUnavailableError(RuntimeError):

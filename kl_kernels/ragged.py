@@ -96,6 +96,22 @@ class Ragged(NamedTuple):
 # --------------------------------------------------------------------------- index helpers
 
 
+def host_ints(values, device) -> torch.Tensor:
+    """Python ints -> an int64 tensor on ``device`` without synchronizing the host.
+
+    A plain ``torch.tensor(values, device="cuda")`` copies from pageable memory, which blocks the host
+    until the stream drains (and is flagged by ``torch.cuda.set_sync_debug_mode``). On an accelerator the
+    values go through pinned memory and a non-blocking copy instead; PyTorch's caching host allocator
+    keeps the pinned block alive until the copy has run."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda" and torch.cuda.is_available():  # (a fake CUDA tensor on a CPU-only torch: no pinning)
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     """``[B]`` lengths -> ``[B + 1]`` int64 offsets starting at 0."""
     lengths = torch.as_tensor(lengths)
@@ -357,7 +373,7 @@ def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragg
         if t.shape[1:] != tensors[0].shape[1:]:
             raise ValueError(f"{name}[{i}] has shape {list(t.shape)} but {name}[0] has {list(tensors[0].shape)}: "
                              "all tensors must be [L_b, *F] with the same F")
-    lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device)  # from the host
+    lengths = host_ints([t.shape[0] for t in tensors], device)  # from the host, without a sync
     return Ragged(torch.cat(tensors), lengths_to_offsets(lengths))
 
 

@@ -38,8 +38,22 @@ def triton_device() -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
+def cuda_emulated_reason() -> str | None:
+    """Why the cuda-emulated backend (kl_kernels._cuda_emu) cannot run here, or None."""
+    from kl_kernels import _extensions
+
+    return _extensions.kernel("_cuda_emu", "kl_reward_forward")[1]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda_emulated: runs the CUDA kernels under host emulation "
+                                       "(kl_kernels._cuda_emu; skipped when it is not built)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU and Triton tests skip through their markers, never at import time."""
+    """GPU, Triton and emulated-CUDA tests skip through their markers, never at import time."""
+    emulated_reason = cuda_emulated_reason() if any(i.get_closest_marker("cuda_emulated") for i in items) else None
+    skip_emulated = pytest.mark.skip(reason=f"cuda-emulated backend unavailable: {emulated_reason}")
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     skip_triton = pytest.mark.skip(reason="triton backend unusable here: triton not installed, or no GPU and "
                                           "TRITON_INTERPRET is not 1")
@@ -49,8 +63,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if item.get_closest_marker("triton") is not None and triton_device() is None:
             item.add_marker(skip_triton)
+        if emulated_reason is not None and item.get_closest_marker("cuda_emulated") is not None:
+            item.add_marker(skip_emulated)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request):
     return torch.device(request.param)
+
+
+# The backend name of the CUDA kernels under host emulation, as a parameter of backend lists.
+CUDA_EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.cuda_emulated)

@@ -19,7 +19,7 @@ REF = -torch.rand(2, 4)
 
 def test_info_reports_every_backend_with_reasons():
     info = kl_kernels.info()
-    assert set(info["backends"]) == {"torch", "cpu", "cuda", "triton"}
+    assert set(info["backends"]) == {"torch", "cpu", "cuda", "triton", "cuda-emulated"}
     for name, b in info["backends"].items():
         assert isinstance(b["available"], bool)
         assert (b["reason"] is None) == b["available"], name  # unavailable always says why

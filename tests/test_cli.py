@@ -24,7 +24,7 @@ def test_info_json_lists_backends():
     res = _cli("info", "--json")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert set(data["backends"]) == {"torch", "cpu", "cuda", "triton"}
+    assert set(data["backends"]) == {"torch", "cpu", "cuda", "triton", "cuda-emulated"}
 
 
 def test_info_text_explains_unavailable_backends():

@@ -12,10 +12,10 @@ import textwrap
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import CUDA_EMULATED, REPO
 from kl_kernels import kl_penalty_loss
 
-FUSED = ["cpu"]
+FUSED = ["cpu", CUDA_EMULATED]
 
 
 def _padded_batch(B=5, T=37, seed=0, dtype=torch.float32):

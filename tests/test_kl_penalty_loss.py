@@ -8,10 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import CUDA_EMULATED
 from kl_kernels import kl_penalty_loss
 from loss_batches import AGGREGATIONS, LOSS_LAYOUTS, LossCase, check_loss, loss_cases
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", "cpu", CUDA_EMULATED]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

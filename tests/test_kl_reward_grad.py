@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import CUDA_EMULATED
 from batches import Case, _per_sequence, backend_accepts, build, expected, to_device
 from kl_kernels import ESTIMATORS, kl_reward
 from strategies import cases
@@ -101,7 +102,7 @@ def _randn_like(x, g):
     return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", CUDA_EMULATED])
 @pytest.mark.parametrize("layout", GRAD_LAYOUTS)
 @given(case=cases(dtypes=(torch.float32, torch.bfloat16, torch.float64)), seed=st.integers(0, 2**31 - 1))
 def test_gradients_match_oracle(layout, backend, case, seed):

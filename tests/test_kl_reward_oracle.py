@@ -10,6 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from batches import LAYOUTS, Case, _per_sequence, backend_accepts, build, check
+from conftest import CUDA_EMULATED
 from kl_kernels import BackendUnavailableError, kl_reward
 from strategies import cases
 
@@ -26,7 +27,7 @@ def _auto_is_ambiguous(case: Case, layout: str) -> bool:
     return False
 
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", "cpu", CUDA_EMULATED]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

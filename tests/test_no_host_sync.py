@@ -7,6 +7,11 @@ dispatch and the launcher's argument building to the kernel launch, which is rep
 (there is no GPU to launch on). The value checks of offsets, lengths, prompt_lens and ragged
 structure run on the device instead (``torch._assert_async``; ``ragged.checks_on_host``).
 
+A host-to-device copy (``torch.tensor(x, device="cuda")``, ``t.to("cuda")`` of a CPU tensor) is a
+synchronization too (a copy from pageable host memory blocks the host until the stream has drained; the
+H200 run of ``.ci/gpu_checks.py nosync`` caught one in the loss aggregation): ``_no_transfers`` fails any
+copy between CPU and CUDA while the call runs.
+
 A negative control: with ``KL_KERNELS_SYNC_CHECKS=1`` (host checks, opt-in) the same call must fail
 here, so the test cannot pass while a host read is in the path.
 """
@@ -20,8 +25,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from kl_kernels import _extensions, kl_penalty_loss, kl_reward
+from kl_kernels import _extensions, kl_penalty_loss, kl_reward, ragged
 from kl_kernels.kl_penalty import backends as loss_backends
 from kl_kernels.kl_penalty import launch as loss_launch
 from kl_kernels.kl_reward import backends as reward_backends
@@ -49,6 +56,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(sys.modules["kl_kernels.kl_reward.api"], "REGISTRY", reward_backends.REGISTRY)
     monkeypatch.setattr(sys.modules["kl_kernels.kl_penalty.api"], "REGISTRY", loss_backends.REGISTRY)
     monkeypatch.delenv("KL_KERNELS_SYNC_CHECKS", raising=False)
+    monkeypatch.setattr(ragged, "host_ints", _fake_host_ints)
     return recorded
 
 
@@ -103,6 +111,43 @@ def _fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
 
 
+def _fake_host_ints(values, device):
+    """ragged.host_ints as it runs on a GPU (a non-blocking copy), in a form a CPU-only torch's fake
+    mode can run: Tensor.to("cuda") refuses before dispatch there, the aten op does not. The real
+    function (pinned memory) runs in .ci/gpu_checks.py nosync on a GPU."""
+    return torch.ops.aten._to_copy.default(torch.tensor(values, dtype=torch.int64), device=torch.device(device),
+                                           non_blocking=True)
+
+
+class _no_transfers(TorchDispatchMode):
+    """Fail on any copy between the host and the device (a synchronizing transfer) while active."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is not torch.ops.prim.device.default:
+            into = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            outof = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+            # A non-blocking copy is allowed: ragged.host_ints sends host-known ints that way, from pinned
+            # memory on a real GPU (.ci/gpu_checks.py nosync covers list inputs there).
+            crossing = ("cpu" in into and "cuda" in outof) or ("cuda" in into and outof == {"cpu"})
+            if crossing and not kwargs.get("non_blocking", False):
+                raise AssertionError(f"{func} copies between host and device ({sorted(into)} -> {sorted(outof)}): "
+                                     "a synchronizing transfer in the eager path")
+        return out
+
+
+def test_no_transfers_catches_a_host_to_device_copy():
+    """The guard itself: torch.tensor(..., device="cuda") is a blocking host-to-device copy; torch.full
+    is none, and ragged.host_ints copies without blocking."""
+    with _fake_mode():
+        with _no_transfers():
+            torch.full((), 2.0, device="cuda")
+            assert _fake_host_ints([1, 2], "cuda").device.type == "cuda"
+        with _no_transfers(), pytest.raises(AssertionError, match="between host and device"):
+            torch.tensor(2.0, device="cuda")
+
+
 REWARD_CASES = ["packed", "padded-last", "padded-prompt", "list", "nested"]
 LOSS_CASES = ["packed", "padded", "list"]
 
@@ -110,7 +155,9 @@ LOSS_CASES = ["packed", "padded", "list"]
 @pytest.mark.parametrize("case", REWARD_CASES)
 def test_kl_reward_reaches_the_launch_without_a_host_read(launches, case):
     with _fake_mode():
-        out = kl_reward(**_reward_calls()[case], backend="cuda")
+        kwargs = _reward_calls()[case]
+        with _no_transfers():
+            out = kl_reward(**kwargs, backend="cuda")
     assert launches == [("kl_reward", "forward")]
     kl = out.kl[0] if isinstance(out.kl, list) else out.kl
     assert kl.device.type == "cuda"
@@ -122,7 +169,9 @@ def test_kl_penalty_loss_without_a_host_read(launches, case):
     # tensors (torch's limitation, not ours), so the autograd path is not exercised here. It adds
     # no host read of ours: _EagerFused wraps the same launcher, and the aggregation below is shared.
     with _fake_mode():
-        out = kl_penalty_loss(**_loss_calls()[case], backend="cuda")
+        kwargs = _loss_calls()[case]
+        with _no_transfers():
+            out = kl_penalty_loss(**kwargs, backend="cuda")
     assert launches == [("kl_penalty", "forward")]
     assert out.loss.device.type == "cuda"
 

@@ -9,8 +9,9 @@
 // * Each counted token writes d loss / d lp to the gradient buffer (the one float tensor kept for
 //   backward) and, for aggregation "none", its four per-token parts.
 // * Six per-sequence sums (loss, objective, kl, entropy, ratio, clipped) and the count without
-//   float atomics: for each sum in turn, a block-wide fp64 prefix scan into one shared array,
-//   read at each segment's last lane. Sequences inside the tile finish there; the tile's first and
+//   float atomics: for each sum in turn, a block-wide fp64 segmented scan (restarting at each
+//   sequence's first element, so a NaN or inf stays in its sequence) into one shared array, read
+//   at each segment's last lane. Sequences inside the tile finish there; the tile's first and
 //   last segments go to two slots per tile, which combine adds in tile order.
 //
 // Inputs are read with their strides (no vector loads: the loss reads five inputs per token in
@@ -24,6 +25,7 @@
 #include "common/kl_penalty_args.h"
 #include "common/kl_penalty_math.h"
 #include "cuda/kl_penalty_cuda.h"
+#include "cuda/launch.cuh"
 #include "cuda/tiles.cuh"
 
 namespace kl {
@@ -56,10 +58,10 @@ __device__ __forceinline__ float read(uintptr_t base, int64_t s0, int64_t s1, co
 
 template <int32_t DT, int32_t AT, int32_t EST, bool ST>
 __global__ void __launch_bounds__(kThreads) penalty_forward_tile(KLPenaltyArgs a, uintptr_t ws) {
-  __shared__ double prefix[kCudaTile];
-  __shared__ int cprefix[kCudaTile];
+  __shared__ double prefix[kCudaTile];  // segmented inclusive sums of one of the six values (fp64)
+  __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
   __shared__ double wsum[kWarps];
-  __shared__ int wcnt[kWarps];
+  __shared__ int wflag[kWarps], wcnt[kWarps];
   __shared__ int64_t seq_range[2];
 
   const KLRewardArgs& g = a.g;
@@ -107,24 +109,30 @@ __global__ void __launch_bounds__(kThreads) penalty_forward_tile(KLPenaltyArgs a
   float* stats = reinterpret_cast<float*>(a.stats);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
   const int lane0 = threadIdx.x * kPer;
+  bool starts[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) starts[j] = starts_segment(w[j], i0 + j);
 #pragma unroll
   for (int v = 0; v < kSums; ++v) {  // unrolled: vals[v] stays in registers
     double own[kPer];
     int cown[kPer];
+    bool started[kPer];
     double tv = 0.0;
     int tc = 0;
+    bool ts = false;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      tv += static_cast<double>(vals[v][j]);
+      tv = starts[j] ? static_cast<double>(vals[v][j]) : tv + static_cast<double>(vals[v][j]);
+      ts = ts || starts[j];
       tc += w[j].counted;
-      own[j] = tv, cown[j] = tc;
+      own[j] = tv, cown[j] = tc, started[j] = ts;
     }
-    double before;
+    double carry;
     int cbefore;
-    block_exclusive_scan(tv, tc, wsum, wcnt, &before, &cbefore);
+    block_segmented_scan(tv, ts, tc, wsum, wflag, wcnt, &carry, &cbefore);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      prefix[lane0 + j] = before + own[j];
+      prefix[lane0 + j] = started[j] ? own[j] : carry + own[j];
       if (v == 0) cprefix[lane0 + j] = cbefore + cown[j];
     }
     __syncthreads();
@@ -136,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) penalty_forward_tile(KLPenaltyArgs a
       const int first = static_cast<int>((e.lo > t0 ? e.lo : t0) - t0);
       const int last_lane = static_cast<int>((e.hi - 1 < t_last ? e.hi - 1 : t_last) - t0);
       if (lane != last_lane) continue;
-      const double seg = prefix[lane] - (first > 0 ? prefix[first - 1] : 0.0);
+      const double seg = prefix[lane];  // the segment's own sum
       const int seg_count = cprefix[lane] - (first > 0 ? cprefix[first - 1] : 0);
       if (e.lo >= t0 && e.hi - 1 <= t_last) {  // the whole sequence is in this tile
         if (v == 0) {
@@ -215,13 +223,15 @@ template <int32_t DT, int32_t AT, int32_t EST, bool ST>
 int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
   const int64_t tiles = penalty_tiles(a);
   if (tiles > 0) {
-    penalty_forward_tile<DT, AT, EST, ST><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
-    if (int s = status()) return s;
+    const cudaError_t err =
+        launch(penalty_forward_tile<DT, AT, EST, ST>, static_cast<unsigned>(tiles), kThreads, 0, stream, a, ws);
+    if (int s = launch_status(err)) return s;
   }
   if (a.g.batch > 0) {
     const int64_t blocks = (a.g.batch + kThreads - 1) / kThreads;
-    penalty_combine<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream>>>(a, ws);
-    if (int s = status()) return s;
+    const cudaError_t err =
+        launch(penalty_combine, static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream, a, ws);
+    if (int s = launch_status(err)) return s;
   }
   return 0;
 }
@@ -259,9 +269,8 @@ int kl_penalty_backward_cuda(const KLPenaltyArgs& a, uintptr_t stream) {
   if (tiles > 0x7fffffff) return 2;
   if (tiles == 0) return 0;
   return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
-    penalty_backward_tile<decltype(dt)::value, decltype(at)::value>
-        <<<static_cast<unsigned>(tiles), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
-    return status();
+    return launch_status(launch(penalty_backward_tile<decltype(dt)::value, decltype(at)::value>,
+                                static_cast<unsigned>(tiles), kThreads, 0, reinterpret_cast<cudaStream_t>(stream), a));
   });
 }
 

@@ -10,11 +10,13 @@
 // * Each element finds its sequence (padded: a division; packed: a binary search over offsets
 //   narrowed to the tile's range, then a forward walk) and whether it counts, and writes kl,
 //   reward_out and the masked ref in place.
-// * Per-sequence sums without float atomics: block-wide inclusive prefix sums (fp64 values,
-//   int counts) in shared memory; a sequence's share of the tile is the prefix at its last lane
-//   minus the prefix before its first. Sequences wholly inside the tile are finished there; the
-//   tile's first and last segments go to two slots per tile, which the combine kernel adds in
-//   tile order, one thread per sequence, before applying the "last" placement.
+// * Per-sequence sums without float atomics: a block-wide segmented scan (fp64 values, restarting
+//   at each sequence's first element, so a NaN or inf stays in its own sequence) and a prefix of
+//   int counts, in shared memory; a sequence's share of the tile is the segmented sum at its last
+//   lane (its count: the count prefix there minus the one before its first lane). Sequences wholly
+//   inside the tile are finished there; the tile's first and last segments go to two slots per
+//   tile, which the combine kernel adds in tile order, one thread per sequence, before applying
+//   the "last" placement.
 //
 // Deterministic (fixed reduction order), no host synchronization, no allocation (the caller
 // passes a workspace), launches on the caller's stream: safe under CUDA graph capture.
@@ -25,6 +27,7 @@
 
 #include "common/kl_reward_args.h"
 #include "cuda/kl_reward_cuda.h"
+#include "cuda/launch.cuh"
 #include "cuda/tiles.cuh"
 
 namespace kl {
@@ -51,10 +54,10 @@ __host__ __device__ inline Workspace carve(const KLRewardArgs& a, uintptr_t ws) 
 
 template <int32_t DT, int32_t RT, bool VEC>
 __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr_t ws) {
-  __shared__ double prefix[kCudaTile];  // inclusive prefix sums of the tile's kl values (fp64)
+  __shared__ double prefix[kCudaTile];  // segmented inclusive sums of the tile's kl values (fp64)
   __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
   __shared__ double wsum[kWarps];
-  __shared__ int wcnt[kWarps];
+  __shared__ int wflag[kWarps], wcnt[kWarps];
   __shared__ int64_t seq_range[2];
 
   const int64_t tile = blockIdx.x;
@@ -130,23 +133,31 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
     }
   }
 
-  // Tile prefix sums: within the thread, then across the block.
+  // Segmented sums (restarting at each sequence's first element) and prefix counts of the tile:
+  // within the thread, then across the block.
   double own[kPer];
   int cown[kPer];
+  bool started[kPer];
   double tv = 0.0;
   int tc = 0;
+  bool ts = false;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    tv += static_cast<double>(k[j]);
+    const bool st = starts_segment(w[j], i0 + j);
+    tv = st ? static_cast<double>(k[j]) : tv + static_cast<double>(k[j]);
+    ts = ts || st;
     tc += w[j].counted;
-    own[j] = tv, cown[j] = tc;
+    own[j] = tv, cown[j] = tc, started[j] = ts;
   }
-  double before;
+  double carry;
   int cbefore;
-  block_exclusive_scan(tv, tc, wsum, wcnt, &before, &cbefore);
+  block_segmented_scan(tv, ts, tc, wsum, wflag, wcnt, &carry, &cbefore);
   const int lane0 = threadIdx.x * kPer;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) prefix[lane0 + j] = before + own[j], cprefix[lane0 + j] = cbefore + cown[j];
+  for (int j = 0; j < kPer; ++j) {
+    prefix[lane0 + j] = started[j] ? own[j] : carry + own[j];
+    cprefix[lane0 + j] = cbefore + cown[j];
+  }
   __syncthreads();
 
   // Read each segment at its last lane: whole sequences finish here, boundary ones go to slots.
@@ -163,7 +174,7 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
     const bool end = lane == last_lane;
     const bool last_counted = e.counted && cprefix[last_lane] == cprefix[lane];
     if (!end && !last_counted) continue;
-    const double seg_sum = prefix[lane] - (first > 0 ? prefix[first - 1] : 0.0);
+    const double seg_sum = prefix[lane];  // the segment's own sum: nothing of another sequence in it
     const int seg_count = cprefix[lane] - (first > 0 ? cprefix[first - 1] : 0);
     const bool whole = e.lo >= t0 && e.hi - 1 <= t_last;
     const bool head = e.lo <= t0, tail = e.hi - 1 >= t_last;
@@ -267,14 +278,16 @@ template <int32_t DT, int32_t RT>
 int forward_typed(const KLRewardArgs& a, uintptr_t ws, cudaStream_t stream) {
   const int64_t tiles = tiles_of(a);
   if (tiles > 0) {
-    if (vectorizable(a)) forward_tile<DT, RT, true><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
-    else forward_tile<DT, RT, false><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a, ws);
-    if (int s = status()) return s;
+    const dim3 grid(static_cast<unsigned>(tiles));
+    const cudaError_t err = vectorizable(a) ? launch(forward_tile<DT, RT, true>, grid, kThreads, 0, stream, a, ws)
+                                            : launch(forward_tile<DT, RT, false>, grid, kThreads, 0, stream, a, ws);
+    if (int s = launch_status(err)) return s;
   }
   if (a.batch > 0) {
     const int64_t blocks = (a.batch + kThreads - 1) / kThreads;
-    combine<DT, RT><<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream>>>(a, ws);
-    if (int s = status()) return s;
+    const cudaError_t err =
+        launch(combine<DT, RT>, static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream, a, ws);
+    if (int s = launch_status(err)) return s;
   }
   return 0;
 }
@@ -283,8 +296,7 @@ template <int32_t DT, int32_t RT>
 int backward_typed(const KLRewardArgs& a, cudaStream_t stream) {
   const int64_t tiles = tiles_of(a);
   if (tiles == 0) return 0;
-  backward_tile<DT, RT><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(a);
-  return status();
+  return launch_status(launch(backward_tile<DT, RT>, static_cast<unsigned>(tiles), kThreads, 0, stream, a));
 }
 
 }  // namespace

@@ -3,6 +3,10 @@
 // Compiled by the host compiler; the kernels live in .cu files compiled by nvcc and are
 // reached through plain C++ entry points. The CUDA runtime is linked statically, so this
 // module imports on machines without a driver; `probe()` then reports why CUDA is unusable.
+//
+// The same file, with the .cu files compiled as C++ against the host emulation of csrc/emu
+// (KL_CUDA_EMULATED), is kl_kernels._cuda_emu: the kernels run on CPU memory, and csrc/emu/bind.h
+// adds the emulation's own entry points.
 #include <pybind11/pybind11.h>
 
 #include <cuda_runtime_api.h>  // CUDART_VERSION only; no runtime calls from here
@@ -14,6 +18,15 @@
 #include "cuda/kl_penalty_cuda.h"
 #include "cuda/kl_reward_cuda.h"
 #include "cuda/probe.h"
+#if defined(KL_CUDA_EMULATED)
+#include "emu/bind.h"
+#endif
+
+#ifndef KL_CUDA_MODULE
+#define KL_CUDA_MODULE _cuda
+#endif
+#define KL_STR2(x) #x
+#define KL_STR(x) KL_STR2(x)
 
 namespace py = pybind11;
 
@@ -21,7 +34,7 @@ namespace {
 
 py::dict probe(bool launch) {
   py::dict info;
-  info["extension"] = "_cuda";
+  info["extension"] = KL_STR(KL_CUDA_MODULE);
   info["abi_version"] = KL_KERNELS_ABI_VERSION;
   info["cuda_archs"] = std::string(KL_KERNELS_CUDA_ARCHS);
   info["cuda_runtime_compiled"] = CUDART_VERSION;
@@ -48,7 +61,7 @@ py::dict probe(bool launch) {
 
 }  // namespace
 
-PYBIND11_MODULE(_cuda, m) {
+PYBIND11_MODULE(KL_CUDA_MODULE, m) {
   m.doc() = "kl_kernels CUDA extension (framework-free; no libtorch linkage; static cudart)";
   m.def("probe", &probe, py::arg("launch") = false,
         "CUDA build and runtime facts; with launch=True, runs one tiny kernel on device 0.");
@@ -75,4 +88,7 @@ PYBIND11_MODULE(_cuda, m) {
         "Fused kl_penalty_loss backward, enqueued on `stream`; same return codes as the forward.");
   m.def("error_string", [](int code) { return std::string(kl_probe_error_string(code)); }, py::arg("code"),
         "The CUDA runtime's message for a cudaError_t.");
+#if defined(KL_CUDA_EMULATED)
+  kl_emu::bind(m);
+#endif
 }

@@ -4,6 +4,7 @@
 // Framework-free: plain CUDA runtime, error codes out, no exceptions cross this boundary.
 #include <cuda_runtime.h>
 
+#include "cuda/launch.cuh"
 #include "cuda/probe.h"
 
 namespace {
@@ -35,8 +36,7 @@ int kl_probe_launch(int device, int* result) {
   int* d_out = nullptr;
   err = cudaMalloc(&d_out, sizeof(int));
   if (err != cudaSuccess) return static_cast<int>(err);
-  probe_kernel<<<1, 32>>>(d_out);
-  err = cudaGetLastError();
+  err = kl::launch(probe_kernel, 1, 32, 0, nullptr, d_out);
   if (err == cudaSuccess) err = cudaMemcpy(result, d_out, sizeof(int), cudaMemcpyDeviceToHost);
   cudaFree(d_out);
   return static_cast<int>(err);

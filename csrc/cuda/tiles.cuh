@@ -53,7 +53,9 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
     }
     seq = lo;
   } else {
-    seq = i0 / a.width;
+    // A thread wholly past the end of the last row (i0 >= total) would get seq >= batch: clamped, so
+    // that every per-sequence read (coef, lengths, reward) stays in bounds (its elements are not inb).
+    seq = i0 / a.width < a.batch ? i0 / a.width : a.batch - 1;
   }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
@@ -97,39 +99,64 @@ __device__ __forceinline__ void locate_tile(const KLRewardArgs& a, int64_t* seq_
   locate(a, *i0, seq_range[0], seq_range[1], w);
 }
 
-// Block-wide exclusive prefix of (fp64 sum, int count) over threads, in thread order.
-__device__ __forceinline__ void block_exclusive_scan(double v, int c, double* wsum, int* wcnt, double* out_v,
-                                                     int* out_c) {
+// Block-wide exclusive scan over threads, in thread order, of two things at once:
+// * a segmented fp64 sum: each thread gives (v, starts), v the sum of its elements after its last
+//   segment start (all of them when it has none) and starts whether a segment starts among them;
+//   *carry is the sum of the v of the threads before this one back to the nearest one that starts a
+//   segment (that one included), i.e. what this thread's first segment inherits from earlier threads.
+//   Sums never cross a segment start, so a NaN or inf stays in its segment (its sequence);
+// * a plain int count prefix (*before_c: the counts of all earlier threads; ints are exact, so the
+//   count of a segment may be taken as a difference of prefixes).
+// The operator on (value, starts) pairs, (a, fa) + (b, fb) = (fb ? b : a + b, fa | fb), is associative:
+// warp shuffles, then the warps' totals in shared memory (wsum, wflag, wcnt), fixed order throughout.
+__device__ __forceinline__ void block_segmented_scan(double v, bool starts, int c, double* wsum, int* wflag, int* wcnt,
+                                                     double* carry, int* before_c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   double iv = v;
-  int ic = c;
+  int iflag = starts, ic = c;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const double ov = __shfl_up_sync(0xffffffffu, iv, d);
+    const int of = __shfl_up_sync(0xffffffffu, iflag, d);
     const int oc = __shfl_up_sync(0xffffffffu, ic, d);
-    if (lane >= d) iv += ov, ic += oc;
+    if (lane >= d) {
+      if (!iflag) iv = ov + iv;
+      iflag |= of;
+      ic += oc;
+    }
   }
-  if (lane == 31) wsum[warp] = iv, wcnt[warp] = ic;
+  if (lane == 31) wsum[warp] = iv, wflag[warp] = iflag, wcnt[warp] = ic;
   __syncthreads();
   if (warp == 0) {
     double sv = lane < kWarps ? wsum[lane] : 0.0;
+    int sf = lane < kWarps ? wflag[lane] : 0;
     int sc = lane < kWarps ? wcnt[lane] : 0;
 #pragma unroll
     for (int d = 1; d < kWarps; d <<= 1) {
       const double ov = __shfl_up_sync(0xffffffffu, sv, d);
+      const int of = __shfl_up_sync(0xffffffffu, sf, d);
       const int oc = __shfl_up_sync(0xffffffffu, sc, d);
-      if (lane >= d) sv += ov, sc += oc;
+      if (lane >= d) {
+        if (!sf) sv = ov + sv;
+        sf |= of;
+        sc += oc;
+      }
     }
-    if (lane < kWarps) wsum[lane] = sv, wcnt[lane] = sc;  // inclusive over warps
+    if (lane < kWarps) wsum[lane] = sv, wflag[lane] = sf, wcnt[lane] = sc;  // inclusive over warps
   }
   __syncthreads();
   const double wv = warp > 0 ? wsum[warp - 1] : 0.0;
   const int wc = warp > 0 ? wcnt[warp - 1] : 0;
   const double ev = __shfl_up_sync(0xffffffffu, iv, 1);  // exclusive within the warp
+  const int ef = __shfl_up_sync(0xffffffffu, iflag, 1);
   const int ec = __shfl_up_sync(0xffffffffu, ic, 1);
-  *out_v = lane > 0 ? wv + ev : wv;
-  *out_c = lane > 0 ? wc + ec : wc;
+  *carry = lane > 0 ? (ef ? ev : wv + ev) : wv;
+  *before_c = lane > 0 ? wc + ec : wc;
 }
+
+// Whether flat element i starts a segment of the tile's segmented sums: its sequence's first element.
+// (The tile's first element needs no flag: nothing comes before it in the tile.)
+__device__ __forceinline__ bool starts_segment(const Where& e, int64_t i) { return e.lo == i; }
 
 // Calls f(DT, AT) (std::integral_constant dtype codes) for a half/single main dtype and a second
 // dtype that is the same or float32; returns 1 (unsupported) for anything else.
@@ -147,12 +174,6 @@ int with_dtypes(int32_t dtype, int32_t second, F&& f) {
     case kFloat16: return with_second(std::integral_constant<int32_t, kFloat16>{});
     default: return 1;
   }
-}
-
-// 0, or 1000 + the CUDA error of the last launch.
-int status() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? 0 : 1000 + static_cast<int>(err);
 }
 
 }  // namespace

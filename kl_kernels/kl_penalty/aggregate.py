@@ -129,7 +129,8 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
     col = raw.stats.detach().to(torch.float64).sum(0)  # objective, kl, entropy, ratio, clipped totals
     _, col_kl, _, col_ratio, col_clip = col.unbind()
     n_tokens = raw.count.sum().to(torch.float64)
-    n_seqs = torch.tensor(float(p.batch_size), dtype=torch.float64, device=dev)
+    # torch.full, not torch.tensor(..., device=dev): a fill kernel, no (synchronizing) host-to-device copy
+    n_seqs = torch.full((), float(p.batch_size), dtype=torch.float64, device=dev)
     if process_group is not None:  # one all-reduce of every count and total
         n_tokens, n_seqs, kl_total, ratio_total, clip_total = _all_reduce(
             torch.stack([n_tokens, n_seqs, col_kl, col_ratio, col_clip]), process_group).unbind()
@@ -148,8 +149,8 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
         n = n_tokens
         if num_global_tokens is not None:
             n = num_global_tokens.to(device=dev, dtype=torch.float64) if isinstance(
-                num_global_tokens, torch.Tensor) else torch.tensor(float(num_global_tokens), dtype=torch.float64,
-                                                                  device=dev)
+                num_global_tokens, torch.Tensor) else torch.full((), float(num_global_tokens), dtype=torch.float64,
+                                                                device=dev)
         w = _uniform_weight(p, n, n_seqs)
         loss = (raw.seq_loss.to(torch.float64).sum() * w).to(md)
         parts = col.narrow(0, 0, 3) * w

@@ -8,6 +8,8 @@ cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``
 triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/kl_penalty.py``);
                                                 CPU tensors under ``TRITON_INTERPRET=1`` on request
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``)
+cuda-      cpu        fp32, bf16, fp16          the CUDA kernels under a host emulation of CUDA
+emulated                                        (``_cuda_emu``), on CPU tensors, only when named
 torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference (autograd)
 =========  =========  ========================  ============================================
 

@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from ..kl_reward.launch import (DTYPE_CODES, _ptr, _strides, as_contiguous, coefficient, kernel_module, launch_kernel,
-                                make_args, resolved)
+from ..kl_reward.launch import (DTYPE_CODES, EMULATED, ExtensionLauncher, _ptr, _strides, as_contiguous, coefficient,
+                                kernel_module, launch_kernel, make_args, resolved)
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
@@ -33,13 +33,13 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 
 def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
-                     entropy_coef, token_out):
+                     entropy_coef, token_out, ext=None):
     """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
     given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta)
     inputs = resolved(*given)
     log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta = inputs
     dev = log_probs.device
-    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
+    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss", ext)
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
                     log_probs.dtype)
     keep.extend(r for r, t in zip(inputs, given) if r is not t)  # copies made by resolved: the struct points there
@@ -59,12 +59,14 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
 
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
-            adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
+            adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
+            ext=None):
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
-    empty, grad [*shape]), all float32 but count (int64)."""
+    empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
+    ``_C`` or ``_cuda`` by device)."""
     module, a, keep = _prepare_forward(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
-        adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out)
+        adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, ext)
     dev, batch, shape = log_probs.device, a.g.batch, log_probs.shape
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
@@ -114,12 +116,12 @@ def backward_with_args(args, grad, g_uniform, lp_dtype, entropy_grad, aux_dtype)
 
 
 def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype,
-             entropy_coef):
+             entropy_coef, ext=None):
     """Scale the saved gradient buffer: grad_lp = (g_tok + g_seq[b]) * grad at counted tokens, and
     (``entropy_grad``) grad_entropy = -entropy_coef * (g_tok + g_seq[b]). Returns (grad_lp, grad_ent or empty)."""
     grad, g_seq, g_tok, mask, offsets, lengths = resolved(grad, g_seq, g_tok, mask, offsets, lengths)
     dev = grad.device
-    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
+    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss", ext)
     a, keep = _args(module, grad, mask, offsets, lengths, layout, left_pad, 0, False, lp_dtype)
     a.aux_dtype = DTYPE_CODES[aux_dtype]
     a.entropy_coef = float(entropy_coef)
@@ -136,3 +138,16 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     launch_kernel(module, "kl_penalty", "backward", a, dev, "kl_penalty_loss")
     del keep
     return g_lp, g_ent
+
+
+class _Emulated(ExtensionLauncher):
+    """``forward`` / ``backward`` of this module on the CUDA kernels under host emulation."""
+
+    def forward(self, *args, **kwargs):
+        return forward(*args, ext=self.ext, **kwargs)
+
+    def backward(self, *args):
+        return backward(*args, ext=self.ext)
+
+
+emulated = _Emulated(EMULATED)  # the cuda-emulated backend's launcher (ops.py)

@@ -103,6 +103,7 @@ def _define(name: str, launcher):
 
 kl_penalty_fwd, kl_penalty_bwd = _define("kl_penalty", launch)
 kl_penalty_triton_fwd, kl_penalty_triton_bwd = _define("kl_penalty_triton", launch_triton)
+kl_penalty_cuda_emu_fwd, kl_penalty_cuda_emu_bwd = _define("kl_penalty_cuda_emu", launch.emulated)
 
 
 class _EagerFused(torch.autograd.Function):
@@ -137,15 +138,17 @@ def _fused_args(p: KLPenaltyProblem) -> tuple:
             clip_lo, clip_hi, p.entropy_coef, p.aggregation == "none")
 
 
-def run_fused(p: KLPenaltyProblem, triton: bool = False) -> RawLoss:
+def run_fused(p: KLPenaltyProblem, triton: bool = False, emulated: bool = False) -> RawLoss:
     """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``
-    (C++ kernels) or ``kl_kernels::kl_penalty_triton_fwd`` (``triton=True``)."""
+    (C++ kernels), ``kl_kernels::kl_penalty_triton_fwd`` (``triton=True``) or
+    ``kl_kernels::kl_penalty_cuda_emu_fwd`` (``emulated=True``: the CUDA kernels on CPU tensors)."""
     args = _fused_args(p)
     lp, ent, token_out = args[0], args[4], args[18]
     needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
-    launcher = launch_triton if triton else launch
+    launcher = launch_triton if triton else launch.emulated if emulated else launch
     if torch.compiler.is_compiling():
-        op = torch.ops.kl_kernels.kl_penalty_triton_fwd if triton else torch.ops.kl_kernels.kl_penalty_fwd
+        op = (torch.ops.kl_kernels.kl_penalty_triton_fwd if triton else
+              torch.ops.kl_kernels.kl_penalty_cuda_emu_fwd if emulated else torch.ops.kl_kernels.kl_penalty_fwd)
         seq_loss, stats, count, tok, _ = op(*args)
     elif needs_graph:
         seq_loss, stats, count, tok, _ = _EagerFused.apply(launcher, *args)

@@ -9,6 +9,9 @@ triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/tri
                                                 tensors too under ``TRITON_INTERPRET=1``, on
                                                 explicit request only
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``)
+cuda-      cpu        fp32, bf16, fp16          the CUDA kernels of ``cuda`` compiled against a host
+emulated                                        emulation of CUDA (``_cuda_emu``): a test instrument,
+                                                slow; runs only when named, never for "auto"
 torch      cpu, cuda  fp32, bf16, fp16, fp64    vectorized torch reference: always available
 =========  =========  ========================  ============================================
 
@@ -52,6 +55,11 @@ def _cpu_reasons(kernel: str) -> list[str]:
     return [reason] if reason else []
 
 
+def _emulated_reasons(kernel: str) -> list[str]:
+    _, reason = _extensions.kernel("_cuda_emu", kernel)
+    return [reason] if reason else []
+
+
 def _cuda_reasons(kernel: str) -> list[str]:
     _, reason = _extensions.kernel("_cuda", kernel)
     reasons = [reason] if reason else []
@@ -90,10 +98,11 @@ GPU_SELF_CHECK = frozenset({"cuda"})
 
 
 def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
-    """The ``cuda``, ``triton`` and ``cpu`` rows of an op, in ``"auto"`` order: C++ kernels found by
-    their forward symbol ``kernel`` in ``_cuda`` / ``_C``, all run by ``run_fused(problem,
-    triton=False|True)``, all declining problems that ``requires`` rejects. One place for the
-    policy every op shares (the GPU self-check, Triton's interpreter on explicit request)."""
+    """The ``cuda``, ``triton``, ``cpu`` and ``cuda-emulated`` rows of an op, in ``"auto"`` order: C++
+    kernels found by their forward symbol ``kernel`` in ``_cuda`` / ``_C`` / ``_cuda_emu``, all run
+    by ``run_fused(problem, triton=False|True, emulated=False|True)``, all declining problems that
+    ``requires`` rejects. One place for the policy every op shares (the GPU self-check, Triton's
+    interpreter and the CUDA emulation on explicit request only)."""
     return [
         Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cuda_reasons, kernel),
                 run_fused, requires=requires, self_check_devices=GPU_SELF_CHECK,
@@ -105,6 +114,11 @@ def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
                                           " (auto: after its first-use self-check on the device)")),
         Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cpu_reasons, kernel),
                 run_fused, requires=requires, notes="fused multi-threaded C++ kernel"),
+        # The CUDA kernels on CPU tensors, for tests: "auto" never takes it (no auto device).
+        Backend("cuda-emulated", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
+                functools.partial(_emulated_reasons, kernel), functools.partial(run_fused, emulated=True),
+                requires=requires, auto_devices=frozenset(),
+                notes="the CUDA kernels under a host emulation of CUDA (CPU tensors; a test instrument, slow)"),
     ]
 
 

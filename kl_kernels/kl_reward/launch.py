@@ -65,10 +65,16 @@ def coefficient(coef: torch.Tensor | None, scalar: float, keep: list) -> tuple[i
     return (1 if coef.dim() == 0 else 2), 0.0, _ptr(coef)
 
 
-def kernel_module(device: torch.device, op: str = "kl_reward", what: str = "kl_reward"):
-    """The extension holding op ``op``'s kernels for ``device``, or a RuntimeError naming ``what``
-    and why there is none (e.g. a wheel built without nvcc has no ``_cuda``; dispatch never routes there)."""
-    name = "_C" if device.type == "cpu" else "_cuda"
+# The extension of the cuda-emulated backend: the CUDA kernels compiled against the host emulation
+# of csrc/emu, run on CPU tensors (setup.py); launched as the CUDA ones, with stream 0.
+EMULATED = "_cuda_emu"
+
+
+def kernel_module(device: torch.device, op: str = "kl_reward", what: str = "kl_reward", ext: str | None = None):
+    """The extension holding op ``op``'s kernels for ``device`` (or extension ``ext``, by name), or a
+    RuntimeError naming ``what`` and why there is none (e.g. a wheel built without nvcc has no
+    ``_cuda``; dispatch never routes there)."""
+    name = ext or ("_C" if device.type == "cpu" else "_cuda")
     _, reason = _extensions.kernel(name, f"{op}_forward")
     if reason:
         raise RuntimeError(f"{what}: no fused kernel for {device.type} tensors: {reason}")
@@ -139,7 +145,15 @@ def launch_kernel(module, op: str, kind: str, args, device, what: str) -> None:
     ``<op>_workspace_bytes`` of scratch from torch's caching allocator (no host sync). Error codes
     become RuntimeErrors naming ``what``."""
     name = f"{op}_{kind}"
-    if device.type == "cpu":
+    if getattr(module, "EMULATED", False):
+        # The CUDA entry points on CPU memory: a CPU workspace, and stream 0, since CPU tensors have
+        # no stream (the emulation runs each launch to completion before returning).
+        if kind == "forward":
+            workspace = torch.empty(getattr(module, f"{op}_workspace_bytes")(args), dtype=torch.uint8)
+            code = getattr(module, name)(args, _ptr(workspace), 0)
+        else:
+            code = getattr(module, name)(args, 0)
+    elif device.type == "cpu":
         code = getattr(module, name)(args, torch.get_num_threads())
     else:
         stream = torch.cuda.current_stream(device).cuda_stream
@@ -171,13 +185,14 @@ def raise_for(code: int, module, what: str) -> None:
 
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
             left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan=False,
-            out=None):
+            out=None, ext=None):
     """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count). List inputs
     (:class:`~kl_kernels.ragged.SequenceList`) and ``mask_nan`` are for the CPU kernel, outside autograd.
-    ``out``: checked result buffers (problem.py's ``_check_out``), written in place where given."""
+    ``out``: checked result buffers (problem.py's ``_check_out``), written in place where given.
+    ``ext``: the extension to run (default: ``_C`` or ``_cuda`` by device)."""
     outputs, args, module, keep = _prepare_forward(
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
-        placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan, out)
+        placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan, out, ext)
     launch_kernel(module, "kl_reward", "forward", args, outputs[0].device, "kl_reward")
     del keep
     return outputs
@@ -207,11 +222,11 @@ def forward_during(during, log_probs, ref_log_probs, mask, offsets, lengths, pro
 
 def _prepare_forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar,
                      layout, left_pad, placement, estimator, straight_through, clamp, return_ref, reward_dtype,
-                     mask_nan, out=None):
+                     mask_nan, out=None, ext=None):
     """The forward's outputs (allocated) and filled argument struct, its module, and what it points into."""
     log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef = resolved(
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
-    module = kernel_module(log_probs.device)
+    module = kernel_module(log_probs.device, ext=ext)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=placement,
@@ -244,12 +259,12 @@ def allocate_outputs(args, shape, dtype, reward_dtype, device, return_ref: bool,
 
 
 def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
-             estimator, straight_through, clamp, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum):
-    """Run the fused backward; returns (grad_log_probs, grad_ref_log_probs)."""
+             estimator, straight_through, clamp, reward_dtype, g_kl, g_reward, g_ref_out, g_kl_sum, ext=None):
+    """Run the fused backward; returns (grad_log_probs, grad_ref_log_probs). ``ext``: as :func:`forward`'s."""
     log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out, g_kl_sum = \
         resolved(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out,
                  g_kl_sum)
-    module = kernel_module(log_probs.device)
+    module = kernel_module(log_probs.device, ext=ext)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=None, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=0,
@@ -268,3 +283,20 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     launch_kernel(module, "kl_reward", "backward", args, log_probs.device, "kl_reward")
     del keep, grads
     return g_lp, g_ref
+
+
+class ExtensionLauncher:
+    """This module's ``forward`` and ``backward`` bound to one extension (``ext``), with the launchers'
+    common signature: what the cuda-emulated backend registers its ops around (ops.py)."""
+
+    def __init__(self, ext: str):
+        self.ext = ext
+
+    def forward(self, *args, **kwargs):
+        return forward(*args, ext=self.ext, **kwargs)
+
+    def backward(self, *args):
+        return backward(*args, ext=self.ext)
+
+
+emulated = ExtensionLauncher(EMULATED)

@@ -82,14 +82,17 @@ def _define(name: str, launcher):
     return fwd, bwd
 
 
-# The C++ kernels (the launcher picks _C or _cuda by device) and the Triton kernels.
+# The C++ kernels (the launcher picks _C or _cuda by device), the Triton kernels, and the CUDA
+# kernels under host emulation on CPU tensors (the cuda-emulated backend: _cuda_emu).
 kl_reward_fwd, kl_reward_bwd = _define("kl_reward", launch)
 kl_reward_triton_fwd, kl_reward_triton_bwd = _define("kl_reward_triton", launch_triton)
+kl_reward_cuda_emu_fwd, kl_reward_cuda_emu_bwd = _define("kl_reward_cuda_emu", launch.emulated)
 
 
-def run_fused(p: KLRewardProblem, triton: bool = False) -> RawOutputs:
+def run_fused(p: KLRewardProblem, triton: bool = False, emulated: bool = False) -> RawOutputs:
     """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_reward_fwd``
-    (C++ kernels) or ``kl_kernels::kl_reward_triton_fwd`` (``triton=True``)."""
+    (C++ kernels), ``kl_kernels::kl_reward_triton_fwd`` (``triton=True``) or
+    ``kl_kernels::kl_reward_cuda_emu_fwd`` (``emulated=True``: the CUDA kernels on CPU tensors)."""
     args = _forward_args(p)
     needs_graph = torch.is_grad_enabled() and (p.log_probs.requires_grad or p.ref_log_probs.requires_grad)
     if p.layout == "list" or p.mask_nan:
@@ -97,13 +100,14 @@ def run_fused(p: KLRewardProblem, triton: bool = False) -> RawOutputs:
         # the per-sequence tensors in place and masks NaN pads itself.
         kl, reward, ref_out, kl_sum, count = launch.forward(*args, mask_nan=p.mask_nan)
     elif needs_graph or torch.compiler.is_compiling():
-        op = torch.ops.kl_kernels.kl_reward_triton_fwd if triton else torch.ops.kl_kernels.kl_reward_fwd
+        op = (torch.ops.kl_kernels.kl_reward_triton_fwd if triton else
+              torch.ops.kl_kernels.kl_reward_cuda_emu_fwd if emulated else torch.ops.kl_kernels.kl_reward_fwd)
         kl, reward, ref_out, kl_sum, count = op(*args)
     elif triton:
         # Eager and no autograd: the op would only add dispatcher overhead around the same launch.
         kl, reward, ref_out, kl_sum, count = launch_triton.forward(*args)
     else:  # the C++ kernels write into the caller's out= buffers (api.py copies for the others)
-        kl, reward, ref_out, kl_sum, count = launch.forward(*args, out=p.out)
+        kl, reward, ref_out, kl_sum, count = (launch.emulated if emulated else launch).forward(*args, out=p.out)
     return _raw(p, (kl, reward, ref_out, kl_sum, count))
 
 

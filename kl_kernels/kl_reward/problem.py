@@ -236,7 +236,7 @@ def _int_vector(x, name, batch, device):
     """Lengths-like argument: tensor or sequence of ints -> int64 ``[B]`` tensor on ``device``."""
     if not isinstance(x, torch.Tensor):
         if isinstance(x, (list, tuple)) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in x):
-            x = torch.tensor(list(x), dtype=torch.int64, device=device)
+            x = ragged.host_ints(list(x), device)
         else:
             raise TypeError(f"{name} must be an integer tensor [B] or a sequence of ints, got {type(x).__name__}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:

@@ -1,0 +1,143 @@
+"""Checks that only a real GPU can answer, for ``.ci/gpu`` (run with the package importable).
+
+    python .ci/gpu_checks.py selfcheck   each GPU backend's first-use self-check, both ops (what
+                                         compute-sanitizer runs: every kernel, edge cases, NaN/inf)
+    python .ci/gpu_checks.py nosync      eager calls under torch.cuda.set_sync_debug_mode("error"):
+                                         any host synchronization in our path raises
+    python .ci/gpu_checks.py graph       both ops captured in a CUDA graph and replayed on new data
+
+Each prints one line per case, "ok" or the reason, and exits 1 when any case failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from kl_kernels import kl_penalty_loss, kl_reward, selfcheck
+
+import os
+
+# A dry run on a machine without a GPU: KL_GPU_CHECKS_DEVICE=cpu KL_GPU_CHECKS_BACKENDS=cpu,torch
+DEV = torch.device(os.environ.get("KL_GPU_CHECKS_DEVICE", "cuda"))
+BACKENDS = tuple(os.environ.get("KL_GPU_CHECKS_BACKENDS", "cuda,triton").split(","))
+# which ops the selfcheck mode runs, in order (under compute-sanitizer each takes a minute or more)
+OPS = tuple(os.environ.get("KL_GPU_CHECKS_OPS", "kl_reward,kl_penalty_loss").split(","))
+failed = []
+
+
+def report(name, fn):
+    try:
+        fn()
+        print(f"{name}: ok", flush=True)
+    except Exception as exc:  # noqa: BLE001 - every failure is a finding to report
+        failed.append(name)
+        print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+        traceback.print_exc(limit=4)
+
+
+def packed(n_seq=64, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 700, (n_seq,), generator=g)
+    offsets = torch.zeros(n_seq + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    n = int(offsets[-1])
+    lp = (-3 * torch.rand(n, generator=g)).to(dtype)
+    ref = (-3 * torch.rand(n, generator=g)).to(dtype)
+    mask = torch.rand(n, generator=g) < 0.8
+    adv = torch.randn(n, generator=g).to(dtype)
+    return {k: v.to(DEV) for k, v in dict(lp=lp, ref=ref, mask=mask, offsets=offsets, adv=adv).items()}
+
+
+def padded(b=32, t=600, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lp = (-3 * torch.rand(b, t, generator=g)).to(dtype)
+    ref = (-3 * torch.rand(b, t, generator=g)).to(dtype)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    return {k: v.to(DEV) for k, v in dict(lp=lp, ref=ref, mask=mask).items()}
+
+
+def as_list(x):
+    """The packed batch as per-sequence tensors (list inputs: their lengths go host -> device)."""
+    cuts = x["offsets"].cpu().tolist()
+    return {"list": True, **{k: [x[k][a:b] for a, b in zip(cuts, cuts[1:])] for k in ("lp", "ref", "mask")}}
+
+
+def reward_call(x, backend, **kw):
+    if "list" in x:
+        return kl_reward(x["lp"], x["ref"], mask=x["mask"], coef=0.1, backend=backend, **kw)
+    if "offsets" in x:
+        return kl_reward(x["lp"], x["ref"], mask=x["mask"], offsets=x["offsets"], coef=0.1, backend=backend, **kw)
+    return kl_reward(x["lp"], x["ref"], mask=x["mask"], coef=0.1, backend=backend, **kw)
+
+
+def loss_call(x, backend, lp=None):
+    lp = x["lp"] if lp is None else lp
+    return kl_penalty_loss(lp, x["lp"].detach(), x["adv"], ref_log_probs=x["ref"], beta=0.05, mask=x["mask"],
+                           offsets=x["offsets"], clip_epsilon=0.2, backend=backend)
+
+
+def selfchecks():
+    for op in OPS:
+        for backend in BACKENDS:
+            def one(op=op, backend=backend):
+                problems = selfcheck.run(op, backend, DEV)
+                if problems:
+                    raise AssertionError("; ".join(problems[:8]))
+            report(f"selfcheck {op} {backend}", one)
+
+
+def nosync():
+    for backend in BACKENDS:
+        for name, x in (("packed", packed()), ("padded", padded()), ("list", as_list(packed()))):
+            def fwd(x=x, backend=backend):
+                reward_call(x, backend)  # warm-up: first-use compiles and caches may sync legitimately
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    for estimator in ("k1", "k2", "k3"):
+                        reward_call(x, backend, estimator=estimator)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            report(f"nosync kl_reward {backend} {name}", fwd)
+        x = packed()
+
+        def loss(x=x, backend=backend):
+            lp = x["lp"].clone().requires_grad_(True)
+            loss_call(x, backend, lp).loss.backward()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = loss_call(x, backend, lp)
+                out.loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        report(f"nosync kl_penalty_loss fwd+bwd {backend}", loss)
+
+
+def graph():
+    for backend in BACKENDS:
+        def reward(backend=backend):
+            x, y = packed(seed=2), packed(seed=2)
+            y["lp"].uniform_(-3.0, 0.0)  # same shapes and offsets, new values
+            static = {k: v.clone() for k, v in x.items()}
+            reward_call(static, backend)  # warm-up outside capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = reward_call(static, backend)
+            for k in static:
+                static[k].copy_(y[k])
+            g.replay()
+            torch.cuda.synchronize()
+            want = reward_call(y, backend)
+            torch.testing.assert_close(out.kl, want.kl, equal_nan=True)
+            torch.testing.assert_close(out.kl_sum, want.kl_sum, equal_nan=True)
+        report(f"graph kl_reward {backend}", reward)
+
+
+if __name__ == "__main__":
+    {"selfcheck": selfchecks, "nosync": nosync, "graph": graph}[sys.argv[1]]()
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,194 @@
+"""The CUDA kernels under host emulation (the cuda-emulated backend, kl_kernels._cuda_emu).
+
+What the shared oracle/gradient/placement/determinism tests (parametrized over cuda-emulated) do not
+say on their own: bugs the emulation found in the CUDA kernels (each test here failed before its fix),
+error reporting of launches, that outputs and workspaces are poisoned before every kernel, and the
+coverage sweep over every kernel variant (op x layout x estimator x placement x dtype x coefficient
+kind x vector/strided path) against the torch reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO
+from kl_kernels import kl_penalty_loss, kl_reward
+
+pytestmark = pytest.mark.cuda_emulated
+EMU = "cuda-emulated"
+
+
+def _emu():
+    from kl_kernels import _extensions
+
+    return _extensions.load("_cuda_emu")[0]
+
+
+# ------------------------------------------------------------------ NaN/inf stay in their sequence
+
+
+def _tile_batch(kind: str, bad_at: int):
+    """Five sequences in one 2048-token tile, every token counted; a bad value goes into sequence 0 at
+    position ``bad_at`` of the reference log-probs."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [7, 40, 1, 300, 13]
+    lp = [-torch.rand(n, generator=g) * 3 for n in lengths]
+    ref = [x + torch.randn(len(x), generator=g) * 0.2 for x in lp]
+    if kind == "packed":
+        return torch.cat(lp), torch.cat(ref), {"offsets": torch.tensor([0, *itertools.accumulate(lengths)])}
+    width = max(lengths)
+
+    def pad(parts):
+        return torch.stack([torch.cat([torch.zeros(width - len(p)), p]) for p in parts])
+
+    return pad(lp), pad(ref), {"lengths": torch.tensor(lengths), "padding_side": "left"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_kl_reward_non_finite_token_stays_in_its_sequence(kind, bad):
+    """A NaN/inf reference log-prob at a counted token of sequence 0 makes its kl_sum non-finite and
+    never those of the later sequences of the tile (the kernel once took per-sequence sums as
+    differences of tile-wide prefix sums, which carried the NaN/inf into every later sequence)."""
+    lp, ref, geo = _tile_batch(kind, 0)
+    clean = kl_reward(lp, ref, estimator="k1", backend=EMU, **geo)
+    ref.view(-1)[ref.shape[-1] - 7 if kind == "padded" else 0] = bad  # sequence 0's first token
+    dirty = kl_reward(lp, ref, estimator="k1", backend=EMU, **geo)
+    assert not torch.isfinite(dirty.kl_sum[0])
+    torch.testing.assert_close(dirty.kl_sum[1:], clean.kl_sum[1:], rtol=0, atol=0)
+    assert torch.equal(dirty.count, clean.count)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_kl_penalty_non_finite_token_stays_in_its_sequence(kind, bad):
+    """The same for kl_penalty_loss's six per-sequence sums (the forward kernel's outputs)."""
+    from kl_kernels.kl_penalty import launch
+
+    lp, ref, geo = _tile_batch(kind, 0)
+    layout = 0 if kind == "packed" else 1
+    entropy = torch.rand(lp.shape, generator=torch.Generator().manual_seed(0))
+
+    def run():
+        return launch.emulated.forward(lp, lp + 0.05, ref, torch.ones_like(lp), entropy, None,
+                                       geo.get("offsets"), geo.get("lengths"), None, 0.1, False, layout, True, 3,
+                                       False, 0.8, 1.2, 0.01, False)
+
+    clean = run()
+    ref.view(-1)[ref.shape[-1] - 7 if kind == "padded" else 0] = bad
+    dirty = run()
+    assert not torch.isfinite(dirty[0][0])
+    for name, want, got in zip(("seq_loss", "stats", "count"), clean[:3], dirty[:3]):
+        torch.testing.assert_close(got[1:], want[1:], rtol=0, atol=0, msg=name)
+
+
+# ------------------------------------------------------------------ out-of-bounds read of coef
+
+
+GUARDED_COEF = textwrap.dedent("""
+    import ctypes, mmap, sys, torch
+    from kl_kernels import kl_reward
+    page = mmap.PAGESIZE
+    buf = mmap.mmap(-1, 2 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + page, page, 0) == 0  # PROT_NONE: any read past coef faults
+    B, T = 3, 5  # 15 elements: threads 2.. of the one tile start past the end (seq = i0 / T >= B)
+    coef = torch.frombuffer(buf, dtype=torch.float32, count=B, offset=page - 4 * B)
+    coef[:] = torch.tensor([0.1, 0.2, 0.3])
+    g = torch.Generator().manual_seed(0)
+    lp, ref = -torch.rand(B, T, generator=g), -torch.rand(B, T, generator=g)
+    for placement, reward in (("token", torch.ones(B, T)), ("sequence", torch.ones(B)), ("last", torch.ones(B))):
+        out = kl_reward(lp, ref, reward, coef=coef, lengths=torch.tensor([5, 2, 0]), reward_placement=placement,
+                        backend=sys.argv[1])
+        want = kl_reward(lp, ref, reward, coef=coef.clone(), lengths=torch.tensor([5, 2, 0]),
+                         reward_placement=placement, backend="torch")
+        torch.testing.assert_close(out.reward, want.reward)
+    print("ok")
+""")
+
+
+def test_padded_per_sequence_coef_is_never_read_past_the_batch():
+    """A thread wholly past the end of a padded batch computed seq = i0 / T >= B and read coef[seq]
+    (found by AddressSanitizer on the emulated build). With coef ending right before a PROT_NONE page,
+    such a read faults: the run must not."""
+    proc = subprocess.run([sys.executable, "-c", GUARDED_COEF, EMU], capture_output=True, text=True, timeout=120,
+                          cwd=REPO / "tests")
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
+# ------------------------------------------------------------------ launch errors
+
+
+def test_an_earlier_runtime_error_is_not_blamed_on_a_launch():
+    """The kernels report their own launch's error: an error an unrelated runtime call left behind (here
+    recorded directly) does not fail a kl_reward / kl_penalty_loss call, and stays for its owner
+    (status() once read cudaGetLastError, which returned and cleared it)."""
+    emu = _emu()
+    lp, ref = -torch.rand(2, 9), -torch.rand(2, 9)
+    emu.emu_record_error(101)  # cudaErrorInvalidDevice, e.g. from a cudaSetDevice that failed
+    try:
+        kl_reward(lp, ref, backend=EMU)
+        kl_penalty_loss(lp, lp + 0.1, torch.ones(2), beta=0.1, backend=EMU)
+        assert emu.emu_peek_last_error() == 101
+    finally:
+        emu.emu_get_last_error()
+
+
+def test_a_failed_launch_raises_once_and_leaves_no_error_behind():
+    emu = _emu()
+    lp, ref = -torch.rand(2, 9), -torch.rand(2, 9)
+    emu.emu_fail_next_launch(701)  # cudaErrorLaunchOutOfResources
+    with pytest.raises(RuntimeError, match="kl_reward CUDA kernel launch failed: too many resources"):
+        kl_reward(lp, ref, backend=EMU)
+    assert emu.emu_peek_last_error() == 0
+    kl_reward(lp, ref, backend=EMU)  # the next call is fine
+    emu.emu_fail_next_launch(9)
+    with pytest.raises(RuntimeError, match="kl_penalty_loss CUDA kernel launch failed: invalid configuration"):
+        kl_penalty_loss(lp, lp + 0.1, torch.ones(2), beta=0.1, backend=EMU)
+    assert emu.emu_peek_last_error() == 0
+
+
+# ------------------------------------------------------------------ poisoning, and that the emulation runs
+
+
+def test_outputs_and_workspace_are_poisoned_before_the_kernels():
+    """The emulated entry points fill every output with 0xFF bytes (NaN, count -1) and the workspace
+    with a NaN pattern before any kernel runs; seen here through an argument set the kernels refuse
+    (code 3: the CPU-only mask_nan), so nothing overwrites the poison."""
+    from kl_kernels.kl_reward import launch
+
+    emu = _emu()
+    lp, ref = -torch.rand(3, 5), -torch.rand(3, 5)
+    args, keep = launch.make_args(emu, log_probs=lp, ref_log_probs=ref, mask=None, offsets=None, lengths=None,
+                                  prompt_lens=None, reward=None, coef=None, coef_scalar=1.0, layout=1, left_pad=True,
+                                  placement=0, estimator=0, straight_through=False, clamp=[-1e9, 1e9, -1e9, 1e9])
+    kl, reward, ref_out, kl_sum, count = (torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3),
+                                          torch.zeros(3, dtype=torch.int64))
+    args.kl, args.reward_out, args.ref_out = kl.data_ptr(), reward.data_ptr(), ref_out.data_ptr()
+    args.kl_sum, args.count = kl_sum.data_ptr(), count.data_ptr()
+    args.mask_nan = 1
+    workspace = torch.zeros(emu.kl_reward_workspace_bytes(args), dtype=torch.uint8)
+    assert emu.kl_reward_forward(args, workspace.data_ptr(), 0) == 3
+    for t in (kl, reward, ref_out, kl_sum):
+        assert t.isnan().all()
+    assert (count == -1).all()
+    assert workspace.view(torch.float64).isnan().all() and (workspace.view(torch.int64) > 2**62).all()
+
+
+def test_the_backend_runs_the_emulated_kernels():
+    emu = _emu()
+    before = emu.emu_counters()
+    out = kl_reward(-torch.rand(3000), -torch.rand(3000), offsets=torch.tensor([0, 2500, 3000]), backend=EMU)
+    after = emu.emu_counters()
+    assert after["launches"] == before["launches"] + 2  # forward tiles, combine
+    assert after["blocks"] == before["blocks"] + 2 + 1  # two 2048-token tiles, one combine block
+    assert after["barriers"] > before["barriers"] and after["shuffles"] > before["shuffles"]
+    assert out.count.tolist() == [2500, 500]
