@@ -94,6 +94,38 @@ def resource_usage(so_path: str, tool: str) -> list[Usage]:
     return usages
 
 
+_MEMORY_OP = re.compile(r"\b((?:LDG|STG|ATOMG|ATOMS|ATOM|RED|LDL|STL)(?:\.[A-Z0-9_]+)*)")
+
+
+def sass_memory_ops(so_path: str, tool: str) -> dict[tuple[str, str, str], set[str]]:
+    """Global/local memory and atomic instructions of each kernel's SASS (``cuobjdump --dump-sass``):
+    ``{(arch, family, variant): {"LDG.E.128", "STG.E", ...}}``; width suffixes kept, cache hints
+    (``.CONSTANT``, ``.EF``...) dropped, so ``LDG.E.128.CONSTANT`` counts as ``LDG.E.128``."""
+    out = subprocess.run([tool, "--dump-sass", so_path], capture_output=True, text=True, check=True).stdout
+    ops: dict[tuple[str, str, str], set[str]] = {}
+    arch, key = None, None
+    for line in out.splitlines():
+        m = re.search(r"arch = (sm_\d+)", line)
+        if m:
+            arch = m.group(1)
+            continue
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            fam = _FAMILY.search(m.group(1))
+            key = (arch, fam.group(1), fam.group(2) or "") if fam else None
+            if key is not None:
+                ops.setdefault(key, set())
+            continue
+        if key is None:
+            continue
+        for op in _MEMORY_OP.findall(line):
+            parts = op.split(".")
+            keep = [parts[0]] + [q for q in parts[1:] if q in ("E", "64", "128", "U8", "S8", "U16", "S16", "ADD",
+                                                                "F32", "F64", "STRONG")]
+            ops[key].add(".".join(keep))
+    return ops
+
+
 def blocks_per_sm(regs: int, shared: int, threads: int, arch: str) -> tuple[int, str]:
     """Resident blocks per SM and the resource that limits them."""
     d = ARCH[arch]
