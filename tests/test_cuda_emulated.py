@@ -192,3 +192,69 @@ def test_the_backend_runs_the_emulated_kernels():
     assert after["blocks"] == before["blocks"] + 2 + 1  # two 2048-token tiles, one combine block
     assert after["barriers"] > before["barriers"] and after["shuffles"] > before["shuffles"]
     assert out.count.tolist() == [2500, 500]
+
+
+# ------------------------------------------------------------------ edge geometries (also the ASan lane's)
+
+EDGE_LENGTHS = [[0], [1], [0, 1, 0], [3, 5, 2049, 7], [4097, 1]]  # empty, one token, rows over 2-3 tiles
+
+
+def _storage(n: int, how: str, g) -> torch.Tensor:
+    """``n`` log-prob-like values laid out contiguous, misaligned (storage offset 1: no 16-byte vector
+    path) or strided (every other element)."""
+    base = -3 * torch.rand(2 * n + 2, generator=g)
+    return {"contiguous": base[:n].clone(), "misaligned": base[1:n + 1], "strided": base[: 2 * n: 2]}[how]
+
+
+def _edge_inputs(lengths, kind, how, g):
+    b, n = len(lengths), sum(lengths)
+    streams = [_storage(n, how, g) for _ in range(4)]  # lp, ref/old, adv, reward
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)])
+    if kind == "packed":
+        return streams, {"offsets": offsets}
+    width = max(max(lengths), 1)
+    side = "left" if kind == "padded-left" else "right"
+    out = []
+    for s in streams:
+        full = torch.zeros(b, 2 * width)
+        x = full[:, ::2] if how == "strided" else full[:, :width]  # strided: column stride 2
+        for i, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+            L = hi - lo
+            if L:
+                (x[i, width - L:] if side == "left" else x[i, :L]).copy_(s[lo:hi])
+        out.append(x)
+    return out, {"lengths": torch.tensor(lengths), "padding_side": side}
+
+
+@pytest.mark.parametrize("how", ["contiguous", "misaligned", "strided"])
+@pytest.mark.parametrize("kind", ["packed", "padded-left", "padded-right"])
+@pytest.mark.parametrize("lengths", EDGE_LENGTHS, ids=lambda v: "-".join(map(str, v)))
+def test_edge_geometries_match_the_reference(lengths, kind, how):
+    """Odd sizes, empty and one-token rows, rows over several tiles, per-sequence coefficients,
+    misaligned and strided inputs: both ops, forward and gradient, against the torch backend. The
+    sanitizer lane (.ci/asan-fuzz) runs this file on an ASan/UBSan build of the emulation."""
+    g = torch.Generator().manual_seed(len(lengths) * 100 + sum(lengths))
+    (lp, ref, adv, reward), geo = _edge_inputs(lengths, kind, how, g)
+    coef = torch.linspace(0.05, 0.3, len(lengths))
+    results = {}
+    for backend in (EMU, "torch"):
+        out = kl_reward(lp, ref, reward, coef=coef, estimator="k3", reward_placement="token", backend=backend, **geo)
+        # the backward kernel (vector and strided paths): gradients of the kl and the reward
+        lpg, refg = lp.detach().clone().requires_grad_(True), ref.detach().clone().requires_grad_(True)
+        if how != "contiguous":  # keep the caller's layout: views of a larger buffer
+            lpg, refg = lp.detach().requires_grad_(True), ref.detach().requires_grad_(True)
+        o = kl_reward(lpg, refg, reward, coef=coef, estimator="k2", reward_placement="token", detach=False,
+                      backend=backend, **geo)
+        (o.kl * 0.5 + o.reward * 0.25).sum().backward()
+        reward_grads = (lpg.grad, refg.grad)
+        x = lp.detach().clone().requires_grad_(True) if how == "contiguous" else lp.detach().requires_grad_(True)
+        loss = kl_penalty_loss(x, ref, adv, ref_log_probs=ref - 0.1, beta=coef, clip_epsilon=0.2, backend=backend,
+                               **geo)
+        loss.loss.backward()
+        results[backend] = (out.kl, out.reward, out.kl_sum, out.count, *reward_grads, loss.loss, loss.loss_kl,
+                            loss.kl_mean, x.grad)
+        x.grad = None
+    for name, got, want in zip(("kl", "reward", "kl_sum", "count", "d lp", "d ref", "loss", "loss_kl", "kl_mean",
+                                "grad"), results[EMU],
+                               results["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)

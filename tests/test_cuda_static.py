@@ -4,11 +4,10 @@
 * no local memory and no stack frame (spills) in any kernel;
 * no atomics in the SASS (the kernels are deterministic: per-tile partials, no float atomics);
 * registers and shared memory that keep at least 2 blocks of ``kThreads`` per SM (one block's scan
-  and barrier phases overlap another's loads);
-* 128-bit global loads (``LDG.E.128``) in the main loops: the vector variant of each tile kernel.
-
-What the kernels do not meet yet is a strict xfail naming the kernel and the numbers, so a fix
-that makes it pass turns the xfail into a failure and must update this file.
+  and barrier phases overlap another's loads): ``penalty_forward_tile`` took 146-156 registers
+  until it compacted its per-element facts (issue 25 item 4);
+* 128-bit global loads (``LDG.E.128``) in the main loops: the vector variant of each tile kernel
+  (the backward kernels and the loss forward had none before issue 25 item 4).
 """
 
 from __future__ import annotations
@@ -66,31 +65,24 @@ def _blocks(usage, families):
 
 
 def test_two_blocks_per_sm(usage):
-    rows = _blocks(usage, FAMILIES - {"penalty_forward_tile"})
-    assert rows and not [r for r in rows if r[4][0] < 2], [r for r in rows if r[4][0] < 2]
+    threads, _ = gpu_model._tile_constants()
+    rows = sorted({(u.arch, u.kernel, u.variant, u.regs, u.shared,
+                    gpu_model.blocks_per_sm(u.regs, u.shared, threads, u.arch)) for u in usage})
+    assert rows and not [r for r in rows if r[5][0] < 2], [r for r in rows if r[5][0] < 2]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25: penalty_forward_tile takes 151-156 registers (1 block of 256 "
-                                       "threads per SM); __launch_bounds__(256, 2) makes ptxas spill 112-136 bytes")
-def test_two_blocks_per_sm_penalty_forward(usage):
-    rows = _blocks(usage, {"penalty_forward_tile"})
-    assert rows and not [r for r in rows if r[4][0] < 2], [r for r in rows if r[4][0] < 2]
+# The vector variant of each tile kernel (template flag VEC true: a whole 8-element run, every
+# per-token stream flat and 16-byte aligned) loads and stores 128 bits at a time; the combines
+# read per-sequence slots and are left out.
+VECTOR_VARIANT = {"forward_tile": "Lb1EEEvNS_12KLRewardArgs", "backward_tile": "Lb1EEEvNS_12KLRewardArgs",
+                  "penalty_forward_tile": "Lb1EEEvNS_13KLPenaltyArgs", "penalty_backward_tile": "Lb1EEEvNS_13KLPenaltyArgs"}
 
 
-def _vector_loads(sass, family):
-    """Per arch: whether some variant of ``family`` issues LDG.E.128."""
-    return {arch: any("LDG.E.128" in ops for (a, f, _), ops in sass.items() if a == arch and f == family)
-            for arch in ARCHES}
-
-
-def test_kl_reward_forward_has_128_bit_loads(sass):
-    # the vector variant (template flag true: contiguous, 16-byte aligned, whole tile) of every dtype
-    vector = {k: ops for k, ops in sass.items() if k[1] == "forward_tile" and k[2].endswith("Lb1EEEvNS_12KLRewardArgs")}
-    assert vector and all("LDG.E.128" in ops for ops in vector.values()), sorted(vector)
-
-
-@pytest.mark.xfail(strict=True, reason="issue 25 item 4: the backward kernels and the loss forward load 32 bits "
-                                       "at a time (no vector variant yet)")
-@pytest.mark.parametrize("family", ["backward_tile", "penalty_forward_tile", "penalty_backward_tile"])
-def test_other_tile_kernels_have_128_bit_loads(sass, family):
-    assert all(_vector_loads(sass, family).values())
+@pytest.mark.parametrize("family", sorted(VECTOR_VARIANT))
+def test_vector_variants_issue_128_bit_loads(sass, family):
+    vector = {k: ops for k, ops in sass.items() if k[1] == family and k[2].endswith(VECTOR_VARIANT[family])}
+    assert {k[0] for k in vector} == ARCHES, f"no vector variant of {family} for some arch: {sorted(vector)}"
+    bad = sorted(k for k, ops in vector.items() if "LDG.E.128" not in ops)
+    assert not bad, f"vector variants without LDG.E.128: {bad}"
+    scalar = {k for k in sass if k[1] == family and not k[2].endswith(VECTOR_VARIANT[family])}
+    assert scalar, f"{family}: the scalar (strided/misaligned) variant is missing"

@@ -51,67 +51,113 @@ __host__ __device__ inline PenaltyWorkspace carve_penalty(const KLPenaltyArgs& a
   return w;
 }
 
+inline bool aligned16(uintptr_t p) { return p % 16 == 0; }
+
 template <int32_t T>
 __device__ __forceinline__ float read(uintptr_t base, int64_t s0, int64_t s1, const Where& e) {
   return load<T>(reinterpret_cast<const void*>(base), e.seq * s0 + e.col * s1);
 }
 
-template <int32_t DT, int32_t AT, int32_t EST, bool ST>
-__global__ void __launch_bounds__(kThreads) penalty_forward_tile(KLPenaltyArgs a, uintptr_t ws) {
+template <int32_t DT, int32_t AT, int32_t EST, bool ST, bool VEC>
+__global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArgs a, uintptr_t ws) {
   __shared__ double prefix[kCudaTile];  // segmented inclusive sums of one of the six values (fp64)
   __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
   __shared__ double wsum[kWarps];
   __shared__ int wflag[kWarps], wcnt[kWarps];
   __shared__ int64_t seq_range[2];
+  // Per element, written and read by its own thread only (no barrier needed): registers would not hold
+  // them next to the six scans without spilling.
+  __shared__ int16_t first_of[kCudaTile];  // its segment's first lane
+  __shared__ int32_t seq_rel[kCudaTile];   // its sequence minus the tile's first element's
 
   const KLRewardArgs& g = a.g;
   const int64_t tile = blockIdx.x;
   int64_t t0, t_last, i0;
   Where w[kPer];
   locate_tile(g, seq_range, &t0, &t_last, &i0, w);
+  const int lane0 = threadIdx.x * kPer;
+  // What the rest of the kernel needs of each element, compacted right away so that the 8 Where
+  // (five 64-bit fields each) are dead before the loads and the six scans (kept whole, they took
+  // 151-156 registers: one block per SM): whether it starts a segment, ends one (the last lane of its
+  // sequence in this tile), the segment's first lane, where its sum goes (the whole sequence is in
+  // the tile; it continues from the previous tile; into the next), whether it is counted and in
+  // bounds, and its sequence relative to the tile's first.
+  uint64_t bits = 0;  // per element j, 7 bits from 7 * j: starts, ends, whole, head, tail, counted, inb
+  const int64_t seq0 = w[0].seq;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const Where& e = w[j];
+    const int lane = lane0 + j;
+    const int last_lane = static_cast<int>((e.hi - 1 < t_last ? e.hi - 1 : t_last) - t0);
+    first_of[lane] = static_cast<int16_t>((e.lo > t0 ? e.lo : t0) - t0);  // < kCudaTile
+    seq_rel[lane] = static_cast<int32_t>(e.seq - seq0);
+    const uint64_t f = (starts_segment(e, i0 + j) ? 1u : 0u) | ((e.inb && lane == last_lane) ? 2u : 0u) |
+                       ((e.lo >= t0 && e.hi - 1 <= t_last) ? 4u : 0u) | (e.lo <= t0 ? 8u : 0u) |
+                       (e.hi - 1 >= t_last ? 16u : 0u) | (e.counted ? 32u : 0u) | (e.inb ? 64u : 0u);
+    bits |= f << (7 * j);
+  }
 
   const float sign = a.ref ? 1.0f : -1.0f;
   const float ec = a.entropy_coef;
   float vals[kSums][kPer];
   float* grad = reinterpret_cast<float*>(a.grad);
   float* tok = reinterpret_cast<float*>(a.token_out);
+  // The inputs: on the vector path (a whole 8-element run, every per-token stream flat and 16-byte
+  // aligned) one wide load per stream, values at tokens that are not counted loaded and ignored;
+  // else element by element, counted tokens only.
+  const bool full = VEC && i0 + kPer <= g.total;
+  float lpv[kPer], oldv[kPer], otherv[kPer], advv[kPer], entv[kPer];
+  if (full) {
+    load8<DT>(g.lp, i0, lpv);
+    load8<DT>(a.old, i0, oldv);
+    if (a.ref) load8<DT>(a.ref, i0, otherv);
+    if (!a.adv_per_seq) load8<AT>(a.adv, i0, advv);
+    if (a.ent) load8<AT>(a.ent, i0, entv);
+  }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const Where& e = w[j];
+    const Where& e = w[j];  // (read only on the scalar path)
+    const bool counted = (bits >> (7 * j + 5)) & 1u, inb = (bits >> (7 * j + 6)) & 1u;
+    const int64_t seq = seq0 + seq_rel[lane0 + j];
+    if (!full && counted) {
+      lpv[j] = read<DT>(g.lp, g.lp_s0, g.lp_s1, e);
+      oldv[j] = read<DT>(a.old, a.old_s0, a.old_s1, e);
+      if (a.ref) otherv[j] = read<DT>(a.ref, a.ref_s0, a.ref_s1, e);
+      if (!a.adv_per_seq) advv[j] = read<AT>(a.adv, a.adv_s0, a.adv_s1, e);
+      if (a.ent) entv[j] = read<AT>(a.ent, a.ent_s0, a.ent_s1, e);
+    }
     float loss = 0.0f, obj = 0.0f, kl = 0.0f, ent = 0.0f, ratio = 0.0f, clipped = 0.0f, gr = 0.0f, beta = 0.0f;
-    if (e.counted) {
-      const float lp = read<DT>(g.lp, g.lp_s0, g.lp_s1, e);
-      const float old = read<DT>(a.old, a.old_s0, a.old_s1, e);
-      const float other = a.ref ? read<DT>(a.ref, a.ref_s0, a.ref_s1, e) : old;
-      const float adv = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), e.seq * a.adv_s0)
-                                      : read<AT>(a.adv, a.adv_s0, a.adv_s1, e);
-      ent = a.ent ? read<AT>(a.ent, a.ent_s0, a.ent_s1, e) : 0.0f;
-      beta = beta_of(a, e.seq);
-      const PPOToken t = ppo_token<EST, ST>(lp, old, other, sign, adv, beta, a.clip_lo, a.clip_hi);
+    if (counted) {
+      const float other = a.ref ? otherv[j] : oldv[j];
+      const float adv = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), seq * a.adv_s0) : advv[j];
+      ent = a.ent ? entv[j] : 0.0f;
+      beta = beta_of(a, seq);
+      const PPOToken t = ppo_token<EST, ST>(lpv[j], oldv[j], other, sign, adv, beta, a.clip_lo, a.clip_hi);
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
     }
     vals[0][j] = loss, vals[1][j] = obj, vals[2][j] = kl, vals[3][j] = ent, vals[4][j] = ratio, vals[5][j] = clipped;
-    if (e.inb) {
+    if (!full && inb) grad[i0 + j] = gr;
+    if (inb && tok) {
       const int64_t i = i0 + j;
-      grad[i] = gr;
-      if (tok) {
-        tok[i] = loss;
-        tok[g.total + i] = obj;
-        tok[2 * g.total + i] = beta * kl;
-        tok[3 * g.total + i] = -ec * ent + 0.0f;
-      }
+      tok[i] = loss;
+      tok[g.total + i] = obj;
+      tok[2 * g.total + i] = beta * kl;
+      tok[3 * g.total + i] = -ec * ent + 0.0f;
     }
+    lpv[j] = gr;  // lpv is dead from here: it holds the gradient for the vector store
+  }
+  if (full) {
+    Pack<float> p;  // 8 floats: two 128-bit stores
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) p.v[j] = lpv[j];
+    *reinterpret_cast<Pack<float>*>(grad + i0) = p;
   }
 
   PenaltyWorkspace wsp = carve_penalty(a, ws);
   float* seq_loss = reinterpret_cast<float*>(a.seq_loss);
   float* stats = reinterpret_cast<float*>(a.stats);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
-  const int lane0 = threadIdx.x * kPer;
-  bool starts[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) starts[j] = starts_segment(w[j], i0 + j);
 #pragma unroll
   for (int v = 0; v < kSums; ++v) {  // unrolled: vals[v] stays in registers
     double own[kPer];
@@ -122,9 +168,10 @@ __global__ void __launch_bounds__(kThreads) penalty_forward_tile(KLPenaltyArgs a
     bool ts = false;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      tv = starts[j] ? static_cast<double>(vals[v][j]) : tv + static_cast<double>(vals[v][j]);
-      ts = ts || starts[j];
-      tc += w[j].counted;
+      const bool st = (bits >> (7 * j)) & 1u;
+      tv = st ? static_cast<double>(vals[v][j]) : tv + static_cast<double>(vals[v][j]);
+      ts = ts || st;
+      tc += (bits >> (7 * j + 5)) & 1u;
       own[j] = tv, cown[j] = tc, started[j] = ts;
     }
     double carry;
@@ -138,24 +185,23 @@ __global__ void __launch_bounds__(kThreads) penalty_forward_tile(KLPenaltyArgs a
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const Where& e = w[j];
-      if (!e.inb) continue;
+      const unsigned f = static_cast<unsigned>(bits >> (7 * j));
+      if (!(f & 2u)) continue;  // not the last lane of its sequence in this tile
       const int lane = lane0 + j;
-      const int first = static_cast<int>((e.lo > t0 ? e.lo : t0) - t0);
-      const int last_lane = static_cast<int>((e.hi - 1 < t_last ? e.hi - 1 : t_last) - t0);
-      if (lane != last_lane) continue;
+      const int first = first_of[lane];
+      const int64_t seq = seq0 + seq_rel[lane];
       const double seg = prefix[lane];  // the segment's own sum
       const int seg_count = cprefix[lane] - (first > 0 ? cprefix[first - 1] : 0);
-      if (e.lo >= t0 && e.hi - 1 <= t_last) {  // the whole sequence is in this tile
+      if (f & 4u) {  // the whole sequence is in this tile
         if (v == 0) {
-          seq_loss[e.seq] = static_cast<float>(seg);
-          count[e.seq] = seg_count;
+          seq_loss[seq] = static_cast<float>(seg);
+          count[seq] = seg_count;
         } else {
-          stats[e.seq * kStatColumns + (v - 1)] = static_cast<float>(seg);
+          stats[seq * kStatColumns + (v - 1)] = static_cast<float>(seg);
         }
       }
       for (int s = 0; s < 2; ++s) {
-        if (!(s == 0 ? e.lo <= t0 : e.hi - 1 >= t_last)) continue;
+        if (!(f & (s == 0 ? 8u : 16u))) continue;
         const int64_t slot = 2 * tile + s;
         wsp.slot_sum[slot * kSlotStride + v] = seg;
         if (v == 0) wsp.slot_count[slot] = seg_count;
@@ -193,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   }
 }
 
-template <int32_t DT, int32_t AT>
+template <int32_t DT, int32_t AT, bool VEC>
 __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs a) {
   __shared__ int64_t seq_range[2];
   const KLRewardArgs& g = a.g;
@@ -203,28 +249,79 @@ __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs 
   const float* grad = reinterpret_cast<const float*>(a.grad);
   const float* g_seq = reinterpret_cast<const float*>(a.g_seq);
   const float* g_tok = reinterpret_cast<const float*>(a.g_tok);
+  // Every stream here is flat [total]; the vector path (a whole 8-element run, 16-byte aligned
+  // pointers) reads and writes them 128 bits at a time.
+  const bool full = VEC && i0 + kPer <= g.total;
+  float gr[kPer], gt[kPer];
+  if (full) {
+    const Pack<float> p = *reinterpret_cast<const Pack<float>*>(grad + i0);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) gr[j] = p.v[j], gt[j] = 0.0f;
+    if (g_tok) {
+      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(g_tok + i0);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) gt[j] = q.v[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      gr[j] = w[j].counted ? grad[i0 + j] : 0.0f;
+      gt[j] = (w[j].counted && g_tok) ? g_tok[i0 + j] : 0.0f;
+    }
+  }
+  float glp[kPer], gent[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const Where& e = w[j];
-    if (!e.inb) continue;
-    const int64_t i = i0 + j;
-    float glp = 0.0f, gent = 0.0f;
-    if (e.counted) {
-      const float gin = (g_seq ? g_seq[e.seq] : a.g_uniform) + (g_tok ? g_tok[i] : 0.0f);
-      glp = gin * grad[i];
-      gent = -a.entropy_coef * gin;
+    glp[j] = 0.0f, gent[j] = 0.0f;
+    if (w[j].counted) {
+      const float gin = (g_seq ? g_seq[w[j].seq] : a.g_uniform) + gt[j];
+      glp[j] = gin * gr[j];
+      gent[j] = -a.entropy_coef * gin;
     }
-    store<DT>(reinterpret_cast<void*>(a.g_lp), i, glp);
-    if (a.g_ent) store<AT>(reinterpret_cast<void*>(a.g_ent), i, gent);
   }
+  if (full) {
+    Pack<BitsOf<DT>> pl;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) pl.v[j] = to_bits<DT>(glp[j]);
+    *reinterpret_cast<Pack<BitsOf<DT>>*>(reinterpret_cast<BitsOf<DT>*>(a.g_lp) + i0) = pl;
+    if (a.g_ent) {
+      Pack<BitsOf<AT>> pe;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) pe.v[j] = to_bits<AT>(gent[j]);
+      *reinterpret_cast<Pack<BitsOf<AT>>*>(reinterpret_cast<BitsOf<AT>*>(a.g_ent) + i0) = pe;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (!w[j].inb) continue;
+      store<DT>(reinterpret_cast<void*>(a.g_lp), i0 + j, glp[j]);
+      if (a.g_ent) store<AT>(reinterpret_cast<void*>(a.g_ent), i0 + j, gent[j]);
+    }
+  }
+}
+
+// The forward's vector path: every per-token input flat in the layout's shape and 16-byte aligned,
+// and the gradient buffer aligned (the per-token outputs of aggregation "none" stay scalar: their
+// rows start at multiples of total).
+bool vectorizable_forward(const KLPenaltyArgs& a) {
+  const KLRewardArgs& g = a.g;
+  auto flat = [&](int64_t s0, int64_t s1) { return s1 == 1 && (g.layout == kPacked || s0 == g.width); };
+  bool ok = flat(g.lp_s0, g.lp_s1) && aligned16(g.lp) && flat(a.old_s0, a.old_s1) && aligned16(a.old) &&
+            aligned16(a.grad);
+  if (a.ref) ok = ok && flat(a.ref_s0, a.ref_s1) && aligned16(a.ref);
+  if (!a.adv_per_seq) ok = ok && flat(a.adv_s0, a.adv_s1) && aligned16(a.adv);
+  if (a.ent) ok = ok && flat(a.ent_s0, a.ent_s1) && aligned16(a.ent);
+  return ok;
 }
 
 template <int32_t DT, int32_t AT, int32_t EST, bool ST>
 int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
   const int64_t tiles = penalty_tiles(a);
   if (tiles > 0) {
-    const cudaError_t err =
-        launch(penalty_forward_tile<DT, AT, EST, ST>, static_cast<unsigned>(tiles), kThreads, 0, stream, a, ws);
+    const dim3 grid(static_cast<unsigned>(tiles));
+    const cudaError_t err = vectorizable_forward(a)
+                                ? launch(penalty_forward_tile<DT, AT, EST, ST, true>, grid, kThreads, 0, stream, a, ws)
+                                : launch(penalty_forward_tile<DT, AT, EST, ST, false>, grid, kThreads, 0, stream, a, ws);
     if (int s = launch_status(err)) return s;
   }
   if (a.g.batch > 0) {
@@ -257,7 +354,9 @@ int64_t kl_penalty_cuda_workspace_bytes(const KLPenaltyArgs& a) {
 
 int kl_penalty_forward_cuda(const KLPenaltyArgs& a, uintptr_t workspace, uintptr_t stream) {
   if (a.totals) return 3;  // batch totals are the CPU forward's (the host reads them right away)
-  if (penalty_tiles(a) > 0x7fffffff) return 2;
+  // The tile kernel keeps sequence indices relative to its first one in 32 bits (registers):
+  // 2^31 sequences would take 16 GB of offsets alone; refused rather than wrapped.
+  if (penalty_tiles(a) > 0x7fffffff || a.g.batch > 0x7fffffff) return 2;
   return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
     return forward_estimator<decltype(dt)::value, decltype(at)::value>(a, workspace,
                                                                       reinterpret_cast<cudaStream_t>(stream));
@@ -268,9 +367,14 @@ int kl_penalty_backward_cuda(const KLPenaltyArgs& a, uintptr_t stream) {
   const int64_t tiles = penalty_tiles(a);
   if (tiles > 0x7fffffff) return 2;
   if (tiles == 0) return 0;
+  // The flat streams 16-byte aligned (absent ones count as aligned): the vector path.
+  const bool vec = aligned16(a.grad) && aligned16(a.g_tok) && aligned16(a.g_lp) && aligned16(a.g_ent);
   return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
-    return launch_status(launch(penalty_backward_tile<decltype(dt)::value, decltype(at)::value>,
-                                static_cast<unsigned>(tiles), kThreads, 0, reinterpret_cast<cudaStream_t>(stream), a));
+    constexpr int32_t DT = decltype(dt)::value, AT = decltype(at)::value;
+    const dim3 grid(static_cast<unsigned>(tiles));
+    const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    return launch_status(vec ? launch(penalty_backward_tile<DT, AT, true>, grid, kThreads, 0, s, a)
+                             : launch(penalty_backward_tile<DT, AT, false>, grid, kThreads, 0, s, a));
   });
 }
 

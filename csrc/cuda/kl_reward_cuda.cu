@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   }
 }
 
-template <int32_t DT, int32_t RT>
+template <int32_t DT, int32_t RT, bool VEC>
 __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
   __shared__ int64_t seq_range[2];
   int64_t t0, t_last, i0;
@@ -243,22 +243,57 @@ __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
   const void* lp = reinterpret_cast<const void*>(a.lp);
   const void* ref = reinterpret_cast<const void*>(a.ref);
   const float* g_sum = reinterpret_cast<const float*>(a.g_kl_sum);
+  // The vector path (whole 8-element run, every per-token stream flat and 16-byte aligned): one
+  // 128-bit access per stream; values at tokens that are not counted are loaded and ignored.
+  const bool full = VEC && i0 + kPer <= a.total;
+  float d[kPer], gkl[kPer] = {}, grw[kPer] = {}, gro[kPer] = {};
+  if (full) {
+    float l[kPer], r[kPer];
+    load8<DT>(a.lp, i0, l);
+    load8<DT>(a.ref, i0, r);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) d[j] = l[j] - r[j];
+    if (a.g_kl) load8<DT>(a.g_kl, i0, gkl);
+    if (a.g_reward) load8<RT>(a.g_reward, i0, grw);
+    if (a.g_ref_out) load8<DT>(a.g_ref_out, i0, gro);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const Where& e = w[j];
+      const int64_t i = i0 + j;
+      d[j] = e.counted ? load<DT>(lp, e.seq * a.lp_s0 + e.col * a.lp_s1) - load<DT>(ref, e.seq * a.ref_s0 + e.col * a.ref_s1)
+                       : 0.0f;
+      gkl[j] = (e.counted && a.g_kl) ? load<DT>(reinterpret_cast<const void*>(a.g_kl), i) : 0.0f;
+      grw[j] = (e.counted && a.g_reward) ? load<RT>(reinterpret_cast<const void*>(a.g_reward), i) : 0.0f;
+      gro[j] = (e.counted && a.g_ref_out) ? load<DT>(reinterpret_cast<const void*>(a.g_ref_out), i) : 0.0f;
+    }
+  }
+  float glp[kPer], gref[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const Where& e = w[j];
-    if (!e.inb) continue;
-    const int64_t i = i0 + j;
-    float glp = 0.0f, gref = 0.0f;
+    glp[j] = 0.0f, gref[j] = 0.0f;
     if (e.counted) {
-      const float d = load<DT>(lp, e.seq * a.lp_s0 + e.col * a.lp_s1) - load<DT>(ref, e.seq * a.ref_s0 + e.col * a.ref_s1);
       float g = g_sum ? g_sum[e.seq] : 0.0f;
-      if (a.g_kl) g += load<DT>(reinterpret_cast<const void*>(a.g_kl), i);
-      if (a.g_reward) g -= coef_of(a, e.seq) * load<RT>(reinterpret_cast<const void*>(a.g_reward), i);
-      glp = g * kl_grad(d, a.est);
-      gref = (a.g_ref_out ? load<DT>(reinterpret_cast<const void*>(a.g_ref_out), i) : 0.0f) - glp;
+      if (a.g_kl) g += gkl[j];
+      if (a.g_reward) g -= coef_of(a, e.seq) * grw[j];
+      glp[j] = g * kl_grad(d[j], a.est);
+      gref[j] = (a.g_ref_out ? gro[j] : 0.0f) - glp[j];
     }
-    store<DT>(reinterpret_cast<void*>(a.g_lp), i, glp);
-    store<DT>(reinterpret_cast<void*>(a.g_ref), i, gref);
+  }
+  if (full) {
+    Pack<BitsOf<DT>> pl, pr;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) pl.v[j] = to_bits<DT>(glp[j]), pr.v[j] = to_bits<DT>(gref[j]);
+    *reinterpret_cast<Pack<BitsOf<DT>>*>(reinterpret_cast<BitsOf<DT>*>(a.g_lp) + i0) = pl;
+    *reinterpret_cast<Pack<BitsOf<DT>>*>(reinterpret_cast<BitsOf<DT>*>(a.g_ref) + i0) = pr;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (!w[j].inb) continue;
+      store<DT>(reinterpret_cast<void*>(a.g_lp), i0 + j, glp[j]);
+      store<DT>(reinterpret_cast<void*>(a.g_ref), i0 + j, gref[j]);
+    }
   }
 }
 
@@ -292,11 +327,22 @@ int forward_typed(const KLRewardArgs& a, uintptr_t ws, cudaStream_t stream) {
   return 0;
 }
 
+// The backward's vector path: lp and ref flat and 16-byte aligned, and every flat per-token stream
+// (incoming gradients, the gradients written) 16-byte aligned.
+bool vectorizable_backward(const KLRewardArgs& a) {
+  auto flat = [&](int64_t s0, int64_t s1) { return s1 == 1 && (a.layout == kPacked || s0 == a.width); };
+  auto ok_ptr = [](uintptr_t p) { return p == 0 || aligned(p, 16); };
+  return flat(a.lp_s0, a.lp_s1) && flat(a.ref_s0, a.ref_s1) && aligned(a.lp, 16) && aligned(a.ref, 16) &&
+         aligned(a.g_lp, 16) && aligned(a.g_ref, 16) && ok_ptr(a.g_kl) && ok_ptr(a.g_reward) && ok_ptr(a.g_ref_out);
+}
+
 template <int32_t DT, int32_t RT>
 int backward_typed(const KLRewardArgs& a, cudaStream_t stream) {
   const int64_t tiles = tiles_of(a);
   if (tiles == 0) return 0;
-  return launch_status(launch(backward_tile<DT, RT>, static_cast<unsigned>(tiles), kThreads, 0, stream, a));
+  const dim3 grid(static_cast<unsigned>(tiles));
+  return launch_status(vectorizable_backward(a) ? launch(backward_tile<DT, RT, true>, grid, kThreads, 0, stream, a)
+                                                : launch(backward_tile<DT, RT, false>, grid, kThreads, 0, stream, a));
 }
 
 }  // namespace

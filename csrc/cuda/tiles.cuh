@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/kl_math.h"  // BitsOf, from_bits
 #include "common/kl_reward_args.h"
 #include "cuda/kl_reward_cuda.h"  // kCudaTile
 
@@ -24,6 +25,14 @@ template <typename T>
 struct alignas(sizeof(T) * kPer >= 16 ? 16 : sizeof(T) * kPer) Pack {  // 8 elements, vector-loadable
   T v[kPer];
 };
+
+// 8 consecutive elements from flat index i0 as floats: one 128-bit load (64-bit for 16-bit types).
+template <int32_t T>
+__device__ __forceinline__ void load8(uintptr_t base, int64_t i0, float (&out)[kPer]) {
+  const Pack<BitsOf<T>> p = *reinterpret_cast<const Pack<BitsOf<T>>*>(reinterpret_cast<const BitsOf<T>*>(base) + i0);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) out[j] = from_bits<T>(p.v[j]);
+}
 
 template <typename T>
 __device__ __forceinline__ T ld(uintptr_t base, int64_t i) {
