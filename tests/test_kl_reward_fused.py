@@ -285,7 +285,7 @@ def test_a_row_of_a_million_tokens(layout):
 
 def test_fused_op_on_a_device_without_its_kernel_says_so():
     """The op is registered for CUDA ahead of the CUDA kernel: the launcher names what is missing."""
-    from kl_kernels.kl_reward import launch
+    from kl_kernels import launching as launch
     if not launch._extensions.kernel("_cuda", "kl_reward_forward")[1]:
         pytest.skip("this build has the CUDA kernel")
     with pytest.raises(RuntimeError, match="no fused kernel for cuda tensors"):

@@ -146,7 +146,8 @@ def test_the_overlap_refuses_exactly_the_dtypes_the_kernel_refuses():
     calls ``store`` (outputs handed out unwritten would be silently wrong); it must refuse exactly
     the pairs the plain kernel refuses. Every pair of dtype codes, known and unknown; where a code
     names a dtype, the tensors really have it, so a pair that runs reads valid memory."""
-    from kl_kernels.kl_reward import launch
+    from kl_kernels import launching as launch
+    from kl_kernels.kl_reward.launch import _prepare_forward
 
     module = _extensions.load("_C")[0]
     dtypes = {code: dtype for dtype, code in launch.DTYPE_CODES.items()}
@@ -161,7 +162,7 @@ def test_the_overlap_refuses_exactly_the_dtypes_the_kernel_refuses():
             for overlapped in (False, True):
                 lp = torch.full((5,), -1.0, dtype=lp_dtype)
                 offsets = torch.tensor([0, 2, 5])
-                outputs, args, _, keep = launch._prepare_forward(
+                outputs, args, _, keep = _prepare_forward(
                     lp, lp - 0.5, None, offsets, None, None, torch.ones(5, dtype=rw_dtype), None, 0.1, packed, False,
                     token, k1, False, no_clamp, False, rw_dtype, False)
                 args.dtype, args.reward_dtype = lp_code, rw_code

@@ -34,7 +34,7 @@ def records(tmp_path_factory):
 
 
 def test_every_kernel_and_config_compiles_for_each_target(records):
-    from kl_kernels.kl_reward.launch_triton import GPU_CONFIGS
+    from kl_kernels.launching_triton import GPU_CONFIGS
 
     seen = {(r["kernel"], r["arch"], r["BLOCK"], r["num_warps"], r["case"]) for r in records}
     for arch in ARCHES:

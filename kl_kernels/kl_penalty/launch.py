@@ -13,8 +13,9 @@ import math
 
 import torch
 
-from ..kl_reward.launch import (DTYPE_CODES, EMULATED, ExtensionLauncher, _ptr, _strides, as_contiguous, coefficient,
-                                kernel_module, launch_kernel, make_args, resolved)
+from ..kl_reward.launch import make_args  # the KLRewardArgs geometry this op's args embed (issue 30: to split)
+from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, kernel_module,
+                         launch_kernel, ptr, resolved, strides)
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
@@ -45,13 +46,13 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     keep.extend(r for r, t in zip(inputs, given) if r is not t)  # copies made by resolved: the struct points there
     for name, t in (("old", old_log_probs), ("ref", ref_log_probs), ("ent", entropy)):
         if t is not None:
-            setattr(a, name, _ptr(t))
-            s0, s1 = _strides(t, layout)
+            setattr(a, name, ptr(t))
+            s0, s1 = strides(t, layout)
             setattr(a, f"{name}_s0", s0)
             setattr(a, f"{name}_s1", s1)
-    a.adv = _ptr(advantages)
+    a.adv = ptr(advantages)
     a.adv_per_seq = int(adv_per_seq)
-    a.adv_s0, a.adv_s1 = (advantages.stride(0), 0) if adv_per_seq else _strides(advantages, layout)
+    a.adv_s0, a.adv_s1 = (advantages.stride(0), 0) if adv_per_seq else strides(advantages, layout)
     a.aux_dtype = DTYPE_CODES[advantages.dtype]
     a.beta_mode, a.beta_scalar, a.beta = coefficient(beta, beta_scalar, keep)
     a.clip_lo, a.clip_hi, a.entropy_coef = float(clip_lo), float(clip_hi), float(entropy_coef)
@@ -73,9 +74,10 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     count = torch.empty(batch, dtype=torch.int64, device=dev)
     tok = torch.empty((4, *shape) if token_out else (0,), dtype=torch.float32, device=dev)
     grad = torch.empty(shape, dtype=torch.float32, device=dev)
-    a.seq_loss, a.stats, a.count, a.grad = _ptr(seq_loss), _ptr(stats), _ptr(count), _ptr(grad)
-    a.token_out = _ptr(tok) if token_out else 0
-    launch_kernel(module, "kl_penalty", "forward", a, dev, "kl_penalty_loss")
+    a.seq_loss, a.stats, a.count, a.grad = ptr(seq_loss), ptr(stats), ptr(count), ptr(grad)
+    a.token_out = ptr(tok) if token_out else 0
+    launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss",
+                  workspace_bytes=workspace_function(module, dev))
     del keep
     return seq_loss, stats, count, tok, grad
 
@@ -92,8 +94,9 @@ def forward_with_totals(*forward_args):
     module, a, keep = _prepare_forward(*forward_args)
     grad = torch.empty(forward_args[0].shape, dtype=torch.float32)
     totals = torch.empty(TOTALS, dtype=torch.float64)
-    a.grad, a.totals = _ptr(grad), _ptr(totals)  # seq_loss, stats, count stay 0: not written
-    launch_kernel(module, "kl_penalty", "forward", a, grad.device, "kl_penalty_loss")
+    a.grad, a.totals = ptr(grad), ptr(totals)  # seq_loss, stats, count stay 0: not written
+    launch_kernel(module, module.kl_penalty_forward, a, grad.device, "kl_penalty_loss",
+                  workspace_bytes=workspace_function(module, grad.device))
     a.totals = 0
     return grad, totals.tolist(), a, keep
 
@@ -108,10 +111,10 @@ def backward_with_args(args, grad, g_uniform, lp_dtype, entropy_grad, aux_dtype)
     args.g_seq, args.g_tok, args.g_uniform = 0, 0, float(g_uniform)
     g_lp = torch.empty(grad.shape, dtype=lp_dtype, device=dev)
     g_ent = torch.empty(grad.shape, dtype=aux_dtype, device=dev) if entropy_grad else None
-    args.g_lp = _ptr(g_lp)
-    args.g_ent = _ptr(g_ent)
-    launch_kernel(kernel_module(dev, "kl_penalty", "kl_penalty_loss"), "kl_penalty", "backward", args, dev,
-                  "kl_penalty_loss")
+    args.g_lp = ptr(g_lp)
+    args.g_ent = ptr(g_ent)
+    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
+    launch_kernel(module, module.kl_penalty_backward, args, dev, "kl_penalty_loss")
     return g_lp, g_ent
 
 
@@ -125,29 +128,25 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     a, keep = _args(module, grad, mask, offsets, lengths, layout, left_pad, 0, False, lp_dtype)
     a.aux_dtype = DTYPE_CODES[aux_dtype]
     a.entropy_coef = float(entropy_coef)
-    a.grad = _ptr(grad)
+    a.grad = ptr(grad)
     for name, t in (("g_seq", g_seq), ("g_tok", g_tok)):
         if t is not None:
             t = as_contiguous(t, torch.float32)
             keep.append(t)
-            setattr(a, name, _ptr(t))
+            setattr(a, name, ptr(t))
     g_lp = torch.empty(grad.shape, dtype=lp_dtype, device=dev)
     g_ent = torch.empty(grad.shape if entropy_grad else (0,), dtype=aux_dtype, device=dev)
-    a.g_lp = _ptr(g_lp)
-    a.g_ent = _ptr(g_ent) if entropy_grad else 0
-    launch_kernel(module, "kl_penalty", "backward", a, dev, "kl_penalty_loss")
+    a.g_lp = ptr(g_lp)
+    a.g_ent = ptr(g_ent) if entropy_grad else 0
+    launch_kernel(module, module.kl_penalty_backward, a, dev, "kl_penalty_loss")
     del keep
     return g_lp, g_ent
 
 
-class _Emulated(ExtensionLauncher):
-    """``forward`` / ``backward`` of this module on the CUDA kernels under host emulation."""
-
-    def forward(self, *args, **kwargs):
-        return forward(*args, ext=self.ext, **kwargs)
-
-    def backward(self, *args):
-        return backward(*args, ext=self.ext)
+def workspace_function(module, device):
+    """The forward's scratch-size function of ``module`` on ``device``: the CUDA kernels (real or
+    emulated) take a workspace, the CPU kernels none."""
+    return module.kl_penalty_workspace_bytes if device.type != "cpu" or getattr(module, "EMULATED", False) else None
 
 
-emulated = _Emulated(EMULATED)  # the cuda-emulated backend's launcher (ops.py)
+emulated = ExtensionLauncher(EMULATED, forward, backward)  # the cuda-emulated backend's launcher (ops.py)

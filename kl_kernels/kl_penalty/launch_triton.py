@@ -12,14 +12,16 @@ import math
 
 import torch
 
-from ..kl_reward.launch import _strides, resolved
-from ..kl_reward.launch_triton import (COMBINE_BLOCK, MIN_BLOCK, _flat, _interpreter_block, _or, _size_bucket,
-                                       _tuned, kernel_set, launch_tiles, triton_cdiv)
+from ..launching import resolved, strides
+from ..launching_triton import (COMBINE_BLOCK, MIN_BLOCK, interpreter_block, kernel_set, launch_tiles, or_dummy,
+                                readable_flat, size_bucket, triton_cdiv, tuned)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    return kernel_set("kl_penalty", "kl_penalty")
+    from ..triton import kl_penalty as k  # imported on first use: triton is optional
+
+    return kernel_set(k.kl_penalty_fwd_kernel, k.kl_penalty_combine_kernel, k.kl_penalty_bwd_kernel)
 
 
 def _geometry(like, mask, offsets, lengths, layout):
@@ -29,7 +31,7 @@ def _geometry(like, mask, offsets, lengths, layout):
     offsets = offsets.to(torch.int64).contiguous() if offsets is not None else None
     lengths = lengths.to(torch.int64).contiguous() if lengths is not None else None
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
-    mask_s = _strides(mask_u8, layout) if mask is not None else (0, 0)
+    mask_s = strides(mask_u8, layout) if mask is not None else (0, 0)
     return packed, batch, width, offsets, lengths, mask_u8, mask_s
 
 
@@ -52,23 +54,23 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     else:
         beta_t = beta.to(torch.float32).contiguous()  # a device op: no host sync
         beta_mode = 1 if beta_t.dim() == 0 else 2
-    block = _interpreter_block(total) if not _tuned(fwd) else MIN_BLOCK
+    block = interpreter_block(total) if not tuned(fwd) else MIN_BLOCK
     slots = 2 * max(1, math.ceil(total / block))  # enough for the smallest tile the tuner may pick
     slot_sum = torch.empty(slots, 8, dtype=torch.float64, device=dev)
     slot_count = torch.empty(slots, dtype=torch.int32, device=dev)
-    adv_s = (advantages.stride(0), 0) if adv_per_seq else _strides(advantages, layout)
+    adv_s = (advantages.stride(0), 0) if adv_per_seq else strides(advantages, layout)
     zero_s = (0, 0)
     per_token = (log_probs, old_log_probs, ref_log_probs, mask, entropy, None if adv_per_seq else advantages)
-    flat = all(_flat(x, layout) for x in per_token)
+    flat = all(readable_flat(x, layout) for x in per_token)
     if total > 0:
         dummy = log_probs
-        args = (log_probs, old_log_probs, _or(ref_log_probs, dummy), advantages, _or(entropy, dummy),
-                _or(mask_u8, dummy), _or(beta_t, seq_loss), _or(offsets, count), _or(lengths, count),
+        args = (log_probs, old_log_probs, or_dummy(ref_log_probs, dummy), advantages, or_dummy(entropy, dummy),
+                or_dummy(mask_u8, dummy), or_dummy(beta_t, seq_loss), or_dummy(offsets, count), or_dummy(lengths, count),
                 seq_loss, stats, count, tok if token_out else grad, grad, slot_sum, slot_count,
-                total, batch, width, *_strides(log_probs, layout), *_strides(old_log_probs, layout),
-                *(_strides(ref_log_probs, layout) if ref_log_probs is not None else zero_s), *adv_s,
-                *(_strides(entropy, layout) if entropy is not None else zero_s), *mask_s,
-                float(beta_scalar), float(clip_lo), float(clip_hi), float(entropy_coef), _size_bucket(total))
+                total, batch, width, *strides(log_probs, layout), *strides(old_log_probs, layout),
+                *(strides(ref_log_probs, layout) if ref_log_probs is not None else zero_s), *adv_s,
+                *(strides(entropy, layout) if entropy is not None else zero_s), *mask_s,
+                float(beta_scalar), float(clip_lo), float(clip_hi), float(entropy_coef), size_bucket(total))
         flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None,
                      HAS_MASK=mask is not None, HAS_REF=ref_log_probs is not None, HAS_ENT=entropy is not None,
                      ADV_PER_SEQ=bool(adv_per_seq), BETA_MODE=beta_mode, TOKEN_OUT=bool(token_out),
@@ -76,7 +78,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
         combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
-            _or(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, width, PACKED=packed,
+            or_dummy(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, width, PACKED=packed,
             TILE=block, BLOCK_B=COMBINE_BLOCK)
     return seq_loss, stats, count, tok, grad
 
@@ -94,11 +96,11 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
         return g_lp, g_ent
     g_seq = g_seq.to(torch.float32).contiguous() if g_seq is not None else None
     g_tok = g_tok.to(torch.float32).contiguous() if g_tok is not None else None
-    args = (grad, _or(g_seq, grad), _or(g_tok, grad), _or(mask_u8, grad), _or(offsets, grad), _or(lengths, grad),
+    args = (grad, or_dummy(g_seq, grad), or_dummy(g_tok, grad), or_dummy(mask_u8, grad), or_dummy(offsets, grad), or_dummy(lengths, grad),
             g_lp, g_ent if entropy_grad else g_lp, total, batch, width, *mask_s, float(entropy_coef),
-            _size_bucket(total))
+            size_bucket(total))
     flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
                  HAS_GSEQ=g_seq is not None, HAS_GTOK=g_tok is not None, ENT_GRAD=bool(entropy_grad),
-                 FLAT=_flat(mask, layout))
+                 FLAT=readable_flat(mask, layout))
     launch_tiles(bwd, total, args, flags)
     return g_lp, g_ent

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .._compat import torch as torch_compat
-from ..kl_reward.launch import ESTIMATOR_CODES, LAYOUT_CODES
+from ..launching import ESTIMATOR_CODES, LAYOUT_CODES
 from . import launch, launch_triton
 from .aggregate import KLPenaltyLossOutput, uniform_parts
 from .problem import KLPenaltyProblem

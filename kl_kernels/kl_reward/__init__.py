@@ -8,8 +8,11 @@ Where things are:
 * ``reference.py``  the torch reference: the semantics, forward and backward formulas
 * ``backends.py``   which backends exist, what each supports, in ``"auto"`` order
 * ``ops.py``        the ``torch.library`` ops (fake tensors, autograd) around the launchers
-* ``launch.py``     host launcher of the C++ kernels (``_C`` on CPU, ``_cuda`` on CUDA): tensors -> argument struct
+* ``launch.py``     host launcher of the C++ kernels (``_C`` on CPU, ``_cuda`` on CUDA, ``_cuda_emu`` emulated):
+                    tensors -> argument struct -> ``module.kl_reward_forward`` / ``kl_reward_backward``
 * ``launch_triton.py`` host launcher of the Triton kernels (``kl_kernels/triton/kl_reward.py``)
+
+Machinery both ops use lives outside the op: ``kl_kernels/launching.py`` and ``launching_triton.py``.
 
 The kernels: ``csrc/cpu/kl_reward_cpu*.cpp`` and ``csrc/cuda/kl_reward_cuda.cu``, both on the per-token
 math of ``csrc/common/kl_math.h``; Triton's in ``kl_kernels/triton/``.

@@ -30,7 +30,8 @@ import torch
 
 from .. import _extensions, ragged
 from ..backends import ENV_VAR
-from .launch import DTYPE_CODES, allocate_outputs, raise_for
+from ..launching import DTYPE_CODES, raise_for
+from .launch import allocate_outputs
 from .problem import KLRewardOutput, _check_out
 
 _CPU = torch.device("cpu")

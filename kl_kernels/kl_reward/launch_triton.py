@@ -16,57 +16,15 @@ import math
 
 import torch
 
-from .launch import _strides, resolved
-
-# (BLOCK, num_warps) pairs the forward/backward tile kernels are tuned over on a GPU.
-GPU_CONFIGS = ((1024, 4), (2048, 8), (4096, 8), (4096, 16))
-MIN_BLOCK = min(b for b, _ in GPU_CONFIGS)
-INTERPRETER_TILES = 8
-COMBINE_BLOCK = 128
-
-
-def kernel_set(module_name: str, prefix: str):
-    """(forward, combine, backward) Triton kernels ``<prefix>_fwd_kernel`` etc. of
-    ``kl_kernels.triton.<module_name>``; forward and backward wrapped in the autotuner on a GPU."""
-    import importlib
-
-    import triton
-
-    from ..triton import interpreting
-
-    k = importlib.import_module(f"kl_kernels.triton.{module_name}")
-    fwd, combine, bwd = (getattr(k, f"{prefix}_{part}_kernel") for part in ("fwd", "combine", "bwd"))
-    if interpreting():
-        return fwd, combine, bwd
-    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in GPU_CONFIGS]
-    return (triton.autotune(configs, key=["size_bucket"])(fwd), combine,
-            triton.autotune(configs, key=["size_bucket"])(bwd))
-
+from ..launching import resolved, strides
+from ..launching_triton import (COMBINE_BLOCK, MIN_BLOCK, interpreter_block, readable_flat,
+                                kernel_set, launch_tiles, or_dummy, size_bucket, triton_cdiv, tuned)
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    return kernel_set("kl_reward", "kl_reward")
+    from ..triton import kl_reward as k  # imported on first use: triton is optional
 
-
-def _tuned(kernel) -> bool:
-    return hasattr(kernel, "configs")
-
-
-def _interpreter_block(total: int) -> int:
-    return min(1024, max(16, 1 << (max(1, math.ceil(total / INTERPRETER_TILES)) - 1).bit_length()))
-
-
-def _size_bucket(n: int) -> int:
-    return 1 << max(10, (max(n, 1) - 1).bit_length())
-
-
-def _flat(x: torch.Tensor | None, layout: int) -> bool:
-    """Readable at the flat output index (contiguous in the layout's shape)?"""
-    if x is None:
-        return True
-    if layout == 0:
-        return x.stride(0) == 1 or x.shape[0] <= 1
-    return x.is_contiguous()
+    return kernel_set(k.kl_reward_fwd_kernel, k.kl_reward_combine_kernel, k.kl_reward_bwd_kernel)
 
 
 def _common(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, coef_scalar, layout, left_pad,
@@ -92,12 +50,8 @@ def _common(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef,
     return dict(
         dummy=dummy, batch=batch, width=width, offsets=offsets, lengths=lengths,
         prompt_lens=prompt_lens, coef=coef_t, coef_scalar=float(coef_scalar), mask=mask_u8,
-        clamp=(lo, hi, olo, ohi), flags=flags, lp_s=_strides(log_probs, layout), ref_s=_strides(ref_log_probs, layout),
-        mask_s=_strides(mask_u8, layout) if mask is not None else (0, 0))
-
-
-def _or(x, dummy):
-    return dummy if x is None else x
+        clamp=(lo, hi, olo, ohi), flags=flags, lp_s=strides(log_probs, layout), ref_s=strides(ref_log_probs, layout),
+        mask_s=strides(mask_u8, layout) if mask is not None else (0, 0))
 
 
 def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout,
@@ -115,7 +69,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
     kl_sum = torch.empty(batch, dtype=torch.float32, device=dev)
     count = torch.empty(batch, dtype=torch.int64, device=dev)
     last = torch.empty(batch, dtype=torch.int64, device=dev)
-    block = _interpreter_block(total) if not _tuned(fwd) else MIN_BLOCK
+    block = interpreter_block(total) if not tuned(fwd) else MIN_BLOCK
     slots = 2 * max(1, math.ceil(total / block))  # enough for the smallest tile the tuner may pick
     slot_sum = torch.empty(slots, dtype=torch.float64, device=dev)
     slot_count = torch.empty(slots, dtype=torch.int32, device=dev)
@@ -123,24 +77,24 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
     if reward is None:
         rw_s0 = rw_s1 = 0
     elif placement == 1:
-        rw_s0, rw_s1 = _strides(reward, layout)
+        rw_s0, rw_s1 = strides(reward, layout)
     else:
         rw_s0, rw_s1 = reward.stride(0), 0
-    flat = all(_flat(x, layout) for x in (log_probs, ref_log_probs, mask, reward if placement == 1 else None))
+    flat = all(readable_flat(x, layout) for x in (log_probs, ref_log_probs, mask, reward if placement == 1 else None))
     lo, hi, olo, ohi = c["clamp"]
     if total > 0:
-        args = (log_probs, ref_log_probs, _or(c["mask"], dummy), _or(reward, dummy), _or(c["coef"], kl_sum),
-                _or(c["offsets"], count), _or(c["lengths"], count), _or(c["prompt_lens"], count),
+        args = (log_probs, ref_log_probs, or_dummy(c["mask"], dummy), or_dummy(reward, dummy), or_dummy(c["coef"], kl_sum),
+                or_dummy(c["offsets"], count), or_dummy(c["lengths"], count), or_dummy(c["prompt_lens"], count),
                 kl, reward_out, ref_out if return_ref else kl, kl_sum, count, last, slot_sum, slot_count, slot_last,
                 total, batch, c["width"], *c["lp_s"], *c["ref_s"], *c["mask_s"], rw_s0, rw_s1,
-                c["coef_scalar"], lo, hi, olo, ohi, _size_bucket(total))
+                c["coef_scalar"], lo, hi, olo, ohi, size_bucket(total))
         flags = dict(c["flags"], HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
                      PLACEMENT=placement, RETURN_REF=bool(return_ref), FLAT=flat)
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
         combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
-            log_probs, ref_log_probs, _or(reward, dummy), _or(c["coef"], kl_sum), _or(c["offsets"], count),
-            _or(c["lengths"], count), reward_out, kl_sum, count, last, slot_sum, slot_count, slot_last,
+            log_probs, ref_log_probs, or_dummy(reward, dummy), or_dummy(c["coef"], kl_sum), or_dummy(c["offsets"], count),
+            or_dummy(c["lengths"], count), reward_out, kl_sum, count, last, slot_sum, slot_count, slot_last,
             batch, c["width"], *c["lp_s"], *c["ref_s"], rw_s0, c["coef_scalar"], lo, hi, olo, ohi,
             **c["flags"], PLACE_LAST=placement == 3, TILE=block, BLOCK_B=COMBINE_BLOCK)
     return kl, reward_out, ref_out, kl_sum, count
@@ -163,12 +117,12 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     grads = [None if g is None else g.to(dtype).contiguous() for g, dtype in (
         (g_kl, log_probs.dtype), (g_reward, reward_dtype), (g_ref_out, ref_log_probs.dtype),
         (g_kl_sum, torch.float32))]
-    flat = all(_flat(x, layout) for x in (log_probs, ref_log_probs, mask))
+    flat = all(readable_flat(x, layout) for x in (log_probs, ref_log_probs, mask))
     lo, hi, olo, ohi = c["clamp"]
-    args = (log_probs, ref_log_probs, _or(c["mask"], dummy), _or(c["coef"], g_lp), _or(c["offsets"], g_lp),
-            _or(c["lengths"], g_lp), _or(c["prompt_lens"], g_lp), *(_or(g, dummy) for g in grads), g_lp, g_ref,
+    args = (log_probs, ref_log_probs, or_dummy(c["mask"], dummy), or_dummy(c["coef"], g_lp), or_dummy(c["offsets"], g_lp),
+            or_dummy(c["lengths"], g_lp), or_dummy(c["prompt_lens"], g_lp), *(or_dummy(g, dummy) for g in grads), g_lp, g_ref,
             total, c["batch"], c["width"], *c["lp_s"], *c["ref_s"], *c["mask_s"],
-            c["coef_scalar"], lo, hi, olo, ohi, _size_bucket(total))
+            c["coef_scalar"], lo, hi, olo, ohi, size_bucket(total))
     flags = dict(c["flags"], HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
                  HAS_GKL=grads[0] is not None, HAS_GRW=grads[1] is not None, HAS_GRO=grads[2] is not None,
                  HAS_GSUM=grads[3] is not None, STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
@@ -176,16 +130,3 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     return g_lp, g_ref
 
 
-def launch_tiles(kernel, total: int, args, flags) -> int:
-    """Launch a tile kernel, one program per ``BLOCK`` elements of the flat token space: the
-    autotuned ``BLOCK`` on a GPU, the interpreter's tile otherwise. Returns the ``BLOCK`` used."""
-    if _tuned(kernel):
-        kernel[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
-        return kernel.best_config.kwargs["BLOCK"]
-    block = _interpreter_block(total)
-    kernel[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
-    return block
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

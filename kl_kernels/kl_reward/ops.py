@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import launching
 from . import launch, launch_triton
 from .problem import KLRewardProblem, RawOutputs
 
@@ -115,10 +116,10 @@ def _forward_args(p: KLRewardProblem) -> tuple:
     """The 17 arguments of ``kl_kernels::kl_reward_fwd`` (and of the launchers' forward) for ``p``."""
     coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
     coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
-    clamp = [*launch.clamp_bounds(p.clamp_input), *launch.clamp_bounds(p.clamp_output)]
+    clamp = [*launching.clamp_bounds(p.clamp_input), *launching.clamp_bounds(p.clamp_output)]
     return (p.log_probs, p.ref_log_probs, p.mask, p.offsets, p.lengths, p.prompt_lens, p.reward, coef_tensor,
-            coef_scalar, launch.LAYOUT_CODES[p.layout], p.padding_side == "left", launch.PLACEMENT_CODES[p.placement],
-            launch.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
+            coef_scalar, launching.LAYOUT_CODES[p.layout], p.padding_side == "left", launching.PLACEMENT_CODES[p.placement],
+            launching.ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"), clamp, p.return_ref,
             p.reward_dtype)
 
 

@@ -1,0 +1,137 @@
+"""Host-launch machinery shared by every op's launcher (``kl_kernels/<op>/launch.py``): the kernels'
+code tables (from ``kl_kernels/codes.py``), turning tensors into addresses and element strides,
+choosing the extension for a device (``_C``, ``_cuda``, or the emulated ``_cuda_emu``), running a
+kernel on the right stream with its workspace, and turning error codes into exceptions. No op owns
+this module; ops never import each other's launchers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _extensions, codes
+
+# The kernels' codes, from the one table (kl_kernels/codes.py, which csrc/common/codes.h is generated from).
+DTYPE_CODES = {getattr(torch, name): code for name, code in codes.DTYPE_CODES.items()}
+ESTIMATOR_CODES = codes.ESTIMATOR_CODES
+PLACEMENT_CODES = codes.PLACEMENT_CODES
+LAYOUT_CODES = {**codes.LAYOUT_CODES, "list": codes.LAYOUT_CODES["packed"]}  # list: packed geometry, read in place
+
+
+def clamp_bounds(clamp) -> tuple[float, float]:
+    """(lo, hi) with missing bounds as -inf/+inf, the form the op schema carries."""
+    if clamp is None:
+        return -math.inf, math.inf
+    lo, hi = clamp
+    return (-math.inf if lo is None else lo), (math.inf if hi is None else hi)
+
+
+def strides(x: torch.Tensor, layout: int) -> tuple[int, int]:
+    """Element strides (s0, s1) so that x is read at row * s0 + col * s1 (packed: row = 0)."""
+    if layout == 0:
+        return 0, x.stride(0)
+    return x.stride(0), x.stride(1)
+
+
+def as_contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a contiguous ``dtype`` tensor: ``x`` itself when it already is (two attribute reads
+    instead of two dispatched torch calls: this runs several times per call)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
+def resolved(*tensors):
+    """``tensors`` with torch's lazy negation applied. A real tensor can carry a pending negation
+    (the negative bit, e.g. ``z.conj().imag`` of a complex ``z``) that its memory does not show:
+    a kernel reading its address would see the values unnegated. Every launcher passes its tensor
+    arguments through here first; a tensor without the bit (all but never) comes back as is, for
+    one flag read. ``None`` and in-place lists (checked when they were read) pass through."""
+    return [t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors]
+
+
+def ptr(x: torch.Tensor | None) -> int:
+    return 0 if x is None or x.numel() == 0 else x.data_ptr()
+
+
+def coefficient(coef: torch.Tensor | None, scalar: float, keep: list) -> tuple[int, float, int]:
+    """(mode, scalar, address) of a coefficient for the kernels' CoefMode: a float (mode 0), or a 0-d
+    (1) / per-sequence (2) tensor read on device as float32 (kept alive in ``keep``)."""
+    if coef is None:
+        return 0, float(scalar), 0
+    coef = as_contiguous(coef, torch.float32)  # a device op: no host sync
+    keep.append(coef)
+    return (1 if coef.dim() == 0 else 2), 0.0, ptr(coef)
+
+
+# The extension of the cuda-emulated backend: the CUDA kernels compiled against the host emulation
+# of csrc/emu, run on CPU tensors (setup.py); launched as the CUDA ones, with stream 0.
+EMULATED = "_cuda_emu"
+
+
+def kernel_module(device: torch.device, op: str = "kl_reward", what: str = "kl_reward", ext: str | None = None):
+    """The extension holding op ``op``'s kernels for ``device`` (or extension ``ext``, by name), or a
+    RuntimeError naming ``what`` and why there is none (e.g. a wheel built without nvcc has no
+    ``_cuda``; dispatch never routes there)."""
+    name = ext or ("_C" if device.type == "cpu" else "_cuda")
+    _, reason = _extensions.kernel(name, f"{op}_forward")
+    if reason:
+        raise RuntimeError(f"{what}: no fused kernel for {device.type} tensors: {reason}")
+    return _extensions.load(name)[0]
+
+
+def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=None) -> None:
+    """Run ``kernel``, a function of extension ``module`` named at the call site (e.g.
+    ``module.kl_reward_forward``, so a reader goes from the launcher straight to the binding): on the
+    CPU with torch's thread count; on CUDA enqueued on torch's current stream of ``device``, with
+    ``workspace_bytes(args)`` bytes of scratch from torch's caching allocator when the kernel takes a
+    workspace (the CUDA forwards; no host sync). Error codes become RuntimeErrors naming ``what``."""
+    if getattr(module, "EMULATED", False):
+        # The CUDA entry points on CPU memory: a CPU workspace, and stream 0, since CPU tensors have
+        # no stream (the emulation runs each launch to completion before returning).
+        if workspace_bytes is not None:
+            workspace = torch.empty(workspace_bytes(args), dtype=torch.uint8)
+            code = kernel(args, ptr(workspace), 0)
+        else:
+            code = kernel(args, 0)
+    elif device.type == "cpu":
+        code = kernel(args, torch.get_num_threads())
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with torch.cuda.device(device):  # the kernels launch on the current device
+            if workspace_bytes is not None:
+                workspace = torch.empty(workspace_bytes(args), dtype=torch.uint8, device=device)
+                # Allocated on this stream, so freeing it right after the enqueue is safe: the
+                # caching allocator hands the block only to work queued after this kernel.
+                code = kernel(args, ptr(workspace), stream)
+            else:
+                code = kernel(args, stream)
+    raise_for(code, module, what)
+
+
+def raise_for(code: int, module, what: str) -> None:
+    """A kernel's error code (0: success) as a RuntimeError naming ``what``."""
+    if code == 1:
+        raise RuntimeError(f"{what} kernel: unsupported dtype combination")
+    if code == 2:
+        raise RuntimeError(f"{what} kernel: too many tokens for one launch")
+    if code == 3:
+        raise RuntimeError(f"{what} kernel: list inputs, mask_nan and batch totals are for the CPU forward only")
+    if code >= 1000:
+        raise RuntimeError(f"{what} CUDA kernel launch failed: {module.error_string(code - 1000)}")
+    if code != 0:
+        raise RuntimeError(f"{what} kernel failed with code {code}")
+
+
+class ExtensionLauncher:
+    """An op's launcher ``forward`` and ``backward`` bound to one extension (``ext``), with the
+    launchers' common signature: what the cuda-emulated backend registers its ops around (ops.py)."""
+
+    def __init__(self, ext: str, forward, backward):
+        self.ext, self._forward, self._backward = ext, forward, backward
+
+    def forward(self, *args, **kwargs):
+        return self._forward(*args, ext=self.ext, **kwargs)
+
+    def backward(self, *args):
+        return self._backward(*args, ext=self.ext)

@@ -1,0 +1,76 @@
+"""Triton launch machinery shared by every op's Triton launcher (``kl_kernels/<op>/launch_triton.py``):
+the autotune configurations and the tile each program covers, the interpreter's tile size, and
+launching a tile kernel over the flat token space. No op owns this module.
+
+On a GPU the tile kernels are autotuned over ``GPU_CONFIGS`` keyed on the token count rounded up to a
+power of two (``size_bucket``), so ragged batches of similar size reuse one tuned configuration.
+Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors) there is nothing to time: the tile
+is chosen so that a batch spans about eight tiles (16 to 1024 elements), which keeps the
+interpreter's per-program cost bounded and still makes small test batches cross tile boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# (BLOCK, num_warps) pairs the forward/backward tile kernels are tuned over on a GPU.
+GPU_CONFIGS = ((1024, 4), (2048, 8), (4096, 8), (4096, 16))
+MIN_BLOCK = min(b for b, _ in GPU_CONFIGS)
+INTERPRETER_TILES = 8
+COMBINE_BLOCK = 128
+
+
+def kernel_set(fwd, combine, bwd):
+    """The (forward, combine, backward) Triton kernels as launched: forward and backward wrapped in
+    the autotuner on a GPU, as they are under the interpreter."""
+    import triton
+
+    from .triton import interpreting
+
+    if interpreting():
+        return fwd, combine, bwd
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in GPU_CONFIGS]
+    return (triton.autotune(configs, key=["size_bucket"])(fwd), combine,
+            triton.autotune(configs, key=["size_bucket"])(bwd))
+
+
+def tuned(kernel) -> bool:
+    return hasattr(kernel, "configs")
+
+
+def interpreter_block(total: int) -> int:
+    return min(1024, max(16, 1 << (max(1, math.ceil(total / INTERPRETER_TILES)) - 1).bit_length()))
+
+
+def size_bucket(n: int) -> int:
+    return 1 << max(10, (max(n, 1) - 1).bit_length())
+
+
+def readable_flat(x: torch.Tensor | None, layout: int) -> bool:
+    """Readable at the flat output index (contiguous in the layout's shape)?"""
+    if x is None:
+        return True
+    if layout == 0:
+        return x.stride(0) == 1 or x.shape[0] <= 1
+    return x.is_contiguous()
+
+
+def or_dummy(x, dummy):
+    return dummy if x is None else x
+
+
+def launch_tiles(kernel, total: int, args, flags) -> int:
+    """Launch a tile kernel, one program per ``BLOCK`` elements of the flat token space: the
+    autotuned ``BLOCK`` on a GPU, the interpreter's tile otherwise. Returns the ``BLOCK`` used."""
+    if tuned(kernel):
+        kernel[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
+        return kernel.best_config.kwargs["BLOCK"]
+    block = interpreter_block(total)
+    kernel[(triton_cdiv(total, block),)](*args, **flags, BLOCK=block)
+    return block
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
