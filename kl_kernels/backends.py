@@ -19,11 +19,14 @@ cached, so a missing extension never breaks ``import kl_kernels``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from . import _extensions
 
 ENV_VAR = "KL_KERNELS_BACKEND"
 BACKEND_NAMES = ("torch", "cpu", "cuda", "triton", "cuda-emulated")
@@ -172,3 +175,86 @@ def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backen
     all_reasons = [f"{candidate.name}: " + "; ".join(candidate.auto_rejection_reasons(problem, op))
                    for candidate in registry]
     raise BackendUnavailableError(f"{op}: no backend can run these inputs:\n  - " + "\n  - ".join(all_reasons))
+
+
+# --------------------------------------------------------------------------- the fused rows every op shares
+
+HALF_AND_SINGLE = frozenset({torch.float32, torch.bfloat16, torch.float16})
+BOTH_LAYOUTS = frozenset({"packed", "padded"})
+
+
+def _torch_cuda_reason() -> list[str]:
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return [f"torch {torch.__version__} is a CPU-only build (no CUDA)"]
+    if not torch.cuda.is_available():
+        return ["torch sees no CUDA device (torch.cuda.is_available() is False)"]
+    return []
+
+
+def _cpu_reasons(kernel: str) -> list[str]:
+    _, reason = _extensions.kernel("_C", kernel)
+    return [reason] if reason else []
+
+
+def _emulated_reasons(kernel: str) -> list[str]:
+    _, reason = _extensions.kernel("_cuda_emu", kernel)
+    return [reason] if reason else []
+
+
+def _cuda_reasons(kernel: str) -> list[str]:
+    _, reason = _extensions.kernel("_cuda", kernel)
+    reasons = [reason] if reason else []
+    if _extensions.load("_cuda")[0] is not None:
+        runtime_error = _extensions.probe("_cuda").get("error")
+        if runtime_error:
+            reasons.append(f"CUDA runtime of kl_kernels._cuda: {runtime_error}")
+    return reasons + _torch_cuda_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_reasons() -> list[str]:
+    from .triton import interpreting  # (kl_kernels.triton does not import triton itself)
+
+    if not _triton_installed():
+        return ["triton is not installed (pip install 'kl_kernels[triton]')"]
+    if interpreting():
+        return []  # CPU tensors run in the interpreter
+    return _torch_cuda_reason()
+
+
+# The GPU kernels are compiled and statically checked in CI and run there in emulation, but no CI
+# machine has a GPU: on a CUDA device "auto" takes the cuda and triton rows only once they have passed
+# the first-use self-check on that device (kl_kernels/selfcheck.py), and otherwise moves on (a backend
+# named explicitly runs without it).
+GPU_SELF_CHECK = frozenset({"cuda"})
+
+
+def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
+    """The ``cuda``, ``triton``, ``cpu`` and ``cuda-emulated`` rows of an op, in ``"auto"`` order: C++
+    kernels found by their forward symbol ``kernel`` in ``_cuda`` / ``_C`` / ``_cuda_emu``, all run
+    by ``run_fused(problem, triton=False|True, emulated=False|True)``, all declining problems that
+    ``requires`` rejects. One place for the policy every op shares (the GPU self-check, Triton's
+    interpreter and the CUDA emulation on explicit request only)."""
+    from .triton import interpreting
+
+    return [
+        Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cuda_reasons, kernel),
+                run_fused, requires=requires, self_check_devices=GPU_SELF_CHECK,
+                notes="fused CUDA C++ kernel (auto: after its first-use self-check on the device)"),
+        Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
+                _triton_reasons, functools.partial(run_fused, triton=True), requires=requires,
+                auto_devices=frozenset({"cuda"}), self_check_devices=GPU_SELF_CHECK,
+                notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else
+                                          " (auto: after its first-use self-check on the device)")),
+        Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cpu_reasons, kernel),
+                run_fused, requires=requires, notes="fused multi-threaded C++ kernel"),
+        # The CUDA kernels on CPU tensors, for tests: "auto" never takes it (no auto device).
+        Backend("cuda-emulated", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
+                functools.partial(_emulated_reasons, kernel), functools.partial(run_fused, emulated=True),
+                requires=requires, auto_devices=frozenset(),
+                notes="the CUDA kernels under a host emulation of CUDA (CPU tensors; a test instrument, slow)"),
+    ]

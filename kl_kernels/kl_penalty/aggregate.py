@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kl_reward.problem import OutputLayout
+from ..layouts import TokenLayout
 from .problem import KLPenaltyProblem
 from .reference import RawLoss
 
@@ -140,7 +140,7 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
     diag = [(kl_total / denom).to(md), (ratio_total / denom).to(md), (clip_total / denom).to(md)]
     num_tokens = n_tokens.round().to(torch.int64)
     if p.aggregation == "none":
-        tokens = OutputLayout(kind, offsets, reward_trailing=False)._tokens  # back to the caller's layout
+        tokens = TokenLayout(kind, offsets)._tokens  # back to the caller's layout
         return KLPenaltyLossOutput(*map(tokens, raw.token_out.unbind(0)), *diag, num_tokens)
 
     per_seq_beta = isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import Backend
-from ..kl_reward.backends import BOTH_LAYOUTS, HALF_AND_SINGLE, fused_backends
+from ..backends import BOTH_LAYOUTS, HALF_AND_SINGLE, Backend, fused_backends
 from .ops import run_fused
 from .reference import kl_penalty_reference
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks, codes, ragged
-from ..kl_reward.problem import (ESTIMATORS, NativeLayout, _check_device, _check_logprob_tensor,
-                                 _normalize_layout, _pack_ragged_arg, _same_device)
+from ..codes import ESTIMATORS
+from ..layouts import NativeLayout, check_device, check_logprob_tensor, normalize_layout, pack_ragged_arg, same_device
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum",
                 "none")
@@ -100,13 +100,13 @@ def _check_clip(clip_epsilon):
 def _token_tensor(x, name, kind, lp, offsets, *, floating=True):
     """A per-token argument in log_probs' layout -> a tensor in the problem's native layout."""
     if kind in ("list", "nested_jagged", "nested_strided"):
-        return _pack_ragged_arg(x, name, offsets, kind, lp.dtype)
+        return pack_ragged_arg(x, name, offsets, kind, lp.dtype)
     if not isinstance(x, torch.Tensor) or x.is_nested:
         raise TypeError(f"{name} must be a regular tensor like log_probs, got "
                         f"{'a nested tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
     if tuple(x.shape) != tuple(lp.shape):
         raise ValueError(f"{name} must have the shape of log_probs {list(lp.shape)}, got {list(x.shape)}")
-    _check_device(name, x.device, lp.device)
+    check_device(name, x.device, lp.device)
     return x
 
 
@@ -120,7 +120,7 @@ def _advantages(advantages, kind, lp, offsets, batch):
     if isinstance(advantages, (list, tuple)) or (isinstance(advantages, torch.Tensor) and advantages.is_nested):
         if kind not in ("list", "nested_jagged", "nested_strided"):
             raise TypeError("advantages is a list or nested tensor but log_probs is a dense tensor: give a tensor")
-        values = _pack_ragged_arg(advantages, "advantages", offsets, kind, lp.dtype)
+        values = pack_ragged_arg(advantages, "advantages", offsets, kind, lp.dtype)
         if values.dim() != 1:
             raise ValueError("per-token advantages must be [L] per sequence, like log_probs")
         _check_float(values, "advantages")
@@ -129,7 +129,7 @@ def _advantages(advantages, kind, lp, offsets, batch):
         raise TypeError(f"advantages must be a tensor, a nested tensor or a list of tensors, "
                         f"got {type(advantages).__name__}")
     _check_float(advantages, "advantages")
-    _check_device("advantages", advantages.device, lp.device)
+    check_device("advantages", advantages.device, lp.device)
     shape, tok = tuple(advantages.shape), tuple(lp.shape)
     if kind == "padded":
         # [B, T] first: with T == 1 the per-token and per-sequence readings are the same numbers.
@@ -163,7 +163,7 @@ def _beta(beta, batch, device):
         if beta.dim() != 0 and tuple(beta.shape) != (batch,):
             raise ValueError(f"beta must be a float, a 0-dim tensor or a per-sequence [B] tensor (B = {batch}); "
                              f"got shape {list(beta.shape)}")
-        _check_device("beta", beta.device, device)
+        check_device("beta", beta.device, device)
         # a coefficient, read on device (values checked on the CPU only: no host sync), no gradient
         return _checks.finite_coefficient_tensor("beta", beta.detach())
     return _checks.finite_scalar("beta", _real("beta", beta))
@@ -193,7 +193,7 @@ def _num_global_tokens(n, aggregation, process_group, device):
     if isinstance(n, torch.Tensor):
         if n.dim() != 0 or n.dtype.is_complex or n.dtype == torch.bool:
             raise ValueError(f"num_global_tokens must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
-        _check_device("num_global_tokens", n.device, device)
+        check_device("num_global_tokens", n.device, device)
         return n
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise ValueError(f"num_global_tokens must be an integer >= 0 (the token count of every rank together), "
@@ -227,20 +227,20 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     device = _checks.device_of(log_probs)
     _checks.dense_layouts(log_probs=log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                           advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
-    _same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,
+    same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,
                  entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
-    kind, lp, old, mask, offsets, lengths = _normalize_layout(log_probs, old_log_probs, mask, offsets, lengths,
+    kind, lp, old, mask, offsets, lengths = normalize_layout(log_probs, old_log_probs, mask, offsets, lengths,
                                                               padding_side, second="old_log_probs")
     device = lp.device
     if kind != "list":
-        _check_device("old_log_probs", old.device, device)
+        check_device("old_log_probs", old.device, device)
     layout = "padded" if kind == "padded" else "packed"
     batch = lp.shape[0] if layout == "padded" else offsets.shape[0] - 1
 
     ref = None
     if ref_log_probs is not None:
         ref = _token_tensor(ref_log_probs, "ref_log_probs", kind, lp, offsets)
-        _check_logprob_tensor(ref, "ref_log_probs")
+        check_logprob_tensor(ref, "ref_log_probs")
     ent = None
     if entropy is not None:
         ent = _token_tensor(entropy, "entropy", kind, lp, offsets)

@@ -32,8 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..kl_reward.problem import STRAIGHT_THROUGH
-from ..kl_reward.reference import _final_mask, _token_frame, estimate, straight_through
+from ..codes import STRAIGHT_THROUGH
+from ..reference_math import estimate, final_mask, straight_through, token_frame
 from .problem import LOG_RATIO_BOUND, KLPenaltyProblem
 
 STAT_COLUMNS = ("objective", "kl", "entropy", "ratio", "clipped")
@@ -67,8 +67,8 @@ def per_sequence_sum(p: KLPenaltyProblem, x: torch.Tensor, seq) -> torch.Tensor:
 def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
     """``kl_penalty_loss``'s per-token terms and per-sequence sums with torch ops (module doc)."""
     md = p.math_dtype
-    valid, pos, per_seq, seq = _token_frame(p)
-    m = _final_mask(p, valid, pos, per_seq)
+    valid, pos, per_seq, seq = token_frame(p)
+    m = final_mask(p, valid, pos, per_seq)
 
     def tok(x):  # a per-token input in the math dtype, zeroed outside the mask (padding may be NaN)
         return torch.where(m, x.to(md), 0.0)

@@ -26,12 +26,17 @@ from typing import NamedTuple
 import torch
 
 from .. import _checks, codes, ragged
+# The layout rules both ops share (kl_kernels/layouts.py), under the names this module has always used.
+from ..layouts import _FLOAT_DTYPES, NativeLayout, TokenLayout, and_not_nan
+from ..layouts import check_device as _check_device
+from ..layouts import int_vector as _int_vector
+from ..layouts import normalize_layout as _normalize_layout
+from ..layouts import pack_ragged_arg as _pack_ragged_arg
+from ..layouts import same_device as _same_device
 
 ESTIMATORS = codes.ESTIMATORS  # the one table: kl_kernels/codes.py
 STRAIGHT_THROUGH = codes.STRAIGHT_THROUGH
 PLACEMENTS = ("auto", "token", "sequence", "last")
-LOGPROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_DTYPE_NAMES = "float32, bfloat16, float16 (or float64 with the torch backend)"
 
 
 class KLRewardOutput(NamedTuple):
@@ -51,25 +56,6 @@ class KLRewardOutput(NamedTuple):
     ref_log_probs: object
     kl_sum: torch.Tensor
     count: torch.Tensor
-
-
-class NativeLayout:
-    """Properties of a normalized problem in a native layout (``layout``, ``log_probs`` and, packed,
-    ``offsets``), shared by the ops' problem classes."""
-
-    mask_nan = False  # a problem whose op has no NaN-pad option (kl_reward's dataclass overrides it)
-
-    @property
-    def batch_size(self) -> int:
-        return self.log_probs.shape[0] if self.layout == "padded" else self.offsets.shape[0] - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.log_probs.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.log_probs.device
 
 
 @dataclass
@@ -139,13 +125,10 @@ class RawOutputs(NamedTuple):
 
 
 @dataclass(frozen=True)
-class OutputLayout:
-    """How to hand per-token results back: the caller's layout and the reward's trailing dim."""
+class OutputLayout(TokenLayout):
+    """How to hand kl_reward's results back: the caller's token layout and the reward's trailing dim."""
 
-    kind: str  # "packed", "padded", "list", "nested_jagged", "nested_strided"
-    offsets: torch.Tensor | None
-    reward_trailing: bool
-    lengths: tuple | None = None  # lists: the sequence lengths as Python ints (read from the shapes)
+    reward_trailing: bool = False
 
     def restore(self, raw: RawOutputs) -> KLRewardOutput:
         reward = raw.reward.unsqueeze(-1) if self.reward_trailing else raw.reward
@@ -157,13 +140,6 @@ class OutputLayout:
                 ragged.offsets_to_lengths(self.offsets).tolist()
         ref = self._tokens(raw.ref_log_probs, lengths) if raw.ref_log_probs is not None else None
         return KLRewardOutput(self._tokens(raw.kl, lengths), self._tokens(reward, lengths), ref, raw.kl_sum, raw.count)
-
-    def _tokens(self, x: torch.Tensor, lengths: list[int] | None = None):
-        if self.kind in ("packed", "padded"):
-            return x
-        if self.kind == "list":
-            return ragged.to_list(x, self.offsets, lengths)
-        return ragged.unpack(x, ragged.RaggedLayout(self.kind, self.offsets))
 
 
 # --------------------------------------------------------------------------- option checks
@@ -216,190 +192,7 @@ def _check_clamp(name, bounds):
 # --------------------------------------------------------------------------- tensor checks
 
 
-def _check_logprob_tensor(x, name):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if x.dtype not in LOGPROB_DTYPES:
-        raise TypeError(f"{name} must be a floating tensor ({_DTYPE_NAMES}), got {x.dtype}")
-
-
-def _check_mask_tensor(mask, shape, name="mask"):
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a bool tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor (use mask.bool()), got {mask.dtype}")
-    if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must have the shape of log_probs {list(shape)}, got {list(mask.shape)}")
-
-
-def _int_vector(x, name, batch, device):
-    """Lengths-like argument: tensor or sequence of ints -> int64 ``[B]`` tensor on ``device``."""
-    if not isinstance(x, torch.Tensor):
-        if isinstance(x, (list, tuple)) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in x):
-            x = ragged.host_ints(list(x), device)
-        else:
-            raise TypeError(f"{name} must be an integer tensor [B] or a sequence of ints, got {type(x).__name__}")
-    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor [B], got {x.dtype}")
-    if tuple(x.shape) != (batch,):
-        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(x.shape)}")
-    _check_device(name, x.device, device)
-    return x if x.dtype == torch.int64 else x.to(torch.int64)
-
-
-def _check_device(name, got, want):
-    if got != want:
-        raise ValueError(f"{name} is on {got} but log_probs is on {want}: every tensor argument must be on the same device")
-
-
-def _same_device(device, **tensors):
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor):
-            _check_device(name, t.device, device)
-
-
 # --------------------------------------------------------------------------- layouts
-
-
-def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_lengths=None):
-    """A list / nested argument in the same ragged structure as log_probs -> packed values.
-
-    ``empty_dtype`` is the dtype given to an empty list, which carries none of its own.
-    ``lp_lengths``: log_probs' sequence lengths as Python ints (lists: compared with ``x``'s own
-    shapes on the host, whatever the device).
-    """
-    if kind == "list":
-        if not isinstance(x, (list, tuple)):
-            raise TypeError(f"{name} must be a list of tensors like log_probs, got {type(x).__name__}")
-        r = ragged.from_list(x, name=name)
-        if not x:
-            r = ragged.Ragged(r.values.to(empty_dtype), r.offsets)
-    else:
-        if not (isinstance(x, torch.Tensor) and x.is_nested):
-            raise TypeError(f"{name} must be a nested tensor like log_probs, got "
-                            f"{'a regular tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if (x.layout == torch.jagged) != (kind == "nested_jagged"):
-            raise ValueError(f"{name} must use the same nested layout as log_probs ({kind.split('_')[1]})")
-        r = ragged.from_nested(x, name=name)
-    if r.batch_size != lp_offsets.shape[0] - 1:
-        raise ValueError(f"{name} has {r.batch_size} sequences but log_probs has {lp_offsets.shape[0] - 1}")
-    if r.num_tokens:
-        _check_device(name, r.offsets.device, lp_offsets.device)
-    if lp_lengths is not None:  # host facts: no device read
-        lens_x, lens_lp = [t.shape[0] for t in x], list(lp_lengths)
-        same = lens_x == lens_lp
-    elif not ragged.checks_on_host(lp_offsets) and ragged.values_checkable(lp_offsets):
-        ragged.device_check((r.offsets.to(lp_offsets.device) == lp_offsets).all(),
-                            f"{name} must have the sequence lengths of log_probs")
-        same = True
-    else:
-        same = torch.equal(r.offsets.to(lp_offsets.device), lp_offsets)
-        if not same:
-            lens_x, lens_lp = r.lengths.tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
-    if not same:
-        b = next(i for i, (u, v) in enumerate(zip(lens_x, lens_lp)) if u != v)
-        raise ValueError(f"{name} must have the sequence lengths of log_probs: sequence {b} has "
-                         f"{lens_x[b]} tokens in {name} but {lens_lp[b]} in log_probs")
-    return r.values
-
-
-_FLOAT_DTYPES = frozenset(LOGPROB_DTYPES)
-_FUSED_DTYPES = _FLOAT_DTYPES - {torch.float64}  # what the fused kernels read
-
-
-def _in_place_lists(log_probs, ref_log_probs, mask, grad_ok):
-    """(lp, ref, mask, offsets) as :class:`~kl_kernels.ragged.SequenceList` objects when the lists
-    can be read in place (contiguous CPU tensors of the fused dtypes, equal lengths, and no
-    gradient needed unless ``grad_ok``), else ``None``: the packing path then validates and
-    reports, exactly as for any list."""
-    lp = ragged.SequenceList.of(log_probs, _FUSED_DTYPES, reject_grad=not grad_ok)
-    if lp is None:
-        return None
-    ref = ragged.SequenceList.of(ref_log_probs, _FUSED_DTYPES, like=lp, reject_grad=not grad_ok)
-    if ref is None:
-        return None
-    if mask is not None:
-        mask = ragged.SequenceList.of(mask, {torch.bool}, like=lp)
-        if mask is None:
-            return None
-    return lp, ref, mask, lp.offsets
-
-
-def _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side, second="ref_log_probs",
-                      in_place=None):
-    """Return (kind, lp, ref, mask, offsets, lengths) with lp/ref/mask in a native layout.
-
-    ``second`` is the name of the second log-prob argument in error messages (the loss calls it
-    ``old_log_probs``). ``in_place``: ``None``, or lists may stay unpacked, with (``True``) or
-    without (``False``) gradients to them (see :func:`_in_place_lists`)."""
-    if in_place is not None and isinstance(log_probs, (list, tuple)) and offsets is None and lengths is None:
-        found = _in_place_lists(log_probs, ref_log_probs, mask, grad_ok=in_place)
-        if found is not None:
-            lp, ref, mask, offsets = found
-            return "list", lp, ref, mask, offsets, None
-    if isinstance(log_probs, (list, tuple)) or (isinstance(log_probs, torch.Tensor) and log_probs.is_nested):
-        kind = "list" if isinstance(log_probs, (list, tuple)) else (
-            "nested_jagged" if log_probs.layout == torch.jagged else "nested_strided")
-        for arg, val in (("offsets", offsets), ("lengths", lengths)):
-            if val is not None:
-                raise ValueError(f"{arg} must be None when log_probs is a {kind.replace('_', ' ')}: "
-                                 "the sequence lengths come from log_probs itself")
-        if kind == "list":
-            for i, t in enumerate(log_probs):
-                _check_logprob_tensor(t, f"log_probs[{i}]")
-                if t.dim() != 1:
-                    raise ValueError(f"log_probs[{i}] must be 1-D [L], got shape {list(t.shape)}")
-            other = next((i for i, t in enumerate(log_probs) if t.dtype != log_probs[0].dtype), None)
-            if other is not None:
-                raise TypeError(f"log_probs tensors must share one dtype: log_probs[{other}] is "
-                                f"{log_probs[other].dtype} but log_probs[0] is {log_probs[0].dtype}")
-            packed = ragged.from_list(log_probs, name="log_probs")  # empty: float32 on the CPU
-        else:
-            _check_logprob_tensor(log_probs, "log_probs")
-            if log_probs.dim() != 2:
-                raise ValueError(f"nested log_probs must be [B, j] (1-D per sequence), got {log_probs.dim()} dims")
-            packed = ragged.from_nested(log_probs, name="log_probs")
-        lp, offsets = packed
-        host_lengths = [t.shape[0] for t in log_probs] if kind == "list" else None
-        ref = _pack_ragged_arg(ref_log_probs, second, offsets, kind, lp.dtype, host_lengths)
-        _check_logprob_tensor(ref, second)
-        if ref.dim() != 1:
-            raise ValueError(f"{second} must be 1-D [L] per sequence like log_probs, got "
-                             f"[L, {', '.join(map(str, ref.shape[1:]))}]")
-        if mask is not None:
-            mask = _pack_ragged_arg(mask, "mask", offsets, kind, torch.bool, host_lengths)
-            _check_mask_tensor(mask, lp.shape)
-        return kind, lp, ref, mask, offsets, None
-
-    _check_logprob_tensor(log_probs, "log_probs")
-    _check_logprob_tensor(ref_log_probs, second)
-    if ref_log_probs.is_nested:
-        raise TypeError(f"{second} must be a regular tensor like log_probs, got a nested tensor")
-    if log_probs.dim() == 1:
-        if offsets is None:
-            raise ValueError("1-D log_probs is the packed layout and needs offsets [B + 1] (int64 cu_seqlens); "
-                             "for one sequence pass offsets=torch.tensor([0, N])")
-        if lengths is not None:
-            raise ValueError("lengths is for the padded layout [B, T]; the packed layout takes offsets only")
-        ragged.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
-        kind = "packed"
-    elif log_probs.dim() == 2:
-        if offsets is not None:
-            raise ValueError("offsets is for the packed layout (1-D log_probs [N]); "
-                             "padded [B, T] inputs take lengths [B] and padding_side")
-        kind = "padded"
-        if lengths is not None:
-            lengths = _int_vector(lengths, "lengths", log_probs.shape[0], log_probs.device)
-            lengths = ragged.check_lengths(lengths, log_probs.shape[0], log_probs.shape[1])
-    else:
-        raise ValueError("log_probs must be packed [N] (with offsets), padded [B, T], a nested tensor or a list of "
-                         f"1-D tensors; got shape {list(log_probs.shape)}")
-    if tuple(ref_log_probs.shape) != tuple(log_probs.shape):
-        raise ValueError(f"{second} must have the shape of log_probs {list(log_probs.shape)}, "
-                         f"got {list(ref_log_probs.shape)}")
-    if mask is not None:
-        _check_mask_tensor(mask, log_probs.shape)
-    return kind, log_probs, ref_log_probs, mask, offsets, lengths
 
 
 # --------------------------------------------------------------------------- reward
@@ -540,12 +333,6 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
     return prompt_lens
 
 
-def and_not_nan(mask, lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """``mask`` (``None``: every token) and "neither log-prob is NaN": ``mask_nan`` as a mask."""
-    not_nan = ~(lp.isnan() | ref.isnan())
-    return not_nan if mask is None else mask & not_nan
-
-
 # --------------------------------------------------------------------------- entry point
 
 
@@ -673,4 +460,5 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
         reward_dtype=reward_dtype, coef=_normalize_coef(coef, batch, device), estimator=estimator,
         clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, mask_nan=mask_nan, out=out)
     host_lengths = tuple(t.shape[0] for t in log_probs) if kind == "list" else None
-    return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, trailing, host_lengths)
+    return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, lengths=host_lengths,
+                                  reward_trailing=trailing)

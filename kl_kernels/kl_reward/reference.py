@@ -36,73 +36,11 @@ from __future__ import annotations
 import torch
 
 from .. import ragged
-from .problem import STRAIGHT_THROUGH, KLRewardProblem, RawOutputs, and_not_nan
-
-
-def estimate(x: torch.Tensor, estimator: str) -> torch.Tensor:
-    """The estimator's value on the (clamped) log-ratio ``x``; ``+`` variants use the base form."""
-    base = estimator.rstrip("+")
-    if base == "k1":
-        return x
-    if base == "abs":
-        return x.abs()
-    if base == "k2":
-        return 0.5 * x * x
-    if base == "k3":
-        return torch.expm1(-x) + x  # expm1 keeps k3 accurate near 0, where exp(-x) - 1 cancels
-    raise ValueError(f"unknown estimator {estimator!r}")
-
-
-class _StraightThrough(torch.autograd.Function):
-    """Forward ``value``, backward ``grad * d``: the straight-through estimators' k2 gradient.
-
-    The usual trick ``value.detach() + (k2 - k2.detach())`` computes ``inf - inf = NaN`` in the
-    forward wherever the log-ratio ``d`` is infinite; the fused kernels return the estimator's
-    value there (+-inf) and the gradient ``d``, and so does this."""
-
-    @staticmethod
-    def forward(value, d):
-        return value.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (d,) = ctx.saved_tensors
-        return None, grad * d
-
-
-def straight_through(value: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``value`` (an estimator's value on ``d``) with the gradient of k2 at ``d`` (``d`` itself)."""
-    return _StraightThrough.apply(value.detach(), d)
-
-
-def _token_frame(p: KLRewardProblem):
-    """Validity, position-in-sequence and a per-sequence broadcaster for the problem's layout."""
-    device = p.device
-    if p.layout == "padded":
-        batch, width = p.log_probs.shape
-        valid, pos = ragged.padded_validity(p.lengths, batch, width, p.padding_side, device=device)
-        valid = valid if p.lengths is not None else None
-        return valid, pos, (lambda v: v.unsqueeze(1)), None
-    seq, pos = ragged.token_index(p.offsets, p.num_tokens, positions=p.prompt_lens is not None)
-    return None, pos, (lambda v: v[seq]), seq
-
-
-def _final_mask(p: KLRewardProblem, valid, pos, per_seq):
-    m = valid
-    if p.mask is not None:
-        m = p.mask if m is None else m & p.mask
-    if p.prompt_lens is not None:
-        outside_prompt = pos >= per_seq(p.prompt_lens)
-        m = outside_prompt if m is None else m & outside_prompt
-    if p.mask_nan:  # NaN log-probs mark alignment pads (TorchRL's KLComputation)
-        m = and_not_nan(m, p.log_probs, p.ref_log_probs)
-    if m is None:
-        m = torch.ones(p.log_probs.shape, dtype=torch.bool, device=p.device)
-    return m
+# The building blocks both ops' references use (kl_kernels/reference_math.py), under this module's old names.
+from ..reference_math import estimate, straight_through  # noqa: F401
+from ..reference_math import final_mask as _final_mask
+from ..reference_math import token_frame as _token_frame
+from .problem import STRAIGHT_THROUGH, KLRewardProblem, RawOutputs
 
 
 def _last_token(p: KLRewardProblem, m, valid, seq):
