@@ -258,3 +258,24 @@ def test_edge_geometries_match_the_reference(lengths, kind, how):
                                 "grad"), results[EMU],
                                results["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+
+
+def test_tile_search_over_thousands_of_sequences():
+    """The tile kernels find their first and last sequences with a 32-way warp search: batches of
+    thousands of mostly empty or short sequences (several search rounds, empty rows at tile edges)
+    must land every token in its own sequence, for both ops."""
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.tensor([0, 0, 1, 2, 5, 0, 3])[torch.randint(0, 7, (3000,), generator=g)]
+    lengths[1234] = 2500  # one row across tiles among them
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    n = int(offsets[-1])
+    lp, ref, adv = -3 * torch.rand(n, generator=g), -3 * torch.rand(n, generator=g), torch.randn(n, generator=g)
+    coef = torch.rand(lengths.numel(), generator=g)
+    got, want = (kl_reward(lp, ref, coef=coef, offsets=offsets, estimator="k3", backend=b) for b in (EMU, "torch"))
+    for name in ("kl", "reward", "kl_sum", "count"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6, msg=name)
+    got, want = (kl_penalty_loss(lp, lp + 0.01, adv, ref_log_probs=ref, beta=0.1, offsets=offsets,
+                                 aggregation="seq-mean-token-mean", backend=b) for b in (EMU, "torch"))
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.kl_mean, want.kl_mean, rtol=1e-5, atol=1e-6)

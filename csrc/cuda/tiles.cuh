@@ -94,14 +94,38 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
   }
 }
 
+// seq_of (common/kl_reward_args.h) for the packed layout, by a whole warp: each step the 32 lanes
+// probe 32 evenly spaced offsets of the range left, and the number of probes at or below i (a prefix
+// of the lanes: offsets are sorted), summed by shuffles, narrows the range 32-fold. Every lane
+// returns the same value. Call with the warp's 32 lanes converged.
+__device__ __forceinline__ int64_t warp_seq_of(const KLRewardArgs& a, int64_t i) {
+  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+  const int lane = threadIdx.x & 31;
+  int64_t lo = 0, hi = a.batch;  // the last b in [lo, hi] with off[b] <= i; off[0] = 0 <= i
+  while (lo < hi) {
+    const int64_t step = (hi - lo + 31) / 32;
+    const int64_t p = lo + (lane + 1) * step;
+    int k = (p <= hi && off[p] <= i) ? 1 : 0;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) k += __shfl_xor_sync(0xffffffffu, k, d);
+    const int64_t next_hi = lo + (k + 1) * step - 1;
+    lo += k * step;
+    hi = next_hi < hi ? next_hi : hi;
+  }
+  return lo < a.batch ? lo : a.batch - 1;
+}
+
 // This block's tile [t0, t_last] and this thread's 8 elements from i0 (seq_range: shared scratch).
 __device__ __forceinline__ void locate_tile(const KLRewardArgs& a, int64_t* seq_range, int64_t* t0, int64_t* t_last,
                                             int64_t* i0, Where (&w)[kPer]) {
   *t0 = static_cast<int64_t>(blockIdx.x) * kCudaTile;
   *t_last = (*t0 + kCudaTile < a.total ? *t0 + kCudaTile : a.total) - 1;
-  if (a.layout == kPacked && threadIdx.x == 0) {  // the tile's sequences, found once per block
-    seq_range[0] = seq_of(a, *t0);
-    seq_range[1] = seq_of(a, *t_last);
+  // The tile's first and last sequences, found once per block by warps 0 and 1 side by side, each with
+  // a 32-way search (4 dependent reads for a million sequences, where one thread's binary search
+  // made 20 in a row, twice, while the whole block waited at the barrier).
+  if (a.layout == kPacked && threadIdx.x < 64) {
+    const int64_t r = warp_seq_of(a, threadIdx.x < 32 ? *t0 : *t_last);
+    if ((threadIdx.x & 31) == 0) seq_range[threadIdx.x >> 5] = r;
   }
   __syncthreads();
   *i0 = *t0 + static_cast<int64_t>(threadIdx.x) * kPer;
