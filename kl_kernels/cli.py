@@ -24,9 +24,11 @@ def _progress():
         return lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
-def cmd_check() -> int:
-    """``kl-kernels info --check``: the self-check of every available non-reference backend, on every
-    device it runs on here (for CUDA, the current device)."""
+def cmd_check(include_named_only: bool = False) -> int:
+    """``kl-kernels info --check``: the self-check of every available non-reference backend that
+    ``"auto"`` may choose, on each device here where it may (for CUDA, the current device). With
+    ``--all``, also the rows that run only when named (Triton's CPU interpreter, cuda-emulated: test
+    instruments, slow; minutes on a 2-core machine)."""
     import torch
 
     from . import selfcheck
@@ -41,6 +43,8 @@ def cmd_check() -> int:
             for device in sorted(b.devices):
                 if device == "cuda" and not torch.cuda.is_available():
                     continue
+                if not include_named_only and b.auto_devices is not None and device not in b.auto_devices:
+                    continue
                 if reasons:
                     print(f"{op:16s} {b.name:14s} {device:5s} skipped: {'; '.join(reasons)}")
                     continue
@@ -54,7 +58,7 @@ def cmd_check() -> int:
 def cmd_info(args) -> int:
     from . import info
     if args.check:
-        return cmd_check()
+        return cmd_check(include_named_only=args.all)
     data = info()
     if args.json:
         print(json.dumps(data, indent=2))
@@ -149,7 +153,11 @@ def main(argv=None) -> int:
     p_info.add_argument("--json", action="store_true", help="print the full report as JSON")
     p_info.add_argument("--check", action="store_true",
                         help="run the first-use self-check (kl_kernels.selfcheck) of every available fused "
-                             "backend on every device here, against the torch reference; exit 1 if one fails")
+                             "backend that 'auto' may choose, on every device here, against the torch reference; "
+                             "exit 1 if one fails")
+    p_info.add_argument("--all", action="store_true",
+                        help="with --check: also the backends that run only when named (Triton's CPU interpreter, "
+                             "cuda-emulated)")
     p_info.set_defaults(func=cmd_info)
     p_bench = sub.add_parser("bench", help="check and time kl_reward, the TorchRL transforms and kl_penalty_loss "
                                                    "on RLHF-shaped batches")

@@ -69,12 +69,15 @@ def test_wheel_with_cuda_then_without(tmp_path):
     nvcc is here), then with KL_KERNELS_BUILD_CUDA=0 in the same tree. The second wheel must carry
     ``_C`` and no ``_cuda``, although the first build left a real one in build/ (and a stale one
     sits next to the sources, where editable installs put it). Building the copy once and reusing
-    its up-to-date ``_C`` keeps this to one compile; CI's install compiles both extensions anyway."""
+    its up-to-date ``_C`` keeps this to one compile; CI's install compiles both extensions anyway.
+    Both builds as a release wheel is built, without the emulated-CUDA test extension (its compile
+    would double this test's time and it is not what is checked here)."""
     src = _clean_copy(tmp_path / "src")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     build_lib = src / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}" / "kl_kernels"
     if shutil.which("nvcc") is not None or os.environ.get("CUDA_HOME"):
-        names = _wheel_names(tmp_path / "cuda", {"KL_KERNELS_BUILD_CUDA": "1", "KL_KERNELS_CUDA_ARCHS": "80"}, src)
+        names = _wheel_names(tmp_path / "cuda", {"KL_KERNELS_BUILD_CUDA": "1", "KL_KERNELS_CUDA_ARCHS": "80",
+                                                 "KL_KERNELS_BUILD_CUDA_EMU": "0"}, src)
         assert any(n.startswith("kl_kernels/_C.") and n.endswith(".so") for n in names)
         assert any(n.startswith("kl_kernels/_cuda.") and n.endswith(".so") for n in names)
         assert (build_lib / f"_cuda{suffix}").exists(), "the CUDA build should have left _cuda in build/"
@@ -83,9 +86,11 @@ def test_wheel_with_cuda_then_without(tmp_path):
         (build_lib / f"_cuda{suffix}").write_bytes(b"stale")
     (src / "kl_kernels" / f"_cuda{suffix}").write_bytes(b"stale")
 
-    names = _wheel_names(tmp_path / "cpu", {"KL_KERNELS_BUILD_CUDA": "0"}, src)
+    names = _wheel_names(tmp_path / "cpu", {"KL_KERNELS_BUILD_CUDA": "0", "KL_KERNELS_BUILD_CUDA_EMU": "0"}, src)
     assert any(n.startswith("kl_kernels/_C.") and n.endswith(".so") for n in names)
     assert not any(n.startswith("kl_kernels/_cuda.") for n in names)
+    # a release wheel (KL_KERNELS_BUILD_CUDA_EMU=0, as setup.py asks of them) carries no test instrument
+    assert not any(n.startswith("kl_kernels/_cuda_emu.") for n in names)
     assert not any(n.startswith(("tests/", "bench/", "python_api/")) for n in names)
 
 
