@@ -85,7 +85,9 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
     ``module.kl_reward_forward``, so a reader goes from the launcher straight to the binding): on the
     CPU with torch's thread count; on CUDA enqueued on torch's current stream of ``device``, with
     ``workspace_bytes(args)`` bytes of scratch from torch's caching allocator when the kernel takes a
-    workspace (the CUDA forwards; no host sync). Error codes become RuntimeErrors naming ``what``."""
+    workspace (the CUDA forwards, real or emulated; no host sync). The CPU kernels take none: there
+    ``workspace_bytes`` is not called (``_C`` has no such function). Error codes become RuntimeErrors
+    naming ``what``."""
     if getattr(module, "EMULATED", False):
         # The CUDA entry points on CPU memory: a CPU workspace, and stream 0, since CPU tensors have
         # no stream (the emulation runs each launch to completion before returning).

@@ -77,7 +77,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     a.seq_loss, a.stats, a.count, a.grad = ptr(seq_loss), ptr(stats), ptr(count), ptr(grad)
     a.token_out = ptr(tok) if token_out else 0
     launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss",
-                  workspace_bytes=workspace_function(module, dev))
+                  workspace_bytes=lambda a: module.kl_penalty_workspace_bytes(a))
     del keep
     return seq_loss, stats, count, tok, grad
 
@@ -96,7 +96,7 @@ def forward_with_totals(*forward_args):
     totals = torch.empty(TOTALS, dtype=torch.float64)
     a.grad, a.totals = ptr(grad), ptr(totals)  # seq_loss, stats, count stay 0: not written
     launch_kernel(module, module.kl_penalty_forward, a, grad.device, "kl_penalty_loss",
-                  workspace_bytes=workspace_function(module, grad.device))
+                  workspace_bytes=lambda a: module.kl_penalty_workspace_bytes(a))
     a.totals = 0
     return grad, totals.tolist(), a, keep
 
@@ -141,12 +141,6 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     launch_kernel(module, module.kl_penalty_backward, a, dev, "kl_penalty_loss")
     del keep
     return g_lp, g_ent
-
-
-def workspace_function(module, device):
-    """The forward's scratch-size function of ``module`` on ``device``: the CUDA kernels (real or
-    emulated) take a workspace, the CPU kernels none."""
-    return module.kl_penalty_workspace_bytes if device.type != "cpu" or getattr(module, "EMULATED", False) else None
 
 
 emulated = ExtensionLauncher(EMULATED, forward, backward)  # the cuda-emulated backend's launcher (ops.py)

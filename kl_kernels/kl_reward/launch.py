@@ -86,7 +86,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
         placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan, out, ext)
     launch_kernel(module, module.kl_reward_forward, args, outputs[0].device, "kl_reward",
-                  workspace_bytes=workspace_function(module, outputs[0].device))
+                  workspace_bytes=lambda a: module.kl_reward_workspace_bytes(a))
     del keep
     return outputs
 
@@ -106,7 +106,7 @@ def forward_during(during, log_probs, ref_log_probs, mask, offsets, lengths, pro
     run = getattr(module, "kl_reward_forward_during", None)
     if run is None:
         launch_kernel(module, module.kl_reward_forward, args, outputs[0].device, "kl_reward",
-                      workspace_bytes=workspace_function(module, outputs[0].device))
+                      workspace_bytes=lambda a: module.kl_reward_workspace_bytes(a))
         during(outputs)
     else:
         raise_for(run(args, torch.get_num_threads(), lambda: during(outputs)), module, "kl_reward")
@@ -177,12 +177,6 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     launch_kernel(module, module.kl_reward_backward, args, log_probs.device, "kl_reward")
     del keep, grads
     return g_lp, g_ref
-
-
-def workspace_function(module, device):
-    """The forward's scratch-size function of ``module`` on ``device``: the CUDA kernels (real or
-    emulated) take a workspace, the CPU kernels none."""
-    return module.kl_reward_workspace_bytes if device.type != "cpu" or getattr(module, "EMULATED", False) else None
 
 
 emulated = ExtensionLauncher(EMULATED, forward, backward)
