@@ -55,12 +55,17 @@ def dense_layouts(**arguments) -> None:
                                 f"(convert it with .to_dense())")
 
 
-def device_of(log_probs) -> torch.device:
+def device_of(log_probs, **others) -> torch.device | None:
     """The device of the log-probs argument (a tensor, or a list or tuple of them: its first
-    element's; an empty list is on the CPU). Any other first element is a TypeError naming it."""
+    element's). Any other first element is a TypeError naming it.
+
+    An empty list carries no device: it takes the device of the first tensor among ``others`` (the
+    call's other arguments: a ``[0]`` reward, a coefficient tensor...), so that an empty batch on a
+    GPU stays there; ``None`` when there is none (the batch has no device at all: see
+    :func:`~kl_kernels.backends.select`)."""
     if isinstance(log_probs, (list, tuple)):
         if not log_probs:
-            return torch.device("cpu")
+            return next((t.device for t in others.values() if isinstance(t, torch.Tensor)), None)
         first = log_probs[0]
         if not isinstance(first, torch.Tensor):
             raise TypeError(f"log_probs[0] must be a tensor, got {type(first).__name__}")

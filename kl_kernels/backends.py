@@ -65,7 +65,7 @@ class Backend:
     def rejection_reasons(self, problem) -> list[str]:
         """Every reason this backend cannot run ``problem``."""
         reasons = self.unavailable_reasons()
-        if problem.device.type not in self.devices:
+        if problem.device.type not in self.devices and not problem.device_free:
             reasons.append(f"inputs are on {problem.device.type}, {self.name} runs on {sorted(self.devices)}")
         bad = sorted({str(d).replace("torch.", "") for d in problem.dtypes if d not in self.dtypes})
         if bad:
@@ -84,7 +84,8 @@ class Backend:
         without building the messages: ``"auto"`` asks it of every backend ahead of the chosen one,
         on every call."""
         device = problem.device.type
-        if device not in self.devices or (auto and self.auto_devices is not None and device not in self.auto_devices):
+        if not problem.device_free and (device not in self.devices or (
+                auto and self.auto_devices is not None and device not in self.auto_devices)):
             return False
         if _unavailable_reasons(self.availability) or not problem.dtypes <= self.dtypes:
             return False
@@ -157,7 +158,18 @@ def requested_backend(backend: str) -> str:
 
 
 def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backend:
-    """Pick the backend that runs ``problem`` for ``op`` (see the module doc)."""
+    """Pick the backend that runs ``problem`` for ``op`` (see the module doc).
+
+    A device-free problem (an empty list and no other tensor: no sequence, no device) is checked as
+    any other, minus the device, and then answered by the reference (``torch``): there is nothing
+    to compute, and a GPU backend has no device to launch on. Its outputs are empty CPU tensors."""
+    chosen = _select(registry, backend, op=op, problem=problem)
+    if problem.device_free:
+        return next(b for b in registry if b.name == "torch")
+    return chosen
+
+
+def _select(registry: list[Backend], backend: str, *, op: str, problem) -> Backend:
     name = requested_backend(backend)
     if name != "auto":
         chosen = next((b for b in registry if b.name == name), None)

@@ -25,6 +25,9 @@ class NativeLayout:
     ``offsets``), shared by the ops' problem classes."""
 
     mask_nan = False  # a problem whose op has no NaN-pad option (kl_reward's dataclass overrides it)
+    # An empty list and no other tensor argument: the batch has no device, and there is nothing to
+    # compute (backends.select waives the device check and answers with the reference).
+    device_free = False
 
     @property
     def batch_size(self) -> int:
@@ -107,7 +110,7 @@ def pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_len
     if kind == "list":
         if not isinstance(x, (list, tuple)):
             raise TypeError(f"{name} must be a list of tensors like log_probs, got {type(x).__name__}")
-        r = ragged.from_list(x, name=name)
+        r = ragged.from_list(x, name=name, empty_device=lp_offsets.device)
         if not x:
             r = ragged.Ragged(r.values.to(empty_dtype), r.offsets)
     else:
@@ -162,12 +165,13 @@ def in_place_lists(log_probs, ref_log_probs, mask, grad_ok):
 
 
 def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_side, second="ref_log_probs",
-                      in_place=None):
+                      in_place=None, empty_device=None):
     """Return (kind, lp, ref, mask, offsets, lengths) with lp/ref/mask in a native layout.
 
     ``second`` is the name of the second log-prob argument in error messages (the loss calls it
     ``old_log_probs``). ``in_place``: ``None``, or lists may stay unpacked, with (``True``) or
-    without (``False``) gradients to them (see :func:`in_place_lists`)."""
+    without (``False``) gradients to them (see :func:`in_place_lists`). ``empty_device``: where an
+    empty list's packed tensors go (:func:`kl_kernels._checks.device_of`)."""
     if in_place is not None and isinstance(log_probs, (list, tuple)) and offsets is None and lengths is None:
         found = in_place_lists(log_probs, ref_log_probs, mask, grad_ok=in_place)
         if found is not None:
@@ -189,7 +193,7 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
             if other is not None:
                 raise TypeError(f"log_probs tensors must share one dtype: log_probs[{other}] is "
                                 f"{log_probs[other].dtype} but log_probs[0] is {log_probs[0].dtype}")
-            packed = ragged.from_list(log_probs, name="log_probs")  # empty: float32 on the CPU
+            packed = ragged.from_list(log_probs, name="log_probs", empty_device=empty_device)  # empty: float32
         else:
             check_logprob_tensor(log_probs, "log_probs")
             if log_probs.dim() != 2:

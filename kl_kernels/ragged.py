@@ -354,8 +354,9 @@ def plain_sequence(x, name: str):
     return items
 
 
-def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragged:
-    """List of ``[L_b, *F]`` tensors -> :class:`Ragged` (concatenates: a copy)."""
+def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors", empty_device=None) -> Ragged:
+    """List of ``[L_b, *F]`` tensors -> :class:`Ragged` (concatenates: a copy). An empty list gives
+    float32 ``[0]`` values on ``empty_device`` (default: the CPU)."""
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -363,8 +364,7 @@ def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors") -> Ragg
         if t.dim() < 1:
             raise ValueError(f"{name}[{i}] must be at least 1-D [L, *F], got a 0-d tensor")
     if not tensors:
-        empty = torch.zeros(0)
-        return Ragged(empty, torch.zeros(1, dtype=torch.int64))
+        return Ragged(torch.zeros(0, device=empty_device), torch.zeros(1, dtype=torch.int64, device=empty_device))
     device = tensors[0].device
     for i, t in enumerate(tensors):
         if t.device != device:

@@ -38,6 +38,14 @@ def triton_device() -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
+def backend_device(backend: str) -> str:
+    """Where a test puts the inputs of ``backend``: Triton on the GPU when there is one (its CPU
+    interpreter otherwise), cuda on the GPU, everything else on the CPU."""
+    if backend == "triton":
+        return triton_device() or "cpu"
+    return "cuda" if backend == "cuda" else "cpu"
+
+
 def cuda_emulated_reason() -> str | None:
     """Why the cuda-emulated backend (kl_kernels._cuda_emu) cannot run here, or None."""
     from kl_kernels import _extensions
@@ -48,6 +56,12 @@ def cuda_emulated_reason() -> str | None:
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda_emulated: runs the CUDA kernels under host emulation "
                                        "(kl_kernels._cuda_emu; skipped when it is not built)")
+    config.addinivalue_line("markers", "torchrl: needs the `torchrl` extra (torchrl and tensordict)")
+
+
+def torchrl_missing() -> str | None:
+    """Which of the `torchrl` extra's packages is not installed here, or None."""
+    return next((m for m in ("tensordict", "torchrl") if importlib.util.find_spec(m) is None), None)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,6 +79,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_triton)
         if emulated_reason is not None and item.get_closest_marker("cuda_emulated") is not None:
             item.add_marker(skip_emulated)
+        if item.get_closest_marker("torchrl") is not None and torchrl_missing():
+            item.add_marker(pytest.mark.skip(reason=f"the `torchrl` extra is not installed ({torchrl_missing()} "
+                                                    "missing): pip install 'kl_kernels[torchrl]'"))
+
+
+def pytest_runtest_logreport(report):
+    """With ``KL_TESTS_FAILURE_LOG`` set, append each failure's traceback to that file as it happens
+    (.ci/gpu: a suite stopped by its time limit never reaches pytest's own failure report)."""
+    path = os.environ.get("KL_TESTS_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # xdist: the controller's copy only
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -229,6 +229,8 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
             v = kw.get(name)
             if isinstance(v, torch.Tensor) and not v.is_nested:
                 kw[name] = v.detach().requires_grad_()
+            elif isinstance(v, list):  # each a leaf again: `.to(device)` of a leaf is not one
+                kw[name] = [t.detach().requires_grad_() for t in v]
         built.kwargs.update({k: kw[k] for k in ("log_probs", "entropy") if k in kw})
     out = kl_penalty_loss(**kw, backend=backend)
     norm = norm_length_of(case, built) if case.aggregation == "seq-mean-token-sum-norm" else None

@@ -129,3 +129,76 @@ def test_import_survives_missing_or_broken_extensions(action, expect):
     assert res.returncode == 0, res.stderr
     reasons = json.loads(res.stdout.strip().splitlines()[-1])
     assert expect in reasons["cpu"] and expect in reasons["cuda"] and reasons["torch"] is None
+
+
+@pytest.fixture
+def cpu_as_gpu_only():
+    """The cpu backend (available here) declared GPU-only for one test, in both ops' registries: a
+    stand-in for cuda and triton on a machine where those cannot run."""
+    import dataclasses
+
+    from kl_kernels.kl_penalty.backends import REGISTRY as LOSS_REGISTRY
+
+    if any(b.name == "cpu" and b.unavailable_reasons() for b in REGISTRY):
+        pytest.skip("the cpu backend (kl_kernels._C) is not built")
+    saved = []
+    for registry in (REGISTRY, LOSS_REGISTRY):
+        i = next(i for i, b in enumerate(registry) if b.name == "cpu")
+        saved.append((registry, i, registry[i]))
+        registry[i] = dataclasses.replace(registry[i], devices=frozenset({"cuda"}))
+    yield
+    for registry, i, row in saved:
+        registry[i] = row
+
+
+def test_an_empty_list_without_a_device_runs_on_a_gpu_backend(cpu_as_gpu_only):
+    """An empty list and no other tensor: no device and nothing to compute. A GPU backend named for
+    it answers with empty CPU outputs (the H200 run: kl_reward([], [], backend="cuda") raised
+    "inputs are on cpu"); the same backend still refuses CPU tensors that hold a sequence."""
+    from kl_kernels import kl_penalty_loss
+
+    out = kl_reward([], [], backend="cpu", return_ref=True)
+    assert out.kl == [] and out.kl_sum.shape == (0,) and out.count.shape == (0,) and out.kl_sum.device.type == "cpu"
+    loss = kl_penalty_loss([], [], [], backend="cpu")
+    assert loss.num_tokens == 0
+    # (clamp_input: past the C fast path for CPU inputs, which does not read the registry)
+    with pytest.raises(BackendUnavailableError, match="inputs are on cpu"):
+        kl_reward([torch.zeros(2)], [torch.zeros(2)], clamp_input=(-50, 50), backend="cpu")
+    with pytest.raises(BackendUnavailableError, match="inputs are on cpu"):
+        kl_reward(torch.zeros(0), torch.zeros(0), offsets=torch.zeros(1, dtype=torch.int64), clamp_input=(-50, 50),
+                  backend="cpu")
+    with pytest.raises(BackendUnavailableError, match="inputs are on cpu"):
+        kl_penalty_loss(torch.zeros(0), torch.zeros(0), torch.zeros(0), offsets=torch.zeros(1, dtype=torch.int64),
+                        backend="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the explanation on a machine without CUDA")
+def test_an_empty_list_still_needs_an_available_backend():
+    with pytest.raises(BackendUnavailableError, match="CUDA"):
+        kl_reward([], [], backend="cuda")
+
+
+LOSS_DEFAULTS = dict(ref_log_probs=None, beta=0.0, estimator="k1", mask=None, offsets=None, lengths=None,
+                     padding_side="left", clip_epsilon=None, entropy=None, entropy_coef=0.0, aggregation="token-mean",
+                     norm_length=None)
+
+
+def test_an_empty_list_takes_the_device_of_the_other_arguments():
+    """kl_reward([], [], reward on the GPU) is a problem on the GPU, not a device-free one (shown
+    with fake CUDA tensors: the problem is built, no kernel runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kl_kernels.kl_penalty.problem import build_problem as loss_problem
+    from kl_kernels.kl_reward.problem import build_problem as reward_problem
+
+    with FakeTensorMode():
+        problem, _ = reward_problem([], [], torch.zeros(0, device="cuda"), coef=1.0, estimator="k1", mask=None,
+                                    offsets=None, lengths=None, padding_side="left", prompt_lens=None,
+                                    reward_placement="sequence", clamp_input=None, clamp_output=None,
+                                    return_ref=False, detach=True)
+        assert problem.device.type == "cuda" and not problem.device_free
+        assert problem.offsets.device.type == "cuda"
+        problem, _, _ = loss_problem([], [], torch.zeros(0, device="cuda"), **LOSS_DEFAULTS)
+        assert problem.device.type == "cuda" and not problem.device_free
+    problem, _, _ = loss_problem([], [], [], **LOSS_DEFAULTS)
+    assert problem.device.type == "cpu" and problem.device_free

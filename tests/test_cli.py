@@ -35,7 +35,7 @@ def test_info_text_explains_unavailable_backends():
 
 @pytest.mark.slow
 def test_bench_tiny_writes_results(tmp_path):
-    res = _cli("bench", "--quick", "--sizes", "tiny", "--out", str(tmp_path))
+    res = _cli("bench", "--quick", "--sizes", "tiny", "--device", "cpu", "--out", str(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads((tmp_path / "results.json").read_text())
     impls = {r["impl"] for r in data["rows"]}

@@ -12,11 +12,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kl_kernels.bench import gpu_model
 
-ARCHES = {"sm_80", "sm_90"}
+# The targets this build was asked for: CI's (.ci/run builds for sm_80 and sm_90) unless the
+# environment names others (.ci/gpu builds for the lent GPU's arch alone, and says so).
+ARCHES = {f"sm_{a.strip().replace('.', '')}" for a in os.environ.get("KL_KERNELS_CUDA_ARCHS", "80;90").split(";")
+          if a.strip()}
 FAMILIES = {"forward_tile", "combine", "backward_tile", "penalty_forward_tile", "penalty_combine",
             "penalty_backward_tile"}
 
@@ -81,7 +86,7 @@ VECTOR_VARIANT = {"forward_tile": "Lb1EEEvNS_12KLRewardArgs", "backward_tile": "
 @pytest.mark.parametrize("family", sorted(VECTOR_VARIANT))
 def test_vector_variants_issue_128_bit_loads(sass, family):
     vector = {k: ops for k, ops in sass.items() if k[1] == family and k[2].endswith(VECTOR_VARIANT[family])}
-    assert {k[0] for k in vector} == ARCHES, f"no vector variant of {family} for some arch: {sorted(vector)}"
+    assert ARCHES <= {k[0] for k in vector}, f"no vector variant of {family} for some arch: {sorted(vector)}"
     bad = sorted(k for k, ops in vector.items() if "LDG.E.128" not in ops)
     assert not bad, f"vector variants without LDG.E.128: {bad}"
     scalar = {k for k in sass if k[1] == family and not k[2].endswith(VECTOR_VARIANT[family])}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batches import to_device
+from conftest import backend_device
 from kl_kernels import kl_penalty_loss, kl_reward
 from kl_kernels.kl_penalty.backends import REGISTRY as LOSS_REGISTRY
 from kl_kernels.kl_reward.backends import REGISTRY as REWARD_REGISTRY
@@ -52,7 +54,7 @@ def _batch(layout, lengths, dtype, seed=0):
 
 
 def _run(op, backend, layout, dtype):
-    tensors, mask, geo = _batch(layout, _lengths(backend), dtype)
+    tensors, mask, geo = to_device(_batch(layout, _lengths(backend), dtype), backend_device(backend))
     lps = tensors[0] if layout == "list" else [tensors[0]]
     lps = [t.clone().requires_grad_() for t in lps]
     lp = lps if layout == "list" else lps[0]
@@ -62,7 +64,7 @@ def _run(op, backend, layout, dtype):
         flat = [torch.cat(list(x)) if isinstance(x, list) else x for x in out]
         scalar = sum(x.float().nan_to_num(0.0, 0.0, 0.0).sum() for x in flat[:3])
     else:
-        adv = torch.linspace(-1, 1, len(_lengths(backend)))
+        adv = torch.linspace(-1, 1, len(_lengths(backend)), device=backend_device(backend))
         out = kl_penalty_loss(lp, tensors[1], adv.unsqueeze(1) if layout == "packed" else adv,
                               ref_log_probs=tensors[2], beta=0.05, estimator="k3", mask=mask, clip_epsilon=0.2,
                               aggregation="seq-mean-token-mean", backend=backend, **geo)

@@ -103,13 +103,15 @@ def test_negative_bit_inputs(layout):
 def test_runs_on_the_current_stream_without_host_sync():
     lp, ref, mask, offsets, _ = _batch("cuda", n_seq=50, max_len=500)
     score = torch.randn(50, device="cuda")
-    want = kl_reward(lp, ref, score, mask=mask, offsets=offsets, estimator="k3", backend="cuda")
+    want = kl_reward(lp, ref, score, mask=mask, offsets=offsets, estimator="k3", reward_placement="sequence",
+                     backend="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
     try:
         with torch.cuda.stream(side):
-            got = kl_reward(lp, ref, score, mask=mask, offsets=offsets, estimator="k3", backend="cuda")
+            got = kl_reward(lp, ref, score, mask=mask, offsets=offsets, estimator="k3",
+                            reward_placement="sequence", backend="cuda")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from batches import LAYOUTS, Case, _per_sequence, backend_accepts, build, check
-from conftest import CUDA_EMULATED
+from conftest import CUDA_EMULATED, backend_device
 from kl_kernels import BackendUnavailableError, kl_reward
 from strategies import cases
 
@@ -100,7 +100,7 @@ def test_nan_in_counted_token_propagates(layout, backend):
     ref = torch.tensor([-1.5, -1.0, -2.5])
     case = Case(lp=[lp, lp[:1]], ref=[ref, ref[:1]], reward_kind="token", placement="token",
                 reward_tok=[torch.ones(3), torch.ones(1)])
-    out, built, _ = check(case, layout, backend=backend)
+    out, built, _ = check(case, layout, device=backend_device(backend), backend=backend)
     assert math.isnan(out.kl_sum[0]) and not math.isnan(out.kl_sum[1])
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batches import to_device
+from conftest import backend_device
 from kl_kernels import KLRewardOutput, kl_reward
 
 BACKENDS = ["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)]
@@ -35,7 +37,7 @@ def _buffers(want: KLRewardOutput):
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("trailing", [False, True])
 def test_out_holds_the_results(backend, layout, trailing):
-    args, kw = _call(layout, trailing=trailing)
+    args, kw = to_device(_call(layout, trailing=trailing), backend_device(backend))
     want = kl_reward(*args, **kw, return_ref=True, backend=backend)
     out = _buffers(want)
     addresses = [t.data_ptr() for t in out]

@@ -171,8 +171,12 @@ def test_coef_changes_do_not_recompile_kernels():
     kl_reward(lp, ref, mask=mask, offsets=offsets, coef=0.1, estimator="k3", backend="triton")
 
     def compiled_variants():
-        return [sum(len(c) for c in kernel.device_caches[0][0].values()) if hasattr(kernel, "device_caches") else None
-                for kernel in (k.kl_reward_fwd_kernel, k.kl_reward_combine_kernel)]
+        # Triton's private per-device cache (``device_caches[device][0]``: key -> compiled kernel;
+        # a dict of them per key in some versions): how many variants were compiled so far.
+        def count(kernel):
+            cache = kernel.device_caches[torch.cuda.current_device()][0]
+            return sum(len(v) if isinstance(v, dict) else 1 for v in cache.values())
+        return [count(kernel) for kernel in (k.kl_reward_fwd_kernel, k.kl_reward_combine_kernel)]
     sizes = compiled_variants()
     for coef, clamp in ((0.2, None), (0.35, (-5.0, 5.0)), (torch.tensor(0.5, device="cuda"), None)):
         kl_reward(lp, ref, mask=mask, offsets=offsets, coef=coef, estimator="k3", clamp_input=clamp, backend="triton")

@@ -144,14 +144,22 @@ class _no_transfers(TorchDispatchMode):
 
 
 def test_no_transfers_catches_a_host_to_device_copy():
-    """The guard itself: torch.tensor(..., device="cuda") is a blocking host-to-device copy; torch.full
-    is none, and ragged.host_ints copies without blocking."""
+    """The guard itself: a blocking copy of a CPU tensor to the device fails it; torch.full is no
+    copy, and ragged.host_ints copies without blocking.
+
+    ``torch.tensor(x, device="cuda")`` is such a copy too, and the guard sees it on a CPU-only torch
+    (CI). A CUDA build of torch copies below the Python dispatch key, where no dispatch mode looks
+    (the H200 run of 2026-11-26): there ``.ci/gpu_checks.py nosync`` (CUDA's sync debug mode) is
+    the check."""
     with _fake_mode():
         with _no_transfers():
             torch.full((), 2.0, device="cuda")
             assert _fake_host_ints([1, 2], "cuda").device.type == "cuda"
         with _no_transfers(), pytest.raises(AssertionError, match="between host and device"):
-            torch.tensor(2.0, device="cuda")
+            torch.ops.aten._to_copy.default(torch.ones(2), device=torch.device("cuda"))
+        if not torch.cuda.is_available():
+            with _no_transfers(), pytest.raises(AssertionError, match="between host and device"):
+                torch.tensor(2.0, device="cuda")
 
 
 REWARD_CASES = ["packed", "padded-last", "padded-prompt", "list", "nested"]

@@ -15,27 +15,35 @@ from conftest import REPO
 PAGES = sorted((REPO / "python_api").glob("*.md"))
 EXAMPLES = sorted((REPO / "python_api" / "examples").glob("*.py"))
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+TORCHRL_IMPORT = re.compile(r"^\s*(from|import) (torchrl|tensordict|kl_kernels\.torchrl)\b", re.M)
+
+
+def _param(path, text):
+    """A page or script, marked `torchrl` when it imports the `torchrl` extra."""
+    return pytest.param(path, id=path.name, marks=[pytest.mark.torchrl] if TORCHRL_IMPORT.search(text) else [])
 
 
 def test_there_is_something_to_run():
     assert PAGES and EXAMPLES and any(BLOCK.search(p.read_text()) for p in PAGES)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if BLOCK.search(p.read_text())], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [_param(p, "\n".join(BLOCK.findall(p.read_text()))) for p in PAGES
+                                  if BLOCK.search(p.read_text())])
 def test_page_code_blocks_run(page):
     namespace: dict = {}
     for i, block in enumerate(BLOCK.findall(page.read_text())):
         exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)  # noqa: S102
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [_param(p, p.read_text()) for p in EXAMPLES])
 def test_example_scripts_run(script):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("module", ["kl_kernels.ragged", "kl_kernels.kl_reward.api", "kl_kernels._info",
-                                    "kl_kernels.torchrl.transforms", "kl_kernels.torchrl.ppo",
+                                    pytest.param("kl_kernels.torchrl.transforms", marks=pytest.mark.torchrl),
+                                    pytest.param("kl_kernels.torchrl.ppo", marks=pytest.mark.torchrl),
                                     "kl_kernels.kl_penalty.controllers",
                                     "kl_kernels.kl_penalty.api"])
 def test_docstring_examples(module):

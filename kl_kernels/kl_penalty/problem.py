@@ -54,6 +54,7 @@ class KLPenaltyProblem(NativeLayout):
     clip: tuple | None
     aggregation: str
     norm_length: float | None
+    device_free: bool = False  # see NativeLayout
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
 
@@ -224,13 +225,15 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     if not isinstance(log_probs, (list, tuple, torch.Tensor)):
         raise TypeError(f"log_probs must be a tensor, a nested tensor or a list of tensors, got {type(log_probs).__name__}")
 
-    device = _checks.device_of(log_probs)
+    device = _checks.device_of(log_probs, advantages=advantages, mask=mask, beta=beta)
+    device_free, device = device is None, device or torch.device("cpu")
     _checks.dense_layouts(log_probs=log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                           advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
     same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,
                  entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
     kind, lp, old, mask, offsets, lengths = normalize_layout(log_probs, old_log_probs, mask, offsets, lengths,
-                                                              padding_side, second="old_log_probs")
+                                                              padding_side, second="old_log_probs",
+                                                              empty_device=device)
     device = lp.device
     if kind != "list":
         check_device("old_log_probs", old.device, device)
@@ -264,5 +267,5 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         advantages=adv.detach(), adv_per_seq=adv_per_seq, entropy=ent, entropy_coef=entropy_coef, mask=mask,
         offsets=offsets if layout == "packed" else None, lengths=lengths, padding_side=padding_side,
         beta=_beta(beta, batch, device), estimator=estimator, clip=clip, aggregation=aggregation,
-        norm_length=norm_length)
+        norm_length=norm_length, device_free=device_free)
     return problem, kind, offsets

@@ -90,6 +90,7 @@ class KLRewardProblem(NativeLayout):
     return_ref: bool
     mask_nan: bool = False
     out: "RawOutputs | None" = None  # caller-provided result buffers, in this layout (api.py's out=)
+    device_free: bool = False  # see NativeLayout
 
     def packed(self) -> "KLRewardProblem":
         """This problem in the packed layout (``"list"`` problems are packed; others returned as is)."""
@@ -411,7 +412,8 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
     if not isinstance(log_probs, (list, tuple, torch.Tensor)):
         raise TypeError(f"log_probs must be a tensor, a nested tensor or a list of tensors, got {type(log_probs).__name__}")
 
-    device = _checks.device_of(log_probs)
+    device = _checks.device_of(log_probs, reward=reward, mask=mask, prompt_lens=prompt_lens, coef=coef)
+    device_free, device = device is None, device or torch.device("cpu")
     _checks.dense_layouts(log_probs=log_probs, ref_log_probs=ref_log_probs, reward=reward, mask=mask, offsets=offsets,
                           lengths=lengths, prompt_lens=prompt_lens, coef=coef)
     _same_device(device, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets, lengths=lengths,
@@ -422,7 +424,7 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
     in_place = (detach or not torch.is_grad_enabled()) if eager and isinstance(log_probs, (list, tuple)) and \
         isinstance(ref_log_probs, (list, tuple)) else None
     kind, lp, ref, mask, offsets, lengths = _normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths,
-                                                              padding_side, in_place=in_place)
+                                                              padding_side, in_place=in_place, empty_device=device)
     layout = "list" if isinstance(lp, ragged.SequenceList) else "padded" if kind == "padded" else "packed"
     batch = lp.shape[0] if layout == "padded" else offsets.shape[0] - 1
     width = lp.shape[1] if layout == "padded" else None
@@ -458,7 +460,8 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
         layout=layout, log_probs=lp, ref_log_probs=ref, mask=mask, offsets=offsets if layout != "padded" else None,
         lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens, reward=reward, placement=placement,
         reward_dtype=reward_dtype, coef=_normalize_coef(coef, batch, device), estimator=estimator,
-        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, mask_nan=mask_nan, out=out)
+        clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, mask_nan=mask_nan, out=out,
+        device_free=device_free)
     host_lengths = tuple(t.shape[0] for t in log_probs) if kind == "list" else None
     return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, lengths=host_lengths,
                                   reward_trailing=trailing)

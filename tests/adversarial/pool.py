@@ -16,6 +16,11 @@ import time
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("worker.py")
+STARTUP_TIMEOUT = 300.0  # importing torch and building the catalogue, on a loaded machine
+
+
+class HarnessError(RuntimeError):
+    """A worker could not even start: the harness is broken, no call is to blame."""
 
 
 class _Worker:
@@ -25,6 +30,20 @@ class _Worker:
         self.name = None
         self.started = 0.0
         os.set_blocking(self.proc.stderr.fileno(), False)
+        self._wait_ready()
+
+    def _wait_ready(self):
+        """Block until the worker has imported everything: a call's timeout is the call's alone (the
+        first H200 run reported selftest/abort as a hang: twelve workers importing CUDA torch at once
+        took longer than its 8 s)."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            line = self.proc.stdout.readline() if sel.select(timeout=STARTUP_TIMEOUT) else ""
+        if not line.strip().startswith('{"ready"'):
+            self.proc.kill()
+            self.proc.wait()
+            raise HarnessError(f"an adversarial worker did not start within {STARTUP_TIMEOUT:.0f} s: "
+                               f"{line!r} {self.stderr_tail()}")
 
     def send(self, name):
         self.name, self.started = name, time.monotonic()
