@@ -16,7 +16,7 @@ import math
 import torch
 
 # (BLOCK, num_warps) pairs the forward/backward tile kernels are tuned over on a GPU.
-GPU_CONFIGS = ((1024, 4), (2048, 8), (4096, 8), (4096, 16))
+GPU_CONFIGS = ((512, 4), (1024, 8))
 MIN_BLOCK = min(b for b, _ in GPU_CONFIGS)
 INTERPRETER_TILES = 8
 COMBINE_BLOCK = 128

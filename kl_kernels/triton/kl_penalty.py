@@ -36,12 +36,15 @@ _SIZES = ("total", "batch", "width", "lp_s0", "old_s0", "ref_s0", "adv_s0", "ent
 
 
 @triton.jit
-def _load(ptr, seq, col, offs, s0, s1, counted, FLAT: tl.constexpr):
+def _load(ptr, seq, col, offs, s0, s1, counted, full, FLAT: tl.constexpr):
+    """A per-token input as fp32, 0 where not counted. ``full``: the tile lies wholly inside the
+    input, so a flat read needs no mask and the compiler can widen it to 128 bits (a data-dependent
+    mask keeps every access scalar)."""
     if FLAT:
-        at = ptr + offs
-    else:
-        at = ptr + seq * s0 + col * s1
-    return tl.load(at, mask=counted, other=0.0).to(tl.float32)
+        if full:
+            return tl.where(counted, tl.load(ptr + offs).to(tl.float32), 0.0)
+        return tl.load(ptr + offs, mask=counted, other=0.0).to(tl.float32)
+    return tl.load(ptr + seq * s0 + col * s1, mask=counted, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -81,21 +84,24 @@ def kl_penalty_fwd_kernel(
     seq, col, pos, seq_lo, seq_hi, counted = _frame(
         offsets_ptr, lengths_ptr, lengths_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
         PACKED, LEFT_PAD, HAS_LENGTHS, False, HAS_MASK, FLAT)
+    full = t0 + BLOCK <= total
 
-    lp = _load(lp_ptr, seq, col, offs, lp_s0, lp_s1, counted, FLAT)
-    old = _load(old_ptr, seq, col, offs, old_s0, old_s1, counted, FLAT)
+    lp = _load(lp_ptr, seq, col, offs, lp_s0, lp_s1, counted, full, FLAT)
+    old = _load(old_ptr, seq, col, offs, old_s0, old_s1, counted, full, FLAT)
     if HAS_REF:  # KL to the reference model, else to the old policy
-        d = lp - _load(ref_ptr, seq, col, offs, ref_s0, ref_s1, counted, FLAT)
+        d = lp - _load(ref_ptr, seq, col, offs, ref_s0, ref_s1, counted, full, FLAT)
         sign = 1.0
     else:
         d = old - lp
         sign = -1.0
+    # Advantages and entropy stay masked reads (full=False): unmasked too, the bf16 packed 512x4
+    # variant took an 8-byte stack frame (ptxas, sm_90), and the static gate allows no local memory.
     if ADV_PER_SEQ:
         adv = tl.load(adv_ptr + seq * adv_s0, mask=counted, other=0.0).to(tl.float32)
     else:
-        adv = _load(adv_ptr, seq, col, offs, adv_s0, adv_s1, counted, FLAT)
+        adv = _load(adv_ptr, seq, col, offs, adv_s0, adv_s1, counted, False, FLAT)
     if HAS_ENT:
-        ent = _load(ent_ptr, seq, col, offs, ent_s0, ent_s1, counted, FLAT)
+        ent = _load(ent_ptr, seq, col, offs, ent_s0, ent_s1, counted, False, FLAT)
     else:
         ent = tl.zeros_like(lp)
     beta = _coef(beta_ptr, beta_scalar, seq, inb, BETA_MODE)

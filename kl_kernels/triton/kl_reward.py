@@ -149,8 +149,15 @@ def kl_reward_fwd_kernel(
         lp_at = lp_ptr + seq * lp_s0 + col * lp_s1
         ref_at = ref_ptr + seq * ref_s0 + col * ref_s1
         rw_at = reward_ptr + seq * rw_s0 + col * rw_s1
-    lp = tl.load(lp_at, mask=counted, other=0.0).to(tl.float32)
-    ref = tl.load(ref_at, mask=counted, other=0.0)
+    if FLAT and t0 + BLOCK <= total:
+        # A whole tile of flat inputs: unmasked loads, which the compiler can widen to 128 bits (a
+        # data-dependent mask keeps every access scalar). Uncounted lanes are zeroed below.
+        lp = tl.where(counted, tl.load(lp_at).to(tl.float32), 0.0)
+        ref = tl.load(ref_at)
+        ref = tl.where(counted, ref, tl.zeros_like(ref))
+    else:
+        lp = tl.load(lp_at, mask=counted, other=0.0).to(tl.float32)
+        ref = tl.load(ref_at, mask=counted, other=0.0)
     k = kl_value(lp - ref.to(tl.float32), in_lo, in_hi, out_lo, out_hi, EST)
     k = tl.where(counted, k, 0.0)  # exactly 0 where not counted, whatever the clamps say
     tl.store(kl_ptr + offs, k.to(kl_ptr.dtype.element_ty), mask=inb)
