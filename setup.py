@@ -201,8 +201,12 @@ def _extensions() -> list[Extension]:
     headers = sorted(str(p.relative_to(ROOT)) for pattern in ("*.h", "*.cuh") for p in (ROOT / "csrc").rglob(pattern))
     # -fno-trapping-math / -fno-math-errno change no value (no reassociation, NaN kept); they
     # give up FP exception flags and errno, which GCC otherwise protects by refusing to turn the
-    # masked selects of the kernels into vector blends.
-    cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errno"]
+    # masked selects of the kernels into vector blends. -ffp-contract=off: no a*b+c fused into an FMA
+    # (GCC's C++ default contracts, and the kernels' x86-64-v3 clones have FMA), so a CPU result is
+    # the same float32 bits on every x86 machine, and the Triton interpreter's
+    # (tests/test_triton_math_parity.py).
+    cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errno",
+                 "-ffp-contract=off"]
     exts = [
         Extension(
             "kl_kernels._C",

@@ -64,6 +64,60 @@ def coefficient(coef: torch.Tensor | None, scalar: float, keep: list) -> tuple[i
     return (1 if coef.dim() == 0 else 2), 0.0, ptr(coef)
 
 
+def set_input(a, field: str, stride_field: str, x, layout: int, keep: list) -> None:
+    """Point input ``field`` of the argument struct ``a`` at ``x``: a tensor (address and element
+    strides ``<stride_field>_s0/_s1``) or, for list inputs, a :class:`~kl_kernels.ragged.SequenceList`
+    (one address per sequence in ``<field>_ptrs``, contiguous values: strides (0, 1))."""
+    from .ragged import SequenceList
+
+    if isinstance(x, SequenceList):
+        keep.append(x.addresses)
+        setattr(a, f"{field}_ptrs", x.addresses.data_ptr())
+        setattr(a, f"{stride_field}_s0", 0)
+        setattr(a, f"{stride_field}_s1", 1)
+        return
+    setattr(a, field, ptr(x))
+    s0, s1 = strides(x, layout)
+    setattr(a, f"{stride_field}_s0", s0)
+    setattr(a, f"{stride_field}_s1", s1)
+
+
+def geometry_args(module, *, log_probs, mask, offsets, lengths, prompt_lens, layout, left_pad, estimator,
+                  straight_through, clamp, mask_nan=False):
+    """The argument struct every fused kernel starts from, with what the ops share filled in: the
+    geometry (layout, sizes, offsets / lengths, padding side, prompt lengths), the log-probs (address,
+    strides, dtype), the mask and the estimator with its clamps (``clamp``: [in_lo, in_hi, out_lo,
+    out_hi], missing bounds infinite). Returns it with the tensors it points into (keep them alive).
+
+    The C++ type carrying these is ``KLRewardArgs`` (``csrc/common/kl_reward_args.h``), which
+    ``KLPenaltyArgs`` embeds as its geometry ``g``; each op's launcher adds its own fields."""
+    a = module.KLRewardArgs()
+    a.layout = layout
+    a.batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
+    a.width = 0 if layout == 0 else log_probs.shape[1]
+    a.total = log_probs.numel()
+    keep = []
+    for name, t in (("offsets", offsets), ("lengths", lengths), ("prompt_lens", prompt_lens)):
+        if t is not None:
+            t = as_contiguous(t, torch.int64)
+            keep.append(t)
+            setattr(a, name, ptr(t))
+    a.left_pad = int(left_pad)
+    a.dtype = DTYPE_CODES[log_probs.dtype]
+    set_input(a, "lp", "lp", log_probs, layout, keep)
+    if mask is not None:
+        set_input(a, "mask", "mask", mask, layout, keep)
+    a.mask_nan = int(mask_nan)
+    est = module.EstimatorParams()
+    est.estimator, est.straight_through = estimator, int(straight_through)
+    lo, hi, olo, ohi = clamp
+    est.in_lo_set, est.in_hi_set = int(math.isfinite(lo)), int(math.isfinite(hi))
+    est.out_lo_set, est.out_hi_set = int(math.isfinite(olo)), int(math.isfinite(ohi))
+    est.in_lo, est.in_hi, est.out_lo, est.out_hi = (v if math.isfinite(v) else 0.0 for v in (lo, hi, olo, ohi))
+    a.est = est
+    return a, keep
+
+
 # The extension of the cuda-emulated backend: the CUDA kernels compiled against the host emulation
 # of csrc/emu, run on CPU tensors (setup.py); launched as the CUDA ones, with stream 0.
 EMULATED = "_cuda_emu"

@@ -76,10 +76,114 @@ def test_inductor_fallback(monkeypatch):
         pass
 
 
+# ---------------------------------------------------------------- tensordict
+
+TD_PRIVATE = re.compile(r"\._(tensordict|is_locked|new_unsafe|maybe_names|td_dim_name)\b")
+
+
+def test_private_tensordict_internals_only_in_the_compat_module():
+    offenders = [f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}"
+                 for path in PACKAGE.rglob("*.py") if path.parts[-2] != "_compat"
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if TD_PRIVATE.search(line.split("#", 1)[0]) and "``" not in line]
+    assert not offenders, "private tensordict internal outside kl_kernels/_compat:\n" + "\n".join(offenders)
+
+
+def test_tensordict_internals_and_their_fallbacks(monkeypatch):
+    pytest.importorskip("tensordict")  # the `torchrl` extra
+    from tensordict import LazyStackedTensorDict, TensorDict
+
+    from kl_kernels._compat import tensordict as td_compat
+    from kl_kernels.torchrl import _io
+
+    assert td_compat.SUPPORTED  # on the tensordict CI installs (0.14.x)
+    samples = [TensorDict({"lp": torch.randn(n), ("m", "a"): torch.ones(n, dtype=torch.bool)}) for n in (3, 0, 5)]
+    stack = LazyStackedTensorDict(*samples, stack_dim_name="batch")
+    fast = (_io.shallow_copy(stack), _io.read(stack, "lp").values, _io.sample_leaves(stack, ["lp"]))
+    monkeypatch.setattr(td_compat, "SUPPORTED", False)
+    assert td_compat.entries(samples[0]) is None
+    assert td_compat.unlocked(samples[0]) and not td_compat.unlocked(samples[0].clone().lock_())
+    assert td_compat.names_or_none(samples[0]) is None and td_compat.stack_dim_name(stack) == "batch"
+    made = td_compat.new_tensordict({"x": torch.zeros(2)}, torch.Size([2]), None, None)
+    assert torch.equal(made["x"], torch.zeros(2)) and made.batch_size == (2,)
+    copy, values, leaves = _io.shallow_copy(stack), _io.read(stack, "lp").values, _io.sample_leaves(stack, ["lp"])
+    assert leaves is None and fast[2] is not None  # the fast walk needs the internals; callers take the public API
+    assert torch.equal(values, fast[1])
+    for a, b in zip(copy.tensordicts, fast[0].tensordicts):
+        assert a is not b and torch.equal(a["lp"], b["lp"]) and a["lp"] is b["lp"]
+
+
+# ---------------------------------------------------------------- TorchRL
+
+TRL_IMPORT = re.compile(r"from torchrl[\w.]* import (.*)")
+TRL_MODULE_PRIVATE = re.compile(r"\b_(?:ppo|trl)\._[a-z]")  # a private name of an imported TorchRL module
+
+
+def _imports_a_private_name(line: str) -> bool:
+    m = TRL_IMPORT.search(line)
+    names = [part.split(" as ")[0].strip(" ()") for part in m.group(1).split(",")] if m else []
+    return any(n.startswith("_") for n in names) or bool(TRL_MODULE_PRIVATE.search(line))
+
+
+def test_private_torchrl_helpers_only_in_the_compat_module():
+    offenders = [f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}"
+                 for path in PACKAGE.rglob("*.py") if path.parts[-2] != "_compat"
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if _imports_a_private_name(line.split("#", 1)[0])]
+    assert not offenders, "private TorchRL helper outside kl_kernels/_compat:\n" + "\n".join(offenders)
+
+
+def test_torchrl_lookups_succeed_and_the_fallbacks_agree(monkeypatch):
+    pytest.importorskip("torchrl")  # the `torchrl` extra
+    import warnings
+
+    from tensordict import TensorDict
+    from torchrl.objectives import KLPENPPOLoss
+
+    from kl_kernels._compat import torchrl as trl_compat
+
+    names = ("_WARN_MC_KL", "_MAYBE_GET_OR_SELECT", "_SUM_TD_FEATURES", "_BROADCAST_ADVANTAGE", "_CHECK_ADVANTAGE")
+    assert all(getattr(trl_compat, n) is not None for n in names)  # on the TorchRL CI installs (0.14.1)
+    assert trl_compat.missing_base_methods(KLPENPPOLoss) == []
+    adv, lw = torch.randn(4, 1), torch.randn(4, 3, 1)
+    td = TensorDict({"a": torch.randn(4, 2), "b": torch.randn(4)}, [4])
+    feats = TensorDict({"x_log_prob": torch.randn(4), "y_log_prob": torch.randn(4)}, [4])
+    want = (trl_compat.broadcast_advantage_to_log_weight(adv, lw), trl_compat.maybe_get_or_select(td, "a"),
+            trl_compat.maybe_get_or_select(td, ["a", "b"]), trl_compat.sum_td_features(feats))
+    for n in names:
+        monkeypatch.setattr(trl_compat, n, None)
+    got = (trl_compat.broadcast_advantage_to_log_weight(adv, lw), trl_compat.maybe_get_or_select(td, "a"),
+           trl_compat.maybe_get_or_select(td, ["a", "b"]), trl_compat.sum_td_features(feats))
+    assert torch.equal(got[0], want[0]) and got[0].shape == (4, 3, 1) and torch.equal(got[1], want[1])
+    assert set(got[2].keys()) == set(want[2].keys()) == {"a", "b"} and torch.equal(got[3], want[3])
+    assert trl_compat.broadcast_advantage_to_log_weight(adv, torch.randn(4, 1)) is adv
+    trl_compat.check_advantage_broadcast(adv, torch.randn(4, 1))
+    with pytest.raises(ValueError, match="outer product"):
+        trl_compat.check_advantage_broadcast(torch.randn(4), torch.randn(4, 1))
+    p, q = torch.distributions.Normal(0.0, 1.0), torch.distributions.Laplace(0.0, 1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trl_compat.warn_mc_kl(p, q)
+        trl_compat.warn_mc_kl(p, q)  # once per pair of types
+    assert len([w for w in caught if "Monte Carlo" in str(w.message)]) == 1
+
+
+def test_torchrl_gate_names_what_a_torchrl_lacks():
+    from kl_kernels._compat import torchrl as trl_compat
+
+    class Lacking:
+        def _log_weight(self):
+            pass
+
+    missing = trl_compat.missing_base_methods(Lacking)
+    assert "_log_weight" not in missing and "_get_cur_log_prob" in missing and "_AcceptedKeys" in missing
+
+
 # ---------------------------------------------------------------- the C++ extension's compat headers
 
 CSRC = PACKAGE.parent / "csrc"
-_CPP_PRIVATE = ("_PyType_Lookup", "__dlpack_c_exchange_api__", "GOMP_parallel", "dl_iterate_phdr")
+_CPP_PRIVATE = ("_PyType_Lookup", "__dlpack_c_exchange_api__", "GOMP_parallel", "dl_iterate_phdr", '"_tensordict"',
+                '"_is_locked"')
 
 
 def test_private_cpp_internals_only_in_the_compat_folder():

@@ -93,6 +93,20 @@ def test_klcomputation_equals_torchrl_on_lazy_stacks(per_token, nan_pads, monkey
     assert taken == [per_token]  # per-token rewards [L, 1]: the samples are read in place
 
 
+@pytest.mark.parametrize("per_token", [True, False], ids=["reward-per-token", "reward-per-sequence"])
+def test_klcomputation_without_tensordict_internals(per_token, monkeypatch):
+    """kl_kernels._compat.tensordict's fallbacks, as on a tensordict whose internals changed: the
+    public API everywhere (no in-place sample path, no C walk), TorchRL's results all the same."""
+    from kl_kernels._compat import tensordict as td_compat
+
+    monkeypatch.setattr(td_compat, "SUPPORTED", False)
+    td = _klc_lazy(per_token, True)
+    want = trl.KLComputation(coeff=0.3)(td.clone())
+    got = ours.KLComputation(coeff=0.3)(td.clone())
+    assert isinstance(got, LazyStackedTensorDict)
+    assert_same(got, want, ["kl_penalty", "reward"])
+
+
 def test_klcomputation_in_place_path_falls_back_on_unusual_samples():
     """Samples the in-place path does not take (strided log-probs, [L] rewards, add_to_reward with
     no reward) go the general way, with the same results or TorchRL's error."""

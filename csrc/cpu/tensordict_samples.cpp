@@ -19,6 +19,7 @@
 // gives None. No error is raised: None sends the caller down TensorDict's public API.
 #include "cpu/tensordict_samples.h"
 
+#include "cpu/compat/tensordict.h"
 #include "cpu/py_tensor.h"
 
 namespace py = pybind11;
@@ -29,7 +30,7 @@ namespace {
 // The entry dict of `node` when it is exactly `container_type` (borrowed from `holder`, which keeps
 // it), else null. No error is left set.
 PyObject* entries_of(PyObject* node, PyObject* container_type, py::object* holder) {
-  static PyObject* const s_entries = interned("_tensordict");
+  static PyObject* const s_entries = interned(compat::kTensorDictEntries);
   if (Py_TYPE(node) != reinterpret_cast<PyTypeObject*>(container_type)) return nullptr;
   *holder = py::reinterpret_steal<py::object>(PyObject_GetAttr(node, s_entries));
   if (!*holder || !PyDict_CheckExact(holder->ptr())) {
@@ -39,9 +40,9 @@ PyObject* entries_of(PyObject* node, PyObject* container_type, py::object* holde
   return holder->ptr();
 }
 
-// `node` (a sample) is not locked: its _is_locked is false.
+// `node` (a sample) is not locked: its lock flag (compat::kTensorDictLocked) is false.
 bool unlocked(PyObject* node) {
-  static PyObject* const s_locked = interned("_is_locked");
+  static PyObject* const s_locked = interned(compat::kTensorDictLocked);
   PyObject* v = PyObject_GetAttr(node, s_locked);
   const int locked = v == nullptr ? -1 : PyObject_IsTrue(v);
   Py_XDECREF(v);

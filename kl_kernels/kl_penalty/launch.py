@@ -1,9 +1,8 @@
 """Host launcher of the fused kl_penalty_loss kernels: allocate outputs, fill the argument struct, launch.
 
 The compiled kernels (``csrc/cpu/kl_penalty_cpu.cpp``, ``csrc/cuda/kl_penalty_cuda.cu``) take a plain
-``KLPenaltyArgs`` whose ``g``
-member is kl_reward's ``KLRewardArgs`` (geometry, mask, log-probs), filled by kl_reward's
-``make_args``; this module adds the loss's own inputs. Inputs may have any strides; outputs are
+``KLPenaltyArgs`` whose ``g`` member carries the geometry, mask and log-probs every fused kernel
+shares (filled by ``launching.geometry_args``); this module adds the loss's own inputs. Inputs may have any strides; outputs are
 allocated contiguous in the layout's shape. Everything has been validated by ``problem.py``.
 """
 
@@ -13,9 +12,8 @@ import math
 
 import torch
 
-from ..kl_reward.launch import make_args  # the KLRewardArgs geometry this op's args embed (issue 30: to split)
-from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, kernel_module,
-                         launch_kernel, ptr, resolved, strides)
+from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, geometry_args,
+                         kernel_module, launch_kernel, ptr, resolved, strides)
 
 NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
@@ -23,9 +21,9 @@ TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token co
 
 def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, straight_through, lp_dtype):
     """KLPenaltyArgs with the geometry of ``like`` (a per-token tensor of the problem's shape)."""
-    g, keep = make_args(module, log_probs=like, ref_log_probs=like, mask=mask, offsets=offsets, lengths=lengths,
-                        prompt_lens=None, reward=None, coef=None, coef_scalar=0.0, layout=layout, left_pad=left_pad,
-                        placement=0, estimator=estimator, straight_through=straight_through, clamp=NO_CLAMP)
+    g, keep = geometry_args(module, log_probs=like, mask=mask, offsets=offsets, lengths=lengths, prompt_lens=None,
+                            layout=layout, left_pad=left_pad, estimator=estimator, straight_through=straight_through,
+                            clamp=NO_CLAMP)
     g.dtype = DTYPE_CODES[lp_dtype]
     a = module.KLPenaltyArgs()
     a.g = g

@@ -8,70 +8,31 @@ contiguous in the layout's shape. Everything here has already been validated by 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .. import ragged
-from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, kernel_module,
-                         launch_kernel, ptr, raise_for, resolved, strides)
-
-
-def _set_input(a, field: str, stride_field: str, x, layout: int, keep: list) -> None:
-    """Point input ``field`` of ``a`` at ``x``: a tensor (address and element strides) or, for
-    list inputs, a :class:`~kl_kernels.ragged.SequenceList` (one address per sequence in
-    ``<field>_ptrs``, contiguous values: strides (0, 1))."""
-    if isinstance(x, ragged.SequenceList):
-        addresses = x.addresses
-        keep.append(addresses)
-        setattr(a, f"{field}_ptrs", addresses.data_ptr())
-        setattr(a, f"{stride_field}_s0", 0)
-        setattr(a, f"{stride_field}_s1", 1)
-        return
-    setattr(a, field, ptr(x))
-    s0, s1 = strides(x, layout)
-    setattr(a, f"{stride_field}_s0", s0)
-    setattr(a, f"{stride_field}_s1", s1)
+from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, geometry_args,
+                         kernel_module, launch_kernel, ptr, raise_for, resolved, set_input)
 
 
 def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,
               coef_scalar, layout, left_pad, placement, estimator, straight_through, clamp, mask_nan=False):
-    """A filled ``KLRewardArgs`` (``clamp``: [in_lo, in_hi, out_lo, out_hi], missing bounds infinite); returns it with the tensors it points into (keep them alive)."""
-    a = module.KLRewardArgs()
-    a.layout = layout
-    a.batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
-    a.width = 0 if layout == 0 else log_probs.shape[1]
-    a.total = log_probs.numel()
-    keep = []
-    for name, t in (("offsets", offsets), ("lengths", lengths), ("prompt_lens", prompt_lens)):
-        if t is not None:
-            t = as_contiguous(t, torch.int64)
-            keep.append(t)
-            setattr(a, name, ptr(t))
-    a.left_pad = int(left_pad)
-    a.dtype = DTYPE_CODES[log_probs.dtype]
-    _set_input(a, "lp", "lp", log_probs, layout, keep)
-    _set_input(a, "ref", "ref", ref_log_probs, layout, keep)
-    if mask is not None:
-        _set_input(a, "mask", "mask", mask, layout, keep)
-    a.mask_nan = int(mask_nan)
+    """A filled ``KLRewardArgs``: the shared geometry (:func:`~kl_kernels.launching.geometry_args`)
+    plus kl_reward's own fields (reference log-probs, reward and its placement, coefficient); returns
+    it with the tensors it points into (keep them alive)."""
+    a, keep = geometry_args(module, log_probs=log_probs, mask=mask, offsets=offsets, lengths=lengths,
+                            prompt_lens=prompt_lens, layout=layout, left_pad=left_pad, estimator=estimator,
+                            straight_through=straight_through, clamp=clamp, mask_nan=mask_nan)
+    set_input(a, "ref", "ref", ref_log_probs, layout, keep)
     a.placement = placement
     if reward is not None:
         a.reward_dtype = DTYPE_CODES[reward.dtype]
         if placement == 1:
-            _set_input(a, "reward", "rw", reward, layout, keep)
+            set_input(a, "reward", "rw", reward, layout, keep)
         else:
             a.reward, a.rw_s0, a.rw_s1 = ptr(reward), reward.stride(0), 0
     else:
         a.reward_dtype = a.dtype
     a.coef_mode, a.coef_scalar, a.coef = coefficient(coef, coef_scalar, keep)
-    est = module.EstimatorParams()
-    est.estimator, est.straight_through = estimator, int(straight_through)
-    lo, hi, olo, ohi = clamp
-    est.in_lo_set, est.in_hi_set = int(math.isfinite(lo)), int(math.isfinite(hi))
-    est.out_lo_set, est.out_hi_set = int(math.isfinite(olo)), int(math.isfinite(ohi))
-    est.in_lo, est.in_hi, est.out_lo, est.out_hi = (v if math.isfinite(v) else 0.0 for v in (lo, hi, olo, ohi))
-    a.est = est
     return a, keep
 
 

@@ -17,6 +17,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unravel_key
 
 from .. import _extensions, ragged
+from .._compat import tensordict as td_compat
 
 
 @dataclass
@@ -60,8 +61,9 @@ def has(td: TensorDictBase, key) -> bool:
 
 def plain_samples(td: LazyStackedTensorDict) -> bool:
     """A lazy stack of plain, unlocked TensorDicts: their entries can be read and set directly."""
-    # _is_locked, the attribute behind TensorDict.is_locked (a Python property): this runs per sample and call
-    return not td.is_locked and all([type(sub) is TensorDict and not sub._is_locked for sub in td.tensordicts])
+    # td_compat.unlocked: the attribute behind TensorDict.is_locked (a Python property): this runs per sample and call
+    unlocked = td_compat.unlocked
+    return not td.is_locked and all([type(sub) is TensorDict and unlocked(sub) for sub in td.tensordicts])
 
 
 def shallow_copy(td: TensorDictBase) -> TensorDictBase:
@@ -72,15 +74,18 @@ def shallow_copy(td: TensorDictBase) -> TensorDictBase:
     if is_lazy(td) and plain_samples(td):
         copies = [_copy_plain(sub) for sub in td.tensordicts]
         if None not in copies:
-            return type(td)(*copies, stack_dim=td.stack_dim, stack_dim_name=td._td_dim_name)
+            return type(td)(*copies, stack_dim=td.stack_dim, stack_dim_name=td_compat.stack_dim_name(td))
     return td.copy()
 
 
 def _copy_plain(td: TensorDict) -> TensorDict | None:
     """What ``TensorDict._clone(recurse=False)`` makes of a TensorDict of tensors and plain
     TensorDicts (new containers at every level, same leaves, unlocked), or ``None`` for anything else."""
+    own = td_compat.entries(td)
+    if own is None:
+        return None
     source = {}
-    for name, value in td._tensordict.items():
+    for name, value in own.items():
         if type(value) is TensorDict:
             value = _copy_plain(value)
             if value is None:
@@ -88,8 +93,7 @@ def _copy_plain(td: TensorDict) -> TensorDict | None:
         elif not isinstance(value, torch.Tensor):
             return None
         source[name] = value
-    return TensorDict._new_unsafe(source=source, batch_size=td.batch_size, device=td.device,
-                                  names=td._maybe_names(), nested=False)
+    return td_compat.new_tensordict(source, td.batch_size, td.device, td_compat.names_or_none(td))
 
 
 def fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
@@ -98,9 +102,9 @@ def fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
     ``LazyStackedTensorDict.get(..., as_list=True)`` costs ~15 us per sample in TensorDict's
     generic machinery (B = 1024: ~15 ms, more than the fused kernel); the samples' own dicts give
     the same tensors for ~0.3 us each. ``None`` (use the public API) when anything is unusual."""
-    if not plain_samples(td):
+    if not plain_samples(td) or not td_compat.SUPPORTED:
         return None
-    nodes = entries_at([sub._tensordict for sub in td.tensordicts], key)
+    nodes = entries_at([td_compat.entries(sub) for sub in td.tensordicts], key)
     if nodes is None or not all([isinstance(n, torch.Tensor) for n in nodes]):  # a sub-TensorDict: not a leaf
         return None
     return nodes
@@ -109,9 +113,9 @@ def fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
 def sample_entries(td: TensorDictBase) -> list[dict] | None:
     """The entry dicts of the samples of a lazy stack of plain samples of batch size ``()`` (so a
     result can be set into them directly), or ``None``. One pass over the samples."""
-    if not is_lazy(td) or td.batch_dims != 1 or not plain_samples(td):
+    if not is_lazy(td) or td.batch_dims != 1 or not plain_samples(td) or not td_compat.SUPPORTED:
         return None
-    return [sub._tensordict for sub in td.tensordicts]
+    return [td_compat.entries(sub) for sub in td.tensordicts]
 
 
 def sample_leaves(td: TensorDictBase, keys) -> tuple[tuple[dict, ...], tuple[tuple, ...]] | None:
@@ -128,7 +132,7 @@ def sample_leaves(td: TensorDictBase, keys) -> tuple[tuple[dict, ...], tuple[tup
     if not is_lazy(td) or td.batch_dims != 1 or td.is_locked:
         return None
     paths = tuple(_path(key) for key in keys)
-    walk = _walker() if WALK_IN_C else None
+    walk = _walker() if WALK_IN_C and td_compat.SUPPORTED else None  # it reads the same internals
     if walk is not None:
         return walk(td.tensordicts, TensorDict, paths)
     entries = sample_entries(td)
@@ -167,7 +171,7 @@ def entries_at(entries: list[dict], key) -> list | None:
         for name in path[1:]:
             if not all([type(n) is TensorDict for n in nodes]):  # a leaf or another container on the way
                 return None
-            nodes = [n._tensordict[name] for n in nodes]
+            nodes = [td_compat.entries(n)[name] for n in nodes]
     except KeyError:
         return None
     return nodes

@@ -28,9 +28,16 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection
 from tensordict.nn import CompositeDistribution, dispatch, set_composite_lp_aggregate
 from tensordict.utils import NestedKey
-from torchrl.modules.distributions.utils import _warn_mc_kl, has_analytic_kl, sample_and_log_prob
+from torchrl.modules.distributions.utils import has_analytic_kl, sample_and_log_prob
 from torchrl.objectives import ppo as _ppo
-from torchrl.objectives.utils import _maybe_get_or_select, _sum_td_features
+
+from .._compat import torchrl as trl_compat
+
+_missing = trl_compat.missing_base_methods(_ppo.KLPENPPOLoss)
+if _missing:
+    raise ImportError(f"kl_kernels.torchrl.KLPENPPOLoss builds on private methods of TorchRL's KLPENPPOLoss that "
+                      f"this TorchRL lacks: {', '.join(_missing)} (checked on TorchRL "
+                      f"{', '.join(trl_compat.CHECKED_ON)}; the `torchrl` extra pins 0.14.x)")
 
 from ..kl_penalty.api import kl_penalty_loss
 from ..kl_penalty.controllers import adaptive_beta
@@ -130,8 +137,8 @@ class KLPENPPOLoss(_ppo.KLPENPPOLoss):
         advantage, update_norm = self._advantage(tensordict_copy)
         advantage = self._maybe_normalize_advantage(advantage, tensordict_copy, update_norm=update_norm)
         log_weight, dist, kl_approx, log_is_weight = self._log_weight(tensordict_copy, adv_shape=advantage.shape[:-1])
-        advantage = _ppo._broadcast_advantage_to_log_weight(advantage, log_weight)
-        _ppo._check_advantage_broadcast(advantage, log_weight)
+        advantage = trl_compat.broadcast_advantage_to_log_weight(advantage, log_weight)
+        trl_compat.check_advantage_broadcast(advantage, log_weight)
         if log_is_weight is not None:
             log_weight = log_weight + log_is_weight
         neg_loss = log_weight.exp() * advantage
@@ -156,7 +163,7 @@ class KLPENPPOLoss(_ppo.KLPENPPOLoss):
         """KL(previous || current): analytic when torch knows it, else TorchRL's Monte-Carlo estimate."""
         if has_analytic_kl(previous_dist, current_dist):
             return torch.distributions.kl.kl_divergence(previous_dist, current_dist)
-        _warn_mc_kl(previous_dist, current_dist)
+        trl_compat.warn_mc_kl(previous_dist, current_dist)
         is_composite = isinstance(current_dist, CompositeDistribution)
         with set_composite_lp_aggregate(False) if is_composite else contextlib.nullcontext():
             x, previous_log_prob = sample_and_log_prob(previous_dist, (self.samples_mc_kl,))
@@ -165,8 +172,8 @@ class KLPENPPOLoss(_ppo.KLPENPPOLoss):
             if previous_log_prob.batch_size != advantage.shape[:-1]:
                 previous_log_prob.batch_size = (self.samples_mc_kl,) + advantage.shape[:-1]
                 current_log_prob.batch_size = (self.samples_mc_kl,) + advantage.shape[:-1]
-            previous_log_prob = _sum_td_features(previous_log_prob)
-            current_log_prob = _sum_td_features(current_log_prob)
+            previous_log_prob = trl_compat.sum_td_features(previous_log_prob)
+            current_log_prob = trl_compat.sum_td_features(current_log_prob)
         return (previous_log_prob - current_log_prob).mean(0)
 
     # ------------------------------------------------------------------ shared pieces
@@ -181,7 +188,7 @@ class KLPENPPOLoss(_ppo.KLPENPPOLoss):
     def _set_entropy(self, td_out: TensorDict, entropy) -> None:
         if is_tensor_collection(entropy):  # one entropy per action head
             td_out.set("composite_entropy", entropy.detach())
-            td_out.set("entropy", _sum_td_features(entropy).detach().mean())
+            td_out.set("entropy", trl_compat.sum_td_features(entropy).detach().mean())
         else:
             td_out.set("entropy", entropy.detach().mean())
         td_out.set("loss_entropy", self._weighted_loss_entropy(entropy))
@@ -207,7 +214,7 @@ class KLPENPPOLoss(_ppo.KLPENPPOLoss):
                              "support delay_actor=True or max_importance_ratio; set_keys(token_mask=...) to a key "
                              "absent from the data to use the generic path")
         tensordict_copy = tensordict.copy()
-        old = _maybe_get_or_select(tensordict_copy, self.tensor_keys.sample_log_prob)
+        old = trl_compat.maybe_get_or_select(tensordict_copy, self.tensor_keys.sample_log_prob)
         if old is None:
             raise KeyError(f"Couldn't find the log-prob {self.tensor_keys.sample_log_prob} in the input data.")
         if old.requires_grad:
@@ -245,7 +252,7 @@ class KLPENPPOLoss(_ppo.KLPENPPOLoss):
         if self.entropy_bonus:
             entropy = self._get_entropy(dist, adv_shape=old.shape)
             if is_tensor_collection(entropy):
-                entropy = _sum_td_features(entropy)
+                entropy = trl_compat.sum_td_features(entropy)
             entropy = entropy.reshape(old.shape)
             td_out.set("entropy", ((entropy.detach() * counted).sum() / count.clamp_min(1)))
             loss_entropy = self._weighted_loss_entropy(torch.where(mask, entropy, 0.0))

@@ -1,7 +1,8 @@
 """Per-token math of ``kl_reward`` in Triton: the twin of ``csrc/common/kl_math.h``.
 
-Same formulas, same order of operations, same expm1 (so the Triton, CPU and CUDA kernels agree
-closely with each other, not only with the reference)::
+Same formulas, same order of operations, same expm1/exp algorithms and constants (so the Triton
+interpreter gives the CPU kernel's float32 bits, tests/test_triton_math_parity.py; compiled for a GPU,
+Triton contracts a*b+c into FMAs, so there a result may differ from the CPU's by an ulp or so)::
 
     x   = clamp(d, in_lo, in_hi)              d = log_prob - ref_log_prob (fp32)
     e   = clamp(est(x), out_lo, out_hi)       k1: x  abs: |x|  k2: x^2/2  k3: expm1(-x) + x
@@ -26,42 +27,55 @@ K2 = tl.constexpr(codes.ESTIMATOR_CODES["k2"])
 K3 = tl.constexpr(codes.ESTIMATOR_CODES["k3"])
 
 
+# expm1 and exp: the algorithms and constants of csrc/common/kl_math.h, operation for operation
+# (tests/test_triton_math_parity.py holds the interpreter to the CPU kernel's float32 bits).
+
+
 @triton.jit
-def _expm1_poly(y):
-    """sum_{k=1..8} y^k / k! (Horner): expm1 for |y| < ln2/2 to < 3e-9 relative."""
-    p = y * 0.0 + 2.48015873015873e-05  # 1/40320
-    p = p * y + 1.984126984126984e-04   # 1/5040
-    p = p * y + 1.388888888888889e-03   # 1/720
-    p = p * y + 8.333333333333333e-03   # 1/120
-    p = p * y + 4.166666666666667e-02   # 1/24
-    p = p * y + 1.666666666666667e-01   # 1/6
-    p = p * y + 0.5
-    p = p * y + 1.0
-    return p * y
+def expm1_poly(y):
+    """sum_{k=1..8} y^k / k! for |y| <= ln2/2 (truncation < 3e-9 relative), Estrin's scheme as
+    ``kl::expm1_poly``."""
+    y2 = y * y
+    y4 = y2 * y2
+    a = 0.5 * y + 1.0                    # 1 + y/2
+    b = (1.0 / 24.0) * y + 1.0 / 6.0     # 1/6 + y/24
+    c = (1.0 / 720.0) * y + 1.0 / 120.0  # 1/120 + y/720
+    d = (1.0 / 40320.0) * y + 1.0 / 5040.0
+    return y * ((b * y2 + a) + (d * y2 + c) * y4)
+
+
+@triton.jit
+def _exp_reduce_in_range(y):
+    """``kl::exp_reduce_in_range``: y = n ln2 + r (n rounded by the 1.5 * 2^23 trick, read back from
+    the sum's bits), returns (e^r - 1, 2^(n-1), n). Valid for y in [-87.3, 89] or NaN."""
+    s = y * 1.44269504088896341 + 12582912.0
+    n = s - 12582912.0
+    r = (y - n * 0.693145751953125) - n * 1.42860682030941723212e-6  # ln2 = hi + lo
+    nb = s.to(tl.uint32, bitcast=True) - 0x4B400000
+    half = ((nb + 126) << 23).to(tl.float32, bitcast=True)
+    return expm1_poly(r), half, nb.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _exp_reduce(y):
+    """Any y: clamped to [-87.3, 89] by selects first (a NaN maps to -87.3; callers put it back)."""
+    return _exp_reduce_in_range(tl.where(y >= -87.3, tl.where(y <= 89.0, y, 89.0), -87.3))
+
+
+@triton.jit
+def exp_bounded(y):
+    """e^y for y in [-87, 88] or NaN (a clamped log-ratio), as ``kl::exp_bounded``."""
+    p, half, _ = _exp_reduce_in_range(y)
+    return (half * p + half) * 2.0
 
 
 @triton.jit
 def expm1(y):
-    """expm1 in fp32, accurate near 0 (where k3 lives) and over the whole range.
-
-    |y| < ln2/2: the Taylor series. Otherwise 2^n * exp(r) - 1 with n = round(y / ln2) and
-    r = y - n ln2 (Cody-Waite split), 2^n built exactly from bits as two factors. Overflow
-    gives +inf, underflow -1, NaN stays NaN. tl.exp alone is not enough: exp(y) - 1 cancels
-    near 0, and the hardware exp's error grows with |y|.
-    """
-    small = _expm1_poly(y)
-    yc = tl.minimum(tl.maximum(y, -104.0), 89.0)
-    n = tl.floor(yc * 1.4426950408889634 + 0.5)
-    r = (yc - n * 0.693145751953125) - n * 1.4286068203094172e-06
-    er = _expm1_poly(r) + 1.0
-    ni = n.to(tl.int32)
-    n1 = ni >> 1  # arithmetic shift: floor(ni / 2); both halves stay in the normal exponent range
-    n2 = ni - n1
-    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
-    s2 = ((n2 + 127) << 23).to(tl.float32, bitcast=True)
-    big = er * s1 * s2 - 1.0
-    out = tl.where(tl.abs(y) < 0.34657359, small, tl.where(y > 88.7228394, float("inf"), big))
-    return tl.where(y != y, y, out)  # NaN in, NaN out (the clamps above would drop it)
+    """expm1 in fp32, as ``kl::expm1_vec``: the polynomial itself where n = 0 (|y| < ln2/2, where
+    e^y - 1 would cancel), e^y - 1 elsewhere; overflow gives +inf, NaN stays NaN."""
+    p, half, n = _exp_reduce(y)
+    out = tl.where(n == 0, p, (half * p + half) * 2.0 - 1.0)
+    return tl.where(y != y, y, out)
 
 
 @triton.jit

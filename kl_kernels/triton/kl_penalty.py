@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .. import codes
 
-from .kl_math import clamp, estimate_grad_raw, estimate_raw, inside, segment_sum
+from .kl_math import clamp, estimate_grad_raw, estimate_raw, exp_bounded, inside, segment_sum
 from .kl_reward import _coef, _combine_rows, _frame
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
@@ -107,7 +107,7 @@ def kl_penalty_fwd_kernel(
     beta = _coef(beta_ptr, beta_scalar, seq, inb, BETA_MODE)
 
     lr_raw = lp - old
-    ratio = tl.exp(clamp(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    ratio = exp_bounded(clamp(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # |.| <= 20: kl::exp_bounded
     gain = ratio * adv
     gain_c = clamp(ratio, clip_lo, clip_hi) * adv
     take = gain <= gain_c  # NaN: false, as torch.where in the reference
