@@ -123,12 +123,13 @@ def geometry_args(module, *, log_probs, mask, offsets, lengths, prompt_lens, lay
 EMULATED = "_cuda_emu"
 
 
-def kernel_module(device: torch.device, op: str = "kl_reward", what: str = "kl_reward", ext: str | None = None):
-    """The extension holding op ``op``'s kernels for ``device`` (or extension ``ext``, by name), or a
-    RuntimeError naming ``what`` and why there is none (e.g. a wheel built without nvcc has no
-    ``_cuda``; dispatch never routes there)."""
+def kernel_module(device: torch.device, kernel: str, what: str, ext: str | None = None):
+    """The extension for ``device`` (or extension ``ext``, by name) that holds ``kernel`` (the
+    function's name, written out by each launcher: ``"kl_reward_forward"``...), or a RuntimeError
+    naming ``what`` and why there is none (e.g. a wheel built without nvcc has no ``_cuda``;
+    dispatch never routes there)."""
     name = ext or ("_C" if device.type == "cpu" else "_cuda")
-    _, reason = _extensions.kernel(name, f"{op}_forward")
+    _, reason = _extensions.kernel(name, kernel)
     if reason:
         raise RuntimeError(f"{what}: no fused kernel for {device.type} tensors: {reason}")
     return _extensions.load(name)[0]

@@ -289,7 +289,7 @@ def test_fused_op_on_a_device_without_its_kernel_says_so():
     if not launch._extensions.kernel("_cuda", "kl_reward_forward")[1]:
         pytest.skip("this build has the CUDA kernel")
     with pytest.raises(RuntimeError, match="no fused kernel for cuda tensors"):
-        launch.kernel_module(torch.device("cuda"))
+        launch.kernel_module(torch.device("cuda"), "kl_reward_forward", "kl_reward")
 
 
 def test_auto_prefers_the_fused_kernel_and_declines_what_it_cannot_run():

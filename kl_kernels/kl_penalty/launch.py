@@ -38,7 +38,7 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     inputs = resolved(*given)
     log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta = inputs
     dev = log_probs.device
-    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss", ext)
+    module = kernel_module(dev, "kl_penalty_forward", "kl_penalty_loss", ext)
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
                     log_probs.dtype)
     keep.extend(r for r, t in zip(inputs, given) if r is not t)  # copies made by resolved: the struct points there
@@ -111,7 +111,7 @@ def backward_with_args(args, grad, g_uniform, lp_dtype, entropy_grad, aux_dtype)
     g_ent = torch.empty(grad.shape, dtype=aux_dtype, device=dev) if entropy_grad else None
     args.g_lp = ptr(g_lp)
     args.g_ent = ptr(g_ent)
-    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss")
+    module = kernel_module(dev, "kl_penalty_backward", "kl_penalty_loss")
     launch_kernel(module, module.kl_penalty_backward, args, dev, "kl_penalty_loss")
     return g_lp, g_ent
 
@@ -122,7 +122,7 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     (``entropy_grad``) grad_entropy = -entropy_coef * (g_tok + g_seq[b]). Returns (grad_lp, grad_ent or empty)."""
     grad, g_seq, g_tok, mask, offsets, lengths = resolved(grad, g_seq, g_tok, mask, offsets, lengths)
     dev = grad.device
-    module = kernel_module(dev, "kl_penalty", "kl_penalty_loss", ext)
+    module = kernel_module(dev, "kl_penalty_backward", "kl_penalty_loss", ext)
     a, keep = _args(module, grad, mask, offsets, lengths, layout, left_pad, 0, False, lp_dtype)
     a.aux_dtype = DTYPE_CODES[aux_dtype]
     a.entropy_coef = float(entropy_coef)

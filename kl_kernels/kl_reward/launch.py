@@ -81,7 +81,7 @@ def _prepare_forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_le
     """The forward's outputs (allocated) and filled argument struct, its module, and what it points into."""
     log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef = resolved(
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
-    module = kernel_module(log_probs.device, ext=ext)
+    module = kernel_module(log_probs.device, "kl_reward_forward", "kl_reward", ext)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=reward, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=placement,
@@ -119,7 +119,7 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out, g_kl_sum = \
         resolved(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef, g_kl, g_reward, g_ref_out,
                  g_kl_sum)
-    module = kernel_module(log_probs.device, ext=ext)
+    module = kernel_module(log_probs.device, "kl_reward_backward", "kl_reward", ext)
     args, keep = make_args(module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, offsets=offsets,
                            lengths=lengths, prompt_lens=prompt_lens, reward=None, coef=coef,
                            coef_scalar=coef_scalar, layout=layout, left_pad=left_pad, placement=0,
