@@ -534,6 +534,29 @@ def test_use_ray_service_runs_our_class_on_the_actor(ray_cluster):
     assert_same(got, want, ["reward", "kl_penalty", "ref_log_probs"])
 
 
+def test_retrievelogprob_registers_the_keys_it_writes():
+    """Issue 26 item 4: in TransformedEnv(ChatEnv) the env checks every key a transform writes
+    against the specs. TorchRL 0.14.1's RetrieveLogProb registers "kl_penalty" (never written) and
+    not its log-probs, so building the env's specs raises KeyError; ours registers the log-probs
+    ([*batch, -1], ragged like the env's token specs)."""
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.llm import ChatEnv
+
+    gen = TinyLM(seed=1, pad_output=False, input_mode="history", log_probs_key="log_probs")
+    ref = TinyLM(seed=2, pad_output=False, input_mode="history", log_probs_key="ref_log_probs")
+
+    def env_of(mod):
+        return TransformedEnv(ChatEnv(batch_size=(3,), input_mode="history"),
+                              mod.RetrieveKL(gen, ref, coeff=0.25, add_to_reward=False))
+
+    with pytest.raises(KeyError, match="unaccounted for"):
+        env_of(trl).observation_spec
+    spec = env_of(ours).observation_spec
+    for key in (("log_probs", "full"), ("ref_log_probs", "full"), "kl_penalty"):
+        assert key in spec.keys(True, True), key
+    assert spec["ref_log_probs", "full"].shape == (3, -1)
+
+
 def test_klcomputation_dense_batch_with_lazily_stacked_ragged_sub_tensordicts():
     """A dense TensorDict(batch_size=(B,)) whose log-probs live in lazily stacked sub-TensorDicts
     with ragged leaves (pad_output=False storage): td.get raised 'stack expects each tensor to be

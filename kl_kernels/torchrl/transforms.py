@@ -319,6 +319,17 @@ class RetrieveLogProb(_TrlRetrieveLogProb):
                 return ragged.to_padded(values, lp.offsets, padding_side=self.padding_side, padding_value=0.0)
             return ragged.to_nested(values, lp.offsets, layout=self.model.layout)
 
+    def transform_observation_spec(self, observation_spec):
+        """Registers the key this transform writes, the per-token log-probs (``[*batch, -1]``, ragged
+        like the env's token specs), so an env that checks its outputs (``TransformedEnv(ChatEnv)``
+        with a generating policy) accepts them. TorchRL 0.14.1's registers ``"kl_penalty"``, which it
+        never writes, and not its log-probs."""
+        from torchrl.data import Unbounded
+
+        observation_spec[self.log_probs_full_key] = Unbounded(
+            shape=(*observation_spec.shape, -1), dtype=torch.get_default_dtype(), device=observation_spec.device)
+        return observation_spec
+
     def _step(self, tensordict, next_tensordict):
         next_tensordict = super()._step(tensordict, next_tensordict)
         if self.detach:
