@@ -2,7 +2,7 @@
 
 The twin of ``csrc/cpu/kl_penalty_cpu.cpp`` with the geometry of ``kl_reward.py``: the flat
 token space is cut into tiles of ``BLOCK`` elements (one program each, no grid dimension tied to
-a row's length), ``_frame`` says where each element stands and whether it counts. Per counted
+a row's length), ``frame`` says where each element stands and whether it counts. Per counted
 token (``csrc/common/kl_penalty_math.h``)::
 
     ratio = exp(clamp(lp - old, -20, 20));  gain = ratio * A;  gain_c = clamp(ratio, lo, hi) * A
@@ -24,7 +24,7 @@ import triton.language as tl
 from .. import codes
 
 from .kl_math import clamp, estimate_grad_raw, estimate_raw, exp_bounded, inside, segment_sum
-from .kl_reward import _coef, _combine_rows, _frame
+from .tiles import coef_of, combine_rows, frame
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
 # clipped; 8 for the combine's power-of-two 2-D block).
@@ -81,7 +81,7 @@ def kl_penalty_fwd_kernel(
     offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < total
     t_last = tl.minimum(t0 + BLOCK, total) - 1
-    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+    seq, col, pos, seq_lo, seq_hi, counted = frame(
         offsets_ptr, lengths_ptr, lengths_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
         PACKED, LEFT_PAD, HAS_LENGTHS, False, HAS_MASK, FLAT)
     full = t0 + BLOCK <= total
@@ -104,7 +104,7 @@ def kl_penalty_fwd_kernel(
         ent = _load(ent_ptr, seq, col, offs, ent_s0, ent_s1, counted, False, FLAT)
     else:
         ent = tl.zeros_like(lp)
-    beta = _coef(beta_ptr, beta_scalar, seq, inb, BETA_MODE)
+    beta = coef_of(beta_ptr, beta_scalar, seq, inb, BETA_MODE)
 
     lr_raw = lp - old
     ratio = exp_bounded(clamp(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # |.| <= 20: kl::exp_bounded
@@ -170,7 +170,7 @@ def kl_penalty_fwd_kernel(
 def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, slot_sum_ptr, slot_count_ptr,
                               batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
     """Per sequence: finish the sums of sequences that span tiles (tile order, fp64); zero the empty ones."""
-    b, inb, lo, hi, n, k0, k1, spans = _combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
+    b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
     c = tl.arange(0, 8)
     used = c < 6
     m2 = spans[:, None] & used[None, :]
@@ -206,7 +206,7 @@ def kl_penalty_bwd_kernel(
     t0 = pid * BLOCK
     offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < total
-    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+    seq, col, pos, seq_lo, seq_hi, counted = frame(
         offsets_ptr, lengths_ptr, lengths_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
         PACKED, LEFT_PAD, HAS_LENGTHS, False, HAS_MASK, FLAT)
     g = tl.zeros((BLOCK,), dtype=tl.float32)

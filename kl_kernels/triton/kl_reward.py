@@ -25,97 +25,10 @@ import triton
 import triton.language as tl
 
 from .kl_math import kl_grad, kl_value, segment_sum
+from .tiles import coef_of, combine_rows, frame
 
 # Runtime integers that change from batch to batch: no specialization on their values.
 _SIZES = ("total", "batch", "width", "lp_s0", "ref_s0", "mask_s0", "rw_s0")
-
-
-@triton.jit
-def _last_leq(offsets_ptr, idx, lo, hi):
-    """For scalar idx: the last b in [lo, hi] with offsets[b] <= idx (skips empty sequences)."""
-    lo = idx * 0 + lo  # int64 scalars: loop-carried values keep one type
-    hi = idx * 0 + hi
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        if tl.load(offsets_ptr + mid) <= idx:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@triton.jit
-def _last_leq_vec(offsets_ptr, idx, lo, hi):
-    """_last_leq for a vector idx whose answers all lie in [lo, hi] (the tile's sequences)."""
-    steps = hi * 0
-    span = hi - lo
-    while span > 0:
-        span = span >> 1
-        steps += 1
-    lo_v = tl.zeros_like(idx) + lo
-    hi_v = tl.zeros_like(idx) + hi
-    for _ in range(steps):
-        mid = lo_v + (hi_v - lo_v + 1) // 2
-        go = tl.load(offsets_ptr + mid) <= idx
-        lo_v = tl.where(go, mid, lo_v)
-        hi_v = tl.where(go, hi_v, mid - 1)
-    return lo_v
-
-
-@triton.jit
-def _frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
-           PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-           HAS_MASK: tl.constexpr, FLAT: tl.constexpr):
-    """Where each element of the tile stands: (seq, col, pos, seq_lo, seq_hi, counted).
-
-    ``col`` is the element's column in its input row (packed: the token index, row stride 0),
-    ``pos`` its position in its sequence, ``[seq_lo, seq_hi)`` the sequence's flat range and
-    ``counted`` the final mask (valid, past the prompt, mask bit set).
-    """
-    t_last = tl.minimum(t0 + offs.shape[0], total) - 1
-    if PACKED:
-        b0 = _last_leq(offsets_ptr, t0, 0, batch)
-        b1 = _last_leq(offsets_ptr, t_last, b0, batch)
-        seq = _last_leq_vec(offsets_ptr, tl.minimum(offs, t_last), b0, b1)
-        seq_lo = tl.load(offsets_ptr + seq)
-        seq_hi = tl.load(offsets_ptr + seq + 1)
-        col = offs
-        pos = offs - seq_lo
-        valid = inb
-    else:
-        seq = offs // width
-        col = offs - seq * width
-        seq_lo = seq * width
-        seq_hi = seq_lo + width
-        if HAS_LENGTHS:
-            length = tl.load(lengths_ptr + seq, mask=inb, other=0)
-        else:
-            length = width
-        if LEFT_PAD:
-            pos = col - (width - length)
-        else:
-            pos = col
-        valid = inb & (pos >= 0) & (pos < length)
-    counted = valid
-    if HAS_PROMPT:
-        counted = counted & (pos >= tl.load(prompt_ptr + seq, mask=inb, other=0))
-    if HAS_MASK:
-        if FLAT:
-            m = tl.load(mask_ptr + offs, mask=counted, other=0)
-        else:
-            m = tl.load(mask_ptr + seq * mask_s0 + col * mask_s1, mask=counted, other=0)
-        counted = counted & (m != 0)
-    return seq, col, pos, seq_lo, seq_hi, counted
-
-
-@triton.jit
-def _coef(coef_ptr, coef_scalar, seq, inb, COEF_MODE: tl.constexpr):
-    if COEF_MODE == 0:
-        return coef_scalar
-    elif COEF_MODE == 1:
-        return tl.load(coef_ptr)
-    else:
-        return tl.load(coef_ptr + seq, mask=inb, other=0.0)
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -137,7 +50,7 @@ def kl_reward_fwd_kernel(
     offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < total
     t_last = tl.minimum(t0 + BLOCK, total) - 1
-    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+    seq, col, pos, seq_lo, seq_hi, counted = frame(
         offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
         PACKED, LEFT_PAD, HAS_LENGTHS, HAS_PROMPT, HAS_MASK, FLAT)
 
@@ -164,7 +77,7 @@ def kl_reward_fwd_kernel(
     if RETURN_REF:
         tl.store(ref_out_ptr + offs, tl.where(counted, ref, tl.zeros_like(ref)), mask=inb)
 
-    c = _coef(coef_ptr, coef_scalar, seq, inb, COEF_MODE)
+    c = coef_of(coef_ptr, coef_scalar, seq, inb, COEF_MODE)
     if PLACEMENT == 1:    # per-token reward
         base = tl.load(rw_at, mask=inb, other=0.0).to(tl.float32)
     elif PLACEMENT == 2:  # per-sequence reward, broadcast
@@ -210,24 +123,6 @@ def _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, slot, member, end, 
     tl.store(slot_last_ptr + at, pos, mask=member & is_last_counted)
 
 
-@triton.jit
-def _combine_rows(offsets_ptr, batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
-    """This combine program's sequences b: (b, in batch, flat row [lo, hi), length n, first and last
-    tile k0, k1, spans = non-empty and over more than one tile)."""
-    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    inb = b < batch
-    if PACKED:
-        lo = tl.load(offsets_ptr + b, mask=inb, other=0)
-        hi = tl.load(offsets_ptr + b + 1, mask=inb, other=0)
-    else:
-        lo = b * width
-        hi = lo + width
-    n = hi - lo
-    k0 = lo // TILE
-    k1 = (hi - 1) // TILE
-    return b, inb, lo, hi, n, k0, k1, inb & (n > 0) & (k1 > k0)
-
-
 @triton.jit(do_not_specialize=("batch", "width", "lp_s0", "ref_s0", "rw_s0"))
 def kl_reward_combine_kernel(
         lp_ptr, ref_ptr, reward_ptr, coef_ptr, offsets_ptr, lengths_ptr, rw_out_ptr,
@@ -238,7 +133,7 @@ def kl_reward_combine_kernel(
         COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
     """Per sequence: finish the sums of sequences spanning tiles (tile order, fp64), zero the
     empty ones, and put a ``"last"``-placed reward on its token."""
-    b, inb, lo, hi, n, k0, k1, spans = _combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
+    b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
     # The sequence is the last segment of its first tile, then the first segment of the others.
     acc = tl.load(slot_sum_ptr + 2 * k0 + 1, mask=spans, other=0.0)
     cnt = tl.load(slot_count_ptr + 2 * k0 + 1, mask=spans, other=0).to(tl.int64)
@@ -276,7 +171,7 @@ def kl_reward_combine_kernel(
         ref = tl.load(ref_ptr + b * ref_s0 + col * ref_s1, mask=hit, other=0.0).to(tl.float32)
         k = tl.where(hit, kl_value(lp - ref, in_lo, in_hi, out_lo, out_hi, EST), 0.0)
         rb = tl.load(reward_ptr + b * rw_s0, mask=has, other=0.0).to(tl.float32)
-        c = _coef(coef_ptr, coef_scalar, b, inb, COEF_MODE)
+        c = coef_of(coef_ptr, coef_scalar, b, inb, COEF_MODE)
         tl.store(rw_out_ptr + out, (rb - c * k).to(rw_out_ptr.dtype.element_ty), mask=has)
 
 
@@ -298,7 +193,7 @@ def kl_reward_bwd_kernel(
     t0 = pid * BLOCK
     offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < total
-    seq, col, pos, seq_lo, seq_hi, counted = _frame(
+    seq, col, pos, seq_lo, seq_hi, counted = frame(
         offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
         PACKED, LEFT_PAD, HAS_LENGTHS, HAS_PROMPT, HAS_MASK, FLAT)
     if FLAT:
@@ -314,7 +209,7 @@ def kl_reward_bwd_kernel(
     if HAS_GKL:
         g += tl.load(g_kl_ptr + offs, mask=counted, other=0.0).to(tl.float32)
     if HAS_GRW:
-        g -= _coef(coef_ptr, coef_scalar, seq, inb, COEF_MODE) * tl.load(g_rw_ptr + offs, mask=counted, other=0.0).to(tl.float32)
+        g -= coef_of(coef_ptr, coef_scalar, seq, inb, COEF_MODE) * tl.load(g_rw_ptr + offs, mask=counted, other=0.0).to(tl.float32)
     g_lp = tl.where(counted, g * kl_grad(d, in_lo, in_hi, out_lo, out_hi, EST, STRAIGHT_THROUGH), 0.0)
     if HAS_GRO:
         g_ref = tl.where(counted, tl.load(g_ro_ptr + offs, mask=counted, other=0.0).to(tl.float32) - g_lp, 0.0)

@@ -1,0 +1,120 @@
+"""Tile machinery both ops' Triton kernels share (no op owns it; the twin of csrc/cuda/tiles.cuh).
+
+The flat token space (packed: ``N`` tokens; padded: ``B * T`` elements, row-major) is cut into
+tiles of ``BLOCK`` elements. ``frame`` says where each element of a tile stands (its sequence,
+column, position, the sequence's flat range, and whether it counts); the packed layout finds the
+sequence by a binary search over ``offsets`` narrowed to the tile's own range of sequences.
+``coef_of`` reads a scalar, 0-d or per-sequence coefficient; ``combine_rows`` gives a combine
+program its sequences and the tiles each spans.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def last_leq(offsets_ptr, idx, lo, hi):
+    """For scalar idx: the last b in [lo, hi] with offsets[b] <= idx (skips empty sequences)."""
+    lo = idx * 0 + lo  # int64 scalars: loop-carried values keep one type
+    hi = idx * 0 + hi
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        if tl.load(offsets_ptr + mid) <= idx:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def last_leq_vec(offsets_ptr, idx, lo, hi):
+    """last_leq for a vector idx whose answers all lie in [lo, hi] (the tile's sequences)."""
+    steps = hi * 0
+    span = hi - lo
+    while span > 0:
+        span = span >> 1
+        steps += 1
+    lo_v = tl.zeros_like(idx) + lo
+    hi_v = tl.zeros_like(idx) + hi
+    for _ in range(steps):
+        mid = lo_v + (hi_v - lo_v + 1) // 2
+        go = tl.load(offsets_ptr + mid) <= idx
+        lo_v = tl.where(go, mid, lo_v)
+        hi_v = tl.where(go, hi_v, mid - 1)
+    return lo_v
+
+
+@triton.jit
+def frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, offs, inb, total, batch, width,
+           PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+           HAS_MASK: tl.constexpr, FLAT: tl.constexpr):
+    """Where each element of the tile stands: (seq, col, pos, seq_lo, seq_hi, counted).
+
+    ``col`` is the element's column in its input row (packed: the token index, row stride 0),
+    ``pos`` its position in its sequence, ``[seq_lo, seq_hi)`` the sequence's flat range and
+    ``counted`` the final mask (valid, past the prompt, mask bit set).
+    """
+    t_last = tl.minimum(t0 + offs.shape[0], total) - 1
+    if PACKED:
+        b0 = last_leq(offsets_ptr, t0, 0, batch)
+        b1 = last_leq(offsets_ptr, t_last, b0, batch)
+        seq = last_leq_vec(offsets_ptr, tl.minimum(offs, t_last), b0, b1)
+        seq_lo = tl.load(offsets_ptr + seq)
+        seq_hi = tl.load(offsets_ptr + seq + 1)
+        col = offs
+        pos = offs - seq_lo
+        valid = inb
+    else:
+        seq = offs // width
+        col = offs - seq * width
+        seq_lo = seq * width
+        seq_hi = seq_lo + width
+        if HAS_LENGTHS:
+            length = tl.load(lengths_ptr + seq, mask=inb, other=0)
+        else:
+            length = width
+        if LEFT_PAD:
+            pos = col - (width - length)
+        else:
+            pos = col
+        valid = inb & (pos >= 0) & (pos < length)
+    counted = valid
+    if HAS_PROMPT:
+        counted = counted & (pos >= tl.load(prompt_ptr + seq, mask=inb, other=0))
+    if HAS_MASK:
+        if FLAT:
+            m = tl.load(mask_ptr + offs, mask=counted, other=0)
+        else:
+            m = tl.load(mask_ptr + seq * mask_s0 + col * mask_s1, mask=counted, other=0)
+        counted = counted & (m != 0)
+    return seq, col, pos, seq_lo, seq_hi, counted
+
+
+@triton.jit
+def coef_of(coef_ptr, coef_scalar, seq, inb, COEF_MODE: tl.constexpr):
+    if COEF_MODE == 0:
+        return coef_scalar
+    elif COEF_MODE == 1:
+        return tl.load(coef_ptr)
+    else:
+        return tl.load(coef_ptr + seq, mask=inb, other=0.0)
+
+
+@triton.jit
+def combine_rows(offsets_ptr, batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """This combine program's sequences b: (b, in batch, flat row [lo, hi), length n, first and last
+    tile k0, k1, spans = non-empty and over more than one tile)."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    inb = b < batch
+    if PACKED:
+        lo = tl.load(offsets_ptr + b, mask=inb, other=0)
+        hi = tl.load(offsets_ptr + b + 1, mask=inb, other=0)
+    else:
+        lo = b * width
+        hi = lo + width
+    n = hi - lo
+    k0 = lo // TILE
+    k1 = (hi - 1) // TILE
+    return b, inb, lo, hi, n, k0, k1, inb & (n > 0) & (k1 > k0)
