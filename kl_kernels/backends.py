@@ -203,19 +203,14 @@ def _torch_cuda_reason() -> list[str]:
     return []
 
 
-def _cpu_reasons(kernel: str) -> list[str]:
-    _, reason = _extensions.kernel("_C", kernel)
-    return [reason] if reason else []
-
-
-def _emulated_reasons(kernel: str) -> list[str]:
-    _, reason = _extensions.kernel("_cuda_emu", kernel)
+def _extension_reasons(ext: str, kernel: str) -> list[str]:
+    """Why extension ``ext`` cannot run ``kernel`` (not built, failed to load, lacks it), or nothing."""
+    _, reason = _extensions.kernel(ext, kernel)
     return [reason] if reason else []
 
 
 def _cuda_reasons(kernel: str) -> list[str]:
-    _, reason = _extensions.kernel("_cuda", kernel)
-    reasons = [reason] if reason else []
+    reasons = _extension_reasons("_cuda", kernel)
     if _extensions.load("_cuda")[0] is not None:
         runtime_error = _extensions.probe("_cuda").get("error")
         if runtime_error:
@@ -262,11 +257,12 @@ def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
                 auto_devices=frozenset({"cuda"}), self_check_devices=GPU_SELF_CHECK,
                 notes="Triton kernels" + (" (interpreter: CPU tensors on request)" if interpreting() else
                                           " (auto: after its first-use self-check on the device)")),
-        Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS, functools.partial(_cpu_reasons, kernel),
-                run_fused, requires=requires, notes="fused multi-threaded C++ kernel"),
+        Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
+                functools.partial(_extension_reasons, "_C", kernel), run_fused, requires=requires,
+                notes="fused multi-threaded C++ kernel"),
         # The CUDA kernels on CPU tensors, for tests: "auto" never takes it (no auto device).
         Backend("cuda-emulated", frozenset({"cpu"}), HALF_AND_SINGLE, BOTH_LAYOUTS,
-                functools.partial(_emulated_reasons, kernel), functools.partial(run_fused, emulated=True),
+                functools.partial(_extension_reasons, "_cuda_emu", kernel), functools.partial(run_fused, emulated=True),
                 requires=requires, auto_devices=frozenset(),
                 notes="the CUDA kernels under a host emulation of CUDA (CPU tensors; a test instrument, slow)"),
     ]
