@@ -101,8 +101,8 @@ def test_tensordict_internals_and_their_fallbacks(monkeypatch):
     stack = LazyStackedTensorDict(*samples, stack_dim_name="batch")
     fast = (_io.shallow_copy(stack), _io.read(stack, "lp").values, _io.sample_leaves(stack, ["lp"]))
     monkeypatch.setattr(td_compat, "SUPPORTED", False)
-    assert td_compat.entries(samples[0]) is None
-    assert td_compat.unlocked(samples[0]) and not td_compat.unlocked(samples[0].clone().lock_())
+    assert td_compat.entries(samples[0]) is None and td_compat.entries_of(samples) is None
+    assert td_compat.all_plain_unlocked(samples) and not td_compat.all_plain_unlocked([samples[0].clone().lock_()])
     assert td_compat.names_or_none(samples[0]) is None and td_compat.stack_dim_name(stack) == "batch"
     made = td_compat.new_tensordict({"x": torch.zeros(2)}, torch.Size([2]), None, None)
     assert torch.equal(made["x"], torch.zeros(2)) and made.batch_size == (2,)

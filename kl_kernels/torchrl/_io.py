@@ -61,9 +61,7 @@ def has(td: TensorDictBase, key) -> bool:
 
 def plain_samples(td: LazyStackedTensorDict) -> bool:
     """A lazy stack of plain, unlocked TensorDicts: their entries can be read and set directly."""
-    # td_compat.unlocked: the attribute behind TensorDict.is_locked (a Python property): this runs per sample and call
-    unlocked = td_compat.unlocked
-    return not td.is_locked and all([type(sub) is TensorDict and unlocked(sub) for sub in td.tensordicts])
+    return not td.is_locked and td_compat.all_plain_unlocked(td.tensordicts)  # per sample and call: one loop
 
 
 def shallow_copy(td: TensorDictBase) -> TensorDictBase:
@@ -102,9 +100,10 @@ def fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
     ``LazyStackedTensorDict.get(..., as_list=True)`` costs ~15 us per sample in TensorDict's
     generic machinery (B = 1024: ~15 ms, more than the fused kernel); the samples' own dicts give
     the same tensors for ~0.3 us each. ``None`` (use the public API) when anything is unusual."""
-    if not plain_samples(td) or not td_compat.SUPPORTED:
+    entries = td_compat.entries_of(td.tensordicts) if plain_samples(td) else None
+    if entries is None:
         return None
-    nodes = entries_at([td_compat.entries(sub) for sub in td.tensordicts], key)
+    nodes = entries_at(entries, key)
     if nodes is None or not all([isinstance(n, torch.Tensor) for n in nodes]):  # a sub-TensorDict: not a leaf
         return None
     return nodes
@@ -113,9 +112,9 @@ def fast_leaves(td: LazyStackedTensorDict, key) -> list | None:
 def sample_entries(td: TensorDictBase) -> list[dict] | None:
     """The entry dicts of the samples of a lazy stack of plain samples of batch size ``()`` (so a
     result can be set into them directly), or ``None``. One pass over the samples."""
-    if not is_lazy(td) or td.batch_dims != 1 or not plain_samples(td) or not td_compat.SUPPORTED:
+    if not is_lazy(td) or td.batch_dims != 1 or not plain_samples(td):
         return None
-    return [td_compat.entries(sub) for sub in td.tensordicts]
+    return td_compat.entries_of(td.tensordicts)
 
 
 def sample_leaves(td: TensorDictBase, keys) -> tuple[tuple[dict, ...], tuple[tuple, ...]] | None:
@@ -171,7 +170,10 @@ def entries_at(entries: list[dict], key) -> list | None:
         for name in path[1:]:
             if not all([type(n) is TensorDict for n in nodes]):  # a leaf or another container on the way
                 return None
-            nodes = [td_compat.entries(n)[name] for n in nodes]
+            own = td_compat.entries_of(nodes)
+            if own is None:
+                return None
+            nodes = [e[name] for e in own]
     except KeyError:
         return None
     return nodes
