@@ -103,8 +103,8 @@ def check_advantage_broadcast(advantage, log_weight) -> None:
 
 # The private methods of torchrl.objectives.KLPENPPOLoss (and its PPOLoss base) that
 # kl_kernels.torchrl.KLPENPPOLoss calls, and the keys class it extends.
-BASE_METHODS = ("_AcceptedKeys", "_clear_weakrefs", "_expand_loss_mask", "_get_cur_log_prob", "_get_entropy", "_log_weight",
-                "_loss_mask_keys", "_maybe_normalize_advantage", "_reduce_loss", "_weighted_loss_entropy")
+BASE_METHODS = ("_AcceptedKeys", "_clear_weakrefs", "_expand_loss_mask", "_get_cur_log_prob", "_get_entropy",
+                "_log_weight", "_loss_mask_keys", "_maybe_normalize_advantage", "_reduce_loss", "_weighted_loss_entropy")
 
 
 def missing_base_methods(base: type) -> list[str]:

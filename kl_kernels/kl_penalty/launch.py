@@ -2,8 +2,9 @@
 
 The compiled kernels (``csrc/cpu/kl_penalty_cpu.cpp``, ``csrc/cuda/kl_penalty_cuda.cu``) take a plain
 ``KLPenaltyArgs`` whose ``g`` member carries the geometry, mask and log-probs every fused kernel
-shares (filled by ``launching.geometry_args``); this module adds the loss's own inputs. Inputs may have any strides; outputs are
-allocated contiguous in the layout's shape. Everything has been validated by ``problem.py``.
+shares (filled by ``launching.geometry_args``); this module adds the loss's own inputs. Inputs may
+have any strides; outputs are allocated contiguous in the layout's shape. Everything has been
+validated by ``problem.py``.
 """
 
 from __future__ import annotations
