@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from .layouts import check_device
+
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -71,3 +73,42 @@ def device_of(log_probs, **others) -> torch.device | None:
             raise TypeError(f"log_probs[0] must be a tensor, got {type(first).__name__}")
         return first.device
     return log_probs.device if isinstance(log_probs, torch.Tensor) else torch.device("cpu")
+
+
+def result_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A caller's ``out=`` buffer, checked: a strided tensor of exactly ``shape`` and ``dtype`` on
+    ``device``, contiguous (the kernels write it flat), not requiring grad, with no negative or
+    conjugate bit (a lazy view that a raw-pointer write would not honour)."""
+    if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
+        raise TypeError(f"{name} must be a strided tensor or None, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {list(shape)}, got {t.dtype} {list(t.shape)}")
+    check_device(name, t.device, device)
+    if not t.is_contiguous() or t.requires_grad or t.is_neg() or t.is_conj():
+        raise ValueError(f"{name} must be contiguous, not require grad and carry no negative or conjugate bit")
+    return t
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``t``'s strides can touch."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.nbytes
+    return start, start + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())))
+
+
+def no_overlap(outputs, inputs) -> None:
+    """A ValueError when a result buffer shares memory with another one or with an input.
+
+    ``outputs`` and ``inputs`` are ``(name, tensor or None)`` pairs; empty and nested tensors are
+    skipped. Each tensor's byte extent is taken once, then the pairs are compared (this runs on every
+    call given ``out=``)."""
+    spans = [(n, *_extent(t)) for n, t in outputs if t is not None and t.numel()]
+    n_out = len(spans)
+    spans += [(n, *_extent(t)) for n, t in inputs if isinstance(t, torch.Tensor) and t.numel() and not t.is_nested]
+    for i in range(n_out):
+        name, a0, a1 = spans[i]
+        for other, b0, b1 in spans[i + 1:]:
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"{name} overlaps {other}: the result buffers must share no memory with each other "
+                                 "or with the inputs")

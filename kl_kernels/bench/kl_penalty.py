@@ -2,14 +2,18 @@
 
 The task: PPO-clipped objective (``clip_epsilon = 0.2``) plus ``beta * k3`` KL to a reference model
 (``beta = 0.05``), ``token-mean`` over assistant tokens, per-token advantages, gradient w.r.t. the
-policy log-probs; one call = loss forward + ``backward()``. Contenders, timed side by side:
+policy log-probs; one call = loss forward + ``torch.autograd.grad`` of it w.r.t. the log-probs (as
+in training, where the log-probs are a model's output and their gradient is handed on, not stored
+in a leaf's ``.grad``). Contenders, timed side by side:
 
 * ``eager autograd (verl style)``: the usual padded ``[B, T]`` formulation with a response mask
   (``clamp``/``exp`` ratio, ``maximum`` of the two PPO terms, ``exp(ref - lp) - (ref - lp) - 1``,
   masked sum over mask sum), differentiated by autograd;
 * ``torch.compile(eager)``: the same function compiled with ``fullgraph=True`` (forward and, through
   AOTAutograd, backward); cold compile time reported separately;
-* ``kl_penalty_loss[<backend>]`` for each backend that runs here (packed and padded layouts).
+* ``kl_penalty_loss[<backend>]`` for each backend that runs here (packed and padded layouts), and
+  for the fused ones also ``kl_penalty_loss[<backend>] out=``: the same call with its gradient
+  buffer allocated once (``out=``), as a training loop would.
 
 Each contender's loss and gradient are checked against the eager one before timing. GB/s counts
 the minimal traffic: log-probs, old and reference log-probs, advantages and mask read once, the
@@ -60,17 +64,17 @@ class _Data:
                        for k, v in self.packed.items()}
 
 
-def _ours(data: _Data, layout: str, backend: str):
+def _ours(data: _Data, layout: str, backend: str, with_out: bool = False):
     t = data.packed if layout == "packed" else data.padded
     lp = t["lp"].detach().clone().requires_grad_()
     geo = dict(offsets=data.offsets) if layout == "packed" else dict(lengths=data.lengths, padding_side="left")
+    buffer = torch.empty(lp.shape, dtype=torch.float32, device=lp.device) if with_out else None
 
     def call():
-        lp.grad = None
         out = kl_penalty_loss(lp, t["old"], t["adv"], ref_log_probs=t["ref"], beta=BETA, estimator="k3",
-                              mask=t["mask"], clip_epsilon=CLIP, backend=backend, **geo)
-        out.loss.backward()
-        return out.loss.detach(), lp.grad
+                              mask=t["mask"], clip_epsilon=CLIP, backend=backend, out=buffer, **geo)
+        (grad,) = torch.autograd.grad(out.loss, lp)
+        return out.loss.detach(), grad
     return call
 
 
@@ -79,10 +83,9 @@ def _eager(data: _Data, fn=eager_loss):
     lp = t["lp"].detach().clone().requires_grad_()
 
     def call():
-        lp.grad = None
         loss = fn(lp, t["old"], t["ref"], t["adv"], t["mask"])
-        loss.backward()
-        return loss.detach(), lp.grad
+        (grad,) = torch.autograd.grad(loss, lp)
+        return loss.detach(), grad
     return call
 
 
@@ -120,6 +123,9 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
         for backend in REGISTRY:
             if not backend.auto_rejection_reasons(problem):
                 found.append(Contender(f"kl_penalty_loss[{backend.name}]", layout, _ours(data, layout, backend.name)))
+                if backend.name != "torch":  # the fused kernels' gradient buffer, allocated once
+                    found.append(Contender(f"kl_penalty_loss[{backend.name}] out=", layout,
+                                           _ours(data, layout, backend.name, with_out=True)))
 
     want_loss, want_grad = _grad_packed(found[0].fn(), "padded", data)
     checks = []

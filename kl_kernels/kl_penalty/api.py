@@ -13,7 +13,7 @@ from .problem import _num_global_tokens, build_problem
 def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None, beta=1.0, estimator="k1", mask=None,
                     offsets=None, lengths=None, padding_side="left", clip_epsilon=None, entropy=None,
                     entropy_coef=0.0, aggregation="token-mean", num_global_tokens=None, process_group=None,
-                    norm_length=None, backend="auto") -> KLPenaltyLossOutput:
+                    norm_length=None, backend="auto", out=None) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
@@ -60,6 +60,17 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             width ``T``; required for the other layouts).
         backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides), ``"torch"``, ``"cpu"``,
             ``"cuda"`` or ``"triton"``.
+        out: optional float32 buffer for the fused kernels' per-token gradient ``dloss_t / dlp_t``
+            (the loss's one token-sized temporary), so a training loop allocates it once: no page
+            faults per step on the CPU, a fixed address for CUDA graph capture. Shape: the
+            log-probs' (``[N]`` packed, ``[B, T]`` padded; the packed ``[N]`` for lists and nested
+            tensors), on their device, contiguous, not requiring grad, sharing no memory with an
+            input. The forward writes it; the CPU backward may scale it in place and hand it to
+            autograd as the log-probs' gradient (a leaf's ``.grad`` gets a copy, since the caller
+            holds the buffer). A call overwrites the previous call's gradient: a backward through
+            an earlier call after a later one wrote the buffer raises autograd's "modified by an
+            inplace operation" error. Fused backends only (``"torch"`` differentiates by autograd
+            and says so), eager calls only (not under ``torch.compile``).
 
     Returns:
         :class:`KLPenaltyLossOutput` ``(loss, loss_objective, loss_kl, loss_entropy, kl_mean,
@@ -100,7 +111,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
     problem, kind, offsets_of_kind = build_problem(
         log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
-        entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length)
+        entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out)
     num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too

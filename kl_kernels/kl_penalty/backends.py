@@ -37,7 +37,15 @@ def _same_logprob_dtype(problem) -> list[str]:
     return []
 
 
+def _no_gradient_buffer(problem) -> list[str]:
+    if problem.grad_out is not None:
+        return ["out= is the fused kernels' gradient buffer; the torch reference differentiates by autograd and "
+                "has none (call without out=, or pick a fused backend)"]
+    return []
+
+
 REGISTRY: list[Backend] = fused_backends("kl_penalty_forward", run_fused, _same_logprob_dtype) + [
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
-            kl_penalty_reference, notes="vectorized torch reference (float64-capable)"),
+            kl_penalty_reference, notes="vectorized torch reference (float64-capable)",
+            requires=_no_gradient_buffer),
 ]

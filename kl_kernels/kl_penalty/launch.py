@@ -60,10 +60,11 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            ext=None):
+            ext=None, grad_out=None):
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
-    ``_C`` or ``_cuda`` by device)."""
+    ``_C`` or ``_cuda`` by device). ``grad_out``: the caller's float32 buffer for ``grad`` (checked by
+    ``problem.py``), written in place and returned."""
     module, a, keep = _prepare_forward(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
         adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, ext)
@@ -72,7 +73,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
     count = torch.empty(batch, dtype=torch.int64, device=dev)
     tok = torch.empty((4, *shape) if token_out else (0,), dtype=torch.float32, device=dev)
-    grad = torch.empty(shape, dtype=torch.float32, device=dev)
+    grad = torch.empty(shape, dtype=torch.float32, device=dev) if grad_out is None else grad_out
     a.seq_loss, a.stats, a.count, a.grad = ptr(seq_loss), ptr(stats), ptr(count), ptr(grad)
     a.token_out = ptr(tok) if token_out else 0
     launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss",
@@ -81,17 +82,17 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     return seq_loss, stats, count, tok, grad
 
 
-def forward_with_totals(*forward_args):
+def forward_with_totals(*forward_args, grad_out=None):
     """The CPU forward (``forward``'s arguments, without per-token outputs) that sums the batch
     instead of writing per-sequence outputs: returns (grad, totals, args, keep). ``grad`` is the
-    gradient buffer (as ``forward``'s). ``totals`` are host floats: the loss, objective, kl, entropy,
+    gradient buffer (as ``forward``'s; ``grad_out`` when given). ``totals`` are host floats: the loss, objective, kl, entropy,
     ratio and clipped sums and the token count, summed in float64 in sequence order by the kernel.
     ``args`` (the filled argument struct) and ``keep`` (the tensors it points into besides the
     inputs) are for :func:`backward_with_args`."""
     if forward_args[-1]:
         raise ValueError("forward_with_totals: per-token outputs (token_out) are not summed")
     module, a, keep = _prepare_forward(*forward_args)
-    grad = torch.empty(forward_args[0].shape, dtype=torch.float32)
+    grad = torch.empty(forward_args[0].shape, dtype=torch.float32) if grad_out is None else grad_out
     totals = torch.empty(TOTALS, dtype=torch.float64)
     a.grad, a.totals = ptr(grad), ptr(totals)  # seq_loss, stats, count stay 0: not written
     launch_kernel(module, module.kl_penalty_forward, a, grad.device, "kl_penalty_loss",

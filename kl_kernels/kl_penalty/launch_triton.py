@@ -36,9 +36,10 @@ def _geometry(like, mask, offsets, lengths, layout):
 
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
-            adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out):
+            adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
+            grad_out=None):
     """Run the Triton forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
-    empty, grad [*shape]), as ``launch.forward``."""
+    empty, grad [*shape]), as ``launch.forward`` (``grad_out``: the caller's buffer for ``grad``)."""
     log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta = resolved(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta)
     fwd, combine, _ = _kernels()
@@ -48,7 +49,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
     count = torch.empty(batch, dtype=torch.int64, device=dev)
     tok = torch.empty((4, *shape) if token_out else (0,), dtype=torch.float32, device=dev)
-    grad = torch.empty(shape, dtype=torch.float32, device=dev)
+    grad = torch.empty(shape, dtype=torch.float32, device=dev) if grad_out is None else grad_out
     if beta is None:
         beta_mode, beta_t = 0, None
     else:

@@ -112,15 +112,25 @@ class _EagerFused(torch.autograd.Function):
     RLHF batch sizes. ``torch.compile`` always goes through the ops."""
 
     @staticmethod
-    def forward(ctx, launcher, *args):
-        out = launcher.forward(*args)
+    def forward(ctx, launcher, grad_out, *args):
+        out = launcher.forward(*args, grad_out=grad_out)
+        _claim(grad_out)
         _setup_context(ctx, args, out)
         ctx.launcher = launcher
         return out
 
     @staticmethod
     def backward(ctx, g_seq_loss, _g_stats, _g_count, g_token_out, _g_grad):
-        return (None,) + _input_grads(ctx, g_seq_loss, g_token_out, ctx.launcher.backward)
+        return (None, None) + _input_grads(ctx, g_seq_loss, g_token_out, ctx.launcher.backward)
+
+
+def _claim(grad_out) -> None:
+    """Mark the caller's gradient buffer (``out=``) as written: its version counter moves, so the
+    backward of an earlier call that saved it, and whose gradient this call has just overwritten,
+    raises autograd's "modified by an inplace operation" error instead of returning this call's
+    gradient. (The kernels write it through a raw pointer, which autograd cannot see.)"""
+    if grad_out is not None:
+        torch.autograd.graph.increment_version(grad_out)
 
 
 def _fused_args(p: KLPenaltyProblem) -> tuple:
@@ -146,14 +156,15 @@ def run_fused(p: KLPenaltyProblem, triton: bool = False, emulated: bool = False)
     lp, ent, token_out = args[0], args[4], args[18]
     needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
     launcher = launch_triton if triton else launch.emulated if emulated else launch
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (no out= here: problem.py refuses it under compile)
         op = (torch.ops.kl_kernels.kl_penalty_triton_fwd if triton else
               torch.ops.kl_kernels.kl_penalty_cuda_emu_fwd if emulated else torch.ops.kl_kernels.kl_penalty_fwd)
         seq_loss, stats, count, tok, _ = op(*args)
     elif needs_graph:
-        seq_loss, stats, count, tok, _ = _EagerFused.apply(launcher, *args)
+        seq_loss, stats, count, tok, _ = _EagerFused.apply(launcher, p.grad_out, *args)
     else:
-        seq_loss, stats, count, tok, _ = launcher.forward(*args)
+        seq_loss, stats, count, tok, _ = launcher.forward(*args, grad_out=p.grad_out)
+        _claim(p.grad_out)
     return RawLoss(seq_loss, stats, count, tok if token_out else None)
 
 
@@ -167,7 +178,8 @@ class _EagerTotal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, num_global_tokens, *args):
-        grad, totals, kernel_args, keep = launch.forward_with_totals(*args)
+        grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
+        _claim(p.grad_out)
         w, parts = uniform_parts(p, totals[1:], num_global_tokens)
         lp, ent, mask, offsets, lengths = args[0], args[4], args[5], args[6], args[7]
         ctx.save_for_backward(grad, mask, offsets, lengths)  # what kernel_args points into, kept alive
@@ -204,7 +216,8 @@ def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
     instead of a new tensor from the backward kernel: the same values bit for bit (the buffer is
     +0 at non-counted tokens, as the kernel writes them, and a finite ``scale`` with a + sign keeps
     them +0), one buffer less and no pass writing fresh memory; autograd then takes the buffer as
-    ``.grad`` without a copy. Only when nothing can read the buffer again: this backward is the
+    ``.grad`` without a copy (a caller's ``out=`` buffer too: then autograd copies it into a leaf's
+    ``.grad``, as the caller still holds it, and hands it on through a non-leaf). Only when nothing can read the buffer again: this backward is the
     graph's last (no ``retain_graph``: the saved buffer is released right after) and no
     saved-tensor hook may hold it. Float32 log-probs only (the buffer is float32)."""
     return (lp_dtype == torch.float32 and not entropy_grad and ctx.plain_saved and math.isfinite(scale)

@@ -34,7 +34,8 @@ class KLPenaltyProblem(NativeLayout):
     per-token ``advantages``) are ``[N]`` (``layout == "packed"``, with ``offsets [B + 1]``) or
     ``[B, T]`` (``"padded"``, with ``lengths`` or ``None`` and ``padding_side``). Per-sequence
     advantages are ``[B]`` (``adv_per_seq``). ``beta`` is a float or a detached float32 0-d / ``[B]``
-    tensor. ``clip`` is ``(1 - eps_low, 1 + eps_high)`` or ``None``.
+    tensor. ``clip`` is ``(1 - eps_low, 1 + eps_high)`` or ``None``. ``grad_out`` is ``None`` or a
+    float32 tensor of ``log_probs``' (native) shape for the fused kernels' gradient buffer.
     """
 
     layout: str
@@ -55,6 +56,7 @@ class KLPenaltyProblem(NativeLayout):
     aggregation: str
     norm_length: float | None
     device_free: bool = False  # see NativeLayout
+    grad_out: torch.Tensor | None = None  # the caller's float32 gradient buffer (api.py's out=), this layout
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
 
@@ -202,8 +204,20 @@ def _num_global_tokens(n, aggregation, process_group, device):
     return int(n)
 
 
+def _check_out(out, lp, inputs) -> torch.Tensor:
+    """The caller's gradient buffer (``out=``), checked: float32, ``lp``'s native shape (packed
+    ``[N]`` for lists and nested tensors), device, contiguous, no grad, sharing no memory with an
+    input. Eager calls only: under ``torch.compile`` the compiler plans the buffers."""
+    if torch.compiler.is_compiling():
+        raise ValueError("out= is for eager calls: under torch.compile the compiled graph plans the gradient "
+                         "buffer itself (call without out=)")
+    out = _checks.result_buffer("out", out, tuple(lp.shape), torch.float32, lp.device)
+    _checks.no_overlap([("out", out)], inputs)
+    return out
+
+
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
-                  padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length):
+                  padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None):
     """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
 
     ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
@@ -262,10 +276,16 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
             raise ValueError("aggregation='seq-mean-token-sum-norm' needs norm_length when the padded width T is 0")
         norm_length = float(lp.shape[1])
 
+    beta = _beta(beta, batch, device)
+    if out is not None:
+        out = _check_out(out, lp, [("log_probs", lp), ("old_log_probs", old), ("ref_log_probs", ref),
+                                   ("advantages", adv), ("entropy", ent), ("mask", mask), ("offsets", offsets),
+                                   ("lengths", lengths), ("beta", beta)])
+
     problem = KLPenaltyProblem(
         layout=layout, log_probs=lp, old_log_probs=old.detach(), ref_log_probs=None if ref is None else ref.detach(),
         advantages=adv.detach(), adv_per_seq=adv_per_seq, entropy=ent, entropy_coef=entropy_coef, mask=mask,
         offsets=offsets if layout == "packed" else None, lengths=lengths, padding_side=padding_side,
-        beta=_beta(beta, batch, device), estimator=estimator, clip=clip, aggregation=aggregation,
-        norm_length=norm_length, device_free=device_free)
+        beta=beta, estimator=estimator, clip=clip, aggregation=aggregation,
+        norm_length=norm_length, device_free=device_free, grad_out=out)
     return problem, kind, offsets

@@ -361,35 +361,11 @@ def _check_out(out, kind, lp, ref, reward_dtype, trailing, batch, return_ref, gr
         if t is None:
             given.append(None)
             continue
-        if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
-            raise TypeError(f"out.{name} must be a strided tensor or None, got {type(t).__name__}")
-        if name == "ref_log_probs" and not return_ref:
+        if name == "ref_log_probs" and not return_ref and isinstance(t, torch.Tensor):
             raise ValueError("out.ref_log_probs must be None without return_ref=True")
         shape, dtype = want[name]
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"out.{name} must be {dtype} of shape {list(shape)}, got {t.dtype} {list(t.shape)}")
-        _check_device(f"out.{name}", t.device, lp.device)
-        if not t.is_contiguous() or t.requires_grad or t.is_neg() or t.is_conj():
-            raise ValueError(f"out.{name} must be contiguous, not require grad and carry no negative or conjugate "
-                             "bit")
-        given.append(t)
-    # Each tensor's byte extent once (the span its strides can touch), then the pairs: the outputs
-    # with each other and with the inputs (this runs on every call given out=).
-    def extent(t):
-        start = t.data_ptr()
-        if t.is_contiguous():
-            return start, start + t.nbytes
-        return start, start + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())))
-
-    spans = [(f"out.{n}", *extent(t)) for n, t in zip(names, given) if t is not None and t.numel()]
-    n_out = len(spans)
-    spans += [(n, *extent(t)) for n, t in inputs if isinstance(t, torch.Tensor) and t.numel() and not t.is_nested]
-    for i in range(n_out):
-        name, a0, a1 = spans[i]
-        for other, b0, b1 in spans[i + 1:]:
-            if a0 < b1 and b0 < a1:
-                raise ValueError(f"{name} overlaps {other}: the result buffers must share no memory with each other "
-                                 "or with the inputs")
+        given.append(_checks.result_buffer(f"out.{name}", t, shape, dtype, lp.device))
+    _checks.no_overlap([(f"out.{n}", t) for n, t in zip(names, given)], inputs)
     kl, reward, ref_out, kl_sum, count = given
     if reward is not None and trailing:
         reward = reward.squeeze(-1)
