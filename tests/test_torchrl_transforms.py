@@ -16,7 +16,7 @@ from torchrl.envs.llm.transforms import kl as trl  # noqa: E402
 from torchrl.envs.transforms.transforms import Compose  # noqa: E402
 
 import kl_kernels.torchrl as ours  # noqa: E402
-from torchrl_models import TinyLM, llm_batch  # noqa: E402
+from torchrl_models import DenseLazyLM, TinyLM, dense_of_lazy, llm_batch  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 LENGTHS, PROMPTS = [6, 9, 4, 1, 12], [2, 3, 1, 0, 5]
@@ -572,3 +572,98 @@ def test_klcomputation_dense_batch_with_lazily_stacked_ragged_sub_tensordicts():
     assert got.is_nested and got.layout == want.layout == torch.strided
     for g, w in zip(got.unbind(), want.unbind()):
         torch.testing.assert_close(g, w)
+
+
+# ------------------------------------------------------------------ dense batches with ragged (lazy) storage
+
+def dense_rows(td, key):
+    """Per-sample tensors under ``key``, through lazily stacked sub-TensorDicts of a dense batch."""
+    if isinstance(td, LazyStackedTensorDict):
+        return list(td.get(key, as_list=True))
+    key = (key,) if isinstance(key, str) else key
+    x = td.get(key[0])
+    if len(key) > 1:
+        if isinstance(x, LazyStackedTensorDict):
+            return list(x.get(key[1:], as_list=True))
+        x = x.get(key[1:])
+    return list(x.unbind(0))
+
+
+def assert_same_dense(a, b, keys):
+    for key in keys:
+        xs, ys = dense_rows(a, key), dense_rows(b, key)
+        assert len(xs) == len(ys), key
+        for x, y in zip(xs, ys):
+            assert x.shape == y.shape, (key, x.shape, y.shape)
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+def _dense_lazy_batch(per_token_reward=False):
+    gen = DenseLazyLM(seed=1, pad_output=False, input_mode="history", log_probs_key="log_probs")
+    ref = DenseLazyLM(seed=2, pad_output=False, input_mode="history", log_probs_key="ref_log_probs")
+    data, nxt = llm_batch(LENGTHS, PROMPTS, policy=gen, padded=False, per_token_reward=per_token_reward)
+    return gen, ref, dense_of_lazy(data), nxt
+
+
+@pytest.mark.parametrize("detach", [True, False])
+@pytest.mark.parametrize("assistant_only", [True, False])
+@pytest.mark.parametrize("which", ["RetrieveLogProb", "RetrieveKL"])
+def test_dense_batch_with_lazy_ragged_storage_equals_torchrl(which, detach, assistant_only):
+    """Issue 26 item 2: a dense TensorDict(batch_size=(B,)) holding lazily stacked sub-TensorDicts
+    with ragged leaves (a pad_output=False model's storage), every detach / assistant_only pair:
+    the same values and storage as TorchRL's transform."""
+    gen, ref, td, _ = _dense_lazy_batch()
+    if which == "RetrieveLogProb":
+        def make(m):
+            return m.RetrieveLogProb(ref, detach=detach, assistant_only=assistant_only)
+        keys = [("ref_log_probs", "full")]
+    else:
+        def make(m):
+            return m.RetrieveKL(gen, ref, coeff=0.25, add_to_reward=False, detach=detach,
+                                assistant_only=assistant_only)
+        keys = [("ref_log_probs", "full"), "kl_penalty"]
+    want, got = make(trl)(td.clone()), make(ours)(td.clone())
+    assert type(got.get("ref_log_probs")) is type(want.get("ref_log_probs")) is LazyStackedTensorDict
+    if which == "RetrieveKL":
+        assert got["kl_penalty"].is_nested and got["kl_penalty"].layout == want["kl_penalty"].layout
+    assert_same_dense(got, want, keys)
+
+
+def test_dense_batch_with_lazy_ragged_storage_and_a_reward_where_torchrl_fails():
+    """With a per-sequence reward [B, 1, 1] on the dense batch TorchRL's KLComputation raises (a nested
+    KL against a dense reward); ours adds -coeff * kl per token, the reward broadcast over each
+    sequence, as TorchRL does on lazy stacks."""
+    gen, ref, td, nxt = _dense_lazy_batch()
+    td.set("reward", nxt.get("reward"))
+    with pytest.raises(RuntimeError, match="nested"):
+        trl.RetrieveKL(gen, ref, coeff=0.25)(td.clone())
+    got = ours.RetrieveKL(gen, ref, coeff=0.25)(td.clone())
+    lp = dense_rows(td, ("log_probs", "full"))
+    masks = dense_rows(td, ("masks", "all_assistant_mask"))
+    for b, (reward, kl) in enumerate(zip(got["reward"].unbind(), got["kl_penalty"].unbind())):
+        ref_lp = ref.token_log_probs(dense_rows(td, ("tokens", "full"))[b]).double()
+        want_kl = torch.where(masks[b], lp[b].double() - ref_lp, 0.0)
+        torch.testing.assert_close(kl.double(), want_kl, atol=1e-6, rtol=1e-6)
+        want_reward = nxt.get("reward")[b].double().reshape(1, 1) - 0.25 * want_kl.unsqueeze(-1)
+        torch.testing.assert_close(reward.double(), want_reward, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_klrewardtransform_on_a_dense_batch_with_lazy_ragged_storage(per_token):
+    """KLRewardTransform._step on the dense batch (TorchRL's raises 'Failed to stack'): the reward
+    minus coef * (lp - ref) on counted (assistant) tokens, against a float64 recomputation."""
+    _, _, td, nxt = _dense_lazy_batch(per_token_reward=per_token)
+    ref_model = DenseLazyLM(seed=2, pad_output=False)
+    masks = dense_rows(td, ("masks", "all_assistant_mask"))
+    nxt_td = lazy_stack(list(nxt.tensordicts)) if per_token else TensorDict({"reward": nxt.get("reward")}, [5])
+    with pytest.raises(RuntimeError, match="stack"):
+        fixed(trl.KLRewardTransform)(ref_model, coef=0.2)._step(td.clone(), nxt_td.clone())
+    out = fixed(ours.KLRewardTransform)(ref_model, coef=0.2)._step(td.clone(), nxt_td.clone())
+    lp = dense_rows(td, ("log_probs", "full"))
+    rewards = dense_rows(out, "reward")
+    for b in range(len(LENGTHS)):
+        ref_lp = ref_model.token_log_probs(dense_rows(td, ("tokens", "full"))[b]).double()
+        kl = torch.where(masks[b], lp[b].double() - ref_lp, 0.0)
+        base = nxt.tensordicts[b]["reward"].double() if per_token else nxt.get("reward")[b].double()
+        torch.testing.assert_close(rewards[b].double().reshape(-1), (base - 0.2 * kl.unsqueeze(-1)).reshape(-1),
+                                   atol=1e-6, rtol=1e-6)

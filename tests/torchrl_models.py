@@ -158,3 +158,21 @@ def token_actor(vocab: int = 11, dim: int = 8, seed: int = 0):
     return ProbabilisticActor(TensorDictModule(_TokenLogits(vocab, dim), in_keys=["context"], out_keys=["logits"]),
                               in_keys=["logits"], distribution_class=torch.distributions.Categorical,
                               return_log_prob=True)
+
+
+class DenseLazyLM(TinyLM):
+    """A ``pad_output=False`` model run on a *dense* batch (``TensorDict(batch_size=(B,))`` whose token
+    groups are lazily stacked sub-TensorDicts with ragged leaves): it writes its log-probs the same
+    way, as a lazily stacked sub-TensorDict ``{log_probs_key: lazy_stack([{"full": [L_b]}])}``."""
+
+    def forward(self, td):
+        if isinstance(td, LazyStackedTensorDict):
+            return super().forward(td)
+        tokens = td.get("tokens").get("full", as_list=True)
+        td.set(self.log_probs_key, lazy_stack([TensorDict({"full": self.token_log_probs(t)}) for t in tokens]))
+        return td
+
+
+def dense_of_lazy(data: LazyStackedTensorDict, keys=("tokens", "masks", "log_probs")) -> TensorDict:
+    """The dense ``TensorDict(batch_size=(B,))`` holding ``data``'s groups as lazily stacked sub-TensorDicts."""
+    return TensorDict({k: data.get(k) for k in keys}, batch_size=[len(data.tensordicts)])

@@ -56,7 +56,10 @@ def has(td: TensorDictBase, key) -> bool:
     """Whether ``td`` holds ``key`` (for a lazy stack: its first sample does), without gathering it."""
     if is_lazy(td):
         return bool(td.tensordicts) and has(td.tensordicts[0], key)
-    return td.get(key, None) is not None
+    try:
+        return td.get(key, None) is not None
+    except RuntimeError:  # ragged leaves in a lazily stacked sub-TensorDict (see read): there, not stackable
+        return td.get(key, None, as_list=True) is not None
 
 
 def plain_samples(td: LazyStackedTensorDict) -> bool:
