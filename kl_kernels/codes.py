@@ -17,8 +17,8 @@ from pathlib import Path
 
 # Estimator names callers pass, and the base estimator each one computes (the "+" variants keep the
 # base's value with k2's gradient: straight-through).
-ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k3+")
-STRAIGHT_THROUGH = frozenset({"k1+", "abs+", "k3+"})
+ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+")
+STRAIGHT_THROUGH = frozenset({"k1+", "abs+", "k2+", "k3+"})
 ESTIMATOR_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}              # enum Estimator
 
 PLACEMENT_CODES = {None: 0, "token": 1, "sequence": 2, "last": 3}    # enum Placement (None: no reward)

@@ -124,10 +124,17 @@ def _check_kl_penalty_loss(backend, device) -> list:
         for layout, kw, coef in _batches(device, dtype):
             b = coef.shape[0]
             old = kw["ref_log_probs"]
-            for aggregation, estimator in (("token-mean", "k3"), ("seq-mean-token-mean", "k1"), ("sum", "k2")):
+            for aggregation, estimator, options in (
+                    ("token-mean", "k3", {}), ("seq-mean-token-mean", "k1", {}), ("sum", "k2", {}),
+                    # dual clip and per-token weights (on both terms), ratios far from 1 so the cap binds
+                    ("token-mean", "k3", {"dual_clip": 1.5, "weight_kl": True})):
                 adv = torch.linspace(-1, 1, b)
+                if options:
+                    options = dict(options, weights=torch.linspace(0.5, 1.5, old.numel()).reshape(old.shape))
+                    old = (old.double() - 1.0).to(dtype)
                 args = _to(dict(kw, old_log_probs=old, advantages=adv.unsqueeze(1) if layout == "packed" else adv,
-                                beta=coef, estimator=estimator, aggregation=aggregation, clip_epsilon=0.2), device)
+                                beta=coef, estimator=estimator, aggregation=aggregation, clip_epsilon=0.2, **options),
+                           device)
                 del args["ref_log_probs"]
                 # the NaN batch: a NaN log-prob makes the loss NaN everywhere alike; compare all the same
                 lp = args["log_probs"].clone().requires_grad_()

@@ -39,6 +39,9 @@ class LossCase:
     entropy_coef: float = 0.0
     aggregation: str = "token-mean"
     pad_extra: int = 0
+    dual_clip: float | None = None
+    weights: list | None = None  # per sequence, per token
+    weight_kl: bool = False
 
     @property
     def batch(self):
@@ -83,7 +86,7 @@ def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch
     dtype = draw(st.sampled_from(list(dtypes)))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     scale = draw(st.sampled_from([1e-3, 0.1, 0.5, 3.0]))
-    lp, old, ref, ent, adv, mask = [], [], [], [], [], []
+    lp, old, ref, ent, adv, mask, wts = [], [], [], [], [], [], []
     adv_seq = draw(st.booleans())
     for n in lengths:
         a = -torch.rand(n, generator=g, dtype=torch.float64) * 8
@@ -93,6 +96,7 @@ def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch
         old.append(o.to(dtype))
         ref.append((a + torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype))
         ent.append((torch.rand(n, generator=g, dtype=torch.float64) * 2).to(dtype))
+        wts.append((torch.rand(n, generator=g, dtype=torch.float64) * 2).to(dtype))
         adv.append(float(torch.randn((), generator=g).to(dtype)) if adv_seq else torch.randn(n, generator=g, dtype=torch.float64).to(dtype))
         mask.append(torch.rand(n, generator=g) < draw(st.sampled_from([0.5, 0.9, 1.0])))
     beta_kind = draw(st.sampled_from(["float", "scalar_tensor", "per_seq"]))
@@ -101,8 +105,10 @@ def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch
     return LossCase(
         lp=lp, old=old, adv=adv, mask=mask if draw(st.booleans()) else None, ref=ref if draw(st.booleans()) else None,
         ent=ent if draw(st.booleans()) else None, beta_kind=beta_kind, beta=beta,
-        estimator=draw(st.sampled_from(["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"])),
+        estimator=draw(st.sampled_from(["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"])),
         clip=draw(st.sampled_from([None, 0.2, (0.2, 0.28), 0.0])),
+        dual_clip=draw(st.sampled_from([None, None, 3.0, 1.5])), weights=wts if (with_w := draw(st.booleans())) else None,
+        weight_kl=with_w and draw(st.booleans()),
         entropy_coef=draw(st.sampled_from([0.0, 0.01, 1.0])), aggregation=draw(st.sampled_from(list(aggregations))),
         pad_extra=draw(st.integers(0, 2)))
 
@@ -120,6 +126,10 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
     B = case.batch
     kw = dict(beta=case.beta_arg(), estimator=case.estimator, clip_epsilon=case.clip,
               entropy_coef=case.entropy_coef, aggregation=case.aggregation)
+    if case.dual_clip is not None:
+        kw["dual_clip"] = case.dual_clip
+    if case.weight_kl:
+        kw["weight_kl"] = True
     adv_tok = None if case.adv_per_seq else case.adv
     adv_seq = torch.tensor(case.adv, dtype=case.dtype) if case.adv_per_seq else None
     if layout.startswith("padded"):
@@ -136,6 +146,8 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
             kw["ref_log_probs"] = pad(case.ref)
         if case.ent is not None:
             kw["entropy"] = pad(case.ent)
+        if case.weights is not None:
+            kw["weights"] = pad(case.weights)
         kw["advantages"] = pad(adv_tok) if adv_tok is not None else adv_seq
         if case.aggregation == "seq-mean-token-sum-norm" and width == 0:
             kw["norm_length"] = 5
@@ -161,6 +173,8 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
             kw["ref_log_probs"] = cat(case.ref)
         if case.ent is not None:
             kw["entropy"] = cat(case.ent)
+        if case.weights is not None:
+            kw["weights"] = cat(case.weights)
         kw["advantages"] = cat(adv_tok) if adv_tok is not None else adv_seq
         if case.aggregation == "seq-mean-token-sum-norm":
             kw["norm_length"] = max(case.lengths, default=0) + 3
@@ -187,7 +201,8 @@ def oracle_seqs(case: LossCase) -> list:
         out.append(Seq(lp=case.lp[b].double().tolist(), old=case.old[b].double().tolist(), adv=adv,
                        mask=[True] * n if case.mask is None else case.mask[b].tolist(),
                        ref=None if case.ref is None else case.ref[b].double().tolist(),
-                       ent=None if case.ent is None else case.ent[b].double().tolist(), beta=case.beta_of(b)))
+                       ent=None if case.ent is None else case.ent[b].double().tolist(), beta=case.beta_of(b),
+                       w=None if case.weights is None else case.weights[b].double().tolist()))
     return out
 
 
@@ -235,7 +250,8 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
     out = kl_penalty_loss(**kw, backend=backend)
     norm = norm_length_of(case, built) if case.aggregation == "seq-mean-token-sum-norm" else None
     exp = oracle_loss(oracle_seqs(case), estimator=case.estimator, clip=case.clip_bounds(),
-                      entropy_coef=case.entropy_coef, aggregation=case.aggregation, norm_length=norm)
+                      entropy_coef=case.entropy_coef, aggregation=case.aggregation, norm_length=norm,
+                      dual_clip=case.dual_clip, weight_kl=case.weight_kl)
     md = torch.float64 if case.dtype == torch.float64 else torch.float32
     lengths = case.lengths
     n_tok = exp.num_tokens

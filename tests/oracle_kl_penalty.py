@@ -24,6 +24,7 @@ class Seq:
     ref: list | None = None
     ent: list | None = None
     beta: float = 1.0
+    w: list | None = None  # per-token weights (policy term; the KL term too with weight_kl)
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Result:
     token_loss: list     # per sequence, per valid token: loss_t (0 where not counted)
 
 
-def token_terms(s: Seq, t: int, *, estimator, clip):
+def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False):
     """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp) of one counted token."""
     lr = s.lp[t] - s.old[t]
     lrc = min(max(lr, -LOG_RATIO_BOUND), LOG_RATIO_BOUND)
@@ -59,6 +60,10 @@ def token_terms(s: Seq, t: int, *, estimator, clip):
         else:
             obj, clipped, w = -gain_c, True, (1.0 if lo <= ratio <= hi else 0.0)
     dobj = -a * ratio * inside_lr * w
+    if dual_clip is not None and a < 0 and -a * dual_clip < obj:  # dual-clip PPO: a constant cap, no gradient
+        obj, dobj = -a * dual_clip, 0.0
+    wt = s.w[t] if s.w is not None else 1.0
+    obj, dobj = wt * obj, wt * dobj
     if s.ref is not None:
         d, sign = s.lp[t] - s.ref[t], 1.0
     else:
@@ -66,12 +71,14 @@ def token_terms(s: Seq, t: int, *, estimator, clip):
     base = estimator.rstrip("+")
     kl = _est(d, base)
     dkl = sign * (d if estimator.endswith("+") else _est_grad(d, base))
+    if weight_kl:
+        kl, dkl = wt * kl, wt * dkl
     ent = s.ent[t] if s.ent is not None else 0.0
     return obj, kl, ent, ratio, clipped, dobj, dkl
 
 
 def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggregation="token-mean",
-                norm_length=None, global_tokens=None, global_seqs=None) -> Result:
+                norm_length=None, global_tokens=None, global_seqs=None, dual_clip=None, weight_kl=False) -> Result:
     """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel)."""
     per_seq = []
     for s in seqs:
@@ -80,7 +87,7 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
             if not s.mask[t]:
                 rows.append(None)
                 continue
-            rows.append(token_terms(s, t, estimator=estimator, clip=clip))
+            rows.append(token_terms(s, t, estimator=estimator, clip=clip, dual_clip=dual_clip, weight_kl=weight_kl))
         per_seq.append(rows)
     counts = [sum(r is not None for r in rows) for rows in per_seq]
     n_tok = sum(counts) if global_tokens is None else global_tokens

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from batches import Case
 
 NASTY_LENGTHS = [0, 1, 2, 3, 5, 7, 13, 31, 61, 127]
-ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"]
+ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"]
 CLAMPS = [None, (-20.0, 20.0), (-0.5, 0.5), (None, 1.0), (-1.0, None)]
 OUT_CLAMPS = [None, (-10.0, 10.0), (0.0, 0.25), (None, 2.0), (0.05, 5.0)]  # last: excludes est(0) = 0
 HALF_AND_SINGLE = [torch.float32, torch.bfloat16, torch.float16]

@@ -45,6 +45,14 @@ BAD = [
     ("global tokens and group", dict(num_global_tokens=3, process_group=object()), ValueError,
      "num_global_tokens or process_group"),
     ("backend name", dict(backend="gpu"), ValueError, "backend must be one of"),
+    ("dual clip 1", dict(dual_clip=1.0), ValueError, "dual_clip must be > 1.0"),
+    ("dual clip nan", dict(dual_clip=float("nan")), ValueError, "dual_clip must be finite"),
+    ("dual clip str", dict(dual_clip="3"), TypeError, "dual_clip must be a real number"),
+    ("weights shape", dict(weights=torch.ones(3)), ValueError, "weights must have the shape of log_probs"),
+    ("weights int", dict(weights=torch.ones(3, 5, dtype=torch.int64)), TypeError, "weights must be a floating"),
+    ("weights list", dict(weights=[torch.ones(5)] * 3), TypeError, "weights must be a regular tensor"),
+    ("weight_kl int", dict(weight_kl=1, weights=torch.ones(3, 5)), TypeError, "weight_kl must be a bool"),
+    ("weight_kl alone", dict(weight_kl=True), ValueError, "pass weights too"),
 ]
 
 

@@ -38,8 +38,9 @@ def _op_args(kind="padded", token_out=False):
                                                             "entropy"))
         geo = (b["mask"].flatten(), torch.tensor([0, 10, 10, 11, 100, 185]), None)
         layout = 0
+    weights = torch.rand(lp.shape, generator=torch.Generator().manual_seed(5)).to(adv.dtype)
     return (lp.requires_grad_(), old, ref, adv, ent.requires_grad_(), *geo, torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]),
-            0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out)
+            0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out, weights, 3.0, True)
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])

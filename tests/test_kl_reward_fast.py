@@ -177,7 +177,7 @@ DECLINED = {
     "requires grad, detach=False": lambda lp, ref, mask, b, ex: _lane(lp.clone().requires_grad_(), ref,
                                                                       detach=False, **ex),
     "negative bit": lambda lp, ref, mask, b, ex: _lane(_neg_bit(-lp), ref, **ex),
-    "estimator k2+": lambda lp, ref, mask, b, ex: _lane(lp, ref, estimator="k2+", **ex),
+    "estimator k4": lambda lp, ref, mask, b, ex: _lane(lp, ref, estimator="k4", **ex),
     "estimator not a str": lambda lp, ref, mask, b, ex: _lane(lp, ref, estimator=["k1"], **ex),
     "padding_side middle": lambda lp, ref, mask, b, ex: _lane(lp, ref, padding_side="middle",
                                                               lengths=ex["lengths"]),
@@ -301,7 +301,7 @@ def raw_calls(draw):
     if reward_shape is not None:
         reward = torch.randn(reward_shape, generator=g).to(pick([dt, torch.float32], [torch.float64, torch.int64]))
     kw["reward_placement"] = pick(["auto", "token", "sequence", "last"], ["nope"])
-    kw["estimator"] = pick(["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"], ["k2+", "kl"])
+    kw["estimator"] = pick(["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"], ["k4", "kl"])
     kw["coef"] = pick([0.1, 2, 0.0, float("nan"), torch.tensor(0.3), torch.rand(b, generator=g)],
                       [True, torch.tensor(0.3, dtype=torch.float64), torch.rand(b + 1, generator=g)])
     kw["return_ref"] = pick([False, True], [1])
@@ -455,7 +455,7 @@ def _bad_list(case, lp, ref, mask, reward):
         "coef of B + 1": (lp, ref, None, dict(coef=torch.rand(len(lp) + 1))),
         "float64 tensor coef": (lp, ref, None, dict(coef=torch.tensor(0.5, dtype=torch.float64))),
         "padding_side middle": (lp, ref, None, dict(padding_side="middle")),
-        "estimator k2+": (lp, ref, None, dict(estimator="k2+")),
+        "estimator k4": (lp, ref, None, dict(estimator="k4")),
         "return_ref=1": (lp, ref, None, dict(return_ref=1)),
         "backend torch": (lp, ref, None, dict(backend="torch")),
     }[case]
@@ -468,7 +468,7 @@ LIST_DECLINED = ["empty lists", "offsets given", "lengths given", "a strided sam
                  "[L, 1, 1] rewards", "[L, 2] rewards", "a shorter reward", "fewer rewards", "float64 rewards",
                  "mixed reward dtypes", "bf16 rewards, fp32 log-probs", "int rewards", "a per-sequence reward tensor",
                  "sequence placement", "last placement", "uint8 mask", "a shorter mask", "a mask tensor", "mask_nan=1",
-                 "coef of B + 1", "float64 tensor coef", "padding_side middle", "estimator k2+", "return_ref=1",
+                 "coef of B + 1", "float64 tensor coef", "padding_side middle", "estimator k4", "return_ref=1",
                  "backend torch"]
 
 
@@ -516,7 +516,7 @@ def raw_list_calls(draw):
         if not clean and b and draw(st.booleans()):
             reward[0] = reward[0].reshape(-1)  # ranks mixed
     kw["reward_placement"] = pick(["auto", "token"], ["sequence", "last", "nope"])
-    kw["estimator"] = pick(["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"], ["k2+"])
+    kw["estimator"] = pick(["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"], ["k4"])
     kw["coef"] = pick([0.1, 2, float("nan"), torch.tensor(0.3), torch.rand(b, generator=g)],
                       [True, torch.tensor(0.3, dtype=torch.float64), torch.rand(b + 1, generator=g)])
     kw["return_ref"] = pick([False, True], [1])

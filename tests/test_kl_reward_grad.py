@@ -172,7 +172,7 @@ def test_reward_and_coef_get_no_gradient():
     assert reward.grad is None and coef.grad is None and lp.grad is not None
 
 
-@pytest.mark.parametrize("estimator", ["k1+", "abs+", "k3+"])
+@pytest.mark.parametrize("estimator", ["k1+", "abs+", "k2+", "k3+"])
 def test_straight_through_forward_is_exact_and_gradient_is_d(estimator):
     """'+' variants: forward bit-identical to the base estimator, gradient d (k2's), clamps ignored."""
     lp = torch.tensor([-1.0, -0.2, -3.0, -0.5], dtype=torch.float64, requires_grad=True)

@@ -10,6 +10,7 @@ import sys
 import sysconfig
 import tomllib
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,13 @@ def test_forcing_cuda_without_nvcc_fails_clearly(tmp_path):
     res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, capture_output=True, text=True, env=env,
                          timeout=120)
     assert res.returncode != 0 and "KL_KERNELS_BUILD_CUDA=1 but nvcc was not found" in res.stderr
+
+
+def test_ci_installs_the_peers_the_harness_names():
+    """The integration tests skip without verl/OpenRLHF/TRL: CI must install exactly tests/peers.py's PEER_PIP
+    (one command, written once there and checked here), or those tests would silently never run."""
+    import peers
+
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    want = peers.PEER_PIP.replace("pip install --no-deps ", "")
+    assert f"pip install -q --no-deps {want}" in ci

@@ -28,7 +28,7 @@ from kl_kernels.kl_reward.backends import REGISTRY
 # The interpreter computes with numpy, which warns where float32 overflows to inf on purpose (exp's range ends).
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 
-ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"]
+ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"]
 
 
 @pytest.fixture(autouse=True)
@@ -110,10 +110,12 @@ def test_kl_reward_token_math_is_bitwise_the_cpu_kernels(estimator, clamps, dtyp
     _same_bits(want[1], got[1], "d kl / d log_probs")
 
 
+@pytest.mark.parametrize("options", [{}, {"dual_clip": 1.5, "weights": True}, {"weights": True, "weight_kl": True}],
+                         ids=["plain", "dual-clip-weights", "weights-on-kl"])
 @pytest.mark.parametrize("with_ref", [True, False], ids=["ref", "old"])
 @pytest.mark.parametrize("clip", [None, 0.2], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_ppo_token_math_is_bitwise_the_cpu_kernels(estimator, clip, with_ref):
+def test_ppo_token_math_is_bitwise_the_cpu_kernels(estimator, clip, with_ref, options):
     lp, other = _log_ratios(n_per_scale=800, seed=1)
     g = torch.Generator().manual_seed(2)
     old = lp + torch.randn(lp.numel(), generator=g) * 0.5  # ratios around 1, some far (the 20 clamp)
@@ -121,12 +123,14 @@ def test_ppo_token_math_is_bitwise_the_cpu_kernels(estimator, clip, with_ref):
     adv = torch.randn(lp.numel(), generator=g)
     ent = torch.rand(lp.numel(), generator=g)
     offsets = torch.tensor([0, lp.numel()])
+    if options.get("weights"):
+        options = dict(options, weights=torch.rand(lp.numel(), generator=g) * 2)
     got = {}
     for backend in ("cpu", "triton"):
         x = lp.clone().requires_grad_()
         out = kl_penalty_loss(x, old, adv, ref_log_probs=other if with_ref else None, beta=0.1, estimator=estimator,
                               offsets=offsets, clip_epsilon=clip, entropy=ent, entropy_coef=0.01, aggregation="none",
-                              backend=backend)
+                              backend=backend, **options)
         out.loss.nan_to_num(0.0, 0.0, 0.0).sum().backward()
         got[backend] = (out.loss.detach(), out.loss_objective, out.loss_kl, out.loss_entropy, x.grad)
     for name, a, b in zip(("loss", "objective", "kl part", "entropy part", "d loss / d log_probs"),

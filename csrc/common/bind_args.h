@@ -47,7 +47,8 @@ inline void bind_penalty_args(pybind11::module_& m) {
   KL_FIELD(g); KL_FIELD(old); KL_FIELD(ref); KL_FIELD(adv); KL_FIELD(ent); KL_FIELD(old_s0); KL_FIELD(old_s1);
   KL_FIELD(ref_s0); KL_FIELD(ref_s1); KL_FIELD(adv_s0); KL_FIELD(adv_s1); KL_FIELD(ent_s0); KL_FIELD(ent_s1);
   KL_FIELD(aux_dtype); KL_FIELD(adv_per_seq); KL_FIELD(beta_mode); KL_FIELD(beta_scalar); KL_FIELD(beta);
-  KL_FIELD(clip_lo); KL_FIELD(clip_hi); KL_FIELD(entropy_coef); KL_FIELD(seq_loss); KL_FIELD(stats);
+  KL_FIELD(clip_lo); KL_FIELD(clip_hi); KL_FIELD(clip_c); KL_FIELD(wt); KL_FIELD(wt_s0); KL_FIELD(wt_s1);
+  KL_FIELD(weight_kl); KL_FIELD(entropy_coef); KL_FIELD(seq_loss); KL_FIELD(stats);
   KL_FIELD(count); KL_FIELD(token_out); KL_FIELD(grad); KL_FIELD(totals); KL_FIELD(g_seq); KL_FIELD(g_uniform); KL_FIELD(g_tok); KL_FIELD(g_lp);
   KL_FIELD(g_ent);
 #undef KL_FIELD

@@ -27,6 +27,7 @@ constexpr EstimatorName kEstimatorNames[] = {
     {"k3", 3, 0},
     {"k1+", 0, 1},
     {"abs+", 1, 1},
+    {"k2+", 2, 1},
     {"k3+", 3, 1},
 };
 

@@ -17,14 +17,17 @@ struct KLPenaltyArgs {
   KLRewardArgs g;  // geometry, mask, lp (+ strides), dtype (of lp, old and ref); est.estimator/straight_through
 
   // inputs besides lp and the mask
-  uintptr_t old = 0, ref = 0, adv = 0, ent = 0;  // ref, ent: 0 when absent
+  uintptr_t old = 0, ref = 0, adv = 0, ent = 0, wt = 0;  // ref, ent, wt: 0 when absent
   int64_t old_s0 = 0, old_s1 = 1, ref_s0 = 0, ref_s1 = 1, adv_s0 = 0, adv_s1 = 1, ent_s0 = 0, ent_s1 = 1;
-  int32_t aux_dtype = kFloat32;  // advantages and entropy: lp's dtype or float32
+  int64_t wt_s0 = 0, wt_s1 = 1;
+  int32_t aux_dtype = kFloat32;  // advantages, entropy and weights: lp's dtype or float32
+  int32_t weight_kl = 0;         // the weights multiply the KL term too (else the policy term only)
   int32_t adv_per_seq = 0;       // advantages [B] read at adv[b * adv_s0]
   int32_t beta_mode = kCoefScalar;
   float beta_scalar = 1.0f;
   uintptr_t beta = 0;            // float32 [1] (0-d) or [B]
   float clip_lo = -INFINITY, clip_hi = INFINITY;  // ratio clip bounds (infinite: no clip)
+  float clip_c = INFINITY;       // dual clip: for A < 0 the objective is at most -A * clip_c (infinite: none)
   float entropy_coef = 0.0f;
 
   // forward outputs (contiguous); the CPU forward skips seq_loss, stats and count when they are 0

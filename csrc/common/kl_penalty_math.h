@@ -4,13 +4,16 @@
 //
 //   r     = clamp(lp - old, -20, 20)            ratio = exp(r)
 //   gain  = ratio * A      gain_c = clamp(ratio, clip_lo, clip_hi) * A   (bounds +-inf: no clip)
-//   obj   = -(gain <= gain_c ? gain : gain_c)   clipped = !(gain <= gain_c)
+//   pg    = -(gain <= gain_c ? gain : gain_c)   clipped = !(gain <= gain_c)
+//   dual  = A < 0 && -A * clip_c < pg           (dual clip; clip_c = +inf: never)
+//   obj   = w_obj * (dual ? -A * clip_c : pg)
 //   d     = sign * (lp - other)                 other = ref (sign +1) or old (sign -1)
-//   kl    = est(d)
+//   kl    = w_kl * est(d)
 //   loss  = obj + beta * kl - entropy_coef * entropy
-//   dloss/dlp = -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi])
+//   dloss/dlp = w_obj * (dual ? 0 : -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi]))
 //               (the first term is exactly 0 where lp - old is outside, NaN included)
-//               + beta * sign * est'(d)          (straight-through estimators: est'(d) = d)
+//               + beta * sign * w_kl * est'(d)   (straight-through estimators: est'(d) = d)
+// w_obj, w_kl: the token's weights (1 without weights; x * 1 is exact, so unweighted calls keep their bits).
 //
 // Branch-free selects only, so that the CPU loops calling it vectorize.
 #pragma once
@@ -31,7 +34,7 @@ struct PPOToken {
 // parameter, not a runtime flag: a loop-invariant bool select keeps GCC from vectorizing the loop.
 template <int32_t EST, bool ST>
 KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv, float beta, float clip_lo,
-                         float clip_hi) {
+                         float clip_hi, float clip_c, float w_obj, float w_kl) {
   const float lr_raw = lp - old;
   const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
   // The clamp's gradient mask (a NaN is outside); autograd passes an exact 0 outside, so a select,
@@ -46,13 +49,16 @@ KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv
   float dk;
   if constexpr (ST) dk = d;
   else dk = est_derivative<EST>(d);
+  const float pg = -(take ? gain : gain_c);
+  const float cap = -adv * clip_c;
+  const bool dual = adv < 0.0f && cap < pg;  // NaN pg: false (NaN stays)
   PPOToken t;
-  t.obj = -(take ? gain : gain_c);
-  t.kl = est_value<EST>(d);
+  t.obj = w_obj * (dual ? cap : pg);
+  t.kl = w_kl * est_value<EST>(d);
   t.ratio = ratio;
   t.clipped = take ? 0.0f : 1.0f;
-  const float g_obj = -adv * ratio * w;
-  t.grad = (in_lr ? g_obj : 0.0f) + beta * sign * dk;
+  const float g_obj = dual ? 0.0f : -adv * ratio * w;
+  t.grad = w_obj * (in_lr ? g_obj : 0.0f) + beta * sign * (w_kl * dk);
   return t;
 }
 

@@ -79,7 +79,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const float beta = beta_of(a, r.seq);
   const float sign = a.ref ? 1.0f : -1.0f;
   const bool st = g.est.straight_through != 0;
-  const float clip_lo = a.clip_lo, clip_hi = a.clip_hi, ec = a.entropy_coef;
+  const float clip_lo = a.clip_lo, clip_hi = a.clip_hi, clip_c = a.clip_c, ec = a.entropy_coef;
   const bool clipping = clip_lo > -INFINITY || clip_hi < INFINITY;
   const float adv_seq = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), r.seq * a.adv_s0) : 0.0f;
   const void* lp = reinterpret_cast<const void*>(g.lp);
@@ -87,10 +87,12 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const void* ref = reinterpret_cast<const void*>(a.ref);
   const void* adv = reinterpret_cast<const void*>(a.adv);
   const void* ent = reinterpret_cast<const void*>(a.ent);
+  const void* wt = reinterpret_cast<const void*>(a.wt);
   const uint8_t* mask = reinterpret_cast<const uint8_t*>(g.mask);
   auto first = [&](int64_t s0, int64_t s1) { return r.row * s0 + r.col0 * s1; };
 
-  alignas(64) float x_lp[kBlock], x_old[kBlock], x_ref[kBlock], x_adv[kBlock], x_ent[kBlock];
+  alignas(64) float x_lp[kBlock], x_old[kBlock], x_ref[kBlock], x_adv[kBlock], x_ent[kBlock], x_wt[kBlock];
+  alignas(64) float x_one[kBlock];  // the weight of every token without weights (and of the KL term without weight_kl)
   alignas(64) uint32_t x_m[kBlock];  // all bits set where the token counts, else 0
   alignas(64) float o[kSums][kBlock];
   double acc[kSums][kLanes] = {};
@@ -98,6 +100,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   // Inputs that are constant over the run are expanded once.
   if (a.adv_per_seq) std::fill(x_adv, x_adv + kBlock, adv_seq);
   if (!ent) std::fill(x_ent, x_ent + kBlock, 0.0f);
+  std::fill(x_one, x_one + kBlock, 1.0f);
   if (!mask) std::fill(x_m, x_m + kBlock, ~0u);
   // Block jb of an input as float32: contiguous float32 is read in place; anything else is first
   // converted into `scratch`.
@@ -121,6 +124,9 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     const float* __restrict p_ref = ref ? block(x_ref, D{}, ref, a.ref_s0, a.ref_s1, jb, n) : p_old;
     const float* __restrict p_adv = a.adv_per_seq ? x_adv : block(x_adv, A{}, adv, a.adv_s0, a.adv_s1, jb, n);
     const float* __restrict p_ent = ent ? block(x_ent, A{}, ent, a.ent_s0, a.ent_s1, jb, n) : x_ent;
+    // Weights as pointers, not flags: the loop below stays free of loop-invariant selects.
+    const float* __restrict p_wt = wt ? block(x_wt, A{}, wt, a.wt_s0, a.wt_s1, jb, n) : x_one;
+    const float* __restrict p_wk = a.weight_kl ? p_wt : x_one;
     if (mask) lane_masks(x_m, mask + first(g.mask_s0, g.mask_s1) + jb * g.mask_s1, g.mask_s1, n);
     float* __restrict Gb = G + jb;
     auto compute = [&](auto st_tag) {
@@ -134,8 +140,8 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         const float mf = bits_f32(mb & 0x3f800000u);  // 1.0f or 0.0f
         auto keep = [mb](float v) { return bits_f32(f32_bits(v) & mb); };
         const float l = keep(p_lp[i]), od = keep(p_old[i]), rf = keep(p_ref[i]), ad = keep(p_adv[i]);
-        const float e = keep(p_ent[i]);
-        const PPOToken t = ppo_token<EST, ST>(l, od, rf, sign, ad, beta, clip_lo, clip_hi);
+        const float e = keep(p_ent[i]), wo = keep(p_wt[i]), wk = keep(p_wk[i]);
+        const PPOToken t = ppo_token<EST, ST>(l, od, rf, sign, ad, beta, clip_lo, clip_hi, clip_c, wo, wk);
         o[1][i] = t.obj * mf;
         o[2][i] = t.kl * mf;
         o[3][i] = e;
@@ -279,7 +285,7 @@ void backward(const KLPenaltyArgs& a, int threads) {
 inline bool contiguous(const KLPenaltyArgs& a) {
   const KLRewardArgs& g = a.g;
   return g.lp_s1 == 1 && a.old_s1 == 1 && (a.ref == 0 || a.ref_s1 == 1) && (a.adv_per_seq || a.adv_s1 == 1) &&
-         (a.ent == 0 || a.ent_s1 == 1) && (g.mask == 0 || g.mask_s1 == 1);
+         (a.ent == 0 || a.ent_s1 == 1) && (a.wt == 0 || a.wt_s1 == 1) && (g.mask == 0 || g.mask_s1 == 1);
 }
 
 template <int32_t DT, int32_t AT>

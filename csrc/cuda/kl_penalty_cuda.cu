@@ -132,7 +132,13 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       const float adv = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), seq * a.adv_s0) : advv[j];
       ent = a.ent ? entv[j] : 0.0f;
       beta = beta_of(a, seq);
-      const PPOToken t = ppo_token<EST, ST>(lpv[j], oldv[j], other, sign, adv, beta, a.clip_lo, a.clip_hi);
+      // Weights (an optional stream) are read here, element by element and through the element's
+      // Where on both paths, not into a register array like the others: an array, or a flat read on
+      // the vector path, pushed variants over the 128-register budget (8-byte stack frames).
+      const float wo = !a.wt ? 1.0f : read<AT>(a.wt, a.wt_s0, a.wt_s1, e);
+      const float wk = a.weight_kl ? wo : 1.0f;
+      const PPOToken t = ppo_token<EST, ST>(lpv[j], oldv[j], other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
+                                            wo, wk);
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
     }
@@ -311,6 +317,7 @@ bool vectorizable_forward(const KLPenaltyArgs& a) {
   if (a.ref) ok = ok && flat(a.ref_s0, a.ref_s1) && aligned16(a.ref);
   if (!a.adv_per_seq) ok = ok && flat(a.adv_s0, a.adv_s1) && aligned16(a.adv);
   if (a.ent) ok = ok && flat(a.ent_s0, a.ent_s1) && aligned16(a.ent);
+  if (a.wt) ok = ok && flat(a.wt_s0, a.wt_s1) && aligned16(a.wt);
   return ok;
 }
 

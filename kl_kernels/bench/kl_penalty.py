@@ -1,14 +1,16 @@
 """kl_penalty_loss benchmark: forward + backward of a PPO step's policy loss.
 
-The task: PPO-clipped objective (``clip_epsilon = 0.2``) plus ``beta * k3`` KL to a reference model
-(``beta = 0.05``), ``token-mean`` over assistant tokens, per-token advantages, gradient w.r.t. the
+The task, verl's PPO actor loss step: PPO-clipped objective (``clip_epsilon = 0.2``) with dual clip
+(``clip_ratio_c = 3.0``, verl's default) plus ``beta * k3`` KL to a reference model (``beta = 0.05``),
+``token-mean`` over assistant tokens, per-token advantages, gradient w.r.t. the
 policy log-probs; one call = loss forward + ``torch.autograd.grad`` of it w.r.t. the log-probs (as
 in training, where the log-probs are a model's output and their gradient is handed on, not stored
 in a leaf's ``.grad``). Contenders, timed side by side:
 
-* ``eager autograd (verl style)``: the usual padded ``[B, T]`` formulation with a response mask
-  (``clamp``/``exp`` ratio, ``maximum`` of the two PPO terms, ``exp(ref - lp) - (ref - lp) - 1``,
-  masked sum over mask sum), differentiated by autograd;
+* ``eager autograd (verl style)``: the usual padded ``[B, T]`` formulation with a response mask, as
+  verl's ``compute_policy_loss_vanilla`` and ``kl_penalty`` write it (``clamp``/``exp`` ratio,
+  ``maximum`` of the two PPO terms, the dual clip's ``minimum`` where ``A < 0``,
+  ``exp(ref - lp) - (ref - lp) - 1``, masked sum over mask sum), differentiated by autograd;
 * ``torch.compile(eager)``: the same function compiled with ``fullgraph=True`` (forward and, through
   AOTAutograd, backward); cold compile time reported separately;
 * ``kl_penalty_loss[<backend>]`` for each backend that runs here (packed and padded layouts), and
@@ -33,14 +35,16 @@ from .batches import RLHFBatch
 from .contenders import Contender, is_copy, set_speedup, time_rows
 from .timing import cold_compile_seconds
 
-TASK = "KL-penalty PPO loss, forward + backward"
-BETA, CLIP = 0.05, 0.2
+TASK = "verl PPO actor loss (clip, dual clip, k3 KL to the reference), forward + backward"
+BETA, CLIP, DUAL_CLIP = 0.05, 0.2, 3.0
 
 
-def eager_loss(lp, old, ref, adv, mask, beta=BETA, eps=CLIP):
-    """PPO-clip + k3 KL penalty, token-mean over the mask, as RL libraries write it (verl's formulas)."""
+def eager_loss(lp, old, ref, adv, mask, beta=BETA, eps=CLIP, clip_c=DUAL_CLIP):
+    """PPO-clip with dual clip + k3 KL penalty, token-mean over the mask, as RL libraries write it
+    (verl's formulas)."""
     ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
     pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps, 1 + eps))
+    pg = torch.where(adv < 0, torch.minimum(-adv * clip_c, pg), pg)
     d = ref - lp
     kl = torch.exp(d) - d - 1
     m = mask.to(lp.dtype)
@@ -72,7 +76,8 @@ def _ours(data: _Data, layout: str, backend: str, with_out: bool = False):
 
     def call():
         out = kl_penalty_loss(lp, t["old"], t["adv"], ref_log_probs=t["ref"], beta=BETA, estimator="k3",
-                              mask=t["mask"], clip_epsilon=CLIP, backend=backend, out=buffer, **geo)
+                              mask=t["mask"], clip_epsilon=CLIP, dual_clip=DUAL_CLIP, backend=backend, out=buffer,
+                              **geo)
         (grad,) = torch.autograd.grad(out.loss, lp)
         return out.loss.detach(), grad
     return call
@@ -118,7 +123,7 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
         geo = dict(offsets=data.offsets, lengths=None) if layout == "packed" else dict(offsets=None,
                                                                                      lengths=data.lengths)
         problem = build_problem(t["lp"], t["old"], t["adv"], ref_log_probs=t["ref"], beta=BETA, estimator="k3",
-                                mask=t["mask"], padding_side="left", clip_epsilon=CLIP, entropy=None,
+                                mask=t["mask"], padding_side="left", clip_epsilon=CLIP, dual_clip=DUAL_CLIP, entropy=None,
                                 entropy_coef=0.0, aggregation="token-mean", norm_length=None, **geo)[0]
         for backend in REGISTRY:
             if not backend.auto_rejection_reasons(problem):

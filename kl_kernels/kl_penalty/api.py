@@ -13,17 +13,22 @@ from .problem import _num_global_tokens, build_problem
 def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None, beta=1.0, estimator="k1", mask=None,
                     offsets=None, lengths=None, padding_side="left", clip_epsilon=None, entropy=None,
                     entropy_coef=0.0, aggregation="token-mean", num_global_tokens=None, process_group=None,
-                    norm_length=None, backend="auto", out=None) -> KLPenaltyLossOutput:
+                    norm_length=None, backend="auto", out=None, dual_clip=None, weights=None,
+                    weight_kl=False) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
 
         ratio_t = exp(clamp(lp_t - old_t, -20, 20))               (the clamp keeps it finite)
-        obj_t   = -ratio_t * A_t                                  (no clip_epsilon)
+        pg_t    = -ratio_t * A_t                                  (no clip_epsilon)
                 = -min(ratio_t * A_t, clamp(ratio_t, 1 - eps_lo, 1 + eps_hi) * A_t)   (PPO clip)
+        obj_t   = w_t * pg_t, or w_t * min(pg_t, -A_t * c) where A_t < 0   (dual_clip = c)
         kl_t    = est(old_t - lp_t)   KL(old || new), as TorchRL's KLPENPPOLoss
                 = est(lp_t - ref_t)   KL(new || ref) when ref_log_probs is given (GRPO-style)
+                (times w_t with weight_kl=True)
         loss_t  = obj_t + beta_b * kl_t - entropy_coef * entropy_t
+
+    ``w_t`` is the token's weight (``weights``; 1 without).
 
     and ``loss`` aggregates ``loss_t`` over counted tokens (see ``aggregation``). ``est`` is one of
     :data:`kl_kernels.ESTIMATORS` (``"k3"``: ``expm1(-d) + d``; ``"+"`` variants use k2's
@@ -49,6 +54,14 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             eps_high)`` (asymmetric, DAPO's clip-higher).
         entropy: optional per-token entropy (log-probs' layout); gradients flow to it.
         entropy_coef: weight of the entropy bonus (the loss subtracts ``entropy_coef * entropy``).
+        dual_clip: ``None`` (default) or ``c > 1``: dual-clip PPO (Ye et al. 2020; verl's
+            ``clip_ratio_c``, default 3.0 there): where ``A_t < 0`` the objective is at most
+            ``-A_t * c``, with no gradient where that bound binds.
+        weights: optional per-token weights (log-probs' layout; data, no gradient), e.g. a rollout
+            importance-sampling correction (verl's ``rollout_is_weights``, TRL's vLLM correction):
+            they multiply the policy term ``obj_t`` (and its gradient).
+        weight_kl: also multiply the KL term by the weights (default ``False``); ``kl_mean`` is
+            then the mean of the weighted KL.
         aggregation: ``"token-mean"`` (default), ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``,
             ``"seq-mean-token-sum-norm"``, ``"sum"`` or ``"none"`` (per-token loss, caller's layout,
             0 at non-counted tokens). Weights: :mod:`kl_kernels.kl_penalty.aggregate`.
@@ -104,14 +117,15 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         tensor([ 0.0000, -0.2410, -0.2200])
     """
     # A list/tuple subclass is read once, here, so that every backend sees the same items.
-    log_probs, old_log_probs, advantages, ref_log_probs, mask, entropy = (
+    log_probs, old_log_probs, advantages, ref_log_probs, mask, entropy, weights = (
         ragged.plain_sequence(x, name) for x, name in (
             (log_probs, "log_probs"), (old_log_probs, "old_log_probs"), (advantages, "advantages"),
-            (ref_log_probs, "ref_log_probs"), (mask, "mask"), (entropy, "entropy")))
+            (ref_log_probs, "ref_log_probs"), (mask, "mask"), (entropy, "entropy"), (weights, "weights")))
     problem, kind, offsets_of_kind = build_problem(
         log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
-        entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out)
+        entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
+        weights=weights, weight_kl=weight_kl)
     num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too

@@ -33,17 +33,17 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 
 def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
-                     entropy_coef, token_out, ext=None):
+                     entropy_coef, token_out, weights=None, clip_c=math.inf, weight_kl=False, ext=None):
     """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
-    given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta)
+    given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights)
     inputs = resolved(*given)
-    log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta = inputs
+    log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights = inputs
     dev = log_probs.device
     module = kernel_module(dev, "kl_penalty_forward", "kl_penalty_loss", ext)
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
                     log_probs.dtype)
     keep.extend(r for r, t in zip(inputs, given) if r is not t)  # copies made by resolved: the struct points there
-    for name, t in (("old", old_log_probs), ("ref", ref_log_probs), ("ent", entropy)):
+    for name, t in (("old", old_log_probs), ("ref", ref_log_probs), ("ent", entropy), ("wt", weights)):
         if t is not None:
             setattr(a, name, ptr(t))
             s0, s1 = strides(t, layout)
@@ -55,19 +55,22 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     a.aux_dtype = DTYPE_CODES[advantages.dtype]
     a.beta_mode, a.beta_scalar, a.beta = coefficient(beta, beta_scalar, keep)
     a.clip_lo, a.clip_hi, a.entropy_coef = float(clip_lo), float(clip_hi), float(entropy_coef)
+    a.clip_c, a.weight_kl = float(clip_c), int(bool(weight_kl))
     return module, a, keep
 
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            ext=None, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, ext=None, grad_out=None):
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
     ``_C`` or ``_cuda`` by device). ``grad_out``: the caller's float32 buffer for ``grad`` (checked by
-    ``problem.py``), written in place and returned."""
+    ``problem.py``), written in place and returned. ``weights`` (per token, the aux dtype, or None),
+    ``clip_c`` (dual clip, inf: none) and ``weight_kl``: see ``kl_penalty_loss``."""
     module, a, keep = _prepare_forward(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
-        adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, ext)
+        adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, weights,
+        clip_c, weight_kl, ext)
     dev, batch, shape = log_probs.device, a.g.batch, log_probs.shape
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
@@ -89,7 +92,7 @@ def forward_with_totals(*forward_args, grad_out=None):
     ratio and clipped sums and the token count, summed in float64 in sequence order by the kernel.
     ``args`` (the filled argument struct) and ``keep`` (the tensors it points into besides the
     inputs) are for :func:`backward_with_args`."""
-    if forward_args[-1]:
+    if forward_args[18]:  # token_out
         raise ValueError("forward_with_totals: per-token outputs (token_out) are not summed")
     module, a, keep = _prepare_forward(*forward_args)
     grad = torch.empty(forward_args[0].shape, dtype=torch.float32) if grad_out is None else grad_out

@@ -34,7 +34,9 @@ class KLPenaltyProblem(NativeLayout):
     per-token ``advantages``) are ``[N]`` (``layout == "packed"``, with ``offsets [B + 1]``) or
     ``[B, T]`` (``"padded"``, with ``lengths`` or ``None`` and ``padding_side``). Per-sequence
     advantages are ``[B]`` (``adv_per_seq``). ``beta`` is a float or a detached float32 0-d / ``[B]``
-    tensor. ``clip`` is ``(1 - eps_low, 1 + eps_high)`` or ``None``. ``grad_out`` is ``None`` or a
+    tensor. ``clip`` is ``(1 - eps_low, 1 + eps_high)`` or ``None``; ``dual_clip`` ``None`` or ``c > 1``.
+    ``weights`` is ``None`` or a per-token floating tensor (detached), applied to the policy term
+    (and, ``weight_kl``, to the KL term). ``grad_out`` is ``None`` or a
     float32 tensor of ``log_probs``' (native) shape for the fused kernels' gradient buffer.
     """
 
@@ -56,6 +58,9 @@ class KLPenaltyProblem(NativeLayout):
     aggregation: str
     norm_length: float | None
     device_free: bool = False  # see NativeLayout
+    weights: torch.Tensor | None = None  # per-token weights (data), this layout
+    weight_kl: bool = False              # the weights multiply the KL term too
+    dual_clip: float | None = None       # c > 1: for A < 0 the objective is at most -A * c
     grad_out: torch.Tensor | None = None  # the caller's float32 gradient buffer (api.py's out=), this layout
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
@@ -63,7 +68,7 @@ class KLPenaltyProblem(NativeLayout):
     @property
     def dtypes(self) -> set:
         out = {self.log_probs.dtype, self.old_log_probs.dtype, self.advantages.dtype}
-        for t in (self.ref_log_probs, self.entropy):
+        for t in (self.ref_log_probs, self.entropy, self.weights):
             if t is not None:
                 out.add(t.dtype)
         return out
@@ -217,7 +222,8 @@ def _check_out(out, lp, inputs) -> torch.Tensor:
 
 
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
-                  padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None):
+                  padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
+                  dual_clip=None, weights=None, weight_kl=False):
     """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
 
     ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
@@ -231,6 +237,12 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     clip = _check_clip(clip_epsilon)
     entropy_coef = _real("entropy_coef", entropy_coef)
+    if dual_clip is not None:
+        dual_clip = _real("dual_clip", dual_clip, lo=1.0, lo_open=True)
+    if not isinstance(weight_kl, bool):
+        raise TypeError(f"weight_kl must be a bool, got {type(weight_kl).__name__}")
+    if weight_kl and weights is None:
+        raise ValueError("weight_kl=True weights the KL term by `weights`: pass weights too")
     if isinstance(log_probs, (list, tuple)) != isinstance(old_log_probs, (list, tuple)):
         raise TypeError("log_probs and old_log_probs must use the same layout (both lists, both nested or both dense)")
     if isinstance(log_probs, torch.Tensor) and log_probs.is_nested and not (
@@ -242,9 +254,10 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     device = _checks.device_of(log_probs, advantages=advantages, mask=mask, beta=beta)
     device_free, device = device is None, device or torch.device("cpu")
     _checks.dense_layouts(log_probs=log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                          advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
+                          advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta,
+                          weights=weights)
     same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,
-                 entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta)
+                 entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta, weights=weights)
     kind, lp, old, mask, offsets, lengths = normalize_layout(log_probs, old_log_probs, mask, offsets, lengths,
                                                               padding_side, second="old_log_probs",
                                                               empty_device=device)
@@ -263,6 +276,10 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         ent = _token_tensor(entropy, "entropy", kind, lp, offsets)
         _check_float(ent, "entropy")
     adv, adv_per_seq = _advantages(advantages, kind, lp, offsets, batch)
+    wts = None
+    if weights is not None:
+        wts = _token_tensor(weights, "weights", kind, lp, offsets)
+        _check_float(wts, "weights")
 
     if norm_length is not None:
         norm_length = _real("norm_length", norm_length, lo=0.0, lo_open=True)
@@ -279,13 +296,14 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     beta = _beta(beta, batch, device)
     if out is not None:
         out = _check_out(out, lp, [("log_probs", lp), ("old_log_probs", old), ("ref_log_probs", ref),
-                                   ("advantages", adv), ("entropy", ent), ("mask", mask), ("offsets", offsets),
-                                   ("lengths", lengths), ("beta", beta)])
+                                   ("advantages", adv), ("entropy", ent), ("weights", wts), ("mask", mask),
+                                   ("offsets", offsets), ("lengths", lengths), ("beta", beta)])
 
     problem = KLPenaltyProblem(
         layout=layout, log_probs=lp, old_log_probs=old.detach(), ref_log_probs=None if ref is None else ref.detach(),
         advantages=adv.detach(), adv_per_seq=adv_per_seq, entropy=ent, entropy_coef=entropy_coef, mask=mask,
         offsets=offsets if layout == "packed" else None, lengths=lengths, padding_side=padding_side,
         beta=beta, estimator=estimator, clip=clip, aggregation=aggregation,
-        norm_length=norm_length, device_free=device_free, grad_out=out)
+        norm_length=norm_length, device_free=device_free, grad_out=out,
+        weights=None if wts is None else wts.detach(), weight_kl=weight_kl, dual_clip=dual_clip)
     return problem, kind, offsets

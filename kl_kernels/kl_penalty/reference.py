@@ -8,10 +8,12 @@ Per token ``t`` of sequence ``b`` with ``m_t`` the final mask (valid and in ``ma
     r_t      = clamp(lp_t - old_t, -20, 20)             ratio_t = exp(r_t)
     gain_t   = ratio_t * A_t                            A per token or per sequence
     clip_t   = clamp(ratio_t, 1 - eps_lo, 1 + eps_hi) * A_t      (= gain_t without clip_epsilon)
-    obj_t    = -(gain_t if gain_t <= clip_t else clip_t)         (PPO's pessimistic min)
+    pg_t     = -(gain_t if gain_t <= clip_t else clip_t)         (PPO's pessimistic min)
+    obj_t    = w_t * (-A_t * c if A_t < 0 and -A_t * c < pg_t else pg_t)   (dual clip c; none: pg_t)
     d_t      = lp_t - ref_t  (ref_log_probs given: KL(new || ref))
              = old_t - lp_t  (otherwise: TorchRL's KL(old || new), sampled from the old policy)
-    kl_t     = est(d_t)      k1 d, abs |d|, k2 d^2/2, k3 expm1(-d) + d; "+": k2's gradient
+    kl_t     = v_t * est(d_t)  k1 d, abs |d|, k2 d^2/2, k3 expm1(-d) + d; "+": k2's gradient
+    w_t      = the token's weight (1 without ``weights``); v_t = w_t with ``weight_kl``, else 1
     loss_t   = m_t * (obj_t + beta_b * kl_t - entropy_coef * entropy_t)
 
 and per sequence the sums of ``loss_t``, ``obj_t``, ``kl_t``, ``entropy_t``, ``ratio_t`` and of the
@@ -20,8 +22,8 @@ clipped) over counted tokens (accumulated in float64), with the count.
 ``aggregate.py`` turns these into the loss. The gradient reaching ``lp_t`` (what the fused kernels
 store in their one gradient buffer) is::
 
-    dloss_t/dlp_t = m_t * (-A_t ratio_t [|lp_t - old_t| <= 20] w_t + beta_b * s * est'(d_t))
-    w_t = 1 if gain_t <= clip_t else [1 - eps_lo <= ratio_t <= 1 + eps_hi]     s = +1 (ref) / -1 (old)
+    dloss_t/dlp_t = m_t * (w_t * [not dual_t] * -A_t ratio_t [|lp_t - old_t| <= 20] u_t + beta_b * s * v_t * est'(d_t))
+    u_t = 1 if gain_t <= clip_t else [1 - eps_lo <= ratio_t <= 1 + eps_hi]     s = +1 (ref) / -1 (old)
 
 Non-counted tokens contribute nothing and get zero gradient, whatever they hold (NaN included).
 """
@@ -87,12 +89,20 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
     else:
         obj = -gain
         clipped = torch.zeros_like(m)
+    if p.dual_clip is not None:  # for A < 0, at most -A * c; the cap carries no gradient
+        cap = -adv * p.dual_clip
+        obj = torch.where((adv < 0) & (cap < obj), cap.detach(), obj)
+    wts = tok(p.weights) if p.weights is not None else None
+    if wts is not None:
+        obj = wts * obj
 
     other = tok(p.ref_log_probs) if p.ref_log_probs is not None else old
     d = torch.where(m, lp, 0.0) - other if p.ref_log_probs is not None else other - torch.where(m, lp, 0.0)
     kl = estimate(d, p.estimator)
     if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
         kl = straight_through(kl, d)  # value: the estimator; gradient: d (k2's)
+    if p.weight_kl:
+        kl = wts * kl
 
     beta = p.beta
     if isinstance(beta, torch.Tensor):

@@ -7,7 +7,7 @@ Triton contracts a*b+c into FMAs, so there a result may differ from the CPU's by
     x   = clamp(d, in_lo, in_hi)              d = log_prob - ref_log_prob (fp32)
     e   = clamp(est(x), out_lo, out_hi)       k1: x  abs: |x|  k2: x^2/2  k3: expm1(-x) + x
     de/dd = [out_lo <= est(x) <= out_hi] * est'(x) * [in_lo <= d <= in_hi]
-    straight-through (k1+, abs+, k3+): value e, derivative d (k2's, unclamped)
+    straight-through (k1+, abs+, k2+, k3+): value e, derivative d (k2's, unclamped)
 
 Missing clamp bounds are passed as -inf/+inf, so the clamps are plain runtime values and never
 part of a kernel's specialization. The estimator is a ``tl.constexpr`` (codes below).

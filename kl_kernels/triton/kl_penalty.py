@@ -66,12 +66,13 @@ def _store_sums(ptr, at, stride, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, m)
 
 @triton.jit(do_not_specialize=_SIZES)
 def kl_penalty_fwd_kernel(
-        lp_ptr, old_ptr, ref_ptr, adv_ptr, ent_ptr, mask_ptr, beta_ptr, offsets_ptr, lengths_ptr,
+        lp_ptr, old_ptr, ref_ptr, adv_ptr, ent_ptr, wt_ptr, mask_ptr, beta_ptr, offsets_ptr, lengths_ptr,
         seq_loss_ptr, stats_ptr, count_ptr, tok_ptr, grad_ptr, slot_sum_ptr, slot_count_ptr,
         total, batch, width, lp_s0, lp_s1, old_s0, old_s1, ref_s0, ref_s1, adv_s0, adv_s1, ent_s0, ent_s1,
-        mask_s0, mask_s1, beta_scalar, clip_lo, clip_hi, entropy_coef, size_bucket,
+        wt_s0, wt_s1, mask_s0, mask_s1, beta_scalar, clip_lo, clip_hi, clip_c, entropy_coef, size_bucket,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr,
-        HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr,
+        HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, HAS_WT: tl.constexpr, WEIGHT_KL: tl.constexpr,
+        ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr,
         TOKEN_OUT: tl.constexpr, EST: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr, FLAT: tl.constexpr,
         BLOCK: tl.constexpr):
     """One tile: the gradient buffer, optional per-token parts, whole sequences' sums and the
@@ -117,9 +118,21 @@ def kl_penalty_fwd_kernel(
         dk = d
     else:
         dk = estimate_grad_raw(d, EST)
-    obj = -tl.where(take, gain, gain_c)
+    pg = -tl.where(take, gain, gain_c)
+    # dual clip (kl::ppo_token): for A < 0 the objective is capped at -A * clip_c (inf: never)
+    cap = -adv * clip_c
+    dual = (adv < 0.0) & (cap < pg)
+    obj = tl.where(dual, cap, pg)
     # the clamp's gradient mask (a NaN is outside) selects: an exact 0 outside, not NaN * 0
-    grad = tl.where(inside(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) > 0.0, -adv * ratio * w, 0.0) + beta * sign * dk
+    g_obj = tl.where(inside(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) > 0.0, tl.where(dual, 0.0, -adv * ratio * w), 0.0)
+    if HAS_WT:  # per-token weights: on the policy term, and (WEIGHT_KL) on the KL term
+        wt = _load(wt_ptr, seq, col, offs, wt_s0, wt_s1, counted, False, FLAT)
+        obj = wt * obj
+        g_obj = wt * g_obj
+        if WEIGHT_KL:
+            kl = wt * kl
+            dk = wt * dk
+    grad = g_obj + beta * sign * dk
     loss = obj + beta * kl - entropy_coef * ent
     # exactly 0 where not counted (inputs there were read as 0, but the formulas need not give 0)
     grad = tl.where(counted, grad, 0.0)

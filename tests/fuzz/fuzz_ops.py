@@ -41,7 +41,7 @@ with atheris.instrument_imports(include=["kl_kernels"]):
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared result flattening
 from adversarial.results import flat  # noqa: E402
 
-ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k3+", "k4", "", "K1")
+ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+", "k4", "", "K1")
 PLACEMENTS = ("auto", "token", "sequence", "last", "first")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum",
                 "none", "mean")

@@ -1,0 +1,166 @@
+"""OpenRLHF 0.11.2 drop-ins: ``compute_approx_kl``, ``compute_reward``, ``masked_mean``, the KL
+controllers and ``PolicyLoss`` (``policy_loss_type="ppo"``), with OpenRLHF's names, signatures and
+defaults, computed by kl_kernels' fused ops where there is KL or loss math to fuse.
+
+OpenRLHF is not needed to import this module. Tensors are OpenRLHF's ``[B, T]`` action-aligned
+ones with an ``action_mask`` (bool or 0/1; read as bool). Deviations, all deliberate
+(``python_api/integrations.md``): an all-masked batch gives a loss of 0 where OpenRLHF divides 0 by
+0 (NaN); ``PolicyLoss`` takes ``policy_loss_type="ppo"`` without importance-sampling correction
+(``is_correction_level="off"``), and raises ``NotImplementedError`` naming the option otherwise.
+
+Example::
+
+    >>> import torch
+    >>> from kl_kernels.integrations import openrlhf as ko
+    >>> ko.compute_approx_kl(torch.tensor([[-1.0, -30.0]]), torch.tensor([[-1.5, -2.0]]), kl_estimator="k1")
+    tensor([[  0.5000, -10.0000]])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kl_penalty import kl_penalty_loss
+from ..kl_reward import kl_reward
+from ._controllers import FixedValue, ProportionalValue
+
+KL_IS_WEIGHT_CLIP = 10.0  # OpenRLHF's cap on exp(lp - old) in the unbiased KL gradient
+# OpenRLHF's estimators -> (ours, clamp_input, clamp_output): every estimate is clamped to [-10, 10],
+# and k3 clamps its log-ratio from below at -10 first.
+KL_ESTIMATORS = {"k1": ("k1", None, (-10.0, 10.0)), "k2": ("k2", None, (-10.0, 10.0)),
+                 "k3": ("k3", (-10.0, None), (-10.0, 10.0))}
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the incoming gradient by ``w`` (data)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g * w, None
+
+
+def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, log_probs_old: torch.Tensor | None = None,
+                      kl_estimator: str = "k1", unbiased_gradient: bool = False) -> torch.Tensor:
+    """OpenRLHF's ``compute_approx_kl``: the per-token KL estimate of ``log_probs`` against
+    ``log_probs_base`` in float32 (inputs upcast, as OpenRLHF), clamped to [-10, 10] (k3 also clamps
+    the log-ratio at -10 first). ``unbiased_gradient``: same value, gradient ``w * (lp - base)`` with
+    ``w = min(exp(lp - old), 10)`` (1 without ``log_probs_old``). One fused kl_reward call."""
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"Invalid kl_estimator: {kl_estimator} (one of {', '.join(KL_ESTIMATORS)})")
+    est, clamp_in, clamp_out = KL_ESTIMATORS[kl_estimator]
+    if unbiased_gradient:
+        est += "+"  # straight-through: the value of est, the gradient of k2 on the unclamped log-ratio
+    lp, base = log_probs.float(), log_probs_base.float()
+    if lp.shape != base.shape:
+        raise ValueError(f"log_probs and log_probs_base must have the same shape, got {list(lp.shape)} and "
+                         f"{list(base.shape)}")
+    shape = lp.shape
+    lp2, base2 = (lp, base) if lp.dim() == 2 else (lp.reshape(1, -1), base.reshape(1, -1))
+    kl = kl_reward(lp2, base2, coef=0.0, estimator=est, clamp_input=clamp_in, clamp_output=clamp_out,
+                   detach=False).kl.reshape(shape)
+    if unbiased_gradient and log_probs_old is not None:
+        w = torch.exp(log_probs.float().detach() - log_probs_old.float()).clamp(max=KL_IS_WEIGHT_CLIP)
+        kl = _ScaleGrad.apply(kl, w)
+    return kl
+
+
+def compute_reward(r, kl_coef: float, kl, action_mask=None, reward_clip_range=None) -> torch.Tensor:
+    """OpenRLHF's ``compute_reward``: ``-kl_coef * kl`` at every position (``kl`` as given, e.g. from
+    :func:`compute_approx_kl`) plus the sequence reward ``r`` (clipped to ``reward_clip_range``) at
+    the last position where ``action_mask`` is non-zero (the last column for an all-zero row).
+    Plain torch ops: ``kl`` is already computed, so there is nothing to fuse."""
+    if action_mask is None:
+        raise ValueError("compute_reward needs action_mask (OpenRLHF places the reward at its last non-zero entry)")
+    kl_coef = max(float(kl_coef), 0.0)
+    if reward_clip_range:
+        r = r.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    kl_reward_ = -kl_coef * kl
+    width = action_mask.size(1)
+    eos = width - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)
+    return torch.zeros_like(kl).scatter_(dim=1, index=eos, src=r.unsqueeze(1).to(kl.dtype)) + kl_reward_
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor | None, dim: int = None) -> torch.Tensor:
+    """OpenRLHF's ``masked_mean``: ``(tensor * mask).sum(dim) / mask.sum(dim)`` (plain mean without
+    a mask), except that an empty mask gives 0 instead of 0 / 0."""
+    if mask is None:
+        return tensor.mean(dim) if dim is not None else tensor.mean()
+    num = (tensor * mask).sum(dim) if dim is not None else (tensor * mask).sum()
+    den = mask.sum(dim) if dim is not None else mask.sum()
+    return num / den.clamp_min(1)
+
+
+class AdaptiveKLController(ProportionalValue):
+    """OpenRLHF's adaptive controller: ``value *= 1 + clip(current / target - 1, -0.2, 0.2) *
+    n_steps / horizon`` (:class:`kl_kernels.ZieglerKLController`)."""
+
+    def update(self, current, n_steps):
+        self._update(current, n_steps)
+
+
+class FixedKLController(FixedValue):
+    """OpenRLHF's fixed controller."""
+
+    def update(self, current, n_steps):
+        pass
+
+
+class PolicyLoss(torch.nn.Module):
+    """OpenRLHF's ``PolicyLoss`` for ``policy_loss_type="ppo"``, fused (:func:`kl_kernels.kl_penalty_loss`):
+    clipped objective with ``clip_eps_low``/``clip_eps_high``, optional dual clip, token-level
+    (``token_level_loss=True``) or sequence-level mean, OpenRLHF's ``dp_size`` /
+    ``batch_num_tokens`` / ``global_batch_size`` normalisers. ``forward`` returns OpenRLHF's 5-tuple
+    ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` (the last two ``None``: no correction)."""
+
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float = None,
+                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold=(0.5, 5.0)) -> None:
+        super().__init__()
+        if policy_loss_type != "ppo":
+            raise NotImplementedError(f"policy_loss_type={policy_loss_type!r}: only 'ppo' is fused in kl_kernels "
+                                      "(use OpenRLHF's PolicyLoss for 'gspo')")
+        if is_correction_level != "off":
+            raise NotImplementedError(f"is_correction_level={is_correction_level!r}: importance-sampling correction "
+                                      "is not fused yet (pass per-token weights to kl_kernels.kl_penalty_loss)")
+        if dual_clip is not None and not dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
+        self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
+        self.dual_clip = dual_clip
+        self.token_level_loss = token_level_loss
+        self.policy_loss_type = policy_loss_type
+        self.is_correction_level = is_correction_level
+
+    def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
+                batch_num_tokens=None, global_batch_size=None):
+        mask = torch.ones(log_probs.shape, dtype=torch.bool, device=log_probs.device) if action_mask is None \
+            else action_mask.bool()
+        if self.token_level_loss:
+            if batch_num_tokens is None:
+                agg, factor = "token-mean", 1.0
+            else:
+                agg, factor = "sum", dp_size / max(batch_num_tokens, 1) if not isinstance(
+                    batch_num_tokens, torch.Tensor) else dp_size / batch_num_tokens.clamp_min(1)
+        else:  # ours: sum_b S_b / (max(n_b, 1) * B); OpenRLHF: over the non-empty rows (or global_batch_size)
+            agg = "seq-mean-token-mean"
+            if global_batch_size is None:
+                factor = mask.shape[0] / (mask.sum(-1) > 0).sum().clamp_min(1)
+            else:
+                gbs = global_batch_size.clamp_min(1) if isinstance(global_batch_size, torch.Tensor) else max(
+                    global_batch_size, 1)
+                factor = mask.shape[0] * dp_size / gbs
+        out = kl_penalty_loss(log_probs, old_log_probs, advantages, beta=0.0, estimator="k1", mask=mask,
+                              clip_epsilon=(self.clip_eps_low, self.clip_eps_high), dual_clip=self.dual_clip,
+                              aggregation=agg)
+        # ppo_kl = mean of old - lp over the mask: the fused k1 "KL to the old policy" diagnostic
+        return out.loss * factor, out.clip_fraction, out.kl_mean, None, None
+
+
+__all__ = ["KL_ESTIMATORS", "compute_approx_kl", "compute_reward", "masked_mean", "AdaptiveKLController",
+           "FixedKLController", "PolicyLoss"]

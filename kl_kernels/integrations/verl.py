@@ -1,0 +1,244 @@
+"""verl 0.9.1 drop-ins: the KL functions, the vanilla PPO policy loss and the KL controllers.
+
+Same names, signatures and defaults as ``verl.trainer.ppo.core_algos`` (and ``apply_kl_penalty`` of
+``verl.trainer.ppo.ray_trainer``), computed by kl_kernels' fused ops. verl is not needed to import
+this module; :func:`register` puts the fused loss into verl's own policy-loss registry, so a verl
+config selects it with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_kernels``.
+
+Tensors are verl's: ``[B, T]`` response-aligned, with a ``response_mask`` (bool or 0/1; read as
+bool). Deviations from verl, all deliberate (``python_api/integrations.md``):
+
+* an all-masked batch gives a loss of 0 where verl's ``agg_loss`` divides 0 by 0 (NaN);
+* ``ppo_kl`` (a metric) is the mean of ``old - lp`` without verl's +-20 clamp of the log-ratio;
+* a fractional ``response_mask`` counts where it is non-zero (verl weights tokens by it).
+
+Example::
+
+    >>> import torch
+    >>> from kl_kernels.integrations import verl as kv
+    >>> lp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
+    >>> kv.kl_penalty(lp, ref, "kl")
+    tensor([[0.5000, 0.0000]])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..kl_penalty import kl_penalty_loss
+from ..kl_reward import kl_reward
+from ._controllers import FixedValue, ProportionalValue
+
+# verl's kl_penalty modes -> (our estimator, clamp_input, clamp_output). verl's low_var_kl / k3
+# clamps the log-ratio to +-20 before exp and the estimate to [-10, 10]; k1 and k2 are unclamped.
+KL_MODES = {
+    "kl": ("k1", None, None), "k1": ("k1", None, None),
+    "abs": ("abs", None, None),
+    "mse": ("k2", None, None), "k2": ("k2", None, None),
+    "low_var_kl": ("k3", (-20.0, 20.0), (-10.0, 10.0)), "k3": ("k3", (-20.0, 20.0), (-10.0, 10.0)),
+}
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+
+
+def kl_mode(name) -> tuple[str, Optional[tuple], Optional[tuple]]:
+    """verl's ``kl_penalty`` mode name -> ``(estimator, clamp_input, clamp_output)`` for kl_kernels.
+    A trailing ``"+"`` (verl's straight-through: same value, k2's gradient) maps to our ``"+"``
+    estimators. ``"full"`` and unknown names raise ``NotImplementedError``,
+    as in verl."""
+    if not isinstance(name, str):
+        raise TypeError(f"kl_penalty must be a mode name (str), got {type(name).__name__}")
+    base, plus = (name[:-1], True) if name.endswith("+") else (name, False)
+    if base == "full":
+        raise NotImplementedError("kl_penalty='full' (the exact KL over the vocabulary) needs the logits, not "
+                                  "per-token log-probs; verl does not implement it either")
+    if base not in KL_MODES:
+        raise NotImplementedError(f"kl_penalty mode {name!r} is not one of verl's: {', '.join(KL_MODES)} "
+                                  "(each optionally with a trailing '+')")
+    est, cin, cout = KL_MODES[base]
+    if plus:
+        est += "+"
+    return est, cin, cout
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> torch.Tensor:
+    """verl's ``kl_penalty``: the per-token KL estimate for every element (no mask), in the inputs'
+    dtype, differentiable w.r.t. both inputs. Computed by :func:`kl_kernels.kl_reward`."""
+    est, clamp_in, clamp_out = kl_mode(kl_penalty)
+    if not isinstance(logprob, torch.Tensor) or not isinstance(ref_logprob, torch.Tensor):
+        raise TypeError("logprob and ref_logprob must be tensors")
+    if logprob.shape != ref_logprob.shape:
+        raise ValueError(f"logprob and ref_logprob must have the same shape, got {list(logprob.shape)} and "
+                         f"{list(ref_logprob.shape)}")
+    shape = logprob.shape
+    # any shape: as one padded row of every element (every element counts)
+    lp, ref = (logprob, ref_logprob) if logprob.dim() == 2 else (logprob.reshape(1, -1), ref_logprob.reshape(1, -1))
+    out = kl_reward(lp, ref, coef=0.0, estimator=est, clamp_input=clamp_in, clamp_output=clamp_out, detach=False)
+    return out.kl.reshape(shape)
+
+
+def _scale_of(loss_mask: torch.Tensor, loss_agg_mode: str, dp_size, batch_num_tokens, global_batch_size,
+              loss_scale_factor):
+    """verl 0.9.1's ``agg_loss`` as ``(our aggregation, factor)``: verl's loss is ours times the factor.
+    Every denominator is at least 1 (an all-masked batch gives 0, not verl's 0/0)."""
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode} (one of {', '.join(AGG_MODES)})")
+    m = loss_mask.bool()
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            batch_num_tokens = m.sum()
+        n = batch_num_tokens.clamp_min(1) if isinstance(batch_num_tokens, torch.Tensor) else max(batch_num_tokens, 1)
+        return "sum", dp_size / n
+    if loss_agg_mode == "token-sum":
+        return "sum", dp_size
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        global_batch_size = (m.sum(-1) > 0).sum()
+    seqs = global_batch_size.clamp_min(1) if isinstance(global_batch_size, torch.Tensor) else max(global_batch_size, 1)
+    if loss_agg_mode == "seq-mean-token-mean":  # ours: sum_b S_b / (max(n_b, 1) * B)
+        return "seq-mean-token-mean", m.shape[0] * dp_size / seqs
+    factor = dp_size / seqs
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        factor = factor / (loss_scale_factor if loss_scale_factor is not None else m.shape[-1])
+    return "sum", factor
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1,
+             batch_num_tokens: Optional[int] = None, global_batch_size: Optional[int] = None,
+             loss_scale_factor: Optional[int] = None) -> torch.Tensor:
+    """verl's ``agg_loss`` for any ``[B, T]`` loss matrix (torch ops: there is nothing to fuse in a
+    masked sum). Modes: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    ``seq-mean-token-sum-norm``, ``seq-mean-token-mean``; ``dp_size``, ``batch_num_tokens``,
+    ``global_batch_size`` and ``loss_scale_factor`` as verl's."""
+    agg, factor = _scale_of(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
+                            loss_scale_factor)
+    m = loss_mask.bool()
+    masked = torch.where(m, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    if agg == "sum":
+        return masked.sum() * factor
+    per_seq = masked.sum(-1) / m.sum(-1).clamp_min(1)  # verl: / (count + 1e-8); empty rows add 0 either way
+    return per_seq.sum() / m.shape[0] * factor
+
+
+def _get(config, key, default=None):
+    if config is None:
+        return default
+    if isinstance(config, dict):
+        return config.get(key, default)
+    getter = getattr(config, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, default)
+        except (TypeError, KeyError):
+            pass
+    return getattr(config, key, default)
+
+
+def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config=None,
+                                rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's registered ``"vanilla"`` PPO policy loss, fused: clipped objective (``clip_ratio``,
+    ``clip_ratio_low``/``high``), dual clip (``clip_ratio_c``, default 3.0), ``rollout_is_weights``
+    on the objective, aggregated as ``agg_loss`` with ``config.global_batch_info``. Returns
+    ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (floats)."""
+    if config is None:
+        raise ValueError("compute_policy_loss_vanilla needs the actor config (clip_ratio, clip_ratio_c, ...)")
+    clip_ratio = _get(config, "clip_ratio")
+    low = _get(config, "clip_ratio_low")
+    high = _get(config, "clip_ratio_high")
+    low = clip_ratio if low is None else low
+    high = clip_ratio if high is None else high
+    if low is None or high is None:
+        raise ValueError("config.clip_ratio (or clip_ratio_low and clip_ratio_high) must be set")
+    clip_c = _get(config, "clip_ratio_c", 3.0)
+    if not clip_c > 1.0:
+        raise ValueError("The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0, but get "
+                         f"the value: {clip_c}.")
+    info = dict(_get(config, "global_batch_info", None) or {})
+    agg, factor = _scale_of(response_mask, loss_agg_mode, **{k: info.get(k, d) for k, d in (
+        ("dp_size", 1), ("batch_num_tokens", None), ("global_batch_size", None), ("loss_scale_factor", None))})
+    mask = response_mask.bool()
+    out = kl_penalty_loss(log_prob, old_log_prob, advantages, beta=0.0, estimator="k1", mask=mask,
+                          clip_epsilon=(float(low), float(high)), dual_clip=float(clip_c), weights=rollout_is_weights,
+                          aggregation=agg)
+    with torch.no_grad():  # the one metric the fused pass does not count: the dual clip's share
+        ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
+        adv = advantages
+        c1 = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
+        lower = ((c1 > -adv * clip_c) & (adv < 0) & mask).sum() / mask.sum().clamp_min(1)
+    metrics = {"actor/pg_clipfrac": out.clip_fraction.item(), "actor/ppo_kl": out.kl_mean.item(),
+               "actor/pg_clipfrac_lower": lower.item()}
+    return out.loss * factor, metrics
+
+
+class AdaptiveKLController(ProportionalValue):
+    """verl's adaptive controller (Ziegler et al.): ``value *= 1 + clip(current_kl / target_kl - 1,
+    -0.2, 0.2) * n_steps / horizon``, through :class:`kl_kernels.ZieglerKLController` (float32)."""
+
+    def __init__(self, init_kl_coef, target_kl, horizon):
+        super().__init__(init_kl_coef, target_kl, horizon)
+
+    def update(self, current_kl, n_steps):
+        self._update(current_kl, n_steps)
+
+
+class FixedKLController(FixedValue):
+    """verl's fixed controller: ``value`` never changes."""
+
+    def update(self, current_kl, n_steps):
+        pass
+
+
+def get_kl_controller(kl_ctrl):
+    """verl's factory: ``kl_ctrl.type`` ``"fixed"`` or ``"adaptive"`` (``kl_coef``, ``target_kl``, ``horizon``)."""
+    kind = _get(kl_ctrl, "type")
+    if kind == "fixed":
+        return FixedKLController(kl_coef=_get(kl_ctrl, "kl_coef"))
+    if kind == "adaptive":
+        horizon = _get(kl_ctrl, "horizon")
+        if not horizon > 0:
+            raise ValueError(f"horizon must be larger than 0. Got {horizon}")
+        return AdaptiveKLController(init_kl_coef=_get(kl_ctrl, "kl_coef"), target_kl=_get(kl_ctrl, "target_kl"),
+                                    horizon=horizon)
+    raise NotImplementedError(f"kl_ctrl.type must be 'fixed' or 'adaptive', got {kind!r}")
+
+
+def apply_kl_penalty(data, kl_ctrl, kl_penalty="kl"):
+    """verl's ``apply_kl_penalty``: ``token_level_rewards = token_level_scores - beta * kl`` at the
+    response tokens (``beta = kl_ctrl.value`` before the update), then ``kl_ctrl.update`` with the
+    batch's mean per-sequence KL. ``data.batch`` (a verl ``DataProto``'s, or any dict-like) holds
+    ``response_mask``, ``token_level_scores``, ``old_log_probs`` and ``ref_log_prob``; returns
+    ``(data, metrics)`` as verl does. One fused :func:`kl_kernels.kl_reward` call."""
+    batch = data.batch
+    mask = batch["response_mask"]
+    est, clamp_in, clamp_out = kl_mode(kl_penalty)
+    beta = kl_ctrl.value
+    out = kl_reward(batch["old_log_probs"], batch["ref_log_prob"], batch["token_level_scores"], coef=float(beta),
+                    estimator=est.rstrip("+"), mask=mask.bool(), clamp_input=clamp_in, clamp_output=clamp_out,
+                    reward_placement="token")
+    batch["token_level_rewards"] = out.reward
+    current_kl = (out.kl_sum / (out.count + 1e-8)).mean().item()
+    kl_ctrl.update(current_kl=current_kl, n_steps=mask.shape[0])
+    return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def register(name: str = "kl_kernels", *, override_vanilla: bool = False) -> list[str]:
+    """Register :func:`compute_policy_loss_vanilla` in verl's policy-loss registry under ``name`` (and
+    under ``"vanilla"`` with ``override_vanilla=True``), so that a verl config selects it with
+    ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``. Needs verl; returns the names."""
+    try:
+        from verl.trainer.ppo import core_algos
+    except ImportError as exc:
+        raise ImportError(f"kl_kernels.integrations.verl.register needs verl installed ({exc})") from exc
+    names = [name] + (["vanilla"] if override_vanilla and name != "vanilla" else [])
+    for n in names:
+        core_algos.register_policy_loss(n)(compute_policy_loss_vanilla)
+    return names
+
+
+__all__ = ["KL_MODES", "AGG_MODES", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
+           "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register"]

@@ -1,0 +1,94 @@
+"""kl_kernels.integrations.trl.grpo_loss against TRL 1.16.0's own ``GRPOTrainer._compute_loss``.
+
+TRL computes the loss inside a trainer method (trl/trainer/grpo_trainer.py:3020-3185: the ratio at
+3082-3096, k3 KL at 3098-3105, the clipped per-token loss at 3112-3120, the vLLM importance-sampling
+ratio at 3146-3147, "+ beta * kl" at 3149-3150, the loss types' normalisers at 3153-3185). The method
+is called unbound on a stand-in ``self`` carrying only the attributes it reads (tests/peers.py), with
+the model's per-token log-probs handed in, so the comparison is with TRL's code itself, values and
+gradients, on hypothesis-generated batches (tests/peer_batches.py).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import peers
+from kl_kernels.integrations import trl as kt
+from peer_batches import batches, close, exact, printed_without
+
+
+def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_accum, training, mcl):
+    grpo = peers.trl_grpo_module()
+    fake = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda model, *a, **k: (lp, torch.zeros_like(lp.detach()), None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high,
+        use_vllm=use_vllm, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=training),
+        current_gradient_accumulation_steps=grad_accum, max_completion_length=mcl, _entropy_bonus_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        accelerator=SimpleNamespace(num_processes=2, gather=lambda x: x, reduce=lambda x, reduction="sum": x),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=2))
+    return grpo.GRPOTrainer._compute_loss(fake, None, inputs)
+
+
+CASES = [("dapo", 0.0, False), ("dapo", 0.04, True), ("grpo", 0.04, False), ("grpo", 0.0, True), ("bnpo", 0.1, False),
+         ("dr_grpo", 0.04, True), ("luspo", 0.0, False)]
+
+
+@pytest.mark.parametrize("loss_type, beta, use_vllm", CASES, ids=[f"{c[0]}-beta{c[1]}-{'vllm' if c[2] else 'plain'}"
+                                                                  for c in CASES])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@given(data=batches())
+@settings(max_examples=10, deadline=None)
+def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, training, data):
+    b, t = data.mask.shape
+    if ((data.lp.double() - data.old.double()).abs() > 20).any():  # ours clamps the log-ratio at +-20, TRL does not
+        data.old = data.lp + (data.old - data.lp).clamp(-19, 19)  # (19: bf16 rounding stays inside)
+    # TRL multiplies the per-token loss by the mask, so an overflowing KL at a token that does not count
+    # gives inf * 0 = NaN; ours never reads such tokens (documented): keep the padding's KL finite here
+    data.ref = torch.where(data.mask, data.ref, data.lp)
+    peer = exact(data)
+    adv = data.adv[:, 0].contiguous()  # TRL's [B] advantages
+    isr = (data.weights[:, :1] if b % 2 else data.weights) if use_vllm else None  # sequence- or token-shaped
+    n_items = torch.tensor(float(data.mask.sum()) * 3)
+    kw = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, training=training)
+    lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
+    got = kt.grpo_loss(lp_got, adv, data.mask, old_per_token_logps=data.old, ref_per_token_logps=data.ref,
+                       importance_sampling_ratio=isr, use_bias_correction_kl=False, max_completion_length=t + 5,
+                       num_items_in_batch=n_items, num_processes=2, gradient_accumulation_steps=3,
+                       steps_per_generation=2, **kw)
+    inputs = dict(prompt_ids=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.long),
+                  completion_ids=torch.zeros(b, t, dtype=torch.long), completion_mask=data.mask.long(),
+                  advantages=peer.adv[:, 0].contiguous(), old_per_token_logps=peer.old, ref_per_token_logps=peer.ref,
+                  num_items_in_batch=n_items)
+    if isr is not None:
+        inputs["importance_sampling_ratio"] = isr.to(peer.lp.dtype)
+    want = _trl_loss(lp_want, inputs, loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, use_vllm=use_vllm,
+                     grad_accum=3, training=training, mcl=t + 5)
+    md = torch.float32 if data.dtype == torch.float32 else data.dtype
+    if not torch.isfinite(want):  # TRL's k3 is unclamped: exp(ref - lp) overflows on a diverged token (inf, or
+        assert not torch.isfinite(got)  # NaN from inf * 0 at a masked one); ours overflows alike (inf)
+        return
+    close(got.detach(), want.detach().float(), md, "loss")
+    g_got, = torch.autograd.grad(got, lp_got)
+    g_want, = torch.autograd.grad(want, lp_want)
+    close(g_got, g_want, data.dtype, "d loss / d per_token_logps", scale=g_want.abs().max().item() + 1e-3)
+
+
+def test_options_not_fused_say_so():
+    lp, adv, mask = -torch.rand(2, 3), torch.randn(2), torch.ones(2, 3, dtype=torch.bool)
+    for kw, match in ((dict(delta=1.5), "delta"), (dict(importance_sampling_level="sequence"), "GSPO"),
+                      (dict(beta=0.1, ref_per_token_logps=lp), "use_bias_correction_kl"),
+                      (dict(loss_type="sapo"), "sapo")):
+        with pytest.raises(NotImplementedError, match=match):
+            kt.grpo_loss(lp, adv, mask, num_items_in_batch=6, **kw)
+
+
+def test_the_shim_imports_without_trl():
+    assert printed_without("trl", "from kl_kernels.integrations import trl as kt\nimport torch\nprint(kt.grpo_loss("
+                           "torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), num_items_in_batch=2).item())") == ["-1.0"]

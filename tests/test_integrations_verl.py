@@ -1,0 +1,187 @@
+"""kl_kernels.integrations.verl against verl 0.9.1 itself (installed --no-deps, tests/peers.py).
+
+Every shim is compared with verl's own function on hypothesis-generated [B, T] batches: lengths 0..64
+(0 and 1 included), responses padded on the right or the left, masks with tool-token holes, empty rows,
+diverged tokens (|lp - ref| >= 100), float32 and bfloat16; values and gradients.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import peers
+from kl_kernels.integrations import verl as kv
+from peer_batches import batches, close, exact, printed_without
+
+MODES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "k2+", "mse+", "low_var_kl+", "k3+"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@given(data=batches())
+@settings(max_examples=15, deadline=None)
+def test_kl_penalty_equals_verl(mode, data):
+    ca = peers.verl_core_algos()
+    peer = exact(data)
+    got_in = [data.lp.clone().requires_grad_(), data.ref.clone().requires_grad_()]
+    want_in = [peer.lp.clone().requires_grad_(), peer.ref.clone().requires_grad_()]
+    got = kv.kl_penalty(*got_in, mode)
+    want = ca.kl_penalty(*want_in, mode)
+    assert got.dtype == data.dtype and got.shape == want.shape
+    close(got.detach(), want.detach(), data.dtype, f"{mode} value", scale=want.detach().abs().max().item() + 1)
+    up = torch.linspace(-1, 1, got.numel()).reshape(got.shape)
+    g_got = torch.autograd.grad((got * up.to(got.dtype)).sum(), got_in)
+    g_want = torch.autograd.grad((want * up.to(want.dtype)).sum(), want_in)
+    for name, a, b in zip(("logprob", "ref_logprob"), g_got, g_want):
+        close(a, b, data.dtype, f"{mode} d/d{name}", scale=b.abs().max().item() + 1)
+
+
+def test_kl_penalty_modes_verl_rejects_are_rejected_alike():
+    ca = peers.verl_core_algos()
+    x = torch.zeros(2, 3)
+    for mode in ("full", "k4"):
+        with pytest.raises(NotImplementedError):
+            ca.kl_penalty(x, x, mode)
+        with pytest.raises(NotImplementedError):
+            kv.kl_penalty(x, x, mode)
+
+
+AGG_CASES = [
+    ("token-mean", {}), ("token-mean", {"dp_size": 4, "batch_num_tokens": 300}), ("token-sum", {"dp_size": 2}),
+    ("seq-mean-token-sum", {}), ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 9}),
+    ("seq-mean-token-sum-norm", {}), ("seq-mean-token-sum-norm", {"loss_scale_factor": 100}),
+    ("seq-mean-token-mean", {}), ("seq-mean-token-mean", {"dp_size": 3, "global_batch_size": 7}),
+]
+
+
+@pytest.mark.parametrize("mode, info", AGG_CASES, ids=[f"{m}-{'-'.join(i)}" for m, i in AGG_CASES])
+@given(data=batches(dtypes=(torch.float32,)))
+@settings(max_examples=15, deadline=None)
+def test_agg_loss_equals_verl(mode, info, data):
+    ca = peers.verl_core_algos()
+    if not data.mask.any():
+        return  # verl divides 0 by 0 there (NaN); ours gives 0: tested below
+    loss_mat = torch.where(data.mask, data.adv, 1e3)  # garbage outside the mask
+    want = ca.agg_loss(loss_mat, data.mask, mode, **info)
+    close(kv.agg_loss(loss_mat, data.mask, mode, **info), want, torch.float32, mode)
+    # NaN outside the mask never leaks into ours (verl's seq-mean modes multiply it by 0: NaN)
+    close(kv.agg_loss(torch.where(data.mask, data.adv, float("nan")), data.mask, mode, **info), want, torch.float32,
+          f"{mode} with NaN padding")
+
+
+def test_agg_loss_of_an_empty_batch_is_zero_where_verl_gives_nan():
+    ca = peers.verl_core_algos()
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    assert ca.agg_loss(torch.ones(2, 3), mask, "token-mean").isnan()
+    assert kv.agg_loss(torch.ones(2, 3), mask, "token-mean") == 0
+
+
+def _verl_config(**over):
+    from omegaconf import OmegaConf
+
+    cfg = dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0, global_batch_info={})
+    cfg.update(over)
+    return OmegaConf.create(cfg)
+
+
+POLICY_CASES = [
+    ("token-mean", {}, False), ("token-mean", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}, True),
+    ("token-mean", {"global_batch_info": {"dp_size": 2, "batch_num_tokens": 123}}, False),
+    ("seq-mean-token-mean", {}, True), ("seq-mean-token-sum", {"clip_ratio_c": 1.5}, False),
+    ("seq-mean-token-sum-norm", {"global_batch_info": {"loss_scale_factor": 64}}, True),
+    ("token-sum", {"clip_ratio_c": 10.0}, False),
+]
+
+
+@pytest.mark.parametrize("mode, over, with_weights", POLICY_CASES,
+                         ids=[f"{m}-{'-'.join(o) or 'default'}-{'w' if w else 'nw'}" for m, o, w in POLICY_CASES])
+@given(data=batches())
+@settings(max_examples=12, deadline=None)
+def test_compute_policy_loss_vanilla_equals_verl(mode, over, with_weights, data):
+    peers.verl_core_algos()
+    from verl.trainer.ppo import core_algos as ca
+
+    if not data.mask.any():
+        return
+    cfg = _verl_config(**over)
+    peer = exact(data)
+    lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
+    got, got_metrics = kv.compute_policy_loss_vanilla(data.old, lp_got, data.adv, data.mask, mode, cfg,
+                                                      data.weights if with_weights else None)
+    want, want_metrics = ca.compute_policy_loss_vanilla(peer.old, lp_want, peer.adv, data.mask, mode, cfg,
+                                                        peer.weights if with_weights else None)
+    md = torch.float32
+    close(got.detach(), want.detach().to(md), md if data.dtype == torch.float32 else data.dtype, "pg_loss")
+    g_got, = torch.autograd.grad(got, lp_got)
+    g_want, = torch.autograd.grad(want, lp_want)
+    close(g_got, g_want, data.dtype, "d pg_loss / d log_prob", scale=g_want.abs().max().item() + 1e-3)
+    assert set(got_metrics) == set(want_metrics)
+    for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"):
+        assert got_metrics[key] == pytest.approx(want_metrics[key], abs=2e-6 if data.dtype == torch.float32 else 0.05)
+    if not ((data.lp.double() - data.old.double()).abs() > 20).any():  # ours leaves the log-ratio unclamped
+        assert got_metrics["actor/ppo_kl"] == pytest.approx(want_metrics["actor/ppo_kl"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["kl", "low_var_kl", "mse", "abs", "k3+"])
+@pytest.mark.parametrize("adaptive", [False, True])
+@given(data=batches())
+@settings(max_examples=10, deadline=None)
+def test_apply_kl_penalty_equals_verl(mode, adaptive, data):
+    ca = peers.verl_core_algos()
+    apply = peers.verl_apply_kl_penalty()
+    scores = torch.where(data.mask, torch.randn(data.mask.shape, dtype=torch.float64).to(data.dtype), 0.0)
+
+    def run(fn, ctl):
+        d = data if fn is not apply else exact(data)
+        batch = {"response_mask": data.mask.to(torch.int64), "token_level_scores": scores.to(d.old.dtype),
+                 "old_log_probs": d.old, "ref_log_prob": d.ref}
+        if fn is apply:
+            from tensordict import TensorDict
+            batch = TensorDict(batch, batch_size=[data.mask.shape[0]])
+        out, metrics = fn(SimpleNamespace(batch=batch), ctl, kl_penalty=mode)
+        return out.batch["token_level_rewards"], metrics, ctl.value
+
+    def ctl(mod):
+        return mod.AdaptiveKLController(0.05, 0.01, 1000) if adaptive else mod.FixedKLController(0.05)
+
+    got, got_m, got_v = run(kv.apply_kl_penalty, ctl(kv))
+    want, want_m, want_v = run(apply, ctl(ca))
+    close(got, want, data.dtype, "token_level_rewards", scale=want.abs().max().item() + 1)
+    assert set(got_m) == set(want_m)
+    tol = 1e-5 if data.dtype == torch.float32 else 2e-2
+    assert got_m["actor/reward_kl_penalty"] == pytest.approx(want_m["actor/reward_kl_penalty"], rel=tol, abs=tol)
+    assert got_m["actor/reward_kl_penalty_coeff"] == pytest.approx(want_m["actor/reward_kl_penalty_coeff"])
+    assert got_v == pytest.approx(want_v, rel=1e-5)
+
+
+def test_controllers_follow_verls():
+    ca = peers.verl_core_algos()
+    ours, theirs = kv.AdaptiveKLController(0.1, 6.0, 10000), ca.AdaptiveKLController(0.1, 6.0, 10000)
+    for kl, n in ((2.0, 256), (9.0, 512), (6.0, 64), (100.0, 10000)):
+        ours.update(current_kl=kl, n_steps=n)
+        theirs.update(current_kl=kl, n_steps=n)
+        assert ours.value == pytest.approx(theirs.value, rel=1e-6)
+    cfg = SimpleNamespace(type="adaptive", kl_coef=0.2, target_kl=1.0, horizon=50)
+    assert isinstance(kv.get_kl_controller(cfg), kv.AdaptiveKLController)
+    assert kv.get_kl_controller(SimpleNamespace(type="fixed", kl_coef=0.3)).value == 0.3
+    with pytest.raises(NotImplementedError):
+        kv.get_kl_controller(SimpleNamespace(type="pid"))
+
+
+def test_register_puts_the_fused_loss_in_verls_registry():
+    peers.verl_core_algos()
+    from verl.trainer.ppo import core_algos as ca
+
+    assert kv.register() == ["kl_kernels"]
+    assert ca.get_policy_loss_fn("kl_kernels") is kv.compute_policy_loss_vanilla
+    assert ca.get_policy_loss_fn("vanilla") is not kv.compute_policy_loss_vanilla
+
+
+def test_the_shim_imports_without_verl():
+    code = ("from kl_kernels.integrations import verl as kv\nimport torch\n"
+            "print(kv.kl_penalty(torch.zeros(2, 2), torch.ones(2, 2), 'k1').sum().item())\n"
+            "try:\n    kv.register()\nexcept ImportError as e:\n    print('register:', 'needs verl' in str(e))\n")
+    assert printed_without("verl", code) == ["-4.0", "register:", "True"]
