@@ -9,6 +9,7 @@ the CPU kernel and the torch reference disagreed on padding tokens for such a co
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -112,3 +113,35 @@ def no_overlap(outputs, inputs) -> None:
             if a0 < b1 and b0 < a1:
                 raise ValueError(f"{name} overlaps {other}: the result buffers must share no memory with each other "
                                  "or with the inputs")
+
+
+def clamp_bounds(name: str, bounds):
+    """A KL clamp argument (``clamp_input`` / ``clamp_output`` of either op): ``None`` or a pair
+    ``(lo, hi)`` of reals or ``None``s, checked; returns ``None`` or the normalized pair."""
+    if bounds is None:
+        return None
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise ValueError(f"{name} must be None or a pair (lo, hi) of floats (either may be None), got {bounds!r}")
+    out = []
+    for b in bounds:
+        if b is None:
+            out.append(None)
+            continue
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or math.isnan(float(b)):
+            raise ValueError(f"{name} bounds must be real numbers or None, got {bounds!r}")
+        out.append(float(b))
+    lo, hi = out
+    if lo is None and hi is None:
+        return None
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{name} must satisfy lo <= hi, got {bounds!r}")
+    # A bound beyond float32's range is +-inf to the float32 kernels, which read an infinite bound as
+    # no bound: saturate it for every backend (torch.clamp refuses such a bound on a float32 tensor),
+    # and refuse the two that would pin every value to an infinity (a lower bound of +inf, an upper
+    # bound of -inf), where "no bound" and "clamp" disagree.
+    lo, hi = (None if v is None else v if abs(v) <= FLOAT32_MAX else math.copysign(math.inf, v)
+              for v in (lo, hi))
+    if lo == math.inf or hi == -math.inf:
+        raise ValueError(f"{name} must have a lower bound < +inf and an upper bound > -inf (after rounding to "
+                         f"float32's range, |bound| <= {FLOAT32_MAX:.4g}), got {bounds!r}")
+    return lo, hi

@@ -126,8 +126,10 @@ def _check_kl_penalty_loss(backend, device) -> list:
             old = kw["ref_log_probs"]
             for aggregation, estimator, options in (
                     ("token-mean", "k3", {}), ("seq-mean-token-mean", "k1", {}), ("sum", "k2", {}),
-                    # dual clip and per-token weights (on both terms), ratios far from 1 so the cap binds
-                    ("token-mean", "k3", {"dual_clip": 1.5, "weight_kl": True})):
+                    # dual clip, per-token weights (on both terms) and verl's clamped k3; ratios far from 1
+                    # so the cap binds
+                    ("token-mean", "k3", {"dual_clip": 1.5, "weight_kl": True, "clamp_input": (-20.0, 20.0),
+                                          "clamp_output": (-10.0, 10.0)})):
                 adv = torch.linspace(-1, 1, b)
                 if options:
                     options = dict(options, weights=torch.linspace(0.5, 1.5, old.numel()).reshape(old.shape))

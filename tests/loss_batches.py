@@ -42,6 +42,8 @@ class LossCase:
     dual_clip: float | None = None
     weights: list | None = None  # per sequence, per token
     weight_kl: bool = False
+    clamp_input: tuple | None = None
+    clamp_output: tuple | None = None
 
     @property
     def batch(self):
@@ -109,6 +111,8 @@ def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch
         clip=draw(st.sampled_from([None, 0.2, (0.2, 0.28), 0.0])),
         dual_clip=draw(st.sampled_from([None, None, 3.0, 1.5])), weights=wts if (with_w := draw(st.booleans())) else None,
         weight_kl=with_w and draw(st.booleans()),
+        clamp_input=draw(st.sampled_from([None, None, (-20.0, 20.0), (-0.5, None), (None, 0.3)])),
+        clamp_output=draw(st.sampled_from([None, None, (-10.0, 10.0), (None, 0.01)])),
         entropy_coef=draw(st.sampled_from([0.0, 0.01, 1.0])), aggregation=draw(st.sampled_from(list(aggregations))),
         pad_extra=draw(st.integers(0, 2)))
 
@@ -130,6 +134,10 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
         kw["dual_clip"] = case.dual_clip
     if case.weight_kl:
         kw["weight_kl"] = True
+    if case.clamp_input is not None:
+        kw["clamp_input"] = case.clamp_input
+    if case.clamp_output is not None:
+        kw["clamp_output"] = case.clamp_output
     adv_tok = None if case.adv_per_seq else case.adv
     adv_seq = torch.tensor(case.adv, dtype=case.dtype) if case.adv_per_seq else None
     if layout.startswith("padded"):
@@ -251,7 +259,8 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
     norm = norm_length_of(case, built) if case.aggregation == "seq-mean-token-sum-norm" else None
     exp = oracle_loss(oracle_seqs(case), estimator=case.estimator, clip=case.clip_bounds(),
                       entropy_coef=case.entropy_coef, aggregation=case.aggregation, norm_length=norm,
-                      dual_clip=case.dual_clip, weight_kl=case.weight_kl)
+                      dual_clip=case.dual_clip, weight_kl=case.weight_kl, clamp_input=case.clamp_input,
+                      clamp_output=case.clamp_output)
     md = torch.float64 if case.dtype == torch.float64 else torch.float32
     lengths = case.lengths
     n_tok = exp.num_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from oracle import _est, _est_grad
+from oracle import _clamp, _est, _est_grad, _inside
 
 LOG_RATIO_BOUND = 20.0
 
@@ -42,7 +42,8 @@ class Result:
     token_loss: list     # per sequence, per valid token: loss_t (0 where not counted)
 
 
-def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False):
+def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False, clamp_input=None,
+                clamp_output=None):
     """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp) of one counted token."""
     lr = s.lp[t] - s.old[t]
     lrc = min(max(lr, -LOG_RATIO_BOUND), LOG_RATIO_BOUND)
@@ -69,8 +70,11 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
     else:
         d, sign = s.old[t] - s.lp[t], -1.0
     base = estimator.rstrip("+")
-    kl = _est(d, base)
-    dkl = sign * (d if estimator.endswith("+") else _est_grad(d, base))
+    x = _clamp(d, clamp_input)  # the KL's clamps, as kl_reward's (oracle.py)
+    e_raw = _est(x, base)
+    kl = _clamp(e_raw, clamp_output)
+    dkl = sign * (d if estimator.endswith("+") else
+                  _inside(e_raw, clamp_output) * _est_grad(x, base) * _inside(d, clamp_input))
     if weight_kl:
         kl, dkl = wt * kl, wt * dkl
     ent = s.ent[t] if s.ent is not None else 0.0
@@ -78,7 +82,8 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
 
 
 def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggregation="token-mean",
-                norm_length=None, global_tokens=None, global_seqs=None, dual_clip=None, weight_kl=False) -> Result:
+                norm_length=None, global_tokens=None, global_seqs=None, dual_clip=None, weight_kl=False,
+                clamp_input=None, clamp_output=None) -> Result:
     """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel)."""
     per_seq = []
     for s in seqs:
@@ -87,7 +92,8 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
             if not s.mask[t]:
                 rows.append(None)
                 continue
-            rows.append(token_terms(s, t, estimator=estimator, clip=clip, dual_clip=dual_clip, weight_kl=weight_kl))
+            rows.append(token_terms(s, t, estimator=estimator, clip=clip, dual_clip=dual_clip, weight_kl=weight_kl,
+                                    clamp_input=clamp_input, clamp_output=clamp_output))
         per_seq.append(rows)
     counts = [sum(r is not None for r in rows) for rows in per_seq]
     n_tok = sum(counts) if global_tokens is None else global_tokens

@@ -185,3 +185,39 @@ def test_the_shim_imports_without_verl():
             "print(kv.kl_penalty(torch.zeros(2, 2), torch.ones(2, 2), 'k1').sum().item())\n"
             "try:\n    kv.register()\nexcept ImportError as e:\n    print('register:', 'needs verl' in str(e))\n")
     assert printed_without("verl", code) == ["-4.0", "register:", "True"]
+
+
+KL_LOSS_CASES = [("token-mean", "low_var_kl", {}), ("seq-mean-token-mean", "k1", {"kl_loss_coef": 0.1}),
+                 ("seq-mean-token-sum-norm", "low_var_kl", {"clip_ratio_c": 2.0}), ("token-mean", "k3+", {}),
+                 ("token-sum", "mse", {"kl_loss_coef": 0.05})]
+
+
+@pytest.mark.parametrize("mode, kl_type, over", KL_LOSS_CASES, ids=[f"{m}-{k}" for m, k, _ in KL_LOSS_CASES])
+@given(data=batches())
+@settings(max_examples=12, deadline=None)
+def test_policy_loss_with_kl_equals_verls_actor_loss(mode, kl_type, over, data):
+    """verl's ppo_loss with use_kl_loss (workers/utils/losses.py:132-142): pg_loss + agg_loss(kl_penalty(lp,
+    ref, kl_loss_type), mask, mode) * kl_loss_coef, against one fused pass."""
+    peers.verl_core_algos()
+    from verl.trainer.ppo import core_algos as ca
+
+    if not data.mask.any():
+        return
+    over = dict(over)  # (the parametrized dict is shared by every example)
+    cfg = _verl_config(kl_loss_type=kl_type, kl_loss_coef=over.pop("kl_loss_coef", 0.001), **over)
+    peer = exact(data)
+    lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
+    got, metrics = kv.compute_policy_loss_with_kl(data.old, lp_got, data.ref, data.adv, data.mask, mode, cfg,
+                                                  data.weights)
+    pg, want_metrics = ca.compute_policy_loss_vanilla(peer.old, lp_want, peer.adv, data.mask, mode, cfg, peer.weights)
+    kl_loss = ca.agg_loss(ca.kl_penalty(lp_want, peer.ref, kl_type), data.mask, mode)
+    want = pg + kl_loss * cfg.kl_loss_coef
+    md = torch.float32 if data.dtype == torch.float32 else data.dtype
+    close(got.detach(), want.detach().float(), md, "loss", scale=want.abs().item() + 1)
+    g_got, = torch.autograd.grad(got, lp_got)
+    g_want, = torch.autograd.grad(want, lp_want)
+    close(g_got, g_want, data.dtype, "d loss / d log_prob", scale=g_want.abs().max().item() + 1e-3)
+    assert metrics["actor/kl_coef"] == cfg.kl_loss_coef
+    tol = dict(rel=1e-4, abs=1e-5) if data.dtype == torch.float32 else dict(rel=0.05, abs=0.05)
+    assert metrics["actor/kl_loss"] == pytest.approx(float(kl_loss), **tol)
+    assert metrics["actor/ppo_kl"] == pytest.approx(want_metrics["actor/ppo_kl"], **tol)

@@ -53,6 +53,9 @@ BAD = [
     ("weights list", dict(weights=[torch.ones(5)] * 3), TypeError, "weights must be a regular tensor"),
     ("weight_kl int", dict(weight_kl=1, weights=torch.ones(3, 5)), TypeError, "weight_kl must be a bool"),
     ("weight_kl alone", dict(weight_kl=True), ValueError, "pass weights too"),
+    ("clamp_input triple", dict(clamp_input=(1, 2, 3)), ValueError, "clamp_input must be None or a pair"),
+    ("clamp_output lo > hi", dict(clamp_output=(1.0, -1.0)), ValueError, "clamp_output must satisfy lo <= hi"),
+    ("clamp_input nan", dict(clamp_input=(float("nan"), 1.0)), ValueError, "clamp_input bounds must be real"),
 ]
 
 

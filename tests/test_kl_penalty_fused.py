@@ -40,7 +40,7 @@ def _op_args(kind="padded", token_out=False):
         layout = 0
     weights = torch.rand(lp.shape, generator=torch.Generator().manual_seed(5)).to(adv.dtype)
     return (lp.requires_grad_(), old, ref, adv, ent.requires_grad_(), *geo, torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]),
-            0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out, weights, 3.0, True)
+            0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out, weights, 3.0, True, [-20.0, 20.0, -10.0, 10.0])
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])

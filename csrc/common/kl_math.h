@@ -1,4 +1,5 @@
-// Per-token math of kl_reward, shared verbatim by the CPU (_C) and CUDA (_cuda) kernels.
+// Per-token KL math of both ops (kl_reward; kl_penalty_loss through kl_penalty_math.h), shared verbatim by the
+// CPU (_C) and CUDA (_cuda) kernels.
 //
 // Everything here is a pure function of one token: the estimators and their derivatives, the
 // clamps, the straight-through rule, and the fp16/bf16 <-> fp32 conversions (round to nearest
@@ -7,7 +8,7 @@
 //   x   = clamp(d, clamp_input)            d = log_prob - ref_log_prob (fp32)
 //   e   = clamp(est(x), clamp_output)      k1: x  abs: |x|  k2: x^2/2  k3: expm1(-x) + x
 //   de/dd = [lo_out <= est(x) <= hi_out] * est'(x) * [lo_in <= d <= hi_in]
-//   straight-through variants (k1+, abs+, k3+): value e, derivative d (k2's, unclamped)
+//   straight-through variants (k1+, abs+, k2+, k3+): value e, derivative d (k2's, unclamped)
 #pragma once
 
 #include <cmath>
@@ -264,39 +265,46 @@ KL_HD float est_derivative(float x) {
   else return -expm1_vec(-x);  // d/dx (expm1(-x) + x) = 1 - exp(-x)
 }
 
-KL_HD float estimate_raw(float x, int32_t estimator) {
-  switch (estimator) {
-    case kK1: return est_value<kK1>(x);
-    case kAbs: return est_value<kAbs>(x);
-    case kK2: return est_value<kK2>(x);
-    default: return est_value<kK3>(x);
-  }
-}
-
-KL_HD float estimate_grad_raw(float x, int32_t estimator) {
-  switch (estimator) {
-    case kK1: return est_derivative<kK1>(x);
-    case kAbs: return est_derivative<kAbs>(x);
-    case kK2: return est_derivative<kK2>(x);
-    default: return est_derivative<kK3>(x);
-  }
-}
-
-// Value of the estimate for log-ratio d (both clamps applied).
-KL_HD float kl_value(float d, const EstimatorParams& p) {
+// Value of the estimate EST for log-ratio d (both clamps applied; unset bounds are exact no-ops).
+template <int32_t EST>
+KL_HD float kl_value_of(float d, const EstimatorParams& p) {
   const float x = clamp_lo_hi(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
-  return clamp_lo_hi(estimate_raw(x, p.estimator), p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi);
+  return clamp_lo_hi(est_value<EST>(x), p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi);
 }
 
-// d(kl)/d(d) for log-ratio d, as autograd computes it through the reference.
+// d(kl)/d(d) for log-ratio d, as autograd computes it through the reference (ST: straight-through,
+// the derivative of k2 at the unclamped d).
+template <int32_t EST, bool ST>
+KL_HD float kl_grad_of(float d, const EstimatorParams& p) {
+  if constexpr (ST) {
+    return d;
+  } else {
+    const float x = clamp_lo_hi(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
+    // As autograd through the reference: the output clamp's mask multiplies est' (0 * NaN is NaN),
+    // the input clamp's selects (its backward is a where(): an exact 0 outside, NaN d included).
+    const float g = inside(est_value<EST>(x), p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi) * est_derivative<EST>(x);
+    return inside(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi) != 0.0f ? g : 0.0f;
+  }
+}
+
+// The same with the estimator (and straight-through flag) read at run time (kl_reward's kernels).
+KL_HD float kl_value(float d, const EstimatorParams& p) {
+  switch (p.estimator) {
+    case kK1: return kl_value_of<kK1>(d, p);
+    case kAbs: return kl_value_of<kAbs>(d, p);
+    case kK2: return kl_value_of<kK2>(d, p);
+    default: return kl_value_of<kK3>(d, p);
+  }
+}
+
 KL_HD float kl_grad(float d, const EstimatorParams& p) {
   if (p.straight_through) return d;
-  const float x = clamp_lo_hi(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi);
-  const float raw = estimate_raw(x, p.estimator);
-  // As autograd through the reference: the output clamp's mask multiplies est' (0 * NaN is NaN),
-  // the input clamp's selects (its backward is a where(): an exact 0 outside, NaN d included).
-  const float g = inside(raw, p.out_lo_set, p.out_lo, p.out_hi_set, p.out_hi) * estimate_grad_raw(x, p.estimator);
-  return inside(d, p.in_lo_set, p.in_lo, p.in_hi_set, p.in_hi) != 0.0f ? g : 0.0f;
+  switch (p.estimator) {
+    case kK1: return kl_grad_of<kK1, false>(d, p);
+    case kAbs: return kl_grad_of<kAbs, false>(d, p);
+    case kK2: return kl_grad_of<kK2, false>(d, p);
+    default: return kl_grad_of<kK3, false>(d, p);
+  }
 }
 
 }  // namespace kl

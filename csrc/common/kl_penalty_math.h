@@ -8,11 +8,12 @@
 //   dual  = A < 0 && -A * clip_c < pg           (dual clip; clip_c = +inf: never)
 //   obj   = w_obj * (dual ? -A * clip_c : pg)
 //   d     = sign * (lp - other)                 other = ref (sign +1) or old (sign -1)
-//   kl    = w_kl * est(d)
+//   kl    = w_kl * clamp(est(clamp(d, clamp_input)), clamp_output)    (kl_math.h's kl_value; bounds optional)
 //   loss  = obj + beta * kl - entropy_coef * entropy
 //   dloss/dlp = w_obj * (dual ? 0 : -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi]))
 //               (the first term is exactly 0 where lp - old is outside, NaN included)
-//               + beta * sign * w_kl * est'(d)   (straight-through estimators: est'(d) = d)
+//               + beta * sign * w_kl * est'(d)   (est' through both clamps as kl_math.h's kl_grad;
+//                                                 straight-through estimators: est'(d) = d, unclamped)
 // w_obj, w_kl: the token's weights (1 without weights; x * 1 is exact, so unweighted calls keep their bits).
 //
 // Branch-free selects only, so that the CPU loops calling it vectorize.
@@ -34,7 +35,7 @@ struct PPOToken {
 // parameter, not a runtime flag: a loop-invariant bool select keeps GCC from vectorizing the loop.
 template <int32_t EST, bool ST>
 KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv, float beta, float clip_lo,
-                         float clip_hi, float clip_c, float w_obj, float w_kl) {
+                         float clip_hi, float clip_c, float w_obj, float w_kl, const EstimatorParams& p) {
   const float lr_raw = lp - old;
   const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
   // The clamp's gradient mask (a NaN is outside); autograd passes an exact 0 outside, so a select,
@@ -46,15 +47,14 @@ KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv
   const bool take = gain <= gain_c;  // NaN: false, as torch.where in the reference
   const float w = take ? 1.0f : inside(ratio, 1, clip_lo, 1, clip_hi);
   const float d = sign * (lp - other);
-  float dk;
-  if constexpr (ST) dk = d;
-  else dk = est_derivative<EST>(d);
+  // The KL with its optional clamps (kl_math.h; without bounds set they are exact no-ops).
+  const float dk = kl_grad_of<EST, ST>(d, p);
   const float pg = -(take ? gain : gain_c);
   const float cap = -adv * clip_c;
   const bool dual = adv < 0.0f && cap < pg;  // NaN pg: false (NaN stays)
   PPOToken t;
   t.obj = w_obj * (dual ? cap : pg);
-  t.kl = w_kl * est_value<EST>(d);
+  t.kl = w_kl * kl_value_of<EST>(d, p);
   t.ratio = ratio;
   t.clipped = take ? 0.0f : 1.0f;
   const float g_obj = dual ? 0.0f : -adv * ratio * w;

@@ -79,6 +79,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const float beta = beta_of(a, r.seq);
   const float sign = a.ref ? 1.0f : -1.0f;
   const bool st = g.est.straight_through != 0;
+  const EstimatorParams est = g.est;  // the KL's clamps (a local copy: loop-invariant for the vectorizer)
   const float clip_lo = a.clip_lo, clip_hi = a.clip_hi, clip_c = a.clip_c, ec = a.entropy_coef;
   const bool clipping = clip_lo > -INFINITY || clip_hi < INFINITY;
   const float adv_seq = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), r.seq * a.adv_s0) : 0.0f;
@@ -141,7 +142,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         auto keep = [mb](float v) { return bits_f32(f32_bits(v) & mb); };
         const float l = keep(p_lp[i]), od = keep(p_old[i]), rf = keep(p_ref[i]), ad = keep(p_adv[i]);
         const float e = keep(p_ent[i]), wo = keep(p_wt[i]), wk = keep(p_wk[i]);
-        const PPOToken t = ppo_token<EST, ST>(l, od, rf, sign, ad, beta, clip_lo, clip_hi, clip_c, wo, wk);
+        const PPOToken t = ppo_token<EST, ST>(l, od, rf, sign, ad, beta, clip_lo, clip_hi, clip_c, wo, wk, est);
         o[1][i] = t.obj * mf;
         o[2][i] = t.kl * mf;
         o[3][i] = e;

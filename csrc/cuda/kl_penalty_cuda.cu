@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       const float wo = !a.wt ? 1.0f : read<AT>(a.wt, a.wt_s0, a.wt_s1, e);
       const float wk = a.weight_kl ? wo : 1.0f;
       const PPOToken t = ppo_token<EST, ST>(lpv[j], oldv[j], other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
-                                            wo, wk);
+                                            wo, wk, g.est);
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
     }
@@ -347,7 +347,8 @@ int forward_estimator(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream)
   switch (a.g.est.estimator) {
     case kK1: return st ? forward_typed<DT, AT, kK1, true>(a, ws, stream) : forward_typed<DT, AT, kK1, false>(a, ws, stream);
     case kAbs: return st ? forward_typed<DT, AT, kAbs, true>(a, ws, stream) : forward_typed<DT, AT, kAbs, false>(a, ws, stream);
-    case kK2: return forward_typed<DT, AT, kK2, false>(a, ws, stream);
+    // k2+ differs from k2 only under the KL's clamps (its gradient is the unclamped d), but it does there
+    case kK2: return st ? forward_typed<DT, AT, kK2, true>(a, ws, stream) : forward_typed<DT, AT, kK2, false>(a, ws, stream);
     case kK3: return st ? forward_typed<DT, AT, kK3, true>(a, ws, stream) : forward_typed<DT, AT, kK3, false>(a, ws, stream);
     default: return 1;
   }

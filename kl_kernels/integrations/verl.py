@@ -145,6 +145,27 @@ def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tens
     ``clip_ratio_low``/``high``), dual clip (``clip_ratio_c``, default 3.0), ``rollout_is_weights``
     on the objective, aggregated as ``agg_loss`` with ``config.global_batch_info``. Returns
     ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (floats)."""
+    loss, _, metrics = _policy_loss(old_log_prob, log_prob, None, advantages, response_mask, loss_agg_mode, config,
+                                    rollout_is_weights)
+    return loss, metrics
+
+
+def compute_policy_loss_with_kl(old_log_prob: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                                advantages: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+                                config=None, rollout_is_weights: torch.Tensor | None = None):
+    """verl's actor loss with ``use_kl_loss`` in one fused pass: ``pg_loss + kl_loss * kl_loss_coef``
+    where ``pg_loss`` is :func:`compute_policy_loss_vanilla`'s and ``kl_loss = agg_loss(kl_penalty(
+    log_prob, ref_log_prob, config.kl_loss_type), response_mask, loss_agg_mode, **global_batch_info)``
+    (verl's ``ppo_loss``; defaults ``kl_loss_coef=0.001``, ``kl_loss_type="low_var_kl"``). Returns
+    ``(loss, metrics)`` with verl's policy metrics plus ``"actor/pg_loss"``, ``"actor/kl_loss"`` and
+    ``"actor/kl_coef"`` (floats; the KL term is not weighted by ``rollout_is_weights``, as in verl)."""
+    return _policy_loss(old_log_prob, log_prob, ref_log_prob, advantages, response_mask, loss_agg_mode, config,
+                        rollout_is_weights)[::2]
+
+
+def _policy_loss(old_log_prob, log_prob, ref_log_prob, advantages, response_mask, loss_agg_mode, config,
+                 rollout_is_weights):
+    """(loss, fused output, metrics) of verl's vanilla policy loss, plus its KL loss with a reference."""
     if config is None:
         raise ValueError("compute_policy_loss_vanilla needs the actor config (clip_ratio, clip_ratio_c, ...)")
     clip_ratio = _get(config, "clip_ratio")
@@ -162,17 +183,27 @@ def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tens
     agg, factor = _scale_of(response_mask, loss_agg_mode, **{k: info.get(k, d) for k, d in (
         ("dp_size", 1), ("batch_num_tokens", None), ("global_batch_size", None), ("loss_scale_factor", None))})
     mask = response_mask.bool()
-    out = kl_penalty_loss(log_prob, old_log_prob, advantages, beta=0.0, estimator="k1", mask=mask,
-                          clip_epsilon=(float(low), float(high)), dual_clip=float(clip_c), weights=rollout_is_weights,
-                          aggregation=agg)
+    kl = dict(beta=0.0, estimator="k1")  # no KL term: k1 to the old policy gives ppo_kl as kl_mean
+    if ref_log_prob is not None:
+        coef = _get(config, "kl_loss_coef", 0.001)
+        est, clamp_in, clamp_out = kl_mode(_get(config, "kl_loss_type", "low_var_kl"))
+        kl = dict(ref_log_probs=ref_log_prob, beta=float(coef), estimator=est, clamp_input=clamp_in,
+                  clamp_output=clamp_out)
+    out = kl_penalty_loss(log_prob, old_log_prob, advantages, mask=mask, clip_epsilon=(float(low), float(high)),
+                          dual_clip=float(clip_c), weights=rollout_is_weights, aggregation=agg, **kl)
     with torch.no_grad():  # the one metric the fused pass does not count: the dual clip's share
         ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
         adv = advantages
         c1 = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
         lower = ((c1 > -adv * clip_c) & (adv < 0) & mask).sum() / mask.sum().clamp_min(1)
-    metrics = {"actor/pg_clipfrac": out.clip_fraction.item(), "actor/ppo_kl": out.kl_mean.item(),
+        ppo_kl = out.kl_mean if ref_log_prob is None else (-torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0)
+                                                            ).where(mask, 0).sum() / mask.sum().clamp_min(1)
+    metrics = {"actor/pg_clipfrac": out.clip_fraction.item(), "actor/ppo_kl": ppo_kl.item(),
                "actor/pg_clipfrac_lower": lower.item()}
-    return out.loss * factor, metrics
+    if ref_log_prob is not None:
+        metrics.update({"actor/pg_loss": float(out.loss_objective * factor), "actor/kl_loss": float(
+            out.loss_kl * factor / kl["beta"]) if kl["beta"] else 0.0, "actor/kl_coef": kl["beta"]})
+    return out.loss * factor, out, metrics
 
 
 class AdaptiveKLController(ProportionalValue):
@@ -241,4 +272,5 @@ def register(name: str = "kl_kernels", *, override_vanilla: bool = False) -> lis
 
 
 __all__ = ["KL_MODES", "AGG_MODES", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
+           "compute_policy_loss_with_kl",
            "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register"]

@@ -14,7 +14,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                     offsets=None, lengths=None, padding_side="left", clip_epsilon=None, entropy=None,
                     entropy_coef=0.0, aggregation="token-mean", num_global_tokens=None, process_group=None,
                     norm_length=None, backend="auto", out=None, dual_clip=None, weights=None,
-                    weight_kl=False) -> KLPenaltyLossOutput:
+                    weight_kl=False, clamp_input=None, clamp_output=None) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
@@ -25,7 +25,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         obj_t   = w_t * pg_t, or w_t * min(pg_t, -A_t * c) where A_t < 0   (dual_clip = c)
         kl_t    = est(old_t - lp_t)   KL(old || new), as TorchRL's KLPENPPOLoss
                 = est(lp_t - ref_t)   KL(new || ref) when ref_log_probs is given (GRPO-style)
-                (times w_t with weight_kl=True)
+                (times w_t with weight_kl=True; est with kl_reward's clamp_input / clamp_output)
         loss_t  = obj_t + beta_b * kl_t - entropy_coef * entropy_t
 
     ``w_t`` is the token's weight (``weights``; 1 without).
@@ -62,6 +62,12 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             they multiply the policy term ``obj_t`` (and its gradient).
         weight_kl: also multiply the KL term by the weights (default ``False``); ``kl_mean`` is
             then the mean of the weighted KL.
+        clamp_input, clamp_output: the KL term's clamps, exactly as :func:`kl_kernels.kl_reward`'s
+            (``(lo, hi)``, either may be ``None``): ``est(clamp(d, clamp_input))`` clamped to
+            ``clamp_output``. verl's ``low_var_kl`` is ``k3`` with ``(-20, 20)`` and ``(-10, 10)``.
+            The guard against overflow: the ratio's log is always clamped to +-20, so with
+            ``clamp_input`` bounded (e.g. ``(-20, 20)``) every finite input gives a finite loss and
+            gradient; without it, k3 of a diverged token (``d < -88``) is inf.
         aggregation: ``"token-mean"`` (default), ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``,
             ``"seq-mean-token-sum-norm"``, ``"sum"`` or ``"none"`` (per-token loss, caller's layout,
             0 at non-counted tokens). Weights: :mod:`kl_kernels.kl_penalty.aggregate`.
@@ -125,7 +131,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
-        weights=weights, weight_kl=weight_kl)
+        weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output)
     num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too

@@ -20,11 +20,13 @@ NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
 
 
-def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, straight_through, lp_dtype):
-    """KLPenaltyArgs with the geometry of ``like`` (a per-token tensor of the problem's shape)."""
+def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, straight_through, lp_dtype,
+          clamp=NO_CLAMP):
+    """KLPenaltyArgs with the geometry of ``like`` (a per-token tensor of the problem's shape) and the
+    KL's clamps (``clamp``: [in_lo, in_hi, out_lo, out_hi], missing bounds infinite)."""
     g, keep = geometry_args(module, log_probs=like, mask=mask, offsets=offsets, lengths=lengths, prompt_lens=None,
                             layout=layout, left_pad=left_pad, estimator=estimator, straight_through=straight_through,
-                            clamp=NO_CLAMP)
+                            clamp=clamp)
     g.dtype = DTYPE_CODES[lp_dtype]
     a = module.KLPenaltyArgs()
     a.g = g
@@ -33,7 +35,7 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 
 def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
-                     entropy_coef, token_out, weights=None, clip_c=math.inf, weight_kl=False, ext=None):
+                     entropy_coef, token_out, weights=None, clip_c=math.inf, weight_kl=False, clamp=None, ext=None):
     """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
     given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights)
     inputs = resolved(*given)
@@ -41,7 +43,7 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     dev = log_probs.device
     module = kernel_module(dev, "kl_penalty_forward", "kl_penalty_loss", ext)
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
-                    log_probs.dtype)
+                    log_probs.dtype, NO_CLAMP if clamp is None else clamp)
     keep.extend(r for r, t in zip(inputs, given) if r is not t)  # copies made by resolved: the struct points there
     for name, t in (("old", old_log_probs), ("ref", ref_log_probs), ("ent", entropy), ("wt", weights)):
         if t is not None:
@@ -61,16 +63,17 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            weights=None, clip_c=math.inf, weight_kl=False, ext=None, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, clamp=None, ext=None, grad_out=None):
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
     ``_C`` or ``_cuda`` by device). ``grad_out``: the caller's float32 buffer for ``grad`` (checked by
     ``problem.py``), written in place and returned. ``weights`` (per token, the aux dtype, or None),
-    ``clip_c`` (dual clip, inf: none) and ``weight_kl``: see ``kl_penalty_loss``."""
+    ``clip_c`` (dual clip, inf: none), ``weight_kl`` and ``clamp`` (the KL's [in_lo, in_hi, out_lo,
+    out_hi], infinite: none): see ``kl_penalty_loss``."""
     module, a, keep = _prepare_forward(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
         adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, weights,
-        clip_c, weight_kl, ext)
+        clip_c, weight_kl, clamp, ext)
     dev, batch, shape = log_probs.device, a.g.batch, log_probs.shape
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import array
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .._compat import torch as torch_compat
-from ..launching import ESTIMATOR_CODES, LAYOUT_CODES
+from ..launching import ESTIMATOR_CODES, LAYOUT_CODES, clamp_bounds
 from . import launch, launch_triton
 from .aggregate import KLPenaltyLossOutput, uniform_parts
 from .problem import KLPenaltyProblem
@@ -32,7 +32,7 @@ _DEVICES = ("cpu", "cuda")
 
 def _setup_context(ctx, inputs, output):
     (log_probs, _old, _ref, advantages, entropy, mask, offsets, lengths, _beta, _bs, _aps, layout, left_pad, _est,
-     _st, _clo, _chi, entropy_coef, token_out, _weights, _clip_c, _weight_kl) = inputs
+     _st, _clo, _chi, entropy_coef, token_out, _weights, _clip_c, _weight_kl, _clamp) = inputs
     ctx.save_for_backward(output[4], mask, offsets, lengths)  # the gradient buffer: the only float tensor kept
     ctx.params = (layout, left_pad, log_probs.dtype)
     ctx.entropy = (entropy is not None and entropy.requires_grad, advantages.dtype, entropy_coef)
@@ -45,14 +45,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _input_grads(ctx, g_seq_loss, g_token_out, bwd):
-    """Gradients of the forward's 22 inputs, from the outputs' gradients through ``bwd`` (the op, or
+    """Gradients of the forward's 23 inputs, from the outputs' gradients through ``bwd`` (the op, or
     the launcher in eager mode)."""
     grad, mask, offsets, lengths = ctx.saved_tensors
     g_tok = g_token_out[0] if (ctx.token_out and g_token_out is not None) else None
     entropy_grad, aux_dtype, entropy_coef = ctx.entropy
     g_lp, g_ent = bwd(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad, aux_dtype,
                       entropy_coef)
-    return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 17
+    return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 18
 
 
 def _define(name: str, launcher):
@@ -64,17 +64,17 @@ def _define(name: str, launcher):
             entropy: Optional[Tensor], mask: Optional[Tensor], offsets: Optional[Tensor], lengths: Optional[Tensor],
             beta: Optional[Tensor], beta_scalar: float, adv_per_seq: bool, layout: int, left_pad: bool,
             estimator: int, straight_through: bool, clip_lo: float, clip_hi: float, entropy_coef: float,
-            token_out: bool, weights: Optional[Tensor], clip_c: float,
-            weight_kl: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            token_out: bool, weights: Optional[Tensor], clip_c: float, weight_kl: bool,
+            clamp: Sequence[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Fused forward: (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or [0], grad [*shape])."""
         return launcher.forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths,
                                 beta, beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo,
-                                clip_hi, entropy_coef, token_out, weights, clip_c, weight_kl)
+                                clip_hi, entropy_coef, token_out, weights, clip_c, weight_kl, clamp)
 
     @fwd.register_fake
     def _(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
           adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-          weights, clip_c, weight_kl):
+          weights, clip_c, weight_kl, clamp):
         batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
         shape = log_probs.shape
         f32 = dict(dtype=torch.float32)
@@ -136,7 +136,7 @@ def _claim(grad_out) -> None:
 
 
 def _fused_args(p: KLPenaltyProblem) -> tuple:
-    """The 22 arguments of ``kl_kernels::kl_penalty_fwd`` (and of the launchers' forward) for ``p``."""
+    """The 23 arguments of ``kl_kernels::kl_penalty_fwd`` (and of the launchers' forward) for ``p``."""
     lp = p.log_probs
     # Advantages, entropy and weights are read in the log-probs' dtype or in float32 (the kernels' aux dtype).
     aux = lp.dtype if all(t is None or t.dtype == lp.dtype for t in (p.advantages, p.entropy, p.weights)) \
@@ -150,7 +150,8 @@ def _fused_args(p: KLPenaltyProblem) -> tuple:
             0.0 if beta_t is not None else float(p.beta), p.adv_per_seq, LAYOUT_CODES[p.layout],
             p.padding_side == "left", ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"),
             clip_lo, clip_hi, p.entropy_coef, p.aggregation == "none", wts,
-            p.dual_clip if p.dual_clip is not None else math.inf, p.weight_kl)
+            p.dual_clip if p.dual_clip is not None else math.inf, p.weight_kl,
+            [*clamp_bounds(p.clamp_input), *clamp_bounds(p.clamp_output)])
 
 
 def run_fused(p: KLPenaltyProblem, triton: bool = False, emulated: bool = False) -> RawLoss:
@@ -213,7 +214,7 @@ class _EagerTotal(torch.autograd.Function):
             else:
                 g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, scale, lp_dtype, entropy_grad,
                                                         aux_dtype)
-        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 17
+        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 18
 
 
 def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:

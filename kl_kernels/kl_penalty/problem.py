@@ -61,6 +61,8 @@ class KLPenaltyProblem(NativeLayout):
     weights: torch.Tensor | None = None  # per-token weights (data), this layout
     weight_kl: bool = False              # the weights multiply the KL term too
     dual_clip: float | None = None       # c > 1: for A < 0 the objective is at most -A * c
+    clamp_input: tuple | None = None     # the KL's clamps, as kl_reward's (lo, hi; either None)
+    clamp_output: tuple | None = None
     grad_out: torch.Tensor | None = None  # the caller's float32 gradient buffer (api.py's out=), this layout
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
@@ -223,7 +225,7 @@ def _check_out(out, lp, inputs) -> torch.Tensor:
 
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
                   padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
-                  dual_clip=None, weights=None, weight_kl=False):
+                  dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None):
     """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
 
     ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
@@ -239,6 +241,8 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     entropy_coef = _real("entropy_coef", entropy_coef)
     if dual_clip is not None:
         dual_clip = _real("dual_clip", dual_clip, lo=1.0, lo_open=True)
+    clamp_input = _checks.clamp_bounds("clamp_input", clamp_input)
+    clamp_output = _checks.clamp_bounds("clamp_output", clamp_output)
     if not isinstance(weight_kl, bool):
         raise TypeError(f"weight_kl must be a bool, got {type(weight_kl).__name__}")
     if weight_kl and weights is None:
@@ -305,5 +309,6 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         offsets=offsets if layout == "packed" else None, lengths=lengths, padding_side=padding_side,
         beta=beta, estimator=estimator, clip=clip, aggregation=aggregation,
         norm_length=norm_length, device_free=device_free, grad_out=out,
-        weights=None if wts is None else wts.detach(), weight_kl=weight_kl, dual_clip=dual_clip)
+        weights=None if wts is None else wts.detach(), weight_kl=weight_kl, dual_clip=dual_clip,
+        clamp_input=clamp_input, clamp_output=clamp_output)
     return problem, kind, offsets

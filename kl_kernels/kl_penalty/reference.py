@@ -12,7 +12,8 @@ Per token ``t`` of sequence ``b`` with ``m_t`` the final mask (valid and in ``ma
     obj_t    = w_t * (-A_t * c if A_t < 0 and -A_t * c < pg_t else pg_t)   (dual clip c; none: pg_t)
     d_t      = lp_t - ref_t  (ref_log_probs given: KL(new || ref))
              = old_t - lp_t  (otherwise: TorchRL's KL(old || new), sampled from the old policy)
-    kl_t     = v_t * est(d_t)  k1 d, abs |d|, k2 d^2/2, k3 expm1(-d) + d; "+": k2's gradient
+    kl_t     = v_t * clamp(est(clamp(d_t, clamp_input)), clamp_output)   k1 d, abs |d|, k2 d^2/2,
+               k3 expm1(-d) + d (bounds optional); "+": k2's gradient at the unclamped d
     w_t      = the token's weight (1 without ``weights``); v_t = w_t with ``weight_kl``, else 1
     loss_t   = m_t * (obj_t + beta_b * kl_t - entropy_coef * entropy_t)
 
@@ -98,9 +99,12 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
 
     other = tok(p.ref_log_probs) if p.ref_log_probs is not None else old
     d = torch.where(m, lp, 0.0) - other if p.ref_log_probs is not None else other - torch.where(m, lp, 0.0)
-    kl = estimate(d, p.estimator)
+    x = torch.clamp(d, *p.clamp_input) if p.clamp_input is not None else d
+    kl = estimate(x, p.estimator)
+    if p.clamp_output is not None:
+        kl = torch.clamp(kl, *p.clamp_output)
     if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
-        kl = straight_through(kl, d)  # value: the estimator; gradient: d (k2's)
+        kl = straight_through(kl, d)  # value: the (clamped) estimator; gradient: d (k2's, unclamped)
     if p.weight_kl:
         kl = wts * kl
 

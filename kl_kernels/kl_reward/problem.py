@@ -157,37 +157,7 @@ def _check_options(estimator, reward_placement, padding_side, clamp_input, clamp
     for name, flag in (("return_ref", return_ref), ("detach", detach)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    return _check_clamp("clamp_input", clamp_input), _check_clamp("clamp_output", clamp_output)
-
-
-def _check_clamp(name, bounds):
-    if bounds is None:
-        return None
-    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
-        raise ValueError(f"{name} must be None or a pair (lo, hi) of floats (either may be None), got {bounds!r}")
-    out = []
-    for b in bounds:
-        if b is None:
-            out.append(None)
-            continue
-        if isinstance(b, bool) or not isinstance(b, numbers.Real) or math.isnan(float(b)):
-            raise ValueError(f"{name} bounds must be real numbers or None, got {bounds!r}")
-        out.append(float(b))
-    lo, hi = out
-    if lo is None and hi is None:
-        return None
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"{name} must satisfy lo <= hi, got {bounds!r}")
-    # A bound beyond float32's range is +-inf to the float32 kernels, which read an infinite bound as
-    # no bound: saturate it for every backend (torch.clamp refuses such a bound on a float32 tensor),
-    # and refuse the two that would pin every value to an infinity (a lower bound of +inf, an upper
-    # bound of -inf), where "no bound" and "clamp" disagree.
-    lo, hi = (None if v is None else v if abs(v) <= _checks.FLOAT32_MAX else math.copysign(math.inf, v)
-              for v in (lo, hi))
-    if lo == math.inf or hi == -math.inf:
-        raise ValueError(f"{name} must have a lower bound < +inf and an upper bound > -inf (after rounding to "
-                         f"float32's range, |bound| <= {_checks.FLOAT32_MAX:.4g}), got {bounds!r}")
-    return lo, hi
+    return _checks.clamp_bounds("clamp_input", clamp_input), _checks.clamp_bounds("clamp_output", clamp_output)
 
 
 # --------------------------------------------------------------------------- tensor checks

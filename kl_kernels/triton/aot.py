@@ -141,7 +141,8 @@ def _child(arch: int, out_dir: str) -> list[dict]:
             # the heaviest variant too: per-token weights on both terms and dual clip (kl_penalty_loss options)
             case["name"] = f"{str(dtype)[6:]}-{layout}-weights"
             P.forward(mk(), mk(), mk(), mk(torch.float32), mk(torch.float32), mask, offsets, lengths, coef, 0.05, False,
-                      lay, True, 3, False, 0.8, 1.2, 0.01, False, mk(torch.float32), 3.0, True)
+                      lay, True, 3, False, 0.8, 1.2, 0.01, False, mk(torch.float32), 3.0, True,
+                      [-20.0, 20.0, -10.0, 10.0])
             case["name"] = f"{str(dtype)[6:]}-{layout}"
             P.backward(grad, torch.randn(B), None, mask, offsets, lengths, lay, True, dtype, True, torch.float32,
                        0.01)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .. import codes
 
-from .kl_math import clamp, estimate_grad_raw, estimate_raw, exp_bounded, inside, segment_sum
+from .kl_math import clamp, exp_bounded, inside, kl_grad, kl_value, segment_sum
 from .tiles import coef_of, combine_rows, frame
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
@@ -69,7 +69,8 @@ def kl_penalty_fwd_kernel(
         lp_ptr, old_ptr, ref_ptr, adv_ptr, ent_ptr, wt_ptr, mask_ptr, beta_ptr, offsets_ptr, lengths_ptr,
         seq_loss_ptr, stats_ptr, count_ptr, tok_ptr, grad_ptr, slot_sum_ptr, slot_count_ptr,
         total, batch, width, lp_s0, lp_s1, old_s0, old_s1, ref_s0, ref_s1, adv_s0, adv_s1, ent_s0, ent_s1,
-        wt_s0, wt_s1, mask_s0, mask_s1, beta_scalar, clip_lo, clip_hi, clip_c, entropy_coef, size_bucket,
+        wt_s0, wt_s1, mask_s0, mask_s1, beta_scalar, clip_lo, clip_hi, clip_c, kl_in_lo, kl_in_hi, kl_out_lo,
+        kl_out_hi, entropy_coef, size_bucket,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr,
         HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, HAS_WT: tl.constexpr, WEIGHT_KL: tl.constexpr,
         ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr,
@@ -113,11 +114,9 @@ def kl_penalty_fwd_kernel(
     gain_c = clamp(ratio, clip_lo, clip_hi) * adv
     take = gain <= gain_c  # NaN: false, as torch.where in the reference
     w = tl.where(take, 1.0, inside(ratio, clip_lo, clip_hi))
-    kl = estimate_raw(d, EST)
-    if STRAIGHT_THROUGH:
-        dk = d
-    else:
-        dk = estimate_grad_raw(d, EST)
+    # the KL with its optional clamps (+-inf: none), as kl_reward's kernels (kl::kl_value_of / kl_grad_of)
+    kl = kl_value(d, kl_in_lo, kl_in_hi, kl_out_lo, kl_out_hi, EST)
+    dk = kl_grad(d, kl_in_lo, kl_in_hi, kl_out_lo, kl_out_hi, EST, STRAIGHT_THROUGH)
     pg = -tl.where(take, gain, gain_c)
     # dual clip (kl::ppo_token): for A < 0 the objective is capped at -A * clip_c (inf: never)
     cap = -adv * clip_c
