@@ -31,9 +31,11 @@ struct PPOToken {
 
 // est_value / est_derivative: the estimators of common/kl_math.h (written once for both ops).
 
-// One counted token. ST (straight-through): value of EST, derivative of k2 (d). A template
-// parameter, not a runtime flag: a loop-invariant bool select keeps GCC from vectorizing the loop.
-template <int32_t EST, bool ST>
+// One counted token. ST (straight-through): value of EST, derivative of k2 (d). CL: the KL's clamps
+// (p, read at run time) apply; without, the estimator is used bare. Template parameters, not runtime
+// flags: a loop-invariant select keeps GCC from vectorizing the CPU loops (the clamps read from p made
+// the CPU loss 6-7x slower even with no bound set, so the unclamped loop is compiled with CL = false).
+template <int32_t EST, bool ST, bool CL = true>
 KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv, float beta, float clip_lo,
                          float clip_hi, float clip_c, float w_obj, float w_kl, const EstimatorParams& p) {
   const float lr_raw = lp - old;
@@ -47,14 +49,20 @@ KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv
   const bool take = gain <= gain_c;  // NaN: false, as torch.where in the reference
   const float w = take ? 1.0f : inside(ratio, 1, clip_lo, 1, clip_hi);
   const float d = sign * (lp - other);
-  // The KL with its optional clamps (kl_math.h; without bounds set they are exact no-ops).
-  const float dk = kl_grad_of<EST, ST>(d, p);
+  float dk, kl;
+  if constexpr (CL) {  // the KL with its clamps (kl_math.h)
+    dk = kl_grad_of<EST, ST>(d, p);
+    kl = kl_value_of<EST>(d, p);
+  } else {
+    dk = ST ? d : est_derivative<EST>(d);
+    kl = est_value<EST>(d);
+  }
   const float pg = -(take ? gain : gain_c);
   const float cap = -adv * clip_c;
   const bool dual = adv < 0.0f && cap < pg;  // NaN pg: false (NaN stays)
   PPOToken t;
   t.obj = w_obj * (dual ? cap : pg);
-  t.kl = w_kl * kl_value_of<EST>(d, p);
+  t.kl = w_kl * kl;
   t.ratio = ratio;
   t.clipped = take ? 0.0f : 1.0f;
   const float g_obj = dual ? 0.0f : -adv * ratio * w;
