@@ -123,7 +123,8 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
         geo = dict(offsets=data.offsets, lengths=None) if layout == "packed" else dict(offsets=None,
                                                                                      lengths=data.lengths)
         problem = build_problem(t["lp"], t["old"], t["adv"], ref_log_probs=t["ref"], beta=BETA, estimator="k3",
-                                mask=t["mask"], padding_side="left", clip_epsilon=CLIP, dual_clip=DUAL_CLIP, entropy=None,
+                                mask=t["mask"], padding_side="left", clip_epsilon=CLIP, dual_clip=DUAL_CLIP,
+                                entropy=None,
                                 entropy_coef=0.0, aggregation="token-mean", norm_length=None, **geo)[0]
         for backend in REGISTRY:
             if not backend.auto_rejection_reasons(problem):

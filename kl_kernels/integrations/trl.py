@@ -60,7 +60,8 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
         the loss (0-d), or ``(loss, output)`` with ``return_output``.
     """
     if loss_type not in LOSS_TYPES:
-        raise NotImplementedError(f"loss_type={loss_type!r} is not fused in kl_kernels (fused: {', '.join(LOSS_TYPES)})")
+        raise NotImplementedError(f"loss_type={loss_type!r} is not fused in kl_kernels "
+                                  f"(fused: {', '.join(LOSS_TYPES)})")
     if delta is not None:
         raise NotImplementedError("delta (TRL's two-sided clip) is not fused yet: call with delta=None")
     if importance_sampling_level != "token":

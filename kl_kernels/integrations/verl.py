@@ -151,8 +151,9 @@ def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tens
 
 
 def compute_policy_loss_with_kl(old_log_prob: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                                advantages: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-                                config=None, rollout_is_weights: torch.Tensor | None = None):
+                                advantages: torch.Tensor, response_mask: torch.Tensor,
+                                loss_agg_mode: str = "token-mean", config=None,
+                                rollout_is_weights: torch.Tensor | None = None):
     """verl's actor loss with ``use_kl_loss`` in one fused pass: ``pg_loss + kl_loss * kl_loss_coef``
     where ``pg_loss`` is :func:`compute_policy_loss_vanilla`'s and ``kl_loss = agg_loss(kl_penalty(
     log_prob, ref_log_prob, config.kl_loss_type), response_mask, loss_agg_mode, **global_batch_info)``

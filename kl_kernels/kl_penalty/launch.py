@@ -91,8 +91,9 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
 def forward_with_totals(*forward_args, grad_out=None):
     """The CPU forward (``forward``'s arguments, without per-token outputs) that sums the batch
     instead of writing per-sequence outputs: returns (grad, totals, args, keep). ``grad`` is the
-    gradient buffer (as ``forward``'s; ``grad_out`` when given). ``totals`` are host floats: the loss, objective, kl, entropy,
-    ratio and clipped sums and the token count, summed in float64 in sequence order by the kernel.
+    gradient buffer (as ``forward``'s; ``grad_out`` when given). ``totals`` are host floats: the loss,
+    objective, kl, entropy, ratio and clipped sums and the token count, summed in float64 in
+    sequence order by the kernel.
     ``args`` (the filled argument struct) and ``keep`` (the tensors it points into besides the
     inputs) are for :func:`backward_with_args`."""
     if forward_args[18]:  # token_out

@@ -66,7 +66,8 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     if total > 0:
         dummy = log_probs
         args = (log_probs, old_log_probs, or_dummy(ref_log_probs, dummy), advantages, or_dummy(entropy, dummy),
-                or_dummy(weights, dummy), or_dummy(mask_u8, dummy), or_dummy(beta_t, seq_loss), or_dummy(offsets, count), or_dummy(lengths, count),
+                or_dummy(weights, dummy), or_dummy(mask_u8, dummy), or_dummy(beta_t, seq_loss),
+                or_dummy(offsets, count), or_dummy(lengths, count),
                 seq_loss, stats, count, tok if token_out else grad, grad, slot_sum, slot_count,
                 total, batch, width, *strides(log_probs, layout), *strides(old_log_probs, layout),
                 *(strides(ref_log_probs, layout) if ref_log_probs is not None else zero_s), *adv_s,

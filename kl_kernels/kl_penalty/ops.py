@@ -223,9 +223,9 @@ def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
     +0 at non-counted tokens, as the kernel writes them, and a finite ``scale`` with a + sign keeps
     them +0), one buffer less and no pass writing fresh memory; autograd then takes the buffer as
     ``.grad`` without a copy (a caller's ``out=`` buffer too: then autograd copies it into a leaf's
-    ``.grad``, as the caller still holds it, and hands it on through a non-leaf). Only when nothing can read the buffer again: this backward is the
-    graph's last (no ``retain_graph``: the saved buffer is released right after) and no
-    saved-tensor hook may hold it. Float32 log-probs only (the buffer is float32)."""
+    ``.grad``, as the caller still holds it, and hands it on through a non-leaf). Only when nothing
+    can read the buffer again: this backward is the graph's last (no ``retain_graph``: the saved
+    buffer is released right after) and no saved-tensor hook may hold it. Float32 log-probs only (the buffer is float32)."""
     return (lp_dtype == torch.float32 and not entropy_grad and ctx.plain_saved and math.isfinite(scale)
             and math.copysign(1.0, scale) > 0 and not torch_compat.graph_keeps_graph())
 

@@ -258,8 +258,8 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     device = _checks.device_of(log_probs, advantages=advantages, mask=mask, beta=beta)
     device_free, device = device is None, device or torch.device("cpu")
     _checks.dense_layouts(log_probs=log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                          advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta,
-                          weights=weights)
+                          advantages=advantages, entropy=entropy, mask=mask, offsets=offsets, lengths=lengths,
+                          beta=beta, weights=weights)
     same_device(device, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, advantages=advantages,
                  entropy=entropy, mask=mask, offsets=offsets, lengths=lengths, beta=beta, weights=weights)
     kind, lp, old, mask, offsets, lengths = normalize_layout(log_probs, old_log_probs, mask, offsets, lengths,
