@@ -20,6 +20,10 @@ PLACEMENT_CODES = codes.PLACEMENT_CODES
 LAYOUT_CODES = {**codes.LAYOUT_CODES, "list": codes.LAYOUT_CODES["packed"]}  # list: packed geometry, read in place
 
 
+# A kernel's [in_lo, in_hi, out_lo, out_hi] with no bound at all (the form clamp_bounds gives).
+NO_CLAMP = (-math.inf, math.inf, -math.inf, math.inf)
+
+
 def clamp_bounds(clamp) -> tuple[float, float]:
     """(lo, hi) with missing bounds as -inf/+inf, the form the op schema carries."""
     if clamp is None:

@@ -22,7 +22,7 @@ import torch
 
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
-from ._controllers import FixedValue, ProportionalValue
+from ._common import FixedValue, ProportionalValue, at_least_one
 
 KL_IS_WEIGHT_CLIP = 10.0  # OpenRLHF's cap on exp(lp - old) in the unbiased KL gradient
 # OpenRLHF's estimators -> (ours, clamp_input, clamp_output): every estimate is clamped to [-10, 10],
@@ -145,16 +145,13 @@ class PolicyLoss(torch.nn.Module):
             if batch_num_tokens is None:
                 agg, factor = "token-mean", 1.0
             else:
-                agg, factor = "sum", dp_size / max(batch_num_tokens, 1) if not isinstance(
-                    batch_num_tokens, torch.Tensor) else dp_size / batch_num_tokens.clamp_min(1)
+                agg, factor = "sum", dp_size / at_least_one(batch_num_tokens)
         else:  # ours: sum_b S_b / (max(n_b, 1) * B); OpenRLHF: over the non-empty rows (or global_batch_size)
             agg = "seq-mean-token-mean"
             if global_batch_size is None:
-                factor = mask.shape[0] / (mask.sum(-1) > 0).sum().clamp_min(1)
+                factor = mask.shape[0] / at_least_one((mask.sum(-1) > 0).sum())
             else:
-                gbs = global_batch_size.clamp_min(1) if isinstance(global_batch_size, torch.Tensor) else max(
-                    global_batch_size, 1)
-                factor = mask.shape[0] * dp_size / gbs
+                factor = mask.shape[0] * dp_size / at_least_one(global_batch_size)
         out = kl_penalty_loss(log_probs, old_log_probs, advantages, beta=0.0, estimator="k1", mask=mask,
                               clip_epsilon=(self.clip_eps_low, self.clip_eps_high), dual_clip=self.dual_clip,
                               aggregation=agg)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..kl_penalty import KLPenaltyLossOutput, kl_penalty_loss
+from ._common import at_least_one
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -94,9 +95,7 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     else:  # dapo
         if num_items_in_batch is None:
             raise ValueError("loss_type='dapo' needs num_items_in_batch (the generation batch's token count)")
-        n = num_items_in_batch.clamp(min=1.0) if isinstance(num_items_in_batch, torch.Tensor) else max(
-            float(num_items_in_batch), 1.0)
-        n = n / num_processes
+        n = at_least_one(num_items_in_batch) / num_processes
         if training:
             n = n * gradient_accumulation_steps / steps_per_generation
         agg, factor = "sum", 1.0 / n

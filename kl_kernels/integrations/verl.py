@@ -29,7 +29,7 @@ import torch
 
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
-from ._controllers import FixedValue, ProportionalValue
+from ._common import FixedValue, ProportionalValue, at_least_one
 
 # verl's kl_penalty modes -> (our estimator, clamp_input, clamp_output). verl's low_var_kl / k3
 # clamps the log-ratio to +-20 before exp and the estimate to [-10, 10]; k1 and k2 are unclamped.
@@ -90,15 +90,14 @@ def _scale_of(loss_mask: torch.Tensor, loss_agg_mode: str, dp_size, batch_num_to
             if dp_size > 1:
                 raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
             batch_num_tokens = m.sum()
-        n = batch_num_tokens.clamp_min(1) if isinstance(batch_num_tokens, torch.Tensor) else max(batch_num_tokens, 1)
-        return "sum", dp_size / n
+        return "sum", dp_size / at_least_one(batch_num_tokens)
     if loss_agg_mode == "token-sum":
         return "sum", dp_size
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
         global_batch_size = (m.sum(-1) > 0).sum()
-    seqs = global_batch_size.clamp_min(1) if isinstance(global_batch_size, torch.Tensor) else max(global_batch_size, 1)
+    seqs = at_least_one(global_batch_size)
     if loss_agg_mode == "seq-mean-token-mean":  # ours: sum_b S_b / (max(n_b, 1) * B)
         return "seq-mean-token-mean", m.shape[0] * dp_size / seqs
     factor = dp_size / seqs

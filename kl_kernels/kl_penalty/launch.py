@@ -13,10 +13,9 @@ import math
 
 import torch
 
-from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, geometry_args,
-                         kernel_module, launch_kernel, ptr, resolved, strides)
+from ..launching import (DTYPE_CODES, EMULATED, NO_CLAMP, ExtensionLauncher, as_contiguous, coefficient,
+                         geometry_args, kernel_module, launch_kernel, ptr, resolved, strides)
 
-NO_CLAMP = [-math.inf, math.inf, -math.inf, math.inf]
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
 
 
@@ -35,7 +34,8 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 
 def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
-                     entropy_coef, token_out, weights=None, clip_c=math.inf, weight_kl=False, clamp=None, ext=None):
+                     entropy_coef, token_out, weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP,
+                     ext=None):
     """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
     given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights)
     inputs = resolved(*given)
@@ -43,7 +43,7 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     dev = log_probs.device
     module = kernel_module(dev, "kl_penalty_forward", "kl_penalty_loss", ext)
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
-                    log_probs.dtype, NO_CLAMP if clamp is None else clamp)
+                    log_probs.dtype, clamp)
     keep.extend(r for r, t in zip(inputs, given) if r is not t)  # copies made by resolved: the struct points there
     for name, t in (("old", old_log_probs), ("ref", ref_log_probs), ("ent", entropy), ("wt", weights)):
         if t is not None:
@@ -63,7 +63,7 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            weights=None, clip_c=math.inf, weight_kl=False, clamp=None, ext=None, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, ext=None, grad_out=None):
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
     ``_C`` or ``_cuda`` by device). ``grad_out``: the caller's float32 buffer for ``grad`` (checked by

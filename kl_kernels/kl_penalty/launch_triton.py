@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..launching import resolved, strides
+from ..launching import NO_CLAMP, resolved, strides
 from ..launching_triton import (COMBINE_BLOCK, MIN_BLOCK, interpreter_block, kernel_set, launch_tiles, or_dummy,
                                 readable_flat, size_bucket, triton_cdiv, tuned)
 
@@ -37,7 +37,7 @@ def _geometry(like, mask, offsets, lengths, layout):
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            weights=None, clip_c=math.inf, weight_kl=False, clamp=None, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, grad_out=None):
     """Run the Triton forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), as ``launch.forward`` (``grad_out``: the caller's buffer for ``grad``)."""
     log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights = resolved(
@@ -74,7 +74,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
                 *(strides(entropy, layout) if entropy is not None else zero_s),
                 *(strides(weights, layout) if weights is not None else zero_s), *mask_s,
                 float(beta_scalar), float(clip_lo), float(clip_hi), float(clip_c),
-                *(float(v) for v in (clamp if clamp is not None else (-math.inf, math.inf, -math.inf, math.inf))),
+                *(float(v) for v in clamp),
                 float(entropy_coef), size_bucket(total))
         flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None,
                      HAS_MASK=mask is not None, HAS_REF=ref_log_probs is not None, HAS_ENT=entropy is not None,

@@ -18,7 +18,6 @@ device) naming the argument and what was expected. Inputs are never modified.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass
 from typing import NamedTuple

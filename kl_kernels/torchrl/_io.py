@@ -56,10 +56,18 @@ def has(td: TensorDictBase, key) -> bool:
     """Whether ``td`` holds ``key`` (for a lazy stack: its first sample does), without gathering it."""
     if is_lazy(td):
         return bool(td.tensordicts) and has(td.tensordicts[0], key)
+    return _dense_get(td, key) is not None
+
+
+def _dense_get(td: TensorDictBase, key):
+    """``td.get(key, None)`` for a dense TensorDict, or the list of per-sample tensors when ``key`` lives
+    in a lazily stacked sub-TensorDict with ragged leaves (what a pad_output=False model writes):
+    there ``td.get`` tries to stack and raises; TorchRL reads it with ``as_list=True``."""
     try:
-        return td.get(key, None) is not None
-    except RuntimeError:  # ragged leaves in a lazily stacked sub-TensorDict (see read): there, not stackable
-        return td.get(key, None, as_list=True) is not None
+        return td.get(key, None)
+    except RuntimeError:
+        items = td.get(key, None, as_list=True)
+        return None if items is None else list(items)
 
 
 def plain_samples(td: LazyStackedTensorDict) -> bool:
@@ -219,16 +227,9 @@ def read(td: TensorDictBase, key) -> Batch | None:
             return None
         r, layout = ragged.pack(list(items))
         return Batch(r.values, layout, lazy=True)
-    try:
-        x = td.get(key, None)
-    except RuntimeError:
-        # A dense TensorDict holding a lazily stacked sub-TensorDict with ragged leaves (what a
-        # pad_output=False model writes): td.get tries to stack. Read it as TorchRL does
-        # (as_list=True) and treat it as the strided nested tensor TorchRL builds from it.
-        items = td.get(key, None, as_list=True)
-        if items is None:
-            return None
-        x = torch.nested.nested_tensor(list(items))
+    x = _dense_get(td, key)
+    if isinstance(x, list):  # ragged per-sample tensors: the strided nested tensor TorchRL builds from them
+        x = torch.nested.nested_tensor(x)
     if x is None:
         return None
     if isinstance(x, torch.Tensor) and x.is_nested:

@@ -1,4 +1,6 @@
-"""The KL controllers' interface that verl and OpenRLHF share: a float ``value`` and ``update(kl, n_steps)``.
+"""What the peers' shims share: a count used as a denominator, and the KL controllers' interface.
+
+The controllers: verl and OpenRLHF share a float ``value`` and ``update(kl, n_steps)``.
 
 Both peers use Ziegler et al.'s proportional rule; it is written once, in
 :class:`kl_kernels.ZieglerKLController` (float32 on a device), and these classes only adapt its
@@ -7,7 +9,16 @@ interface. The peers' shims subclass them to give ``update`` their own argument 
 
 from __future__ import annotations
 
+import torch
+
 from ..kl_penalty.controllers import ZieglerKLController
+
+
+def at_least_one(count):
+    """A token or sequence count (an int, a float or a 0-d tensor, e.g. a global count from the
+    trainer) as a denominator: at least 1, so an empty batch gives a loss of 0, not the peers' 0 / 0.
+    A tensor stays one (no host sync)."""
+    return count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1)
 
 
 class ProportionalValue:
