@@ -48,7 +48,8 @@ def packed(n_seq=64, seed=0, dtype=torch.float32):
     ref = (-3 * torch.rand(n, generator=g)).to(dtype)
     mask = torch.rand(n, generator=g) < 0.8
     adv = torch.randn(n, generator=g).to(dtype)
-    return {k: v.to(DEV) for k, v in dict(lp=lp, ref=ref, mask=mask, offsets=offsets, adv=adv).items()}
+    w = (0.5 + torch.rand(n, generator=g)).to(dtype)
+    return {k: v.to(DEV) for k, v in dict(lp=lp, ref=ref, mask=mask, offsets=offsets, adv=adv, w=w).items()}
 
 
 def padded(b=32, t=600, seed=1, dtype=torch.float32):
@@ -73,10 +74,16 @@ def reward_call(x, backend, **kw):
     return kl_reward(x["lp"], x["ref"], mask=x["mask"], coef=0.1, backend=backend, **kw)
 
 
-def loss_call(x, backend, lp=None):
+# every loss option the peers' shims use: verl's dual clip, per-token IS weights on both terms, low_var_kl's
+# clamps (k3 with input (-20, 20), output (-10, 10))
+ALL_OPTIONS = dict(dual_clip=3.0, weight_kl=True, estimator="k3", clamp_input=(-20.0, 20.0), clamp_output=(-10.0, 10.0))
+
+
+def loss_call(x, backend, lp=None, options=False):
     lp = x["lp"] if lp is None else lp
+    kw = dict(ALL_OPTIONS, weights=x["w"]) if options else {}
     return kl_penalty_loss(lp, x["lp"].detach(), x["adv"], ref_log_probs=x["ref"], beta=0.05, mask=x["mask"],
-                           offsets=x["offsets"], clip_epsilon=0.2, backend=backend)
+                           offsets=x["offsets"], clip_epsilon=0.2, backend=backend, **kw)
 
 
 def selfchecks():
@@ -103,18 +110,18 @@ def nosync():
                     torch.cuda.set_sync_debug_mode("default")
             report(f"nosync kl_reward {backend} {name}", fwd)
         x = packed()
-
-        def loss(x=x, backend=backend):
-            lp = x["lp"].clone().requires_grad_(True)
-            loss_call(x, backend, lp).loss.backward()
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = loss_call(x, backend, lp)
-                out.loss.backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        report(f"nosync kl_penalty_loss fwd+bwd {backend}", loss)
+        for options in (False, True):
+            def loss(x=x, backend=backend, options=options):
+                lp = x["lp"].clone().requires_grad_(True)
+                loss_call(x, backend, lp, options).loss.backward()
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = loss_call(x, backend, lp, options)
+                    out.loss.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            report(f"nosync kl_penalty_loss fwd+bwd {backend}{' all options' if options else ''}", loss)
 
 
 def graph():
@@ -136,6 +143,38 @@ def graph():
             torch.testing.assert_close(out.kl, want.kl, equal_nan=True)
             torch.testing.assert_close(out.kl_sum, want.kl_sum, equal_nan=True)
         report(f"graph kl_reward {backend}", reward)
+
+        for options in (False, True):
+            def loss(backend=backend, options=options):
+                # forward and backward captured together (torch.autograd.grad inside the capture), warmed up
+                # on a side stream first as torch's CUDA-graph notes ask for autograd
+                x, y = packed(seed=3), packed(seed=3)
+                y["lp"].uniform_(-3.0, 0.0)
+                y["adv"].normal_()
+                static = {k: v.clone() for k, v in x.items()}
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        lp = static["lp"].detach().requires_grad_(True)
+                        torch.autograd.grad(loss_call(static, backend, lp, options).loss, lp)
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                lp = static["lp"].detach().requires_grad_(True)  # the same storage as static["lp"]
+                with torch.cuda.graph(g):
+                    out = loss_call(static, backend, lp, options)
+                    (grad,) = torch.autograd.grad(out.loss, lp)
+                for k in static:
+                    static[k].copy_(y[k])
+                g.replay()
+                torch.cuda.synchronize()
+                lp_y = y["lp"].clone().requires_grad_(True)
+                want = loss_call(y, backend, lp_y, options)
+                (want_grad,) = torch.autograd.grad(want.loss, lp_y)
+                torch.testing.assert_close(out.loss, want.loss)
+                torch.testing.assert_close(grad, want_grad)
+            report(f"graph kl_penalty_loss fwd+bwd {backend}{' all options' if options else ''}", loss)
 
 
 if __name__ == "__main__":
