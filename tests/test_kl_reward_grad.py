@@ -121,7 +121,8 @@ def check_gradients(case, layout, backend, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     up = {k: to_device(_randn_like(to_device(getattr(out, k), "cpu"), g), device)
           for k in ("kl", "reward", "ref_log_probs")}
-    up_sum = torch.randn(case.batch, generator=g, dtype=torch.float64).to(out.kl_sum.dtype).to(device)
+    # out.kl_sum's device, not `device`: an empty list carries none, and such a call answers on the CPU
+    up_sum = torch.randn(case.batch, generator=g, dtype=torch.float64).to(out.kl_sum.dtype).to(out.kl_sum.device)
     loss = _dot(out.kl, up["kl"]) + _dot(out.reward, up["reward"]) + _dot(out.ref_log_probs, up["ref_log_probs"]) \
         + (out.kl_sum * up_sum).sum()
     if not loss.requires_grad:  # nothing counted anywhere: no graph, and that is correct
