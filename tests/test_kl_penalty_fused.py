@@ -237,14 +237,16 @@ def test_folded_aggregation_matches_the_tensor_path(aggregation, layout, dtype, 
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-def test_folded_aggregation_without_grad_and_loss_unused():
-    """The folded path under no_grad, and a loss that gets no gradient (only a part is used)."""
+@pytest.mark.parametrize("backend", FUSED)
+def test_folded_aggregation_without_grad_and_loss_unused(backend):
+    """The folded path (the CPU kernel's host totals, the CUDA kernels' device aggregation) under
+    no_grad, and a loss that gets no gradient (only a part is used)."""
     b = _padded_batch()
     lp = b.pop("log_probs").requires_grad_()
     with torch.no_grad():
-        a = kl_penalty_loss(lp, **b, beta=0.1, backend="cpu")
+        a = kl_penalty_loss(lp, **b, beta=0.1, backend=backend)
     assert not a.loss.requires_grad
-    c = kl_penalty_loss(lp, **b, beta=0.1, backend="cpu")
+    c = kl_penalty_loss(lp, **b, beta=0.1, backend=backend)
     torch.testing.assert_close(a.loss, c.loss.detach(), rtol=0, atol=0)
     (c.loss * 0 + c.kl_mean).backward()
     assert torch.equal(lp.grad, torch.zeros_like(lp))

@@ -39,9 +39,28 @@ struct KLPenaltyArgs {
   uintptr_t grad = 0;       // float32 [total]: d loss_t / d lp_t (0 where not counted)
   uintptr_t totals = 0;     // float64 [kTotals] or 0: batch totals, summed over b in order (CPU forward only)
 
+  // The aggregations folded into the CUDA forward, so an eager call on a GPU gets its outputs from the
+  // kernels instead of a torch launch per part (the H200 run of 2026-11-26: ~38 small launches per
+  // forward, more time than eager autograd). Sequence b's loss weighs w * u_b with
+  // w = agg_scale / (agg_per_token ? max(N, 1) : 1), N the token count of all ranks (agg_tokens) or
+  // of this batch, and u_b = 1 / max(n_b, 1) with agg_seq_mean (seq-mean-token-mean), else 1.
+  // See finalize_aggregation below.
+  uintptr_t result = 0;          // float32 [kResults], or 0: objective/kl/entropy parts, kl/ratio/clip means
+  uintptr_t result_loss = 0;     // float32 [1]: the loss (with result; its own tensor, the differentiable one)
+  uintptr_t result_count = 0;    // int64 [1]: the counted tokens (with result)
+  uintptr_t result_weight = 0;   // float64 [1]: w (with result), read by the backward through g_loss
+  double agg_scale = 1.0;
+  int32_t agg_per_token = 0;
+  int32_t agg_seq_mean = 0;
+  uintptr_t agg_tokens = 0;      // float64 [1] or 0 (this batch's count)
+  double agg_beta = 0.0;         // beta of the kl part, in float64 (beta_mode scalar; else beta[0] is read)
+  double agg_entropy_coef = 0.0; // entropy_coef of the entropy part, in float64
+
   // backward: incoming gradients (each may be 0 = zero) and outputs
   uintptr_t g_seq = 0;      // float32 [B]
   float g_uniform = 0.0f;   // the incoming gradient of every sequence's loss where g_seq is 0
+  uintptr_t g_loss = 0;     // float32 [1] or 0: the aggregated loss's gradient; sequence b's is g_loss * w * u_b
+                            // (w at result_weight, n_b at count with agg_seq_mean; CUDA backward only)
   uintptr_t g_tok = 0;      // float32 [total]
   uintptr_t g_lp = 0;       // lp dtype [total]
   uintptr_t g_ent = 0;      // aux dtype [total], or 0
@@ -51,12 +70,58 @@ constexpr int kStatColumns = 5;
 // totals: loss, objective, kl, entropy, ratio and clipped sums, then the token count. They spare
 // the caller of a one-weight aggregation (token-mean, sum, ...) its own pass over [B] outputs.
 constexpr int kTotals = 7;
+// result: loss_objective, loss_kl, loss_entropy, kl_mean, ratio_mean, clip_fraction.
+constexpr int kResults = 6;
 
 // beta of sequence b.
 KL_HD float beta_of(const KLPenaltyArgs& a, int64_t b) {
   if (a.beta_mode == kCoefScalar) return a.beta_scalar;
   const float* c = reinterpret_cast<const float*>(a.beta);
   return a.beta_mode == kCoefPerSeq ? c[b] : c[0];
+}
+
+// Sums of the aggregation on the device (CUDA totals kernel), over b in [0, B): u_b * S_b,
+// u_b * objective_b, u_b * beta_b * kl_b, u_b * entropy_b, then kl_b, ratio_b, clipped_b and n_b.
+constexpr int kAggSums = 8;
+
+// 1 / max(n_b, 1) with agg_seq_mean, else 1: u_b of sequence b with n_b counted tokens.
+KL_HD double seq_weight(const KLPenaltyArgs& a, int64_t n_b) {
+  return a.agg_seq_mean ? 1.0 / static_cast<double>(n_b > 1 ? n_b : 1) : 1.0;
+}
+
+// Sequence b's terms of the sums above, added to s.
+KL_HD void add_agg_terms(const KLPenaltyArgs& a, int64_t b, double loss, const float* st, int64_t n_b, double* s) {
+  const double u = seq_weight(a, n_b);
+  const double beta = a.beta_mode == kCoefScalar ? a.agg_beta : static_cast<double>(beta_of(a, b));
+  s[0] += u * loss;
+  s[1] += u * static_cast<double>(st[0]);
+  s[2] += u * beta * static_cast<double>(st[1]);
+  s[3] += u * static_cast<double>(st[2]);
+  s[4] += static_cast<double>(st[1]);
+  s[5] += static_cast<double>(st[3]);
+  s[6] += static_cast<double>(st[4]);
+  s[7] += static_cast<double>(n_b);
+}
+
+// The outputs from the sums s [kAggSums]: loss = w * sum_b u_b S_b, the parts likewise (the entropy
+// part times -entropy_coef), the means over this batch's counted tokens, the count and w. The
+// formulas of kl_kernels/kl_penalty/aggregate.py (aggregate, uniform_parts), which
+// tests/test_kl_penalty_on_device.py checks this against.
+KL_HD void finalize_aggregation(const KLPenaltyArgs& a, const double* s) {
+  const double n = s[7];
+  const double big_n = a.agg_tokens ? *reinterpret_cast<const double*>(a.agg_tokens) : n;
+  const double w = a.agg_per_token ? a.agg_scale / (big_n > 1.0 ? big_n : 1.0) : a.agg_scale;
+  const double denom = n > 1.0 ? n : 1.0;
+  *reinterpret_cast<float*>(a.result_loss) = static_cast<float>(s[0] * w);
+  float* r = reinterpret_cast<float*>(a.result);
+  r[0] = static_cast<float>(s[1] * w);
+  r[1] = static_cast<float>(s[2] * w);
+  r[2] = static_cast<float>(s[3] * w * -a.agg_entropy_coef + 0.0);  // + 0.0: no -0.0
+  r[3] = static_cast<float>(s[4] / denom);
+  r[4] = static_cast<float>(s[5] / denom);
+  r[5] = static_cast<float>(s[6] / denom);
+  *reinterpret_cast<int64_t*>(a.result_count) = static_cast<int64_t>(n);
+  *reinterpret_cast<double*>(a.result_weight) = w;
 }
 
 }  // namespace kl

@@ -341,10 +341,12 @@ int dispatch(const KLPenaltyArgs& a, int threads, bool backward_pass) {
 }  // namespace cpu_penalty
 
 int kl_penalty_forward_cpu(const KLPenaltyArgs& args, int num_threads) {
+  if (args.result) return 4;  // the aggregation on the device is the CUDA forward's (here: totals)
   return cpu_penalty::dispatch(args, num_threads, false);
 }
 
 int kl_penalty_backward_cpu(const KLPenaltyArgs& args, int num_threads) {
+  if (args.g_loss) return 4;
   return cpu_penalty::dispatch(args, num_threads, true);
 }
 

@@ -1,4 +1,5 @@
-// Fused kl_penalty_loss on CUDA: forward (tile kernel + per-sequence combine) and backward.
+// Fused kl_penalty_loss on CUDA: forward (tile kernel + per-sequence combine, + batch totals for the
+// one-weight aggregations) and backward.
 //
 // The algorithm of the Triton kernels (kl_kernels/triton/kl_penalty.py) with the geometry of the
 // kl_reward CUDA kernel (cuda/tiles.cuh) and the per-token math of common/kl_penalty_math.h,
@@ -245,6 +246,35 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   }
 }
 
+// The aggregation's sums and outputs (add_agg_terms, finalize_aggregation), after combine, in one
+// block: thread i sums sequences i, i + kThreads, ... in order, then a tree of fixed shape over the
+// threads. Deterministic; float64 throughout, as the torch aggregation's sums of the same
+// per-sequence values.
+__global__ void __launch_bounds__(kThreads) penalty_totals(KLPenaltyArgs a) {
+  static_assert((kThreads & (kThreads - 1)) == 0, "the tree halves kThreads");
+  __shared__ double part[kAggSums][kThreads];
+  const float* seq_loss = reinterpret_cast<const float*>(a.seq_loss);
+  const float* stats = reinterpret_cast<const float*>(a.stats);
+  const int64_t* count = reinterpret_cast<const int64_t*>(a.count);
+  double s[kAggSums] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t b = threadIdx.x; b < a.g.batch; b += kThreads) {
+    add_agg_terms(a, b, static_cast<double>(seq_loss[b]), stats + b * kStatColumns, count[b], s);
+  }
+  for (int c = 0; c < kAggSums; ++c) part[c][threadIdx.x] = s[c];
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half >>= 1) {
+    if (static_cast<int>(threadIdx.x) < half) {
+      for (int c = 0; c < kAggSums; ++c) part[c][threadIdx.x] += part[c][threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    double t[kAggSums];
+    for (int c = 0; c < kAggSums; ++c) t[c] = part[c][0];
+    finalize_aggregation(a, t);
+  }
+}
+
 template <int32_t DT, int32_t AT, bool VEC>
 __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs a) {
   __shared__ int64_t seq_range[2];
@@ -255,6 +285,12 @@ __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs 
   const float* grad = reinterpret_cast<const float*>(a.grad);
   const float* g_seq = reinterpret_cast<const float*>(a.g_seq);
   const float* g_tok = reinterpret_cast<const float*>(a.g_tok);
+  // The aggregated loss's gradient times the forward's weight w (and u_b per sequence below), in
+  // float64 as torch's autograd of the float64 aggregation
+  const double g_all = a.g_loss ? static_cast<double>(*reinterpret_cast<const float*>(a.g_loss)) *
+                                      *reinterpret_cast<const double*>(a.result_weight)
+                                : static_cast<double>(a.g_uniform);
+  const int64_t* seq_count = reinterpret_cast<const int64_t*>(a.count);
   // Every stream here is flat [total]; the vector path (a whole 8-element run, 16-byte aligned
   // pointers) reads and writes them 128 bits at a time.
   const bool full = VEC && i0 + kPer <= g.total;
@@ -280,7 +316,10 @@ __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs 
   for (int j = 0; j < kPer; ++j) {
     glp[j] = 0.0f, gent[j] = 0.0f;
     if (w[j].counted) {
-      const float gin = (g_seq ? g_seq[w[j].seq] : a.g_uniform) + gt[j];
+      const float gs = g_seq ? g_seq[w[j].seq]
+                             : a.agg_seq_mean ? static_cast<float>(g_all * seq_weight(a, seq_count[w[j].seq]))
+                                              : static_cast<float>(g_all);
+      const float gin = gs + gt[j];
       glp[j] = gin * gr[j];
       gent[j] = -a.entropy_coef * gin;
     }
@@ -337,6 +376,7 @@ int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
         launch(penalty_combine, static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream, a, ws);
     if (int s = launch_status(err)) return s;
   }
+  if (a.result) return launch_status(launch(penalty_totals, 1, kThreads, 0, stream, a));
   return 0;
 }
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from .. import backends as _dispatch
 from .. import ragged
-from .aggregate import KLPenaltyLossOutput, aggregate, on_host
+from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host
 from .backends import REGISTRY
-from .ops import run_fused_aggregated
+from .ops import run_fused_aggregated, run_fused_on_device
 from .problem import _num_global_tokens, build_problem
 
 
@@ -136,6 +136,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too
         return run_fused_aggregated(problem, num_global_tokens)
+    if impl.name in ("cuda", "cuda-emulated") and on_device(problem, process_group):  # so do the CUDA kernels
+        return run_fused_on_device(problem, num_global_tokens, emulated=impl.name == "cuda-emulated")
     raw = impl.run(problem)
     return aggregate(problem, raw, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
                      process_group=process_group)

@@ -17,6 +17,7 @@ from ..launching import (DTYPE_CODES, EMULATED, NO_CLAMP, ExtensionLauncher, as_
                          geometry_args, kernel_module, launch_kernel, ptr, resolved, strides)
 
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
+RESULTS = 6  # kResults: loss_objective, loss_kl, loss_entropy, kl_mean, ratio_mean, clip_fraction
 
 
 def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, straight_through, lp_dtype,
@@ -122,6 +123,71 @@ def backward_with_args(args, grad, g_uniform, lp_dtype, entropy_grad, aux_dtype)
     args.g_ent = ptr(g_ent)
     module = kernel_module(dev, "kl_penalty_backward", "kl_penalty_loss")
     launch_kernel(module, module.kl_penalty_backward, args, dev, "kl_penalty_loss")
+    return g_lp, g_ent
+
+
+def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg_tokens, agg_beta, agg_entropy_coef,
+                       ext=None, grad_out=None):
+    """The CUDA forward (``forward``'s arguments as a tuple, without per-token outputs) with the
+    aggregation folded in (the totals kernel, ``finalize_aggregation`` in
+    csrc/common/kl_penalty_args.h): sequence b's loss weighs ``w * u_b``,
+    ``w = agg_scale / (agg_per_token ? max(N, 1) : 1)`` with ``N`` the value of ``agg_tokens`` (a
+    float64 one-element device tensor: all ranks' token count) or, when it is None, the batch's own
+    count, and ``u_b = 1 / max(n_b, 1)`` with ``agg_seq_mean``, else 1. ``agg_beta`` and
+    ``agg_entropy_coef``: beta (a float beta; a tensor beta is read on the device) and entropy_coef
+    of the parts, in float64. Nothing is read on the host.
+
+    Returns ``(loss, rest, count, weight, grad, args, keep)`` on the device: ``loss`` float32 0-d,
+    ``rest`` float32 [6] (the parts and means of ``KLPenaltyLossOutput``), ``count`` int64 0-d,
+    ``weight`` float64 [1] (``w``), ``grad`` the gradient buffer; ``args`` (the filled struct) and
+    ``keep`` (what it points into besides the inputs: the per-sequence counts the backward reads
+    with ``agg_seq_mean``) are for :func:`backward_aggregated`."""
+    if forward_args[18]:  # token_out
+        raise ValueError("forward_aggregated: per-token outputs (token_out) are not aggregated")
+    module, a, keep = _prepare_forward(*forward_args, ext=ext)
+    dev, batch, shape = forward_args[0].device, a.g.batch, forward_args[0].shape
+    f32 = dict(dtype=torch.float32, device=dev)
+    # the per-sequence sums: written by the forward, read by its totals kernel (the counts by the
+    # backward too), not returned
+    seq_loss, stats = torch.empty(batch, **f32), torch.empty(batch, 5, **f32)
+    seq_count = torch.empty(batch, dtype=torch.int64, device=dev)
+    keep.append(seq_count)
+    grad = torch.empty(shape, **f32) if grad_out is None else grad_out
+    loss, rest = torch.empty((), **f32), torch.empty(RESULTS, **f32)
+    n = torch.empty((), dtype=torch.int64, device=dev)
+    weight = torch.empty(1, dtype=torch.float64, device=dev)
+    a.seq_loss, a.stats, a.count, a.grad = ptr(seq_loss), ptr(stats), ptr(seq_count), ptr(grad)
+    a.result, a.result_loss, a.result_count, a.result_weight = ptr(rest), ptr(loss), ptr(n), ptr(weight)
+    a.agg_scale, a.agg_per_token, a.agg_seq_mean = float(agg_scale), int(bool(agg_per_token)), int(bool(agg_seq_mean))
+    a.agg_beta, a.agg_entropy_coef = float(agg_beta), float(agg_entropy_coef)
+    if agg_tokens is not None:
+        agg_tokens = as_contiguous(agg_tokens, torch.float64)
+        keep.append(agg_tokens)
+        a.agg_tokens = ptr(agg_tokens)
+    launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss",
+                  workspace_bytes=lambda a: module.kl_penalty_workspace_bytes(a))
+    # The struct's other per-sequence and result pointers are dead from here (the backward reads the
+    # geometry, the mask, the gradient buffer, the counts and w): cleared so that nothing reads them.
+    a.seq_loss = a.stats = a.result = a.result_loss = a.result_count = a.agg_tokens = 0
+    return loss, rest, n, weight, grad, a, keep
+
+
+def backward_aggregated(args, grad, weight, g_loss, lp_dtype, entropy_grad, aux_dtype, ext=None):
+    """The backward of a ``forward_aggregated`` call through its argument struct ``args`` (the
+    forward's ``keep`` alive): sequence b's incoming gradient is ``g_loss * w * u_b`` (``g_loss``:
+    the loss's gradient, a 0-d device tensor; ``w`` at ``weight``), read by the kernel, so grad_lp =
+    g_loss * w * u_b * grad at counted tokens and (``entropy_grad``) grad_ent = -entropy_coef *
+    g_loss * w * u_b. Returns (grad_lp, grad_ent or None)."""
+    dev = grad.device
+    g_loss = as_contiguous(g_loss, torch.float32)
+    args.g_seq, args.g_tok = 0, 0
+    args.g_loss, args.result_weight, args.grad = ptr(g_loss), ptr(weight), ptr(grad)
+    g_lp = torch.empty(grad.shape, dtype=lp_dtype, device=dev)
+    g_ent = torch.empty(grad.shape, dtype=aux_dtype, device=dev) if entropy_grad else None
+    args.g_lp, args.g_ent = ptr(g_lp), ptr(g_ent)
+    module = kernel_module(dev, "kl_penalty_backward", "kl_penalty_loss", ext)
+    launch_kernel(module, module.kl_penalty_backward, args, dev, "kl_penalty_loss")
+    args.g_loss = args.g_lp = args.g_ent = 0
     return g_lp, g_ent
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from .._compat import torch as torch_compat
 from ..launching import ESTIMATOR_CODES, LAYOUT_CODES, clamp_bounds
 from . import launch, launch_triton
-from .aggregate import KLPenaltyLossOutput, uniform_parts
+from .aggregate import KLPenaltyLossOutput, device_weight, uniform_parts
 from .problem import KLPenaltyProblem
 from .reference import RawLoss
 
@@ -174,6 +174,18 @@ def run_fused(p: KLPenaltyProblem, triton: bool = False, emulated: bool = False)
     return RawLoss(seq_loss, stats, count, tok if token_out else None)
 
 
+def _save_folded(ctx, args, saved, kernel_args, keep) -> None:
+    """What the backward of a folded forward (:class:`_EagerTotal`, :class:`_EagerOnDevice`) needs:
+    ``saved`` (the gradient buffer first) and the geometry tensors that ``kernel_args``, the
+    forward's argument struct reused by the backward, points into (kept alive with ``keep``), and
+    the dtypes of log_probs, entropy (when it takes a gradient) and advantages."""
+    lp, ent, mask, offsets, lengths = args[0], args[4], args[5], args[6], args[7]
+    ctx.save_for_backward(*saved, mask, offsets, lengths)
+    ctx.kernel_args, ctx.keep = kernel_args, keep
+    ctx.dtypes = (lp.dtype, ent is not None and ent.requires_grad, args[3].dtype)
+    ctx.set_materialize_grads(False)
+
+
 class _EagerTotal(torch.autograd.Function):
     """The CPU kernel with the aggregation folded in, for eager calls that aggregate on the host
     (:func:`~kl_kernels.kl_penalty.aggregate.on_host`): the kernel also returns the batch totals, the
@@ -187,14 +199,11 @@ class _EagerTotal(torch.autograd.Function):
         grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
         _claim(p.grad_out)
         w, parts = uniform_parts(p, totals[1:], num_global_tokens)
-        lp, ent, mask, offsets, lengths = args[0], args[4], args[5], args[6], args[7]
-        ctx.save_for_backward(grad, mask, offsets, lengths)  # what kernel_args points into, kept alive
-        ctx.kernel_args, ctx.keep, ctx.w = kernel_args, keep, w
-        ctx.dtypes = (lp.dtype, ent is not None and ent.requires_grad, args[3].dtype)
+        _save_folded(ctx, args, (grad,), kernel_args, keep)
+        ctx.w = w
         # Saved-tensor hooks (offloading, checkpointing tools) may keep the buffer they were handed:
         # then the backward must not write into it.
         ctx.plain_saved = not torch_compat.saved_tensors_hooks_active()
-        ctx.set_materialize_grads(False)
         # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
         loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
         rest = torch.frombuffer(array.array("f", parts), dtype=torch.float32)  # rounded as torch.tensor would
@@ -236,4 +245,45 @@ def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLos
     folded in (:class:`_EagerTotal`). Same values as ``aggregate(p, run_fused(p))`` up to the
     rounding of the per-sequence sums (summed in float64 here, float32 there)."""
     loss, rest, count = _EagerTotal.apply(p, num_global_tokens, *_fused_args(p))
+    return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+
+
+class _EagerOnDevice(torch.autograd.Function):
+    """The CUDA kernels with the aggregation folded in, for eager calls
+    (:func:`~kl_kernels.kl_penalty.aggregate.on_device`): the forward's totals kernel writes the
+    loss, its parts, the count and the weight ``w`` on the device, and the backward kernel reads the
+    loss's gradient, ``w`` and (seq-mean-token-mean) the sequences' counts there. One autograd node, the kernels' launches and a few allocations
+    per step, nothing read on the host: on a GPU the generic aggregation's ~40 small launches per
+    step cost more than the kernels (bench/results/gpu-h200-2026-11-26-third)."""
+
+    @staticmethod
+    def forward(ctx, p, agg, ext, *args):
+        loss, rest, count, weight, grad, kernel_args, keep = launch.forward_aggregated(args, *agg, ext=ext,
+                                                                                       grad_out=p.grad_out)
+        _claim(p.grad_out)
+        _save_folded(ctx, args, (grad, weight), kernel_args, keep)
+        ctx.ext = ext
+        ctx.mark_non_differentiable(rest, count)
+        return loss, rest, count
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_rest, _g_count):
+        lp_dtype, entropy_grad, aux_dtype = ctx.dtypes
+        g_lp = g_ent = None
+        if g_loss is not None:
+            grad, weight = ctx.saved_tensors[:2]
+            g_lp, g_ent = launch.backward_aggregated(ctx.kernel_args, grad, weight, g_loss, lp_dtype, entropy_grad,
+                                                     aux_dtype, ext=ctx.ext)
+        return (None, None, None, g_lp, None, None, None, g_ent) + (None,) * 18
+
+
+def run_fused_on_device(p: KLPenaltyProblem, num_global_tokens, emulated: bool = False) -> KLPenaltyLossOutput:
+    """``kl_penalty_loss``'s result for an eager call of the CUDA kernels (``emulated``: under host
+    emulation, on CPU tensors) that they aggregate themselves
+    (:func:`~kl_kernels.kl_penalty.aggregate.on_device`), through :class:`_EagerOnDevice`. Same
+    formulas and float64 sums as ``aggregate(p, run_fused(p))``, in another order."""
+    scale, per_token, seq_mean, tokens = device_weight(p, num_global_tokens)
+    beta = 0.0 if isinstance(p.beta, torch.Tensor) else float(p.beta)
+    agg = (scale, per_token, seq_mean, tokens, beta, float(p.entropy_coef))
+    loss, rest, count = _EagerOnDevice.apply(p, agg, launch.EMULATED if emulated else None, *_fused_args(p))
     return KLPenaltyLossOutput(loss, *rest.unbind(), count)
