@@ -21,7 +21,9 @@ ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+")
 STRAIGHT_THROUGH = frozenset({"k1+", "abs+", "k2+", "k3+"})
 ESTIMATOR_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}              # enum Estimator
 
-PLACEMENT_CODES = {None: 0, "token": 1, "sequence": 2, "last": 3}    # enum Placement (None: no reward)
+PLACEMENT_CODES = {None: 0, "token": 1, "sequence": 2, "last": 3, "last_valid": 4}  # enum Placement (None: no reward)
+# kl_reward's reward_placement values, in the order of the C++ fast lane's PlacementArg (kPlacementNames)
+PLACEMENTS = ("auto", "token", "sequence", "last", "last_valid")
 LAYOUT_CODES = {"packed": 0, "padded": 1}                            # enum Layout
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}            # enum DType (torch attribute names)
 COEF_MODE_CODES = {"scalar": 0, "tensor0d": 1, "per_sequence": 2}    # enum CoefMode
@@ -31,7 +33,7 @@ LOG_RATIO_BOUND = 20.0
 
 _ENUMS = (
     ("Estimator", {"kK1": 0, "kAbs": 1, "kK2": 2, "kK3": 3}),
-    ("Placement", {"kNoReward": 0, "kToken": 1, "kSequence": 2, "kLast": 3}),
+    ("Placement", {"kNoReward": 0, "kToken": 1, "kSequence": 2, "kLast": 3, "kLastValid": 4}),
     ("Layout", {"kPacked": 0, "kPadded": 1}),
     ("DType", {"kFloat32": 0, "kBFloat16": 1, "kFloat16": 2}),
     ("CoefMode", {"kCoefScalar": 0, "kCoefTensor0d": 1, "kCoefPerSeq": 2}),
@@ -62,7 +64,9 @@ def header() -> str:
     for name in ESTIMATORS:
         base = name.rstrip("+")
         lines.append(f'    {{"{name}", {ESTIMATOR_CODES[base]}, {int(name in STRAIGHT_THROUGH)}}},')
-    lines += ["};", "", "}  // namespace kl", ""]
+    lines += ["};", "", "// reward_placement values as callers pass them, in PlacementArg order (csrc/cpu/plan_reads.h).",
+              "constexpr const char* kPlacementNames[] = {" + ", ".join(f'"{n}"' for n in PLACEMENTS) + "};",
+              "", "}  // namespace kl", ""]
     return "\n".join(lines)
 
 

@@ -92,7 +92,7 @@ def _check_kl_reward(backend, device) -> list:
     for dtype in (torch.float32, torch.bfloat16):
         for layout, kw, coef in _batches(device, dtype):
             for estimator, placement, coef_arg in (("k1", "token", 0.1), ("k3", "last", coef), ("k2", "sequence", 0.3),
-                                                   ("abs", "last", 0.0), ("k3+", "token", coef)):
+                                                   ("abs", "last_valid", 0.0), ("k3+", "token", coef)):
                 b = coef.shape[0]
                 n_tok = kw["log_probs"].shape
                 reward = torch.randn(n_tok) if placement == "token" else torch.randn(b)

@@ -34,7 +34,7 @@ class Case:
     coef_kind: str = "float"    # "float", "scalar_tensor", "per_seq"
     coef: list | float = 1.0    # float, or per-sequence list for "per_seq"
     reward_kind: str | None = None  # None, "token", "token1" (trailing 1), "B", "B1", "B11"
-    placement: str | None = None    # "token", "sequence", "last" (explicit) or "auto"
+    placement: str | None = None    # "token", "sequence", "last", "last_valid" (explicit) or "auto"
     reward_tok: list | None = None  # per sequence 1-D tensors (reward dtype)
     reward_seq: torch.Tensor | None = None  # [B] (reward dtype)
     left_pad_extra: int = 0     # extra padding columns beyond the longest row
@@ -69,7 +69,7 @@ class Case:
             return None
         if self.reward_kind in ("token", "token1"):
             return "token"
-        return self.placement if self.placement in ("sequence", "last") else "sequence"
+        return self.placement if self.placement in ("sequence", "last", "last_valid") else "sequence"
 
     def full_rows(self, width: int, side: str) -> "Case":
         """The same batch seen as full rows of ``width`` tokens, padding masked out (mask-only layout)."""
@@ -96,7 +96,7 @@ def expected(case: Case):
         reward = None
         if placement == "token":
             reward = case.reward_tok[b].double().tolist()
-        elif placement in ("sequence", "last"):
+        elif placement in ("sequence", "last", "last_valid"):
             reward = float(case.reward_seq[b])
         out.append(oracle_sequence(
             case.lp[b].double().tolist(), case.ref[b].double().tolist(), estimator=case.estimator,

@@ -73,7 +73,7 @@ def oracle_sequence(lp, ref, *, estimator="k1", mask=None, prompt_len=0, clamp_i
                     coef=1.0, placement=None, reward=None) -> SeqResult:
     """kl_reward for one sequence of valid tokens.
 
-    ``reward``: per-token list (placement "token"), a float ("sequence"/"last") or None.
+    ``reward``: per-token list (placement "token"), a float ("sequence"/"last"/"last_valid") or None.
     """
     n = len(lp)
     base = estimator.rstrip("+")
@@ -102,9 +102,10 @@ def oracle_sequence(lp, ref, *, estimator="k1", mask=None, prompt_len=0, clamp_i
         r = [float(reward[t]) - coef * kl[t] for t in range(n)]
     elif placement == "sequence":
         r = [float(reward) - coef * kl[t] for t in range(n)]
-    elif placement == "last":
+    elif placement in ("last", "last_valid"):
         r = [-coef * k for k in kl]
-        where = max((t for t in range(n) if counted[t]), default=n - 1)
+        # "last": the last counted token, else the last valid one; "last_valid": the last valid one
+        where = max((t for t in range(n) if counted[t]), default=n - 1) if placement == "last" else n - 1
         if n:
             r[where] += float(reward)
     else:

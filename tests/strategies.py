@@ -69,7 +69,7 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.floa
         placement = draw(st.sampled_from(["token", "auto"]))
     elif reward_kind is not None:
         reward_seq = uniform(batch, -1.0, 1.0).to(reward_dtype)
-        placement = draw(st.sampled_from(["sequence", "last"]))
+        placement = draw(st.sampled_from(["sequence", "last", "last_valid"]))
 
     return Case(lp=lp, ref=ref, mask=mask, prompt_lens=prompt_lens, estimator=draw(st.sampled_from(ESTIMATORS)),
                 clamp_input=draw(st.sampled_from(CLAMPS)), clamp_output=draw(st.sampled_from(OUT_CLAMPS)),

@@ -81,6 +81,8 @@ COMMON = [
     ("padded_right", dict(), "B1"),
     ("padded_left", dict(reward_placement="sequence"), "B"),
     ("padded_right", dict(reward_placement="last", return_ref=True), "B11"),
+    ("padded_left", dict(reward_placement="last_valid"), "B1"),
+    ("packed", dict(reward_placement="last_valid", return_ref=True), "B"),
     ("padded_left", dict(), "tok1"),
     ("padded_full", dict(), "tok"),
 ]

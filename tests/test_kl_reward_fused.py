@@ -248,7 +248,7 @@ def test_streamed_outputs_equal_the_cached_path(layout, dtype):
     B = lengths.numel()
     # at least 13 bytes a token here (bf16 lp, ref, kl and ref out, the mask, a float32 reward out)
     assert n * 13 > 32 * 2**20, "not large enough to stream"
-    for placement in ("token", "sequence", "last"):
+    for placement in ("token", "sequence", "last", "last_valid"):
         whole = call(0, B, placement)
         step = 60  # sub-batches far below the streaming threshold
         parts = [call(lo, min(lo + step, B), placement) for lo in range(0, B, step)]

@@ -30,7 +30,7 @@ def test_auto_infers_unambiguous_shapes(shape, placement, out_shape):
 
 
 def test_auto_refuses_per_sequence_vector():
-    with pytest.raises(ValueError, match="'sequence', as TorchRL.*'last', as verl"):
+    with pytest.raises(ValueError, match="'sequence', as TorchRL.*'last', as OpenRLHF.*'last_valid', as verl"):
         kl_reward(LP, REF, torch.ones(B))
 
 
@@ -47,6 +47,36 @@ def test_last_placement_goes_to_last_masked_token():
     mask = torch.tensor([[True, False, False], [False, True, False]])
     out = kl_reward(LP, REF, torch.tensor([1.0, 2.0]), mask=mask, reward_placement="last", coef=0.0)
     assert out.reward.tolist() == [[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("cuda-emulated", marks=pytest.mark.cuda_emulated),
+                                     pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_last_valid_placement_ignores_the_mask(backend, layout):
+    """"last_valid": the reward goes on the last valid token even when it is masked out (a tool's
+    output at the end of a turn), where "last" puts it on the last counted one; the kl there is 0
+    unless that token counts."""
+    from conftest import backend_device
+
+    mask = torch.tensor([[True, False, False], [False, True, True]])
+    kw = dict(coef=0.5, lengths=torch.tensor([3, 2]), padding_side="right")
+    lp, ref = LP, REF
+    if layout == "packed":
+        keep = torch.tensor([[True, True, True], [True, True, False]])
+        lp, ref, mask = LP[keep], REF[keep], mask[keep]
+        kw = dict(coef=0.5, offsets=torch.tensor([0, 3, 5]))
+    dev = backend_device(backend)
+    lp, ref, mask = lp.to(dev), ref.to(dev), mask.to(dev)
+    score = torch.tensor([10.0, 20.0], device=dev)
+    got = {p: kl_reward(lp, ref, score, mask=mask, reward_placement=p, backend=backend, **kw).reward.cpu()
+           for p in ("last", "last_valid")}
+    flat = (lambda r: r[keep]) if layout == "packed" else (lambda r: r)
+    k = KL * torch.tensor([[True, False, False], [False, True, False]])  # counted: valid and in the mask
+    # row 0: last counted is column 0, last valid column 2 (not counted); row 1 (length 2): column 1 for both
+    want_last = torch.tensor([[10.0, 0.0, 0.0], [0.0, 20.0, 0.0]]) - 0.5 * k
+    want_valid = torch.tensor([[0.0, 0.0, 10.0], [0.0, 20.0, 0.0]]) - 0.5 * k
+    torch.testing.assert_close(got["last"], flat(want_last))
+    torch.testing.assert_close(got["last_valid"], flat(want_valid))
 
 
 def test_reward_dtype_promotion():

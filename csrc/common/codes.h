@@ -8,7 +8,7 @@
 namespace kl {
 
 enum Estimator : int32_t { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3 };
-enum Placement : int32_t { kNoReward = 0, kToken = 1, kSequence = 2, kLast = 3 };
+enum Placement : int32_t { kNoReward = 0, kToken = 1, kSequence = 2, kLast = 3, kLastValid = 4 };
 enum Layout : int32_t { kPacked = 0, kPadded = 1 };
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum CoefMode : int32_t { kCoefScalar = 0, kCoefTensor0d = 1, kCoefPerSeq = 2 };
@@ -30,5 +30,8 @@ constexpr EstimatorName kEstimatorNames[] = {
     {"k2+", 2, 1},
     {"k3+", 3, 1},
 };
+
+// reward_placement values as callers pass them, in PlacementArg order (csrc/cpu/plan_reads.h).
+constexpr const char* kPlacementNames[] = {"auto", "token", "sequence", "last", "last_valid"};
 
 }  // namespace kl

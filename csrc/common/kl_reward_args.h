@@ -148,4 +148,16 @@ KL_HD void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
   store<RT>(reinterpret_cast<void*>(a.reward_out), out, rb - coef_of(a, b) * k);
 }
 
+// The per-sequence reward of the "last" (last counted token) and "last_valid" (last valid token,
+// counted or not) placements, given the position of b's last counted token (-1: none): the last valid
+// token is counted exactly when it is the last counted one.
+template <int32_t DT, int32_t RT>
+KL_HD void place_sequence_reward(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
+  if (a.placement == kLastValid) {
+    const int64_t end = seq_geom(a, b).length - 1;
+    last_counted = last_counted == end ? end : -1;
+  }
+  place_last<DT, RT>(a, b, last_counted);
+}
+
 }  // namespace kl

@@ -52,9 +52,9 @@ bool classify_reward(const View& r, const View& tok, bool padded, int64_t batch,
     *trailing = !token_plain;
     return true;
   }
-  if (placement_arg == kSequenceArg || placement_arg == kLastArg) {
+  if (placement_arg == kSequenceArg || placement_arg == kLastArg || placement_arg == kLastValidArg) {
     if (!seq_match) return false;
-    *placement = placement_arg == kSequenceArg ? kSequence : kLast;
+    *placement = placement_arg == kSequenceArg ? kSequence : placement_arg == kLastArg ? kLast : kLastValid;
     *trailing = seq_b11;
     return true;
   }

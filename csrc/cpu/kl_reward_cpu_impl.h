@@ -225,7 +225,7 @@ KL_TARGET_CLONES Partial forward_run_contiguous(const KLRewardArgs& a, const Run
   const bool token = a.placement == kToken;
   const float rseq = a.placement == kSequence ? load<RT>(reinterpret_cast<const void*>(a.reward), r.seq * a.rw_s0) : 0.0f;
   const float c = coef_of(a, r.seq);
-  const bool want_last = a.placement == kLast;
+  const bool want_last = a.placement == kLast || a.placement == kLastValid;
   // Streaming: every output (kl, reward, masked ref) is written with streaming stores: each block
   // goes to L1 scratch first, then out whole lines at a time; blocks after the first start at a
   // multiple of 16 tokens of the output, so that a 64-byte line of a 4-byte output never straddles
@@ -451,8 +451,8 @@ void forward(const KLRewardArgs& a, int threads) {
   }
   float* kl_sum = reinterpret_cast<float*>(a.kl_sum);
   for (int64_t b = 0; b < a.batch; ++b) kl_sum[b] = static_cast<float>(sums[b]);
-  if (a.placement == kLast)
-    for (int64_t b = 0; b < a.batch; ++b) place_last<DT, RT>(a, b, last[b]);
+  if (a.placement == kLast || a.placement == kLastValid)
+    for (int64_t b = 0; b < a.batch; ++b) place_sequence_reward<DT, RT>(a, b, last[b]);
 }
 
 // ------------------------------------------------------------------------------ backward

@@ -148,7 +148,8 @@ inline int64_t start_of(const View& v) {
 }
 
 // The placement argument as read by read_options (problem.py's PLACEMENTS, in order).
-enum PlacementArg : int32_t { kAutoArg = 0, kTokenArg = 1, kSequenceArg = 2, kLastArg = 3 };
+// reward_placement as passed: the index of its name in kPlacementNames (common/codes.h)
+enum PlacementArg : int32_t { kAutoArg = 0, kTokenArg = 1, kSequenceArg = 2, kLastArg = 3, kLastValidArg = 4 };
 
 // kl_reward's options, as read by read_options.
 struct Options {
@@ -169,10 +170,9 @@ inline bool read_options(PyObject* tensor_type, PyObject* estimator, PyObject* p
   static const char* const kSides[] = {"left", "right"};
   *api = exchange_api(tensor_type);
   if (*api == nullptr) return false;
-  static const char* const kPlacements[] = {"auto", "token", "sequence", "last"};
   if (!parse_estimator(estimator, &a->est)) return false;
   const int side = which(padding_side, kSides);
-  const int placement_arg = which(reward_placement, kPlacements);
+  const int placement_arg = which(reward_placement, kPlacementNames);
   if (side < 0 || placement_arg < 0 || !PyBool_Check(return_ref) || !PyBool_Check(detach) || !PyBool_Check(mask_nan))
     return false;
   a->left_pad = side == 0;

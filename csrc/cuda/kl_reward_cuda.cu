@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
         last = wsp.last[b];
       }
     }
-    if (a.placement == kLast) place_last<DT, RT>(a, b, last);
+    if (a.placement == kLast || a.placement == kLastValid) place_sequence_reward<DT, RT>(a, b, last);
   }
 }
 

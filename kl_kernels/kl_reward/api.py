@@ -58,7 +58,9 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         prompt_lens: ``[B]`` ints: the first ``prompt_lens[b]`` valid tokens of ``b`` never count.
         reward_placement: ``"token"`` (per-token reward), ``"sequence"`` (per-sequence reward
             broadcast to every position of the row, TorchRL's expand), ``"last"`` (per-sequence
-            reward on the last counted token, else the last valid token; verl/OpenRLHF), or
+            reward on the last counted token, else the last valid token; OpenRLHF's EOS index),
+            ``"last_valid"`` (per-sequence reward on the last valid token, counted or not: where
+            verl's reward managers put a response's score, at ``valid_response_length - 1``), or
             ``"auto"`` (default): per-token shapes give ``"token"``, padded ``[B, 1]``/``[B, 1, 1]``
             broadcast as ``"sequence"``; anything ambiguous raises, asking for a placement.
         clamp_input: ``(lo, hi)`` bounds for ``d`` (either may be ``None``); verl's k3 uses

@@ -89,14 +89,15 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
                 total, batch, c["width"], *c["lp_s"], *c["ref_s"], *c["mask_s"], rw_s0, rw_s1,
                 c["coef_scalar"], lo, hi, olo, ohi, size_bucket(total))
         flags = dict(c["flags"], HAS_PROMPT=c["prompt_lens"] is not None, HAS_MASK=mask is not None,
-                     PLACEMENT=placement, RETURN_REF=bool(return_ref), FLAT=flat)
+                     # "last_valid" (4) is "last" (3) to the tiles: both place the reward in combine
+                     PLACEMENT=min(placement, 3), RETURN_REF=bool(return_ref), FLAT=flat)
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
         combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
             log_probs, ref_log_probs, or_dummy(reward, dummy), or_dummy(c["coef"], kl_sum), or_dummy(c["offsets"], count),
             or_dummy(c["lengths"], count), reward_out, kl_sum, count, last, slot_sum, slot_count, slot_last,
             batch, c["width"], *c["lp_s"], *c["ref_s"], rw_s0, c["coef_scalar"], lo, hi, olo, ohi,
-            **c["flags"], PLACE_LAST=placement == 3, TILE=block, BLOCK_B=COMBINE_BLOCK)
+            **c["flags"], PLACE_LAST=placement in (3, 4), LAST_VALID=placement == 4, TILE=block, BLOCK_B=COMBINE_BLOCK)
     return kl, reward_out, ref_out, kl_sum, count
 
 

@@ -35,7 +35,7 @@ from ..layouts import same_device as _same_device
 
 ESTIMATORS = codes.ESTIMATORS  # the one table: kl_kernels/codes.py
 STRAIGHT_THROUGH = codes.STRAIGHT_THROUGH
-PLACEMENTS = ("auto", "token", "sequence", "last")
+PLACEMENTS = codes.PLACEMENTS
 
 
 class KLRewardOutput(NamedTuple):
@@ -233,7 +233,7 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None
                              f"got shape {list(shape)}")
         trailing = token_matches[0]
         return (reward.squeeze(-1) if trailing else reward), "token", trailing
-    if placement in ("sequence", "last"):
+    if placement in ("sequence", "last", "last_valid"):
         if seq_match is None:
             raise ValueError(f"reward_placement={placement!r} needs a per-sequence reward [B], [B, 1] or [B, 1, 1] "
                              f"with B = {batch}, got shape {list(shape)}")
@@ -242,7 +242,7 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None
     if token_matches and seq_match is not None and reward.numel():
         # (an empty reward of an empty batch, N = B = 0, means the same either way: taken per token)
         raise ValueError(f"reward of shape {list(shape)} is ambiguous: it fits both a per-token reward and a "
-                         "per-sequence one; pass reward_placement='token', 'sequence' or 'last'")
+                         "per-sequence one; pass reward_placement='token', 'sequence', 'last' or 'last_valid'")
     if token_matches:
         trailing = token_matches[0]
         return (reward.squeeze(-1) if trailing else reward), "token", trailing
@@ -252,8 +252,9 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None
             # [B, 1] / [B, 1, 1] against [B, T] / [B, T, 1] is plain broadcasting: TorchRL's expand.
             return reward.reshape(batch), "sequence", trailing
         raise ValueError(f"a per-sequence reward of shape {list(shape)} can be broadcast to every token "
-                         "(reward_placement='sequence', as TorchRL) or put on the last counted token "
-                         "(reward_placement='last', as verl/OpenRLHF): pass one explicitly")
+                         "(reward_placement='sequence', as TorchRL), put on the last counted token "
+                         "(reward_placement='last', as OpenRLHF) or on the last valid token, counted or not "
+                         "(reward_placement='last_valid', as verl's reward managers): pass one explicitly")
     raise ValueError(f"reward must be {accepted}; got shape {list(shape)}")
 
 

@@ -16,7 +16,8 @@ Per token ``t`` of sequence ``b`` (``d = log_probs - ref_log_probs``)::
 
 Placements: ``"token"`` ``R_t = reward_t``; ``"sequence"`` ``R_t = reward_b`` on every position of the
 row; ``"last"`` ``R_t = reward_b`` on the last counted token of ``b`` (the last valid token if none
-is counted; dropped for an empty sequence), 0 elsewhere; no reward: ``R_t = 0``.
+is counted; dropped for an empty sequence), 0 elsewhere; ``"last_valid"`` the same on the last valid
+token of ``b``, counted or not; no reward: ``R_t = 0``.
 
 Backward (what autograd computes here and the kernels implement): with
 ``g_t = grad_kl_t + grad_kl_sum_b - c_b * grad_reward_t`` and ``m_t`` true,
@@ -44,7 +45,9 @@ from .problem import STRAIGHT_THROUGH, KLRewardProblem, RawOutputs
 
 
 def _last_token(p: KLRewardProblem, m, valid, seq):
-    """Bool, per token: is it where a per-sequence reward goes under ``placement="last"``."""
+    """Bool, per token: is it where a per-sequence reward goes under ``placement="last"`` (the last
+    counted token, else the last valid one) or ``"last_valid"`` (the last valid token)."""
+    by_mask = p.placement == "last"
     if p.layout == "padded":
         batch, width = m.shape
         if width == 0:
@@ -57,7 +60,7 @@ def _last_token(p: KLRewardProblem, m, valid, seq):
             last_valid = p.lengths - 1
         else:
             last_valid = torch.where(p.lengths > 0, width - 1, -1)
-        last = torch.where(last_counted >= 0, last_counted, last_valid)
+        last = torch.where(last_counted >= 0, last_counted, last_valid) if by_mask else last_valid
         return col == last.unsqueeze(1)
     tok = torch.arange(m.shape[0], device=m.device)
     batch = p.batch_size
@@ -65,7 +68,7 @@ def _last_token(p: KLRewardProblem, m, valid, seq):
         0, seq, torch.where(m, tok, -1), "amax")
     lengths = ragged.offsets_to_lengths(p.offsets)
     last_valid = torch.where(lengths > 0, p.offsets[1:] - 1, -1)
-    last = torch.where(last_counted >= 0, last_counted, last_valid)
+    last = torch.where(last_counted >= 0, last_counted, last_valid) if by_mask else last_valid
     return tok == last[seq]
 
 
@@ -105,7 +108,7 @@ def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
         reward = p.reward.to(md) - penalty
     elif p.placement == "sequence":
         reward = per_seq(p.reward.to(md)) - penalty
-    else:  # "last"
+    else:  # "last", "last_valid"
         reward = torch.where(_last_token(p, m, valid, seq), per_seq(p.reward.to(md)), 0.0) - penalty
 
     ref_out = torch.where(m, p.ref_log_probs, 0.0) if p.return_ref else None

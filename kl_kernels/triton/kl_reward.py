@@ -11,7 +11,7 @@ Per-sequence sums are deterministic without float atomics: a segmented scan insi
 tile (a NaN or inf stays in its own sequence). A sequence that lies wholly in one tile is finished
 there; the tile's first and last segments (which may continue into neighbouring tiles) are also
 written to two slots per tile (fp64), and ``combine`` adds the slots of each spanning sequence
-in tile order, then applies the ``"last"`` placement. Two launches per forward, one backward.
+in tile order, then applies the ``"last"``/``"last_valid"`` placements. Two launches per forward, one backward.
 
 All index arithmetic is int64. Runtime values (sizes, strides, coef, clamps) are runtime
 arguments; only structural choices (layout, estimator, which optional tensors exist) are
@@ -130,9 +130,10 @@ def kl_reward_combine_kernel(
         batch, width, lp_s0, lp_s1, ref_s0, ref_s1, rw_s0,
         coef_scalar, in_lo, in_hi, out_lo, out_hi,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, PLACE_LAST: tl.constexpr,
-        COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+        LAST_VALID: tl.constexpr, COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr,
+        BLOCK_B: tl.constexpr):
     """Per sequence: finish the sums of sequences spanning tiles (tile order, fp64), zero the
-    empty ones, and put a ``"last"``-placed reward on its token."""
+    empty ones, and put a ``"last"``-placed (``LAST_VALID``: ``"last_valid"``) reward on its token."""
     b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
     # The sequence is the last segment of its first tile, then the first segment of the others.
     acc = tl.load(slot_sum_ptr + 2 * k0 + 1, mask=spans, other=0.0)
@@ -155,6 +156,8 @@ def kl_reward_combine_kernel(
             length = tl.load(lengths_ptr + b, mask=inb, other=0)
         else:
             length = tl.zeros_like(b) + width
+        if LAST_VALID:  # the last valid token, counted exactly when it is the last counted one
+            last = tl.where(last == length - 1, last, -1)
         pos = tl.where(last >= 0, last, length - 1)
         has = inb & (pos >= 0)  # an empty sequence has no slot
         if PACKED:
