@@ -22,7 +22,7 @@ from kl_kernels.integrations import trl as kt
 from peer_batches import batches, close, exact, printed_without
 
 
-def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_accum, training, mcl):
+def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_accum, training, mcl, delta=None):
     grpo = peers.trl_grpo_module()
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda model, *a, **k: (lp, torch.zeros_like(lp.detach()), None),
@@ -32,20 +32,21 @@ def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_
         current_gradient_accumulation_steps=grad_accum, max_completion_length=mcl, _entropy_bonus_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         accelerator=SimpleNamespace(num_processes=2, gather=lambda x: x, reduce=lambda x, reduction="sum": x),
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=2))
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=2))
     return grpo.GRPOTrainer._compute_loss(fake, None, inputs)
 
 
-CASES = [("dapo", 0.0, False), ("dapo", 0.04, True), ("grpo", 0.04, False), ("grpo", 0.0, True), ("bnpo", 0.1, False),
-         ("dr_grpo", 0.04, True), ("luspo", 0.0, False)]
+# (loss type, beta, vLLM ratio, delta: TRL's two-sided clip, 1.5 >= 1 + epsilon_high)
+CASES = [("dapo", 0.0, False, None), ("dapo", 0.04, True, 1.5), ("grpo", 0.04, False, None), ("grpo", 0.0, True, 2.0),
+         ("bnpo", 0.1, False, 1.5), ("dr_grpo", 0.04, True, None), ("luspo", 0.0, False, None)]
 
 
-@pytest.mark.parametrize("loss_type, beta, use_vllm", CASES, ids=[f"{c[0]}-beta{c[1]}-{'vllm' if c[2] else 'plain'}"
-                                                                  for c in CASES])
+@pytest.mark.parametrize("loss_type, beta, use_vllm, delta", CASES, ids=[
+    f"{c[0]}-beta{c[1]}-{'vllm' if c[2] else 'plain'}{'' if c[3] is None else f'-delta{c[3]}'}" for c in CASES])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @given(data=batches())
 @settings(max_examples=10, deadline=None)
-def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, training, data):
+def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, delta, training, data):
     b, t = data.mask.shape
     if ((data.lp.double() - data.old.double()).abs() > 20).any():  # ours clamps the log-ratio at +-20, TRL does not
         data.old = data.lp + (data.old - data.lp).clamp(-19, 19)  # (19: bf16 rounding stays inside)
@@ -56,7 +57,7 @@ def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, training, data):
     adv = data.adv[:, 0].contiguous()  # TRL's [B] advantages
     isr = (data.weights[:, :1] if b % 2 else data.weights) if use_vllm else None  # sequence- or token-shaped
     n_items = torch.tensor(float(data.mask.sum()) * 3)
-    kw = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, training=training)
+    kw = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, training=training, delta=delta)
     lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
     got = kt.grpo_loss(lp_got, adv, data.mask, old_per_token_logps=data.old, ref_per_token_logps=data.ref,
                        importance_sampling_ratio=isr, use_bias_correction_kl=False, max_completion_length=t + 5,
@@ -69,7 +70,7 @@ def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, training, data):
     if isr is not None:
         inputs["importance_sampling_ratio"] = isr.to(peer.lp.dtype)
     want = _trl_loss(lp_want, inputs, loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, use_vllm=use_vllm,
-                     grad_accum=3, training=training, mcl=t + 5)
+                     grad_accum=3, training=training, mcl=t + 5, delta=delta)
     md = torch.float32 if data.dtype == torch.float32 else data.dtype
     if not torch.isfinite(want):  # TRL's k3 is unclamped: exp(ref - lp) overflows on a diverged token (inf, or
         assert not torch.isfinite(got)  # NaN from inf * 0 at a masked one); ours overflows alike (inf)
@@ -82,7 +83,8 @@ def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, training, data):
 
 def test_options_not_fused_say_so():
     lp, adv, mask = -torch.rand(2, 3), torch.randn(2), torch.ones(2, 3, dtype=torch.bool)
-    for kw, match in ((dict(delta=1.5), "delta"), (dict(importance_sampling_level="sequence"), "GSPO"),
+    for kw, match in ((dict(delta=1.1), "delta=1.1 below 1 \\+ epsilon_high"),
+                      (dict(importance_sampling_level="sequence"), "GSPO"),
                       (dict(beta=0.1, ref_per_token_logps=lp), "use_bias_correction_kl"),
                       (dict(loss_type="sapo"), "sapo")):
         with pytest.raises(NotImplementedError, match=match):

@@ -14,8 +14,10 @@ TRL computes its loss inside a trainer method, so there is no function to import
 TRL is not needed to import this module. Supported: loss types ``grpo``, ``bnpo``, ``dr_grpo``,
 ``dapo`` (TRL's default) and ``luspo``; ``epsilon_low``/``epsilon_high``; ``beta`` with TRL's k3 KL
 to the reference; the vLLM importance-sampling ratio on the policy term (token or sequence shaped);
-TRL's normalisers. Not fused, and refused with ``NotImplementedError``: ``delta`` (two-sided
-clip), ``importance_sampling_level="sequence"`` (GSPO), ``use_bias_correction_kl`` with ``beta != 0``
+TRL's normalisers; ``delta`` (two-sided clipping: TRL caps the unclipped ratio at ``delta`` before
+the min, which for ``delta >= 1 + epsilon_high``, TRL's recommendation, is exactly the dual clip
+``dual_clip=delta``). Not fused, and refused with ``NotImplementedError``: ``delta`` below
+``1 + epsilon_high``, ``importance_sampling_level="sequence"`` (GSPO), ``use_bias_correction_kl`` with ``beta != 0``
 (a KL weighted by the differentiable ratio), and the ``cispo``/``sapo``/``vespo`` losses.
 Deviation: the log-ratio ``lp - old`` is clamped to +-20 before ``exp`` (TRL leaves it unclamped;
 ``exp(20)`` is already 4.9e8).
@@ -47,8 +49,8 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
         completion_mask: which tokens count (TRL's ``completion_mask``, times ``tool_mask`` if any).
         old_per_token_logps: the behaviour policy's (``None``: ``per_token_logps`` detached, ratio 1).
         ref_per_token_logps: the reference model's; needed when ``beta != 0``.
-        loss_type, beta, epsilon_low, epsilon_high (``None``: ``epsilon_low``), delta,
-        importance_sampling_level, use_bias_correction_kl: TRL's ``GRPOConfig`` fields.
+        loss_type, beta, epsilon_low, epsilon_high (``None``: ``epsilon_low``), delta (at least
+        ``1 + epsilon_high``), importance_sampling_level, use_bias_correction_kl: TRL's ``GRPOConfig`` fields.
         importance_sampling_ratio: the vLLM correction ``[B, T]`` or ``[B, 1]`` (``inputs``), or None.
         max_completion_length: ``dr_grpo``'s constant length.
         num_items_in_batch: ``dapo``'s token count of the whole generation batch, all processes.
@@ -63,8 +65,6 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     if loss_type not in LOSS_TYPES:
         raise NotImplementedError(f"loss_type={loss_type!r} is not fused in kl_kernels "
                                   f"(fused: {', '.join(LOSS_TYPES)})")
-    if delta is not None:
-        raise NotImplementedError("delta (TRL's two-sided clip) is not fused yet: call with delta=None")
     if importance_sampling_level != "token":
         if importance_sampling_level == "sequence":
             raise NotImplementedError("importance_sampling_level='sequence' (GSPO) is not fused yet")
@@ -76,6 +76,12 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     if beta != 0.0 and ref_per_token_logps is None:
         raise ValueError("beta != 0 needs ref_per_token_logps")
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    if delta is not None and not delta >= 1.0 + eps_high:
+        # TRL caps the unclipped ratio at delta before the min: for delta >= 1 + epsilon_high (TRL's
+        # recommendation) that is exactly the dual clip (the loss of a negative advantage capped at
+        # -A * delta, no gradient there); below it the cap would cut into the positive side too
+        raise NotImplementedError(f"delta={delta} below 1 + epsilon_high = {1.0 + eps_high} is not fused (TRL "
+                                  "recommends delta > 1 + epsilon_high, where it is the dual clip)")
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     mask = completion_mask.bool()
     weights = None
@@ -102,7 +108,7 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     out: KLPenaltyLossOutput = kl_penalty_loss(
         per_token_logps, old, advantages, ref_log_probs=ref_per_token_logps if beta != 0.0 else None, beta=float(beta),
         estimator="k3" if beta != 0.0 else "k1", mask=mask, clip_epsilon=(epsilon_low, eps_high), weights=weights,
-        aggregation=agg)
+        aggregation=agg, dual_clip=delta)
     loss = out.loss * factor
     return (loss, out) if return_output else loss
 
