@@ -208,6 +208,27 @@ def device_check(ok: torch.Tensor, message: str) -> None:
     torch_compat.assert_async(ok, f"kl_kernels: {message}")
 
 
+def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int) -> torch.Tensor | None:
+    """The value check ``kernel`` (``"offsets_valid"`` or ``"lengths_valid"``, csrc/cuda/ragged_checks.cu)
+    of CUDA tensor ``values`` (int64, contiguous), enqueued on the current stream: an int32 0-d tensor,
+    1 when the values are valid, for :func:`device_check`. One launch where the same check in torch
+    operations takes six. None when it cannot run (not a contiguous int64 CUDA tensor, no ``_cuda``
+    kernel): the caller checks with torch operations."""
+    if values.device.type != "cuda" or values.dtype != torch.int64 or not values.is_contiguous():
+        return None
+    from . import _extensions  # not at import time: kl_kernels.ragged must import without the extension
+
+    fn, reason = _extensions.kernel("_cuda", kernel)
+    if reason:
+        return None
+    ok = torch.empty((), dtype=torch.int32, device=values.device)
+    with torch.cuda.device(values.device):
+        code = fn(values.data_ptr(), batch, bound, ok.data_ptr(), torch.cuda.current_stream(values.device).cuda_stream)
+    if code:
+        raise RuntimeError(f"kl_kernels: the {kernel} check kernel failed to launch (code {code})")
+    return ok
+
+
 def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:
     """Raise if ``offsets`` is not a valid ``[B + 1]`` int64 offsets vector for ``num_tokens``.
 
@@ -230,9 +251,11 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
         # (narrow/select rather than Python indexing: the same ops, and they also trace under a fake
         # CUDA mode on a CPU-only torch, which tests/test_no_host_sync.py uses)
         n = offsets.shape[0]
-        ok = offsets.select(0, 0).eq(0) & offsets.select(0, n - 1).eq(num_tokens)
-        if n > 1:
-            ok = ok & offsets.narrow(0, 1, n - 1).ge(offsets.narrow(0, 0, n - 1)).all()
+        ok = kernel_check("offsets_valid", offsets, n - 1, num_tokens)
+        if ok is None:
+            ok = offsets.select(0, 0).eq(0) & offsets.select(0, n - 1).eq(num_tokens)
+            if n > 1:
+                ok = ok & offsets.narrow(0, 1, n - 1).ge(offsets.narrow(0, 0, n - 1)).all()
         device_check(ok, f"{name} must start at 0, be non-decreasing and end at N = {num_tokens}")
         return
     facts = _int64_facts_cpu(offsets)
@@ -271,7 +294,9 @@ def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "le
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
     if batch and values_checkable(lengths) and not checks_on_host(lengths):
-        device_check(((lengths >= 0) & (lengths <= width)).all(), f"{name} must be in [0, T = {width}]")
+        ok = kernel_check("lengths_valid", lengths, batch, width)
+        device_check(((lengths >= 0) & (lengths <= width)).all() if ok is None else ok,
+                     f"{name} must be in [0, T = {width}]")
     elif batch and values_checkable(lengths):
         facts = _int64_facts_cpu(lengths)
         lo, hi = facts[2:4] if facts is not None else torch.stack([lengths.min(), lengths.max()]).tolist()

@@ -18,6 +18,7 @@
 #include "cuda/kl_penalty_cuda.h"
 #include "cuda/kl_reward_cuda.h"
 #include "cuda/probe.h"
+#include "cuda/ragged_checks.h"
 #if defined(KL_CUDA_EMULATED)
 #include "emu/bind.h"
 #endif
@@ -55,6 +56,8 @@ py::dict probe(bool launch) {
   kernels.append("kl_reward_backward");
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
+  kernels.append("offsets_valid");
+  kernels.append("lengths_valid");
   info["kernels"] = kernels;
   return info;
 }
@@ -86,6 +89,13 @@ PYBIND11_MODULE(KL_CUDA_MODULE, m) {
   m.def("kl_penalty_backward", &kl::kl_penalty_backward_cuda, py::arg("args"), py::arg("stream"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_penalty_loss backward, enqueued on `stream`; same return codes as the forward.");
+  m.def("offsets_valid", &kl::kl_offsets_valid_cuda, py::arg("offsets"), py::arg("batch"), py::arg("total"),
+        py::arg("ok"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "Enqueue the value check of offsets [B + 1] (int64): *ok (int32) = 1 when they start at 0, never decrease "
+        "and end at total, else 0. Returns 0 or 1000 + a cudaError_t.");
+  m.def("lengths_valid", &kl::kl_lengths_valid_cuda, py::arg("lengths"), py::arg("batch"), py::arg("width"),
+        py::arg("ok"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "Enqueue the value check of lengths [B] (int64): *ok (int32) = 1 when 0 <= lengths <= width, else 0.");
   m.def("error_string", [](int code) { return std::string(kl_probe_error_string(code)); }, py::arg("code"),
         "The CUDA runtime's message for a cudaError_t.");
 #if defined(KL_CUDA_EMULATED)

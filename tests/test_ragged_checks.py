@@ -1,0 +1,78 @@
+"""The device-side value checks of offsets and lengths (csrc/cuda/ragged_checks.cu), which an eager
+call on CUDA tensors enqueues instead of six torch operations per check (``ragged.kernel_check``).
+
+Run here under the host emulation (``kl_kernels._cuda_emu``, the same source): on random offsets and
+lengths, valid or broken at one place, across the block's 256 threads (B up to 700), the kernel's
+verdict equals the host check's (``ragged.check_offsets`` / ``check_lengths`` on CPU tensors, which
+raise ``ValueError``). On a GPU, ``.ci/gpu`` runs the calls that use it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kl_kernels import _extensions, ragged
+
+pytestmark = pytest.mark.cuda_emulated
+
+
+def _kernel_says(kernel: str, values: torch.Tensor, batch: int, bound: int) -> bool:
+    module = _extensions.load("_cuda_emu")[0]
+    ok = torch.full((), -1, dtype=torch.int32)  # poisoned: the kernel must write it
+    assert getattr(module, kernel)(values.data_ptr(), batch, bound, ok.data_ptr(), 0) == 0
+    assert int(ok) in (0, 1)
+    return bool(ok)
+
+
+def _host_says(check, *args) -> bool:
+    try:
+        check(*args)
+    except ValueError:
+        return False
+    return True
+
+
+@st.composite
+def _offsets(draw):
+    lengths = draw(st.lists(st.integers(0, 5), min_size=0, max_size=700))
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    total = offsets[-1]
+    fault = draw(st.sampled_from(["none", "start", "end", "decrease", "total"]))
+    if fault == "start":
+        offsets[0] = draw(st.sampled_from([-1, 1]))
+    elif fault == "end":
+        offsets[-1] += draw(st.sampled_from([-1, 1]))
+    elif fault == "decrease" and len(offsets) > 2:
+        i = draw(st.integers(1, len(offsets) - 2))
+        offsets[i] = offsets[i + 1] + 1
+    elif fault == "total":
+        total += 1
+    return torch.tensor(offsets, dtype=torch.int64), total
+
+
+@given(case=_offsets())
+@settings(max_examples=60, deadline=None)
+def test_offsets_kernel_agrees_with_the_host_check(case):
+    offsets, total = case
+    want = _host_says(ragged.check_offsets, offsets, total)
+    assert _kernel_says("offsets_valid", offsets, offsets.shape[0] - 1, total) == want
+
+
+@given(lengths=st.lists(st.integers(-2, 40), min_size=0, max_size=700), width=st.integers(0, 38))
+@settings(max_examples=60, deadline=None)
+def test_lengths_kernel_agrees_with_the_host_check(lengths, width):
+    t = torch.tensor(lengths, dtype=torch.int64)
+    want = _host_says(ragged.check_lengths, t, len(lengths), width)
+    assert _kernel_says("lengths_valid", t, len(lengths), width) == want
+
+
+def test_kernel_check_falls_back_where_it_cannot_run():
+    """CPU tensors, other dtypes and strided values are not the kernels': None, and the caller uses
+    torch operations (or the host check, for CPU tensors)."""
+    assert ragged.kernel_check("offsets_valid", torch.tensor([0, 1]), 1, 1) is None
+    assert ragged.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3) is None
