@@ -46,6 +46,8 @@ def test_every_kernel_and_config_compiles_for_each_target(records):
                     assert (kernel, arch, block, warps, case) in seen, (kernel, arch, block, warps, case)
             for kernel in ("kl_reward_combine_kernel", "kl_penalty_combine_kernel"):
                 assert any(r[0] == kernel and r[1] == arch and r[4] == case for r in seen), (kernel, arch, case)
+            assert any(r[0] == "kl_penalty_totals_kernel" and r[1] == arch and r[4] == f"{case}-aggregated"
+                       for r in seen), (arch, case)
     assert all(r["regs"] > 0 for r in records)
 
 

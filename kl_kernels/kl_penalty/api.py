@@ -136,8 +136,9 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too
         return run_fused_aggregated(problem, num_global_tokens)
-    if impl.name in ("cuda", "cuda-emulated") and on_device(problem, process_group):  # so do the CUDA kernels
-        return run_fused_on_device(problem, num_global_tokens, emulated=impl.name == "cuda-emulated")
+    if impl.name in ("cuda", "cuda-emulated", "triton") and on_device(problem, process_group):  # and on a device
+        return run_fused_on_device(problem, num_global_tokens, emulated=impl.name == "cuda-emulated",
+                                   triton=impl.name == "triton")
     raw = impl.run(problem)
     return aggregate(problem, raw, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
                      process_group=process_group)

@@ -24,6 +24,13 @@ def _kernels():
     return kernel_set(k.kl_penalty_fwd_kernel, k.kl_penalty_combine_kernel, k.kl_penalty_bwd_kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _totals_kernel():
+    from ..triton import kl_penalty as k
+
+    return k.kl_penalty_totals_kernel
+
+
 def _geometry(like, mask, offsets, lengths, layout):
     packed = layout == 0
     batch = offsets.shape[0] - 1 if packed else like.shape[0]
@@ -89,9 +96,50 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     return seq_loss, stats, count, tok, grad
 
 
+def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg_tokens, agg_beta, agg_entropy_coef,
+                       ext=None, grad_out=None):
+    """``launch.forward_aggregated`` with the Triton kernels: the forward, then the totals kernel
+    (``kl_penalty_totals_kernel``) writes the loss, its parts, the count and the weight on the
+    device. Same arguments (``ext`` unused) and results; ``args`` is what
+    :func:`backward_aggregated` needs, ``keep`` empty."""
+    if forward_args[18]:  # token_out
+        raise ValueError("forward_aggregated: per-token outputs (token_out) are not aggregated")
+    seq_loss, stats, count, _, grad = forward(*forward_args, grad_out=grad_out)
+    dev, batch = grad.device, count.shape[0]
+    f32 = dict(dtype=torch.float32, device=dev)
+    loss, rest = torch.empty((), **f32), torch.empty(6, **f32)
+    n = torch.empty((), dtype=torch.int64, device=dev)
+    weight = torch.empty(1, dtype=torch.float64, device=dev)
+    beta = forward_args[8]
+    beta_t = beta.to(torch.float32).contiguous() if beta is not None else None  # device ops: no host sync
+    tokens = agg_tokens.to(torch.float64).contiguous() if agg_tokens is not None else None
+    _totals_kernel()[(1,)](
+        seq_loss, stats, count, or_dummy(beta_t, seq_loss), or_dummy(tokens, weight), loss, rest, n, weight, batch,
+        float(agg_scale), float(agg_beta), float(agg_entropy_coef),
+        BETA_MODE=0 if beta_t is None else 1 if beta_t.dim() == 0 else 2, PER_TOKEN=bool(agg_per_token),
+        SEQ_MEAN=bool(agg_seq_mean), HAS_TOKENS=tokens is not None, BLOCK_B=COMBINE_BLOCK)
+    (mask, offsets, lengths, layout, left_pad, entropy_coef) = (forward_args[5], forward_args[6], forward_args[7],
+                                                                forward_args[11], forward_args[12], forward_args[17])
+    args = dict(mask=mask, offsets=offsets, lengths=lengths, layout=layout, left_pad=left_pad,
+                entropy_coef=entropy_coef, count=count, seq_mean=bool(agg_seq_mean))
+    return loss, rest, n, weight, grad, args, []
+
+
+def backward_aggregated(args, grad, weight, g_loss, lp_dtype, entropy_grad, aux_dtype, ext=None):
+    """``launch.backward_aggregated`` with the Triton backward kernel (``args``: from
+    :func:`forward_aggregated`): sequence b's incoming gradient g_loss * w * u_b is read on the
+    device. Returns (grad_lp, grad_ent or None)."""
+    g_lp, g_ent = backward(grad, None, None, args["mask"], args["offsets"], args["lengths"], args["layout"],
+                           args["left_pad"], lp_dtype, entropy_grad, aux_dtype, args["entropy_coef"],
+                           g_loss=g_loss, weight=weight, count=args["count"], seq_mean=args["seq_mean"])
+    return g_lp, g_ent if entropy_grad else None
+
+
 def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype,
-             entropy_coef):
-    """Scale the saved gradient buffer (see ``launch.backward``); returns (grad_lp, grad_ent or empty)."""
+             entropy_coef, g_loss=None, weight=None, count=None, seq_mean=False):
+    """Scale the saved gradient buffer (see ``launch.backward``); returns (grad_lp, grad_ent or empty).
+    ``g_loss`` (a 0-d tensor), ``weight`` and ``count``: the aggregation on the device
+    (:func:`backward_aggregated`), in place of ``g_seq``."""
     grad, g_seq, g_tok, mask, offsets, lengths = resolved(grad, g_seq, g_tok, mask, offsets, lengths)
     _, _, bwd = _kernels()
     dev, total = grad.device, grad.numel()
@@ -102,11 +150,12 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
         return g_lp, g_ent
     g_seq = g_seq.to(torch.float32).contiguous() if g_seq is not None else None
     g_tok = g_tok.to(torch.float32).contiguous() if g_tok is not None else None
+    g_loss = g_loss.to(torch.float32).contiguous() if g_loss is not None else None
     args = (grad, or_dummy(g_seq, grad), or_dummy(g_tok, grad), or_dummy(mask_u8, grad), or_dummy(offsets, grad), or_dummy(lengths, grad),
-            g_lp, g_ent if entropy_grad else g_lp, total, batch, width, *mask_s, float(entropy_coef),
-            size_bucket(total))
+            g_lp, g_ent if entropy_grad else g_lp, or_dummy(g_loss, grad), or_dummy(weight, grad),
+            or_dummy(count, grad), total, batch, width, *mask_s, float(entropy_coef), size_bucket(total))
     flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
                  HAS_GSEQ=g_seq is not None, HAS_GTOK=g_tok is not None, ENT_GRAD=bool(entropy_grad),
-                 FLAT=readable_flat(mask, layout))
+                 FLAT=readable_flat(mask, layout), HAS_GLOSS=g_loss is not None, SEQ_MEAN=bool(seq_mean))
     launch_tiles(bwd, total, args, flags)
     return g_lp, g_ent

@@ -249,7 +249,7 @@ def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLos
 
 
 class _EagerOnDevice(torch.autograd.Function):
-    """The CUDA kernels with the aggregation folded in, for eager calls
+    """The CUDA (or Triton) kernels with the aggregation folded in, for eager calls
     (:func:`~kl_kernels.kl_penalty.aggregate.on_device`): the forward's totals kernel writes the
     loss, its parts, the count and the weight ``w`` on the device, and the backward kernel reads the
     loss's gradient, ``w`` and (seq-mean-token-mean) the sequences' counts there. One autograd node, the kernels' launches and a few allocations
@@ -257,12 +257,12 @@ class _EagerOnDevice(torch.autograd.Function):
     step cost more than the kernels (bench/results/gpu-h200-2026-11-26-third)."""
 
     @staticmethod
-    def forward(ctx, p, agg, ext, *args):
-        loss, rest, count, weight, grad, kernel_args, keep = launch.forward_aggregated(args, *agg, ext=ext,
-                                                                                       grad_out=p.grad_out)
+    def forward(ctx, p, agg, launcher, ext, *args):
+        loss, rest, count, weight, grad, kernel_args, keep = launcher.forward_aggregated(args, *agg, ext=ext,
+                                                                                         grad_out=p.grad_out)
         _claim(p.grad_out)
         _save_folded(ctx, args, (grad, weight), kernel_args, keep)
-        ctx.ext = ext
+        ctx.launcher, ctx.ext = launcher, ext
         ctx.mark_non_differentiable(rest, count)
         return loss, rest, count
 
@@ -272,18 +272,20 @@ class _EagerOnDevice(torch.autograd.Function):
         g_lp = g_ent = None
         if g_loss is not None:
             grad, weight = ctx.saved_tensors[:2]
-            g_lp, g_ent = launch.backward_aggregated(ctx.kernel_args, grad, weight, g_loss, lp_dtype, entropy_grad,
-                                                     aux_dtype, ext=ctx.ext)
-        return (None, None, None, g_lp, None, None, None, g_ent) + (None,) * 18
+            g_lp, g_ent = ctx.launcher.backward_aggregated(ctx.kernel_args, grad, weight, g_loss, lp_dtype,
+                                                           entropy_grad, aux_dtype, ext=ctx.ext)
+        return (None, None, None, None, g_lp, None, None, None, g_ent) + (None,) * 18
 
 
-def run_fused_on_device(p: KLPenaltyProblem, num_global_tokens, emulated: bool = False) -> KLPenaltyLossOutput:
+def run_fused_on_device(p: KLPenaltyProblem, num_global_tokens, emulated: bool = False,
+                        triton: bool = False) -> KLPenaltyLossOutput:
     """``kl_penalty_loss``'s result for an eager call of the CUDA kernels (``emulated``: under host
-    emulation, on CPU tensors) that they aggregate themselves
+    emulation, on CPU tensors; ``triton``: the Triton kernels) that they aggregate themselves
     (:func:`~kl_kernels.kl_penalty.aggregate.on_device`), through :class:`_EagerOnDevice`. Same
     formulas and float64 sums as ``aggregate(p, run_fused(p))``, in another order."""
     scale, per_token, seq_mean, tokens = device_weight(p, num_global_tokens)
     beta = 0.0 if isinstance(p.beta, torch.Tensor) else float(p.beta)
     agg = (scale, per_token, seq_mean, tokens, beta, float(p.entropy_coef))
-    loss, rest, count = _EagerOnDevice.apply(p, agg, launch.EMULATED if emulated else None, *_fused_args(p))
+    launcher, ext = (launch_triton, None) if triton else (launch, launch.EMULATED if emulated else None)
+    loss, rest, count = _EagerOnDevice.apply(p, agg, launcher, ext, *_fused_args(p))
     return KLPenaltyLossOutput(loss, *rest.unbind(), count)

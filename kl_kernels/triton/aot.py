@@ -12,7 +12,7 @@ static shared memory), the kernel's dynamic shared memory and the SASS global-lo
 (``cuobjdump -sass``); ptxas and cuobjdump are the ones shipped in the Triton wheel.
 
 Coverage: every autotune config for fp32 and bf16 inputs, packed and padded, forward and
-backward of both ops, plus the combine kernels.
+backward of both ops, plus the combine kernels and the loss's totals kernel.
 """
 
 from __future__ import annotations
@@ -143,6 +143,12 @@ def _child(arch: int, out_dir: str) -> list[dict]:
             P.forward(mk(), mk(), mk(), mk(torch.float32), mk(torch.float32), mask, offsets, lengths, coef, 0.05, False,
                       lay, True, 3, False, 0.8, 1.2, 0.01, False, mk(torch.float32), 3.0, True,
                       [-20.0, 20.0, -10.0, 10.0])
+            # the aggregation on the device: the totals kernel and the backward reading the loss's gradient
+            case["name"] = f"{str(dtype)[6:]}-{layout}-aggregated"
+            args = (mk(), mk(), mk(), mk(torch.float32), mk(torch.float32), mask, offsets, lengths, coef, 0.05, False,
+                    lay, True, 3, False, 0.8, 1.2, 0.01, False)
+            _, _, _, weight, grad_a, back, _ = P.forward_aggregated(args, 1.0, True, True, None, 0.0, 0.01)
+            P.backward_aggregated(back, grad_a, weight, torch.ones(()), dtype, True, torch.float32)
             case["name"] = f"{str(dtype)[6:]}-{layout}"
             P.backward(grad, torch.randn(B), None, mask, offsets, lengths, lay, True, dtype, True, torch.float32,
                        0.01)

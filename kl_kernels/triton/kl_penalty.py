@@ -1,4 +1,4 @@
-"""Triton kernels of ``kl_penalty_loss``: forward tiles, per-sequence combine, backward.
+"""Triton kernels of ``kl_penalty_loss``: forward tiles, per-sequence combine, the aggregation's totals, backward.
 
 The twin of ``csrc/cpu/kl_penalty_cpu.cpp`` with the geometry of ``kl_reward.py``: the flat
 token space is cut into tiles of ``BLOCK`` elements (one program each, no grid dimension tied to
@@ -205,15 +205,79 @@ def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, s
     tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=write)
 
 
+@triton.jit(do_not_specialize=("batch",))
+def kl_penalty_totals_kernel(seq_loss_ptr, stats_ptr, count_ptr, beta_ptr, tokens_ptr, loss_ptr, rest_ptr, n_ptr,
+                             weight_ptr, batch, agg_scale, agg_beta, entropy_coef, BETA_MODE: tl.constexpr,
+                             PER_TOKEN: tl.constexpr, SEQ_MEAN: tl.constexpr, HAS_TOKENS: tl.constexpr,
+                             BLOCK_B: tl.constexpr):
+    """One program, after combine: the aggregation's sums over the batch and its outputs, the
+    algorithm of the CUDA kernels' penalty_totals and finalize_aggregation
+    (csrc/common/kl_penalty_args.h): sequence b's loss weighs w * u_b, w = agg_scale / (PER_TOKEN ?
+    max(N, 1) : 1) with N at tokens_ptr (HAS_TOKENS) or this batch's count, u_b = 1 / max(n_b, 1)
+    (SEQ_MEAN) or 1; float64 sums, lanes of BLOCK_B sequences reduced by tl.sum (a fixed order).
+    The float scalars arrive in float32 (Triton's float arguments)."""
+    offs = tl.arange(0, BLOCK_B).to(tl.int64)
+    zero = tl.zeros((BLOCK_B,), dtype=tl.float64)
+    one = tl.sum(zero, axis=0) + 1.0  # a float64 scalar: the float arguments promoted to float64 through it
+    s_loss, s_obj, s_klb, s_ent, s_kl, s_ratio, s_clip = zero, zero, zero, zero, zero, zero, zero
+    s_n = tl.zeros((BLOCK_B,), dtype=tl.int64)
+    for start in range(0, batch, BLOCK_B):
+        b = start + offs
+        inb = b < batch
+        n_b = tl.load(count_ptr + b, mask=inb, other=0)
+        if SEQ_MEAN:
+            u = 1.0 / tl.maximum(n_b, 1).to(tl.float64)
+        else:
+            u = zero + 1.0
+        if BETA_MODE == 0:
+            beta = zero + one * agg_beta
+        elif BETA_MODE == 1:
+            beta = zero + tl.load(beta_ptr).to(tl.float64)
+        else:
+            beta = tl.load(beta_ptr + b, mask=inb, other=0.0).to(tl.float64)
+        at = stats_ptr + b * 5
+        s_loss += tl.where(inb, u * tl.load(seq_loss_ptr + b, mask=inb, other=0.0).to(tl.float64), 0.0)
+        s_obj += tl.where(inb, u * tl.load(at, mask=inb, other=0.0).to(tl.float64), 0.0)
+        kl_b = tl.load(at + 1, mask=inb, other=0.0).to(tl.float64)
+        s_klb += tl.where(inb, u * beta * kl_b, 0.0)
+        s_ent += tl.where(inb, u * tl.load(at + 2, mask=inb, other=0.0).to(tl.float64), 0.0)
+        s_kl += kl_b
+        s_ratio += tl.load(at + 3, mask=inb, other=0.0).to(tl.float64)
+        s_clip += tl.load(at + 4, mask=inb, other=0.0).to(tl.float64)
+        s_n += n_b
+    n = tl.sum(s_n, axis=0)
+    n_f = n.to(tl.float64)
+    if HAS_TOKENS:
+        big_n = tl.load(tokens_ptr)
+    else:
+        big_n = n_f
+    if PER_TOKEN:
+        w = one * agg_scale / tl.maximum(big_n, 1.0)
+    else:
+        w = one * agg_scale
+    denom = tl.maximum(n_f, 1.0)
+    tl.store(loss_ptr, (tl.sum(s_loss, axis=0) * w).to(tl.float32))
+    tl.store(rest_ptr, (tl.sum(s_obj, axis=0) * w).to(tl.float32))
+    tl.store(rest_ptr + 1, (tl.sum(s_klb, axis=0) * w).to(tl.float32))
+    tl.store(rest_ptr + 2, (tl.sum(s_ent, axis=0) * w * -(one * entropy_coef) + 0.0).to(tl.float32))
+    tl.store(rest_ptr + 3, (tl.sum(s_kl, axis=0) / denom).to(tl.float32))
+    tl.store(rest_ptr + 4, (tl.sum(s_ratio, axis=0) / denom).to(tl.float32))
+    tl.store(rest_ptr + 5, (tl.sum(s_clip, axis=0) / denom).to(tl.float32))
+    tl.store(n_ptr, n)
+    tl.store(weight_ptr, w)
+
+
 @triton.jit(do_not_specialize=("total", "batch", "width", "mask_s0"))
 def kl_penalty_bwd_kernel(
         grad_ptr, g_seq_ptr, g_tok_ptr, mask_ptr, offsets_ptr, lengths_ptr, g_lp_ptr, g_ent_ptr,
+        g_loss_ptr, weight_ptr, count_ptr,
         total, batch, width, mask_s0, mask_s1, entropy_coef, size_bucket,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr,
         HAS_GSEQ: tl.constexpr, HAS_GTOK: tl.constexpr, ENT_GRAD: tl.constexpr, FLAT: tl.constexpr,
-        BLOCK: tl.constexpr):
+        HAS_GLOSS: tl.constexpr, SEQ_MEAN: tl.constexpr, BLOCK: tl.constexpr):
     """grad_lp = (g_tok + g_seq[seq]) * grad and grad_entropy = -entropy_coef * (g_tok + g_seq[seq]) at
-    counted tokens, 0 elsewhere."""
+    counted tokens, 0 elsewhere. HAS_GLOSS (the aggregation on the device, kl_penalty_totals_kernel):
+    g_seq[seq] is g_loss * w (* 1 / max(count[seq], 1) with SEQ_MEAN), read here."""
     pid = tl.program_id(0).to(tl.int64)
     t0 = pid * BLOCK
     offs = t0 + tl.arange(0, BLOCK).to(tl.int64)
@@ -226,6 +290,13 @@ def kl_penalty_bwd_kernel(
         g += tl.load(g_seq_ptr + seq, mask=counted, other=0.0)
     if HAS_GTOK:
         g += tl.load(g_tok_ptr + offs, mask=counted, other=0.0)
+    if HAS_GLOSS:
+        g_all = tl.load(g_loss_ptr).to(tl.float64) * tl.load(weight_ptr)
+        if SEQ_MEAN:
+            n_b = tl.load(count_ptr + seq, mask=counted, other=1)
+            g += (g_all * (1.0 / tl.maximum(n_b, 1).to(tl.float64))).to(tl.float32)
+        else:
+            g += g_all.to(tl.float32)
     grad = tl.load(grad_ptr + offs, mask=counted, other=0.0)
     tl.store(g_lp_ptr + offs, tl.where(counted, g * grad, 0.0).to(g_lp_ptr.dtype.element_ty), mask=inb)
     if ENT_GRAD:
