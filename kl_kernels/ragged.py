@@ -208,13 +208,16 @@ def device_check(ok: torch.Tensor, message: str) -> None:
     torch_compat.assert_async(ok, f"kl_kernels: {message}")
 
 
-def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int) -> torch.Tensor | None:
+def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per_sequence) -> torch.Tensor | None:
     """The value check ``kernel`` (``"offsets_valid"`` or ``"lengths_valid"``, csrc/cuda/ragged_checks.cu)
     of CUDA tensor ``values`` (int64, contiguous), enqueued on the current stream: an int32 0-d tensor,
-    1 when the values are valid, for :func:`device_check`. One launch where the same check in torch
-    operations takes six. None when it cannot run (not a contiguous int64 CUDA tensor, no ``_cuda``
-    kernel): the caller checks with torch operations."""
-    if values.device.type != "cuda" or values.dtype != torch.int64 or not values.is_contiguous():
+    1 when the values are valid, for :func:`device_check`. ``lengths_valid`` takes two more:
+    ``offsets`` and ``seq_lengths`` (each a tensor or None), the per-sequence bounds of a packed or
+    padded batch's ``prompt_lens`` (else ``bound``). One launch where the same check in torch
+    operations takes five or six. None when it cannot run (not contiguous int64 CUDA tensors, no
+    ``_cuda`` kernel): the caller checks with torch operations."""
+    given = [t for t in (values, *per_sequence) if t is not None]
+    if any(t.device.type != "cuda" or t.dtype != torch.int64 or not t.is_contiguous() for t in given):
         return None
     from . import _extensions  # not at import time: kl_kernels.ragged must import without the extension
 
@@ -223,7 +226,9 @@ def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int) -> t
         return None
     ok = torch.empty((), dtype=torch.int32, device=values.device)
     with torch.cuda.device(values.device):
-        code = fn(values.data_ptr(), batch, bound, ok.data_ptr(), torch.cuda.current_stream(values.device).cuda_stream)
+        extra = [0 if t is None else t.data_ptr() for t in per_sequence]
+        code = fn(values.data_ptr(), batch, bound, *extra, ok.data_ptr(),
+                  torch.cuda.current_stream(values.device).cuda_stream)
     if code:
         raise RuntimeError(f"kl_kernels: the {kernel} check kernel failed to launch (code {code})")
     return ok
@@ -294,7 +299,7 @@ def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "le
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
     if batch and values_checkable(lengths) and not checks_on_host(lengths):
-        ok = kernel_check("lengths_valid", lengths, batch, width)
+        ok = kernel_check("lengths_valid", lengths, batch, width, None, None)
         device_check(((lengths >= 0) & (lengths <= width)).all() if ok is None else ok,
                      f"{name} must be in [0, T = {width}]")
     elif batch and values_checkable(lengths):

@@ -19,10 +19,11 @@ from kl_kernels import _extensions, ragged
 pytestmark = pytest.mark.cuda_emulated
 
 
-def _kernel_says(kernel: str, values: torch.Tensor, batch: int, bound: int) -> bool:
+def _kernel_says(kernel: str, values: torch.Tensor, batch: int, bound: int, *per_sequence) -> bool:
     module = _extensions.load("_cuda_emu")[0]
     ok = torch.full((), -1, dtype=torch.int32)  # poisoned: the kernel must write it
-    assert getattr(module, kernel)(values.data_ptr(), batch, bound, ok.data_ptr(), 0) == 0
+    extra = [0 if t is None else t.data_ptr() for t in per_sequence]
+    assert getattr(module, kernel)(values.data_ptr(), batch, bound, *extra, ok.data_ptr(), 0) == 0
     assert int(ok) in (0, 1)
     return bool(ok)
 
@@ -68,7 +69,31 @@ def test_offsets_kernel_agrees_with_the_host_check(case):
 def test_lengths_kernel_agrees_with_the_host_check(lengths, width):
     t = torch.tensor(lengths, dtype=torch.int64)
     want = _host_says(ragged.check_lengths, t, len(lengths), width)
-    assert _kernel_says("lengths_valid", t, len(lengths), width) == want
+    assert _kernel_says("lengths_valid", t, len(lengths), width, None, None) == want
+
+
+@given(data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_prompt_lens_kernel_agrees_with_the_host_check(data):
+    """prompt_lens against each sequence's length: from offsets (packed) or from lengths (padded)."""
+    from kl_kernels import kl_reward
+
+    lens = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=300))
+    prompt = torch.tensor([data.draw(st.integers(-1, n + 1)) for n in lens], dtype=torch.int64)
+    lengths = torch.tensor(lens, dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    width = max(lens)
+    for packed in (True, False):
+        kw = dict(offsets=offsets) if packed else dict(lengths=lengths, padding_side="right")
+        shape = (int(offsets[-1]),) if packed else (len(lens), width)
+        try:
+            kl_reward(torch.zeros(shape), torch.zeros(shape), prompt_lens=prompt, backend="torch", **kw)
+            want = True
+        except ValueError:
+            want = False
+        got = _kernel_says("lengths_valid", prompt, len(lens), width, offsets if packed else None,
+                           None if packed else lengths)
+        assert got == want, (packed, lens, prompt.tolist())
 
 
 def test_kernel_check_falls_back_where_it_cannot_run():

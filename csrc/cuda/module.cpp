@@ -94,8 +94,10 @@ PYBIND11_MODULE(KL_CUDA_MODULE, m) {
         "Enqueue the value check of offsets [B + 1] (int64): *ok (int32) = 1 when they start at 0, never decrease "
         "and end at total, else 0. Returns 0 or 1000 + a cudaError_t.");
   m.def("lengths_valid", &kl::kl_lengths_valid_cuda, py::arg("lengths"), py::arg("batch"), py::arg("width"),
-        py::arg("ok"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-        "Enqueue the value check of lengths [B] (int64): *ok (int32) = 1 when 0 <= lengths <= width, else 0.");
+        py::arg("offsets"), py::arg("seq_lengths"), py::arg("ok"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Enqueue the value check of lengths [B] (int64): *ok (int32) = 1 when 0 <= lengths[b] <= the bound of b "
+        "(offsets[b + 1] - offsets[b] with offsets, else seq_lengths[b] with seq_lengths, else width), else 0.");
   m.def("error_string", [](int code) { return std::string(kl_probe_error_string(code)); }, py::arg("code"),
         "The CUDA runtime's message for a cudaError_t.");
 #if defined(KL_CUDA_EMULATED)

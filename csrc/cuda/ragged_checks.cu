@@ -34,10 +34,13 @@ __global__ void __launch_bounds__(kThreads) offsets_valid(const int64_t* off, in
 }
 
 __global__ void __launch_bounds__(kThreads) lengths_valid(const int64_t* len, int64_t batch, int64_t width,
-                                                          int32_t* ok) {
+                                                          const int64_t* off, const int64_t* seq_len, int32_t* ok) {
   __shared__ int any_bad[kThreads];
   int bad = 0;
-  for (int64_t b = threadIdx.x; b < batch; b += kThreads) bad |= (len[b] < 0 || len[b] > width) ? 1 : 0;
+  for (int64_t b = threadIdx.x; b < batch; b += kThreads) {
+    const int64_t hi = off ? off[b + 1] - off[b] : seq_len ? seq_len[b] : width;
+    bad |= (len[b] < 0 || len[b] > hi) ? 1 : 0;
+  }
   write_ok(bad, any_bad, ok);
 }
 
@@ -48,9 +51,12 @@ int kl_offsets_valid_cuda(uintptr_t offsets, int64_t batch, int64_t total, uintp
                               reinterpret_cast<const int64_t*>(offsets), batch, total, reinterpret_cast<int32_t*>(ok)));
 }
 
-int kl_lengths_valid_cuda(uintptr_t lengths, int64_t batch, int64_t width, uintptr_t ok, uintptr_t stream) {
+int kl_lengths_valid_cuda(uintptr_t lengths, int64_t batch, int64_t width, uintptr_t offsets, uintptr_t seq_lengths,
+                          uintptr_t ok, uintptr_t stream) {
   return launch_status(launch(lengths_valid, 1, kThreads, 0, reinterpret_cast<cudaStream_t>(stream),
-                              reinterpret_cast<const int64_t*>(lengths), batch, width, reinterpret_cast<int32_t*>(ok)));
+                              reinterpret_cast<const int64_t*>(lengths), batch, width,
+                              reinterpret_cast<const int64_t*>(offsets), reinterpret_cast<const int64_t*>(seq_lengths),
+                              reinterpret_cast<int32_t*>(ok)));
 }
 
 }  // namespace kl

@@ -285,15 +285,23 @@ def _normalize_coef(coef, batch, device):
 def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device):
     prompt_lens = _int_vector(prompt_lens, "prompt_lens", batch, device)
     if batch and ragged.values_checkable(prompt_lens):
-        if kind == "padded":
-            seq_len = lengths if lengths is not None else torch.full((batch,), width, device=device)
+        padded = kind == "padded"
+        if padded:
             what = "lengths" if lengths is not None else f"T = {width}"
         else:
-            seq_len, what = ragged.offsets_to_lengths(offsets), "the sequence lengths"
+            what = "the sequence lengths"
+
+        def seq_lengths():  # the bounds as a tensor: the torch operations' check (the kernel reads them itself)
+            if padded:
+                return lengths if lengths is not None else torch.full((batch,), width, device=device)
+            return ragged.offsets_to_lengths(offsets)
         if not ragged.checks_on_host(prompt_lens):
-            ragged.device_check(((prompt_lens >= 0) & (prompt_lens <= seq_len)).all(),
+            ok = ragged.kernel_check("lengths_valid", prompt_lens, batch, width, None if padded else offsets,
+                                     lengths if padded else None)
+            ragged.device_check(((prompt_lens >= 0) & (prompt_lens <= seq_lengths())).all() if ok is None else ok,
                                 f"prompt_lens must be in [0, {what}]")
             return prompt_lens
+        seq_len = seq_lengths()
         negative, too_long = torch.stack([(prompt_lens < 0).any(), (prompt_lens > seq_len).any()]).tolist()
         if negative:
             raise ValueError("prompt_lens must be >= 0")
