@@ -105,41 +105,47 @@ def pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_len
 
     ``empty_dtype`` is the dtype given to an empty list, which carries none of its own.
     ``lp_lengths``: log_probs' sequence lengths as Python ints (lists: compared with ``x``'s own
-    shapes on the host, whatever the device).
+    shapes on the host, whatever the device; then no offsets of ``x`` are made on the device).
     """
+    offsets = None  # x's own offsets, when the lengths are compared on the device
     if kind == "list":
         if not isinstance(x, (list, tuple)):
             raise TypeError(f"{name} must be a list of tensors like log_probs, got {type(x).__name__}")
-        r = ragged.from_list(x, name=name, empty_device=lp_offsets.device)
+        if lp_lengths is not None:
+            values, batch = ragged.cat_list(x, name=name, empty_device=lp_offsets.device), len(x)
+        else:
+            values, offsets = ragged.from_list(x, name=name, empty_device=lp_offsets.device)
+            batch = offsets.shape[0] - 1
         if not x:
-            r = ragged.Ragged(r.values.to(empty_dtype), r.offsets)
+            values = values.to(empty_dtype)
     else:
         if not (isinstance(x, torch.Tensor) and x.is_nested):
             raise TypeError(f"{name} must be a nested tensor like log_probs, got "
                             f"{'a regular tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
         if (x.layout == torch.jagged) != (kind == "nested_jagged"):
             raise ValueError(f"{name} must use the same nested layout as log_probs ({kind.split('_')[1]})")
-        r = ragged.from_nested(x, name=name)
-    if r.batch_size != lp_offsets.shape[0] - 1:
-        raise ValueError(f"{name} has {r.batch_size} sequences but log_probs has {lp_offsets.shape[0] - 1}")
-    if r.num_tokens:
-        check_device(name, r.offsets.device, lp_offsets.device)
+        values, offsets = ragged.from_nested(x, name=name)
+        batch = offsets.shape[0] - 1
+    if batch != lp_offsets.shape[0] - 1:
+        raise ValueError(f"{name} has {batch} sequences but log_probs has {lp_offsets.shape[0] - 1}")
+    if values.numel():
+        check_device(name, values.device, lp_offsets.device)
     if lp_lengths is not None:  # host facts: no device read
         lens_x, lens_lp = [t.shape[0] for t in x], list(lp_lengths)
         same = lens_x == lens_lp
     elif not ragged.checks_on_host(lp_offsets) and ragged.values_checkable(lp_offsets):
-        ragged.device_check((r.offsets.to(lp_offsets.device) == lp_offsets).all(),
+        ragged.device_check((offsets.to(lp_offsets.device) == lp_offsets).all(),
                             f"{name} must have the sequence lengths of log_probs")
         same = True
     else:
-        same = torch.equal(r.offsets.to(lp_offsets.device), lp_offsets)
+        same = torch.equal(offsets.to(lp_offsets.device), lp_offsets)
         if not same:
-            lens_x, lens_lp = r.lengths.tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
+            lens_x, lens_lp = ragged.offsets_to_lengths(offsets).tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
     if not same:
         b = next(i for i, (u, v) in enumerate(zip(lens_x, lens_lp)) if u != v)
         raise ValueError(f"{name} must have the sequence lengths of log_probs: sequence {b} has "
                          f"{lens_x[b]} tokens in {name} but {lens_lp[b]} in log_probs")
-    return r.values
+    return values
 
 
 _FLOAT_DTYPES = frozenset(LOGPROB_DTYPES)

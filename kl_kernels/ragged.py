@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -387,6 +388,16 @@ def plain_sequence(x, name: str):
 def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors", empty_device=None) -> Ragged:
     """List of ``[L_b, *F]`` tensors -> :class:`Ragged` (concatenates: a copy). An empty list gives
     float32 ``[0]`` values on ``empty_device`` (default: the CPU)."""
+    values = cat_list(tensors, name=name, empty_device=empty_device)
+    if not tensors:
+        return Ragged(values, torch.zeros(1, dtype=torch.int64, device=empty_device))
+    # the offsets summed on the host from the shapes, sent in one copy without a sync
+    return Ragged(values, host_ints([0, *itertools.accumulate(t.shape[0] for t in tensors)], values.device))
+
+
+def cat_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors", empty_device=None) -> torch.Tensor:
+    """:func:`from_list`'s values alone (checked the same way), for a list whose lengths the caller
+    compares on the host: no offsets made on the device."""
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -394,7 +405,7 @@ def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors", empty_d
         if t.dim() < 1:
             raise ValueError(f"{name}[{i}] must be at least 1-D [L, *F], got a 0-d tensor")
     if not tensors:
-        return Ragged(torch.zeros(0, device=empty_device), torch.zeros(1, dtype=torch.int64, device=empty_device))
+        return torch.zeros(0, device=empty_device)
     device = tensors[0].device
     for i, t in enumerate(tensors):
         if t.device != device:
@@ -403,8 +414,7 @@ def from_list(tensors: Sequence[torch.Tensor], *, name: str = "tensors", empty_d
         if t.shape[1:] != tensors[0].shape[1:]:
             raise ValueError(f"{name}[{i}] has shape {list(t.shape)} but {name}[0] has {list(tensors[0].shape)}: "
                              "all tensors must be [L_b, *F] with the same F")
-    lengths = host_ints([t.shape[0] for t in tensors], device)  # from the host, without a sync
-    return Ragged(torch.cat(tensors), lengths_to_offsets(lengths))
+    return torch.cat(tensors)
 
 
 class SequenceList:

@@ -107,10 +107,11 @@ def _check_clip(clip_epsilon):
     return 1.0 - low, 1.0 + high
 
 
-def _token_tensor(x, name, kind, lp, offsets, *, floating=True):
-    """A per-token argument in log_probs' layout -> a tensor in the problem's native layout."""
+def _token_tensor(x, name, kind, lp, offsets, lp_lengths=None, *, floating=True):
+    """A per-token argument in log_probs' layout -> a tensor in the problem's native layout
+    (``lp_lengths``: a list's sequence lengths as Python ints, see ``pack_ragged_arg``)."""
     if kind in ("list", "nested_jagged", "nested_strided"):
-        return pack_ragged_arg(x, name, offsets, kind, lp.dtype)
+        return pack_ragged_arg(x, name, offsets, kind, lp.dtype, lp_lengths)
     if not isinstance(x, torch.Tensor) or x.is_nested:
         raise TypeError(f"{name} must be a regular tensor like log_probs, got "
                         f"{'a nested tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -125,12 +126,12 @@ def _check_float(x, name):
         raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16 or float64), got {x.dtype}")
 
 
-def _advantages(advantages, kind, lp, offsets, batch):
+def _advantages(advantages, kind, lp, offsets, batch, lp_lengths=None):
     """Per-token (the log-probs' layout, or padded ``[B, T, 1]``) or per-sequence (``[B]``, ``[B, 1]``)."""
     if isinstance(advantages, (list, tuple)) or (isinstance(advantages, torch.Tensor) and advantages.is_nested):
         if kind not in ("list", "nested_jagged", "nested_strided"):
             raise TypeError("advantages is a list or nested tensor but log_probs is a dense tensor: give a tensor")
-        values = pack_ragged_arg(advantages, "advantages", offsets, kind, lp.dtype)
+        values = pack_ragged_arg(advantages, "advantages", offsets, kind, lp.dtype, lp_lengths)
         if values.dim() != 1:
             raise ValueError("per-token advantages must be [L] per sequence, like log_probs")
         _check_float(values, "advantages")
@@ -271,18 +272,19 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     layout = "padded" if kind == "padded" else "packed"
     batch = lp.shape[0] if layout == "padded" else offsets.shape[0] - 1
 
+    host_lengths = [t.shape[0] for t in log_probs] if kind == "list" else None  # compared on the host
     ref = None
     if ref_log_probs is not None:
-        ref = _token_tensor(ref_log_probs, "ref_log_probs", kind, lp, offsets)
+        ref = _token_tensor(ref_log_probs, "ref_log_probs", kind, lp, offsets, host_lengths)
         check_logprob_tensor(ref, "ref_log_probs")
     ent = None
     if entropy is not None:
-        ent = _token_tensor(entropy, "entropy", kind, lp, offsets)
+        ent = _token_tensor(entropy, "entropy", kind, lp, offsets, host_lengths)
         _check_float(ent, "entropy")
-    adv, adv_per_seq = _advantages(advantages, kind, lp, offsets, batch)
+    adv, adv_per_seq = _advantages(advantages, kind, lp, offsets, batch, host_lengths)
     wts = None
     if weights is not None:
-        wts = _token_tensor(weights, "weights", kind, lp, offsets)
+        wts = _token_tensor(weights, "weights", kind, lp, offsets, host_lengths)
         _check_float(wts, "weights")
 
     if norm_length is not None:

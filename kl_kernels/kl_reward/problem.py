@@ -168,7 +168,7 @@ def _check_options(estimator, reward_placement, padding_side, clamp_input, clamp
 # --------------------------------------------------------------------------- reward
 
 
-def _pack_token_reward(reward, offsets, kind) -> tuple[torch.Tensor, bool]:
+def _pack_token_reward(reward, offsets, kind, lp_lengths=None) -> tuple[torch.Tensor, bool]:
     """A per-token reward (list or nested, [L] or [L, 1] per sequence) -> (packed [N], trailing-dim flag)."""
     if isinstance(reward, (list, tuple)):
         for i, t in enumerate(reward):
@@ -178,7 +178,7 @@ def _pack_token_reward(reward, offsets, kind) -> tuple[torch.Tensor, bool]:
     if ndims not in (set(), {1}, {2}):  # set(): an empty batch
         raise ValueError("a per-token reward must be [L] or [L, 1] per sequence, consistently")
     trailing = ndims == {2}
-    values = _pack_ragged_arg(reward, "reward", offsets, kind)
+    values = _pack_ragged_arg(reward, "reward", offsets, kind, lp_lengths=lp_lengths)
     if trailing:
         if values.dim() != 2 or values.shape[1] != 1:
             raise ValueError(f"a per-token reward must be [L] or [L, 1] per sequence, got a trailing dim of "
@@ -187,9 +187,10 @@ def _pack_token_reward(reward, offsets, kind) -> tuple[torch.Tensor, bool]:
     return values, trailing
 
 
-def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None):
+def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None, lp_lengths=None):
     """Return (reward tensor in problem layout, placement, trailing-dim flag). ``lp``: the
-    normalized log-probs (a list reward stays unpacked next to unpacked log-probs)."""
+    normalized log-probs (a list reward stays unpacked next to unpacked log-probs); ``lp_lengths``:
+    a list's sequence lengths as Python ints (compared on the host)."""
     per_token_given = isinstance(reward, (list, tuple)) or (isinstance(reward, torch.Tensor) and reward.is_nested)
     if per_token_given:
         if kind not in ("list", "nested_jagged", "nested_strided"):
@@ -205,7 +206,7 @@ def _classify_reward(reward, kind, tok_shape, batch, placement, offsets, lp=None
                 if values is not None:
                     break
         if values is None:
-            values, trailing = _pack_token_reward(reward, offsets, kind)
+            values, trailing = _pack_token_reward(reward, offsets, kind, lp_lengths)
         if placement not in ("auto", "token"):
             raise ValueError(f"reward_placement={placement!r} needs a per-sequence reward [B], [B, 1] or [B, 1, 1]; "
                              "a per-token reward (list or nested) takes 'token' or 'auto'")
@@ -387,7 +388,9 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
 
     placement, trailing, reward_dtype = None, False, lp.dtype
     if reward is not None:
-        reward, placement, trailing = _classify_reward(reward, kind, lp.shape, batch, reward_placement, offsets, lp)
+        host_lengths = [t.shape[0] for t in log_probs] if kind == "list" else None
+        reward, placement, trailing = _classify_reward(reward, kind, lp.shape, batch, reward_placement, offsets, lp,
+                                                       host_lengths)
         reward_dtype = _reward_dtype(reward, lp.dtype)
         if isinstance(reward, ragged.SequenceList):
             if reward.dtype != reward_dtype:
