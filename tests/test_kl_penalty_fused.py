@@ -127,12 +127,11 @@ def check_negative_bit(backend, device="cpu"):
             assert torch.equal(x, y), f"{aggregation}: output {i}"
 
 
-def check_long_row(backend, device="cpu", thread_counts=(None, None)):
-    """One row of 70001 tokens (beyond 65535; several tiles) next to short and empty ones: float64-
-    accurate sums against the reference, and bitwise identical results over repeated calls (and
-    over torch's thread counts in ``thread_counts``; None: unchanged)."""
+def check_long_row(backend, device="cpu", thread_counts=(None, None), n=70001):
+    """One row of ``n`` tokens (70001: beyond 65535; several tiles) next to short and empty ones:
+    float64-accurate sums against the reference, and bitwise identical results over repeated calls
+    (and over torch's thread counts in ``thread_counts``; None: unchanged)."""
     g = torch.Generator().manual_seed(3)
-    n = 70001
     lengths = [n, 1, 0, 4097]
     N = sum(lengths)
     lp = -torch.rand(N, generator=g) * 5

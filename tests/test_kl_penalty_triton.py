@@ -79,7 +79,9 @@ def test_negative_bit_inputs():
 
 
 def test_long_row_and_determinism():
-    check_long_row("triton", DEVICE)
+    # Under the interpreter (no GPU) 9001 tokens, still 9 of its 1024-wide tiles: the full 70001 took
+    # ~107 s of CI there, and a 1-D grid has no 65535 limit to cross
+    check_long_row("triton", DEVICE, n=70001 if DEVICE == "cuda" else 9001)
 
 
 def test_nan_at_a_counted_token():
