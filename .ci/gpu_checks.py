@@ -5,6 +5,7 @@
     python .ci/gpu_checks.py nosync      eager calls under torch.cuda.set_sync_debug_mode("error"):
                                          any host synchronization in our path raises
     python .ci/gpu_checks.py graph       both ops captured in a CUDA graph and replayed on new data
+    python .ci/gpu_checks.py race        each CUDA kernel once on multi-tile rows (what racecheck runs)
 
 Each prints one line per case, "ok" or the reason, and exits 1 when any case failed.
 """
@@ -124,6 +125,24 @@ def nosync():
             report(f"nosync kl_penalty_loss fwd+bwd {backend}{' all options' if options else ''}", loss)
 
 
+def race():
+    """Each CUDA kernel once on a batch whose rows span several tiles, both layouts, with the
+    checks on the device: what compute-sanitizer's racecheck runs (the whole self-check under it
+    did not finish in 90 s for the loss on the third H200 run)."""
+    for backend in BACKENDS:
+        for name, x in (("packed", packed(n_seq=12)), ("padded", padded(b=6, t=3000))):
+            report(f"race kl_reward {backend} {name}", lambda x=x, backend=backend: reward_call(x, backend))
+        x = packed(n_seq=12)
+
+        def loss(x=x, backend=backend):
+            for options in (False, True):
+                lp = x["lp"].clone().requires_grad_(True)
+                torch.autograd.grad(loss_call(x, backend, lp, options).loss, lp)
+        report(f"race kl_penalty_loss fwd+bwd {backend}", loss)
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def graph():
     for backend in BACKENDS:
         def reward(backend=backend):
@@ -178,5 +197,5 @@ def graph():
 
 
 if __name__ == "__main__":
-    {"selfcheck": selfchecks, "nosync": nosync, "graph": graph}[sys.argv[1]]()
+    {"selfcheck": selfchecks, "nosync": nosync, "graph": graph, "race": race}[sys.argv[1]]()
     sys.exit(1 if failed else 0)

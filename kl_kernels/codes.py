@@ -64,7 +64,8 @@ def header() -> str:
     for name in ESTIMATORS:
         base = name.rstrip("+")
         lines.append(f'    {{"{name}", {ESTIMATOR_CODES[base]}, {int(name in STRAIGHT_THROUGH)}}},')
-    lines += ["};", "", "// reward_placement values as callers pass them, in PlacementArg order (csrc/cpu/plan_reads.h).",
+    lines += ["};", "",
+              "// reward_placement values as callers pass them, in PlacementArg order (csrc/cpu/plan_reads.h).",
               "constexpr const char* kPlacementNames[] = {" + ", ".join(f'"{n}"' for n in PLACEMENTS) + "};",
               "", "}  // namespace kl", ""]
     return "\n".join(lines)

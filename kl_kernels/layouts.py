@@ -140,7 +140,8 @@ def pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_len
     else:
         same = torch.equal(offsets.to(lp_offsets.device), lp_offsets)
         if not same:
-            lens_x, lens_lp = ragged.offsets_to_lengths(offsets).tolist(), ragged.offsets_to_lengths(lp_offsets).tolist()
+            lens_x = ragged.offsets_to_lengths(offsets).tolist()
+            lens_lp = ragged.offsets_to_lengths(lp_offsets).tolist()
     if not same:
         b = next(i for i, (u, v) in enumerate(zip(lens_x, lens_lp)) if u != v)
         raise ValueError(f"{name} must have the sequence lengths of log_probs: sequence {b} has "

@@ -4,8 +4,9 @@ weight, and the backward kernel reads the loss's gradient there (``ops._EagerOnD
 
 Run here through the cuda-emulated backend (the same CUDA sources on CPU tensors) and the Triton
 kernels (``kl_penalty_totals_kernel``, under the interpreter: a smaller matrix); on a GPU the ``cuda``
-and ``triton`` rows of the oracle matrices and ``.ci/gpu_checks.py`` take the same path. Against the torch aggregation of the same kernel's per-sequence sums (the path every
-other backend takes, forced here): the same values up to the order of the float64 sums, and the same
+and ``triton`` rows of the oracle matrices and ``.ci/gpu_checks.py`` take the same path. Against
+the torch aggregation of the same kernel's per-sequence sums (the path every other backend takes,
+forced here): the same values up to the order of the float64 sums, and the same
 gradients. Why it exists: on the H200 run of 2026-11-26 that torch aggregation was ~38 small
 launches per forward and ~10 per backward, and the fused loss was slower than eager autograd.
 """

@@ -50,8 +50,9 @@ inline void bind_penalty_args(pybind11::module_& m) {
   KL_FIELD(clip_lo); KL_FIELD(clip_hi); KL_FIELD(clip_c); KL_FIELD(wt); KL_FIELD(wt_s0); KL_FIELD(wt_s1);
   KL_FIELD(weight_kl); KL_FIELD(entropy_coef); KL_FIELD(seq_loss); KL_FIELD(stats);
   KL_FIELD(count); KL_FIELD(token_out); KL_FIELD(grad); KL_FIELD(totals); KL_FIELD(g_seq); KL_FIELD(g_uniform); KL_FIELD(g_tok); KL_FIELD(g_lp);
-  KL_FIELD(g_ent); KL_FIELD(result); KL_FIELD(result_loss); KL_FIELD(result_count); KL_FIELD(result_weight); KL_FIELD(agg_scale);
-  KL_FIELD(agg_per_token); KL_FIELD(agg_seq_mean); KL_FIELD(agg_tokens); KL_FIELD(agg_beta); KL_FIELD(agg_entropy_coef); KL_FIELD(g_loss);
+  KL_FIELD(g_ent); KL_FIELD(result); KL_FIELD(result_loss); KL_FIELD(result_count); KL_FIELD(result_weight);
+  KL_FIELD(agg_scale); KL_FIELD(agg_per_token); KL_FIELD(agg_seq_mean); KL_FIELD(agg_tokens); KL_FIELD(agg_beta);
+  KL_FIELD(agg_entropy_coef); KL_FIELD(g_loss);
 #undef KL_FIELD
 }
 

@@ -252,9 +252,10 @@ class _EagerOnDevice(torch.autograd.Function):
     """The CUDA (or Triton) kernels with the aggregation folded in, for eager calls
     (:func:`~kl_kernels.kl_penalty.aggregate.on_device`): the forward's totals kernel writes the
     loss, its parts, the count and the weight ``w`` on the device, and the backward kernel reads the
-    loss's gradient, ``w`` and (seq-mean-token-mean) the sequences' counts there. One autograd node, the kernels' launches and a few allocations
-    per step, nothing read on the host: on a GPU the generic aggregation's ~40 small launches per
-    step cost more than the kernels (bench/results/gpu-h200-2026-11-26-third)."""
+    loss's gradient, ``w`` and (seq-mean-token-mean) the sequences' counts there. One autograd
+    node, the kernels' launches and a few allocations per step, nothing read on the host: on a GPU
+    the generic aggregation's ~40 small launches per step cost more than the kernels
+    (bench/results/gpu-h200-2026-11-26-third)."""
 
     @staticmethod
     def forward(ctx, p, agg, launcher, ext, *args):
