@@ -221,6 +221,7 @@ def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per
     if any(t.device.type != "cuda" or t.dtype != torch.int64 or not t.is_contiguous() for t in given):
         return None
     from . import _extensions  # not at import time: kl_kernels.ragged must import without the extension
+    from .launching import raise_for
 
     fn, reason = _extensions.kernel("_cuda", kernel)
     if reason:
@@ -230,8 +231,7 @@ def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per
         extra = [0 if t is None else t.data_ptr() for t in per_sequence]
         code = fn(values.data_ptr(), batch, bound, *extra, ok.data_ptr(),
                   torch.cuda.current_stream(values.device).cuda_stream)
-    if code:
-        raise RuntimeError(f"kl_kernels: the {kernel} check kernel failed to launch (code {code})")
+    raise_for(code, _extensions.load("_cuda")[0], f"the {kernel} check")  # the kernels' one table of codes
     return ok
 
 

@@ -104,14 +104,15 @@ def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg
     :func:`backward_aggregated` needs, ``keep`` empty."""
     if forward_args[18]:  # token_out
         raise ValueError("forward_aggregated: per-token outputs (token_out) are not aggregated")
-    seq_loss, stats, count, _, grad = forward(*forward_args, grad_out=grad_out)
+    beta = forward_args[8]
+    # as the forward reads it (a device op, no host sync), converted once: the forward's own conversion is then a no-op
+    beta_t = beta.to(torch.float32).contiguous() if beta is not None else None
+    seq_loss, stats, count, _, grad = forward(*forward_args[:8], beta_t, *forward_args[9:], grad_out=grad_out)
     dev, batch = grad.device, count.shape[0]
     f32 = dict(dtype=torch.float32, device=dev)
     loss, rest = torch.empty((), **f32), torch.empty(6, **f32)
     n = torch.empty((), dtype=torch.int64, device=dev)
     weight = torch.empty(1, dtype=torch.float64, device=dev)
-    beta = forward_args[8]
-    beta_t = beta.to(torch.float32).contiguous() if beta is not None else None  # device ops: no host sync
     tokens = agg_tokens.to(torch.float64).contiguous() if agg_tokens is not None else None
     _totals_kernel()[(1,)](
         seq_loss, stats, count, or_dummy(beta_t, seq_loss), or_dummy(tokens, weight), loss, rest, n, weight, batch,
