@@ -204,8 +204,9 @@ V, T = 11, 9
 LENGTHS = [9, 4, 1, 7, 0, 6]  # left padded into T columns
 
 
-def token_batch(seed: int, *, per_token_adv: bool, actor=None):
-    """A left-padded batch of token sequences with assistant masks, sampled from ``actor``."""
+def token_batch(seed: int, *, per_token_adv: bool, actor=None, keep_logits: bool = False):
+    """A left-padded batch of token sequences with assistant masks, sampled from ``actor``
+    (``keep_logits``: also the behaviour policy's logits, which TorchRL's generic path needs)."""
     actor = actor or token_actor(V)
     g = torch.Generator().manual_seed(seed)
     b = len(LENGTHS)
@@ -219,7 +220,8 @@ def token_batch(seed: int, *, per_token_adv: bool, actor=None):
     td.set(("masks", "all_assistant_mask"), assistant)
     adv = torch.randn(b, T, 1, generator=g) if per_token_adv else torch.randn(b, 1, generator=g)
     td.set("advantage", adv)
-    del td["logits"]  # an LM rollout keeps the sampled tokens' log-probs, not the logits
+    if not keep_logits:
+        del td["logits"]  # an LM rollout keeps the sampled tokens' log-probs, not the logits
     return td
 
 
@@ -284,6 +286,56 @@ def test_token_path_gradient(backend):
         want = torch.autograd.grad((per_tok * mask).sum() / mask.sum(), params)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+@pytest.mark.parametrize("adv", ["per-seq-adv", "per-token-adv"])
+def test_token_path_against_torchrl_generic_path(adv, beta):
+    """Issue 26 item 5: the same LM-shaped batch (assistant mask, per-token log-probs, and the
+    behaviour policy's logits so TorchRL can build its distribution) through TorchRL's generic
+    KLPENPPOLoss, told to reduce over the assistant mask (``loss_mask_key``), and our token path.
+    The objective, the entropy loss and their gradients are equal; the one difference is the KL
+    term: TorchRL's is the analytic KL of the stored logits, ours the sample estimate (k1) on the
+    sampled tokens, so ours - theirs = beta * masked-mean(k1 - analytic KL), values and gradients.
+    beta is held fixed (increment = decrement = 1) to leave TorchRL's beta-gradient bug out."""
+    actor = token_actor(V)
+    td = token_batch(5, per_token_adv=adv == "per-token-adv", actor=actor, keep_logits=True)
+    new = perturbed(actor, 0.2, seed=8)
+    kw = dict(critic_coeff=0.0, beta=beta, increment=1.0, decrement=1.0, entropy_coeff=0.03)
+    theirs = TheirLoss(copy.deepcopy(new), None, **kw)
+    theirs.loss_mask_key = ("masks", "all_assistant_mask")
+    mine = ours.KLPENPPOLoss(copy.deepcopy(new), None, **kw)
+    mask = td["masks", "all_assistant_mask"]
+    count = mask.sum()
+
+    def run(loss):
+        params = [p for p in loss.actor_network_params.values(True, True) if p.requires_grad]
+        out = loss(td.clone())
+        total = out["loss_objective"] + out["loss_entropy"]
+        return out, torch.autograd.grad(total, params), params
+
+    a, grads_a, _ = run(theirs)
+    b, grads_b, params = run(mine)
+    with mine.actor_network_params.to_module(mine.actor_network):
+        new_dist = mine.actor_network.get_dist(td.clone())
+        k1 = td["action_log_prob"] - new_dist.log_prob(td["action"])
+        analytic = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=td["logits"]), new_dist)
+        gap = beta * torch.where(mask, k1 - analytic, 0.0).sum() / count
+    grads_gap = torch.autograd.grad(gap, params, allow_unused=True)
+    torch.testing.assert_close(b["loss_objective"] - a["loss_objective"], gap.detach(), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(b["loss_entropy"], a["loss_entropy"], rtol=1e-5, atol=1e-6)
+    for gb, ga, gg in zip(grads_b, grads_a, grads_gap):
+        torch.testing.assert_close(gb - ga, torch.zeros_like(gb) if gg is None else gg, rtol=1e-4, atol=2e-6)
+    # the reported KL and entropy (documented deviations): TorchRL's "kl" is the analytic KL per
+    # position [*B, T, 1] and its "entropy" a mean over every position; ours are token means over the
+    # counted tokens
+    torch.testing.assert_close(a["kl"], analytic.detach().unsqueeze(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b["kl"], torch.where(mask, k1, 0.0).detach().sum() / count, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a["entropy"], new_dist.entropy().detach().mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b["entropy"], torch.where(mask, new_dist.entropy(), 0.0).detach().sum() / count,
+                               rtol=1e-5, atol=1e-6)
+    if beta:  # the comparison is not vacuous: the two KL terms differ on this batch
+        assert abs(float(gap.detach())) > 1e-3
 
 
 def test_token_path_goes_through_fused_op_and_ignores_other_tokens(monkeypatch):

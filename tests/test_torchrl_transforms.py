@@ -557,6 +557,43 @@ def test_retrievelogprob_registers_the_keys_it_writes():
     assert spec["ref_log_probs", "full"].shape == (3, -1)
 
 
+@pytest.mark.parametrize("assistant_only", [True, False])
+def test_retrievekl_in_a_chat_env_with_a_generating_policy(assistant_only):
+    """Issue 26 item 4: TransformedEnv(ChatEnv(input_mode="history"), RetrieveKL(gen, ref)) stepped
+    with a generating policy over two turns (the second turn's prompt is the first's full history).
+    Each step's kl_penalty (ragged, per sample) equals a float64 recomputation from the two models;
+    TorchRL's own RetrieveKL cannot build this env (KeyError, test above)."""
+    import copy
+
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.llm import ChatEnv
+    from torchrl_models import GenerativeTinyLM
+
+    gen = TinyLM(seed=1, pad_output=False, input_mode="history", log_probs_key="log_probs")
+    ref = TinyLM(seed=2, pad_output=False, input_mode="history", log_probs_key="ref_log_probs")
+    gen64, ref64 = copy.deepcopy(gen).double(), copy.deepcopy(ref).double()
+    env = TransformedEnv(ChatEnv(batch_size=(3,), input_mode="history"),
+                         ours.RetrieveKL(gen, ref, coeff=0.25, add_to_reward=False, assistant_only=assistant_only))
+    policy = GenerativeTinyLM(seed=1)
+    td = env.reset(TensorDict({"query": ["hi", "hello there", "a"]}, batch_size=(3,)))
+    for turn in range(2):
+        td = env.step(policy(td))
+        nxt = td.get("next")
+        assert nxt.get(("history", "prompt")).batch_size == (3, turn + 2)
+        tokens = td.get(("tokens", "full"), as_list=True)
+        masks = td.get(("masks", "all_assistant_mask"), as_list=True)
+        kls = nxt.get("kl_penalty", as_list=True)
+        assert len(kls) == 3
+        for tok, mask, kl in zip(tokens, masks, kls):
+            with torch.no_grad():
+                want = gen64.token_log_probs(tok) - ref64.token_log_probs(tok)
+            if assistant_only:
+                want = want.masked_fill(~mask, 0.0)
+            assert kl.dtype == torch.float32 and kl.shape == tok.shape
+            torch.testing.assert_close(kl.double(), want, atol=1e-5, rtol=1e-5)
+        td = nxt
+
+
 def test_klcomputation_dense_batch_with_lazily_stacked_ragged_sub_tensordicts():
     """A dense TensorDict(batch_size=(B,)) whose log-probs live in lazily stacked sub-TensorDicts
     with ragged leaves (pad_output=False storage): td.get raised 'stack expects each tensor to be

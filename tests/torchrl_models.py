@@ -176,3 +176,54 @@ class DenseLazyLM(TinyLM):
 def dense_of_lazy(data: LazyStackedTensorDict, keys=("tokens", "masks", "log_probs")) -> TensorDict:
     """The dense ``TensorDict(batch_size=(B,))`` holding ``data``'s groups as lazily stacked sub-TensorDicts."""
     return TensorDict({k: data.get(k) for k in keys}, batch_size=[len(data.tensordicts)])
+
+
+class GenerativeTinyLM(torch.nn.Module):
+    """A generating policy for ``ChatEnv(input_mode="history")``, as TorchRL's wrappers with
+    ``generate=True``: reads ``("history", "prompt")`` per sample, "tokenizes" it (one id per character
+    of ``role:content``), samples ``new_tokens`` reply tokens from ``TinyLM(seed)`` and writes the
+    ``ChatHistory`` (prompt, response, full), ``("tokens", "full"/"prompt"/"response")``,
+    ``("masks", "all_assistant_mask"/"all_attention_mask")`` and ``("log_probs", "full")``, ragged
+    per sample in the lazy stack it returns. Its ``in_keys``/``out_keys`` are TensorDict-style."""
+
+    def __init__(self, seed: int = 1, new_tokens: int = 4):
+        super().__init__()
+        self.lm = TinyLM(seed=seed, input_mode="history", pad_output=False)
+        self.new_tokens = new_tokens
+        self.generate = True
+        self.in_keys = [("history", "prompt")]
+        self.out_keys = [("history", "full"), ("tokens", "full"), ("log_probs", "full")]
+
+    def encode(self, history) -> torch.Tensor:
+        ids = []
+        for j in range(history.batch_size[0]):
+            m = history[j]
+            ids += [1 + ord(c) % (self.lm.vocab - 1) for c in f"{m.role}:{m.content}"]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def forward(self, td):
+        from torchrl.data.llm import History
+        from torchrl.modules.llm.policies import ChatHistory
+
+        if not isinstance(td, LazyStackedTensorDict):
+            td = lazy_stack(list(td.unbind(0)))
+        for i, sub in enumerate(td.tensordicts):
+            history = sub.get(("history", "prompt"))
+            prompt = self.encode(history)
+            g = torch.Generator().manual_seed(1000 * i + len(prompt))
+            response = torch.randint(1, self.lm.vocab, (self.new_tokens,), generator=g)
+            full = torch.cat([prompt, response])
+            reply = History(role="assistant", content="".join(chr(96 + int(t)) for t in response))
+            sub.set("history", ChatHistory(prompt=history, response=reply.unsqueeze(0),
+                                           full=lazy_stack([history[j] for j in range(history.batch_size[0])]
+                                                           + [reply])))
+            assistant = torch.zeros(len(full), dtype=torch.bool)
+            assistant[len(prompt):] = True
+            sub.set(("tokens", "full"), full)
+            sub.set(("tokens", "prompt"), prompt)
+            sub.set(("tokens", "response"), response)
+            sub.set(("masks", "all_assistant_mask"), assistant)
+            sub.set(("masks", "all_attention_mask"), torch.ones_like(assistant))
+            with torch.no_grad():
+                sub.set(("log_probs", "full"), self.lm.token_log_probs(full))
+        return td
