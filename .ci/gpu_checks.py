@@ -76,8 +76,9 @@ def reward_call(x, backend, **kw):
 
 
 # every loss option the peers' shims use: verl's dual clip, per-token IS weights on both terms, low_var_kl's
-# clamps (k3 with input (-20, 20), output (-10, 10))
-ALL_OPTIONS = dict(dual_clip=3.0, weight_kl=True, estimator="k3", clamp_input=(-20.0, 20.0), clamp_output=(-10.0, 10.0))
+# clamps (k3 with input (-20, 20), output (-10, 10)), GSPO's sequence ratio (a pre-pass of torch ops)
+ALL_OPTIONS = dict(dual_clip=3.0, weight_kl=True, estimator="k3", clamp_input=(-20.0, 20.0),
+                   clamp_output=(-10.0, 10.0), importance_sampling_level="sequence")
 
 
 def loss_call(x, backend, lp=None, options=False):

@@ -180,6 +180,8 @@ def raise_for(code: int, module, what: str) -> None:
         raise RuntimeError(f"{what} kernel: list inputs, mask_nan and batch totals are for the CPU forward only")
     if code == 4:
         raise RuntimeError(f"{what} kernel: the aggregation on the device (result, g_loss) is the CUDA kernels' only")
+    if code == 5:
+        raise RuntimeError(f"{what} kernel: an output buffer is missing")
     if code >= 1000:
         raise RuntimeError(f"{what} CUDA kernel launch failed: {module.error_string(code - 1000)}")
     if code != 0:

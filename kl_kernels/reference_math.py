@@ -46,6 +46,28 @@ class _StraightThrough(torch.autograd.Function):
         return None, grad * d
 
 
+class _ValueOf(torch.autograd.Function):
+    """Forward ``value``, backward the incoming gradient to ``x`` unchanged (d out / d x = 1)."""
+
+    @staticmethod
+    def forward(value, x):
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def value_with_gradient_of(value: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``value``, differentiated as if it were ``x`` (GSPO's sequence log-ratio with the token's
+    gradient). Unlike ``value.detach() + x - x.detach()``, an infinite ``x`` gives no NaN."""
+    return _ValueOf.apply(value.detach(), x)
+
+
 def straight_through(value: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``value`` (an estimator's value on ``d``) with the gradient of k2 at ``d`` (``d`` itself)."""
     return _StraightThrough.apply(value.detach(), d)

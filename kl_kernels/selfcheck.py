@@ -129,7 +129,9 @@ def _check_kl_penalty_loss(backend, device) -> list:
                     # dual clip, per-token weights (on both terms) and verl's clamped k3; ratios far from 1
                     # so the cap binds
                     ("token-mean", "k3", {"dual_clip": 1.5, "weight_kl": True, "clamp_input": (-20.0, 20.0),
-                                          "clamp_output": (-10.0, 10.0)})):
+                                          "clamp_output": (-10.0, 10.0)}),
+                    # GSPO: the sequence's log-ratio for every token (a pre-pass the kernels read)
+                    ("seq-mean-token-mean", "k1", {"importance_sampling_level": "sequence"})):
                 adv = torch.linspace(-1, 1, b)
                 if options:
                     options = dict(options, weights=torch.linspace(0.5, 1.5, old.numel()).reshape(old.shape))

@@ -43,9 +43,10 @@ class Result:
 
 
 def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False, clamp_input=None,
-                clamp_output=None):
-    """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp) of one counted token."""
-    lr = s.lp[t] - s.old[t]
+                clamp_output=None, lr=None):
+    """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp) of one counted token. ``lr``: the log-ratio
+    to use instead of the token's lp - old (GSPO: its sequence's), with d lr / d lp = 1 (GSPO-token)."""
+    lr = s.lp[t] - s.old[t] if lr is None else lr
     lrc = min(max(lr, -LOG_RATIO_BOUND), LOG_RATIO_BOUND)
     inside_lr = 1.0 if -LOG_RATIO_BOUND <= lr <= LOG_RATIO_BOUND else 0.0
     ratio = math.exp(lrc)
@@ -83,17 +84,24 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
 
 def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggregation="token-mean",
                 norm_length=None, global_tokens=None, global_seqs=None, dual_clip=None, weight_kl=False,
-                clamp_input=None, clamp_output=None) -> Result:
-    """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel)."""
+                clamp_input=None, clamp_output=None, importance_sampling_level="token") -> Result:
+    """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel).
+    ``importance_sampling_level="sequence"`` (GSPO, from the paper and verl's ``compute_policy_loss_gspo``):
+    every counted token's log-ratio is its sequence's mean of lp - old over counted tokens."""
     per_seq = []
     for s in seqs:
+        lr = None
+        if importance_sampling_level == "sequence":
+            diffs = [s.lp[t] - s.old[t] for t in range(len(s.lp)) if s.mask[t]]
+            total = math.fsum(diffs) if all(map(math.isfinite, diffs)) else sum(diffs)
+            lr = total / max(len(diffs), 1)
         rows = []
         for t in range(len(s.lp)):
             if not s.mask[t]:
                 rows.append(None)
                 continue
             rows.append(token_terms(s, t, estimator=estimator, clip=clip, dual_clip=dual_clip, weight_kl=weight_kl,
-                                    clamp_input=clamp_input, clamp_output=clamp_output))
+                                    clamp_input=clamp_input, clamp_output=clamp_output, lr=lr))
         per_seq.append(rows)
     counts = [sum(r is not None for r in rows) for rows in per_seq]
     n_tok = sum(counts) if global_tokens is None else global_tokens

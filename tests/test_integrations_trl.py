@@ -22,12 +22,13 @@ from kl_kernels.integrations import trl as kt
 from peer_batches import batches, close, exact, printed_without
 
 
-def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_accum, training, mcl, delta=None):
+def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_accum, training, mcl, delta=None,
+              level="token"):
     grpo = peers.trl_grpo_module()
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda model, *a, **k: (lp, torch.zeros_like(lp.detach()), None),
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high,
+        importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high,
         use_vllm=use_vllm, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=training),
         current_gradient_accumulation_steps=grad_accum, max_completion_length=mcl, _entropy_bonus_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
@@ -47,6 +48,24 @@ CASES = [("dapo", 0.0, False, None), ("dapo", 0.04, True, 1.5), ("grpo", 0.04, F
 @given(data=batches())
 @settings(max_examples=10, deadline=None)
 def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, delta, training, data):
+    _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, "token")
+
+
+# GSPO (importance_sampling_level="sequence"): TRL's recommended grpo/luspo and the token-summing dapo; the
+# vLLM ratio sequence-shaped [B, 1] (a token-shaped one with sequence level is refused, test below)
+SEQ_CASES = [("grpo", 0.0, False, None), ("grpo", 0.04, True, 2.0), ("dapo", 0.04, True, None),
+             ("luspo", 0.0, True, None)]
+
+
+@pytest.mark.parametrize("loss_type, beta, use_vllm, delta", SEQ_CASES, ids=[
+    f"{c[0]}-beta{c[1]}-{'vllm' if c[2] else 'plain'}{'' if c[3] is None else f'-delta{c[3]}'}" for c in SEQ_CASES])
+@given(data=batches())
+@settings(max_examples=10, deadline=None)
+def test_grpo_loss_sequence_level_equals_trls(loss_type, beta, use_vllm, delta, data):
+    _compare_with_trl(loss_type, beta, use_vllm, delta, True, data, "sequence")
+
+
+def _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, level):
     b, t = data.mask.shape
     if ((data.lp.double() - data.old.double()).abs() > 20).any():  # ours clamps the log-ratio at +-20, TRL does not
         data.old = data.lp + (data.old - data.lp).clamp(-19, 19)  # (19: bf16 rounding stays inside)
@@ -55,9 +74,10 @@ def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, delta, training, data)
     data.ref = torch.where(data.mask, data.ref, data.lp)
     peer = exact(data)
     adv = data.adv[:, 0].contiguous()  # TRL's [B] advantages
-    isr = (data.weights[:, :1] if b % 2 else data.weights) if use_vllm else None  # sequence- or token-shaped
+    isr = (data.weights[:, :1] if b % 2 or level == "sequence" else data.weights) if use_vllm else None  # [B, 1]/[B, T]
     n_items = torch.tensor(float(data.mask.sum()) * 3)
-    kw = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, training=training, delta=delta)
+    kw = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, training=training, delta=delta,
+              importance_sampling_level=level)
     lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
     got = kt.grpo_loss(lp_got, adv, data.mask, old_per_token_logps=data.old, ref_per_token_logps=data.ref,
                        importance_sampling_ratio=isr, use_bias_correction_kl=False, max_completion_length=t + 5,
@@ -70,7 +90,7 @@ def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, delta, training, data)
     if isr is not None:
         inputs["importance_sampling_ratio"] = isr.to(peer.lp.dtype)
     want = _trl_loss(lp_want, inputs, loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, use_vllm=use_vllm,
-                     grad_accum=3, training=training, mcl=t + 5, delta=delta)
+                     grad_accum=3, training=training, mcl=t + 5, delta=delta, level=level)
     md = torch.float32 if data.dtype == torch.float32 else data.dtype
     if not torch.isfinite(want):  # TRL's k3 is unclamped: exp(ref - lp) overflows on a diverged token (inf, or
         assert not torch.isfinite(got)  # NaN from inf * 0 at a masked one); ours overflows alike (inf)
@@ -84,11 +104,13 @@ def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, delta, training, data)
 def test_options_not_fused_say_so():
     lp, adv, mask = -torch.rand(2, 3), torch.randn(2), torch.ones(2, 3, dtype=torch.bool)
     for kw, match in ((dict(delta=1.1), "delta=1.1 below 1 \\+ epsilon_high"),
-                      (dict(importance_sampling_level="sequence"), "GSPO"),
+                      (dict(importance_sampling_level="sequence", importance_sampling_ratio=torch.ones(2, 3)),
+                       "token-shaped importance_sampling_ratio"),
+                      (dict(importance_sampling_level="sequence", advantages=torch.randn(2, 3)), "per-token advantages"),
                       (dict(beta=0.1, ref_per_token_logps=lp), "use_bias_correction_kl"),
                       (dict(loss_type="sapo"), "sapo")):
         with pytest.raises(NotImplementedError, match=match):
-            kt.grpo_loss(lp, adv, mask, num_items_in_batch=6, **kw)
+            kt.grpo_loss(lp, kw.pop("advantages", adv), mask, num_items_in_batch=6, **kw)
 
 
 def test_the_shim_imports_without_trl():

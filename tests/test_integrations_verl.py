@@ -125,6 +125,68 @@ def test_compute_policy_loss_vanilla_equals_verl(mode, over, with_weights, data)
         assert got_metrics["actor/ppo_kl"] == pytest.approx(want_metrics["actor/ppo_kl"], rel=1e-4, abs=1e-5)
 
 
+def _verl_actor_config(**over):
+    """verl's own ActorConfig (its GSPO loss asserts one), with ``global_batch_info`` filled in."""
+    from verl.workers.config import ActorConfig
+
+    info = over.pop("global_batch_info", {})
+    cfg = ActorConfig(strategy="fsdp", clip_ratio=0.2, ppo_micro_batch_size_per_gpu=1, rollout_n=1, **over)
+    cfg.global_batch_info.update(info)
+    return cfg
+
+
+GSPO_CASES = [
+    ("seq-mean-token-mean", {}, False), ("seq-mean-token-mean", {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}, True),
+    ("token-mean", {"global_batch_info": {"dp_size": 2, "batch_num_tokens": 123}}, True),
+    ("seq-mean-token-sum", {}, False),
+]
+
+
+@pytest.mark.parametrize("mode, over, with_weights", GSPO_CASES,
+                         ids=[f"{m}-{'-'.join(o) or 'default'}-{'w' if w else 'nw'}" for m, o, w in GSPO_CASES])
+@given(data=batches())
+@settings(max_examples=12, deadline=None)
+def test_compute_policy_loss_gspo_equals_verl(mode, over, with_weights, data):
+    """verl's GSPO (sequence-level ratio, GSPO-token gradient): value, gradient and metrics. Skips
+    batches where a response's mean log-ratio exceeds 10, where verl clamps (ours: 20, documented)."""
+    peers.verl_core_algos()
+    from verl.trainer.ppo import core_algos as ca
+
+    if not data.mask.any():
+        return
+    m = data.mask.bool()
+    d = torch.where(m, data.lp.double() - data.old.double(), 0.0).sum(-1) / m.sum(-1).clamp_min(1)
+    if (d > 10).any():
+        return
+    cfg = _verl_actor_config(**over)
+    peer = exact(data)
+    lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
+    got, got_metrics = kv.compute_policy_loss_gspo(data.old, lp_got, data.adv, data.mask, mode, cfg,
+                                                   data.weights if with_weights else None)
+    want, want_metrics = ca.compute_policy_loss_gspo(peer.old, lp_want, peer.adv, data.mask, mode, cfg,
+                                                     peer.weights if with_weights else None)
+    md = torch.float32
+    close(got.detach(), want.detach().to(md), md if data.dtype == torch.float32 else data.dtype, "pg_loss")
+    g_got, = torch.autograd.grad(got, lp_got)
+    g_want, = torch.autograd.grad(want, lp_want)
+    close(g_got, g_want, data.dtype, "d pg_loss / d log_prob", scale=g_want.abs().max().item() + 1e-3)
+    assert set(got_metrics) == set(want_metrics)
+    assert got_metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert got_metrics["actor/pg_clipfrac"] == pytest.approx(want_metrics["actor/pg_clipfrac"],
+                                                             abs=2e-6 if data.dtype == torch.float32 else 0.05)
+
+
+def test_gspo_shim_goes_through_the_sequence_level_option(monkeypatch):
+    import kl_kernels.integrations.verl as mod
+
+    seen = []
+    real = mod.kl_penalty_loss
+    monkeypatch.setattr(mod, "kl_penalty_loss", lambda *a, **k: seen.append(k) or real(*a, **k))
+    lp, old = torch.randn(2, 5), torch.randn(2, 5)
+    kv.compute_policy_loss_gspo(old, lp, torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool), config=_verl_config())
+    assert seen[0]["importance_sampling_level"] == "sequence" and seen[0]["dual_clip"] is None
+
+
 @pytest.mark.parametrize("mode", ["kl", "low_var_kl", "mse", "abs", "k3+"])
 @pytest.mark.parametrize("adaptive", [False, True])
 @given(data=batches())
@@ -175,8 +237,10 @@ def test_register_puts_the_fused_loss_in_verls_registry():
     peers.verl_core_algos()
     from verl.trainer.ppo import core_algos as ca
 
-    assert kv.register() == ["kl_kernels"]
+    assert kv.register() == ["kl_kernels", "kl_kernels_gspo"]
     assert ca.get_policy_loss_fn("kl_kernels") is kv.compute_policy_loss_vanilla
+    assert ca.get_policy_loss_fn("kl_kernels_gspo") is kv.compute_policy_loss_gspo
+    assert ca.get_policy_loss_fn("gspo") is not kv.compute_policy_loss_gspo
     assert ca.get_policy_loss_fn("vanilla") is not kv.compute_policy_loss_vanilla
 
 

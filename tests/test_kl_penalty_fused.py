@@ -27,7 +27,7 @@ def _padded_batch(B=5, T=37, seed=0, dtype=torch.float32):
                 mask=torch.rand(B, T, generator=g) < 0.8, lengths=torch.tensor([T, 0, 1, T // 2, 3][:B]))
 
 
-def _op_args(kind="padded", token_out=False):
+def _op_args(kind="padded", token_out=False, seq_lr=False):
     b = _padded_batch()
     if kind == "padded":
         geo = (b["mask"], None, b["lengths"])
@@ -40,14 +40,16 @@ def _op_args(kind="padded", token_out=False):
         layout = 0
     weights = torch.rand(lp.shape, generator=torch.Generator().manual_seed(5)).to(adv.dtype)
     return (lp.requires_grad_(), old, ref, adv, ent.requires_grad_(), *geo, torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]),
-            0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out, weights, 3.0, True, [-20.0, 20.0, -10.0, 10.0])
+            0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out, weights, 3.0, True, [-20.0, 20.0, -10.0, 10.0],
+            torch.tensor([0.05, -0.1, 0.0, 0.3, -2.0]) if seq_lr else None)
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 @pytest.mark.parametrize("token_out", [False, True], ids=["sums", "token_out"])
-def test_opcheck(kind, token_out):
+@pytest.mark.parametrize("seq_lr", [False, True], ids=["token_ratio", "seq_ratio"])
+def test_opcheck(kind, token_out, seq_lr):
     """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch."""
-    torch.library.opcheck(torch.ops.kl_kernels.kl_penalty_fwd.default, _op_args(kind, token_out))
+    torch.library.opcheck(torch.ops.kl_kernels.kl_penalty_fwd.default, _op_args(kind, token_out, seq_lr))
 
 
 def test_opcheck_backward_op():
@@ -425,3 +427,47 @@ def test_two_ranks_equal_the_union(aggregation, backend, tmp_path):
         for r in ranks:
             assert int(r["num_tokens"]) == n_global
             torch.testing.assert_close(r["kl_mean"], want.kl_mean, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_sequence_log_ratio_pre_pass(layout, dtype):
+    """GSPO's CPU pre-pass (``kl_penalty_sequence_log_ratio``) against the reference's torch ops: long rows
+    that span several tiles (combined in tile order), an empty row, a row with no counted token (0), a
+    strided input, and a NaN at a counted token that poisons its own sequence only."""
+    from kl_kernels.kl_penalty import launch
+    from kl_kernels.kl_penalty.problem import build_problem
+    from kl_kernels.kl_penalty.reference import sequence_log_ratio
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [20000, 0, 7, 13000, 5, 1]
+    B, T = len(lengths), max(lengths)
+    lp = (-torch.rand(B, T, generator=g) * 4).to(dtype)
+    old = (lp.double() + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).to(dtype)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[4] = False  # row 4: nothing counts
+    lp[2, 3] = float("nan")
+    mask[2, 3] = True
+    wide = torch.zeros(B, 2 * T, dtype=dtype)
+    wide[:, ::2] = old
+    old_strided = wide[:, ::2]  # column stride 2
+    if layout == "padded":
+        kw = dict(lengths=torch.tensor(lengths), padding_side="right")
+        args = (lp, old_strided, mask)
+    else:
+        keep = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        offsets = torch.tensor([0] + lengths).cumsum(0)
+        kw = dict(offsets=offsets)
+        args = (lp[keep], old[keep], mask[keep])
+    p, _, _ = build_problem(args[0], args[1], torch.zeros(B, 1), ref_log_probs=None, beta=0.0, estimator="k1",
+                            mask=args[2], padding_side=kw.get("padding_side", "left"), clip_epsilon=None,
+                            entropy=None, entropy_coef=0.0, aggregation="sum", norm_length=None,
+                            offsets=kw.get("offsets"), lengths=kw.get("lengths"), importance_sampling_level="sequence")
+    got = launch.sequence_log_ratio(p.log_probs, p.old_log_probs, p.mask, p.offsets, p.lengths,
+                                    0 if layout == "packed" else 1, p.padding_side == "left")
+    want = sequence_log_ratio(p)
+    assert got.dtype == torch.float32 and got.shape == (B,)
+    assert torch.isnan(got[2]) and torch.isnan(want[2])
+    assert got[1] == 0 and got[4] == 0
+    keep = torch.tensor([True, True, False, True, True, True])
+    torch.testing.assert_close(got[keep], want[keep].float(), rtol=1e-6, atol=1e-7)

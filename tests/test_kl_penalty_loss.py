@@ -82,3 +82,41 @@ def test_gradcheck_float64(estimator, aggregation):
             torch.testing.assert_close(a, b)
     else:
         assert torch.autograd.gradcheck(fn(estimator), (lp, ent))
+
+
+@pytest.mark.parametrize("aggregation", [a for a in AGGREGATIONS if a != "none"])
+@pytest.mark.parametrize("with_ref", [False, True], ids=["kl_to_old", "kl_to_ref"])
+def test_gradcheck_float64_sequence_level(aggregation, with_ref):
+    """GSPO (importance_sampling_level="sequence"): the fused gradient rule d r_t / d lp_t = 1 (verl's
+    GSPO-token) is the exact gradient of the loss whenever a sequence's tokens weigh alike, as in every
+    aggregation (the loss depends on lp through each sequence's mean log-ratio): gradcheck holds."""
+    g = torch.Generator().manual_seed(1)
+    B, T = 4, 6
+    lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    kw = dict(old_log_probs=lp.detach() + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+              advantages=torch.randn(B, generator=g, dtype=torch.float64), lengths=torch.tensor([6, 0, 1, 4]),
+              mask=torch.rand(B, T, generator=g) < 0.8, beta=0.1, clip_epsilon=(0.2, 0.28), dual_clip=3.0,
+              aggregation=aggregation, backend="torch", importance_sampling_level="sequence",
+              ref_log_probs=lp.detach() - 0.2 if with_ref else None)
+    assert torch.autograd.gradcheck(lambda x: kl_penalty_loss(x, **kw).loss, (lp,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_level_ratio_is_the_sequences_mean_log_ratio(backend):
+    """Every counted token of a sequence takes exp(mean log-ratio over its counted tokens); tokens outside
+    the mask (and padding, NaN here) neither count nor move it; a sequence with no counted token is 0."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5, float("nan")], [-1.0, -1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.2, -1.5, -0.5, 0.0], [-1.0, -1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, False, True], [False, False, False, False]])
+    out = kl_penalty_loss(lp, old, torch.tensor([1.0, 1.0]), lengths=torch.tensor([3, 4]), padding_side="right",
+                          mask=mask, beta=0.0, importance_sampling_level="sequence", aggregation="none", backend=backend)
+    s = ((-1.0 + 1.2) + (-2.0 + 1.5)) / 2
+    want = torch.tensor([[-torch.tensor(s).exp().item()] * 2 + [0.0, 0.0], [0.0] * 4])
+    torch.testing.assert_close(out.loss.detach(), want)
+    assert out.ratio_mean.item() == pytest.approx(torch.tensor(s).exp().item(), rel=1e-6)
+
+
+def test_importance_sampling_level_is_checked():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="importance_sampling_level must be 'token' or 'sequence'"):
+        kl_penalty_loss(lp, lp, torch.zeros(2), importance_sampling_level="seq")

@@ -106,7 +106,7 @@ def test_non_finite_counted_token_stays_in_its_sequence(kind, bad):
 
     args = [a.detach().clone().to(DEVICE) if isinstance(a, torch.Tensor) else a for a in _op_args(kind)]
     args[5][:] = True  # every token counted
-    args[-1] = [-math.inf, math.inf, -math.inf, math.inf]  # no KL clamps: they would make the bad token's KL finite
+    args[22] = [-math.inf, math.inf, -math.inf, math.inf]  # no KL clamps: they would make the bad token's KL finite
     clean = launch_triton.forward(*args)
     args[2].view(-1)[0] = bad  # ref_log_probs: sequence 0's first token
     dirty = launch_triton.forward(*args)

@@ -120,6 +120,12 @@ def _loss_calls():
         "list": dict(log_probs=[torch.randn(k, device=d) for k in lens],
                      old_log_probs=[torch.randn(k, device=d) for k in lens], advantages=torch.randn(4, device=d),
                      aggregation="seq-mean-token-sum"),
+        # GSPO: the sequences' log-ratios from torch ops on the device before the kernel. Packed layouts sum
+        # them with index_add_, which a CPU-only torch cannot run on fake CUDA tensors (it refuses the device):
+        # .ci/gpu_checks.py nosync and graphs cover that on a GPU (their options include GSPO)
+        "padded-gspo": dict(log_probs=torch.randn(4, 5, device=d), old_log_probs=torch.randn(4, 5, device=d),
+                            advantages=torch.randn(4, device=d), lengths=torch.tensor(lens, device=d),
+                            importance_sampling_level="sequence", aggregation="seq-mean-token-mean"),
     }
 
 
@@ -174,7 +180,7 @@ def test_no_transfers_catches_a_host_to_device_copy():
 
 
 REWARD_CASES = ["packed", "padded-last", "padded-prompt", "list", "nested"]
-LOSS_CASES = ["packed", "padded", "list"]
+LOSS_CASES = ["packed", "padded", "list", "padded-gspo"]
 
 
 @pytest.mark.parametrize("case", REWARD_CASES)

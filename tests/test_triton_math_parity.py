@@ -111,8 +111,9 @@ def test_kl_reward_token_math_is_bitwise_the_cpu_kernels(estimator, clamps, dtyp
 
 
 @pytest.mark.parametrize("options", [{}, {"dual_clip": 1.5, "weights": True}, {"weights": True, "weight_kl": True},
-                                     {"clamp_input": (-10.0, 10.0), "clamp_output": (-5.0, 5.0)}],
-                         ids=["plain", "dual-clip-weights", "weights-on-kl", "kl-clamps"])
+                                     {"clamp_input": (-10.0, 10.0), "clamp_output": (-5.0, 5.0)},
+                                     {"importance_sampling_level": "sequence", "dual_clip": 1.5}],
+                         ids=["plain", "dual-clip-weights", "weights-on-kl", "kl-clamps", "gspo"])
 @pytest.mark.parametrize("with_ref", [True, False], ids=["ref", "old"])
 @pytest.mark.parametrize("clip", [None, 0.2], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -124,6 +125,10 @@ def test_ppo_token_math_is_bitwise_the_cpu_kernels(estimator, clip, with_ref, op
     adv = torch.randn(lp.numel(), generator=g)
     ent = torch.rand(lp.numel(), generator=g)
     offsets = torch.tensor([0, lp.numel()])
+    if options.get("importance_sampling_level") == "sequence":
+        # GSPO: 7-token sequences, whose float64 sums of lp - old the CPU pre-pass and the torch ops (Triton's)
+        # add in the same order: the same sequence log-ratios, so the token math is compared bit for bit
+        offsets = torch.cat([torch.arange(0, lp.numel(), 7), torch.tensor([lp.numel()])])
     if options.get("weights"):
         options = dict(options, weights=torch.rand(lp.numel(), generator=g) * 2)
     got = {}

@@ -29,6 +29,9 @@ struct KLPenaltyArgs {
   float clip_lo = -INFINITY, clip_hi = INFINITY;  // ratio clip bounds (infinite: no clip)
   float clip_c = INFINITY;       // dual clip: for A < 0 the objective is at most -A * clip_c (infinite: none)
   float entropy_coef = 0.0f;
+  // importance_sampling_level "sequence" (GSPO): float32 [B], sequence b's log-ratio (the mean of lp - old
+  // over its counted tokens, computed before the kernel), used as every counted token's lp - old; 0: per token.
+  uintptr_t seq_lr = 0;
 
   // forward outputs (contiguous); the CPU forward skips seq_loss, stats and count when they are 0
   // (a caller of the totals), the CUDA forward writes them always

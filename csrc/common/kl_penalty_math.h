@@ -2,7 +2,9 @@
 //
 // The semantics are those of kl_kernels/kl_penalty/reference.py, for one counted token:
 //
-//   r     = clamp(lp - old, -20, 20)            ratio = exp(r)
+//   r     = clamp(lr, -20, 20)                  ratio = exp(r)
+//           lr = lp - old, or (importance_sampling_level "sequence", GSPO) the sequence's mean of lp - old
+//           over its counted tokens, computed before the kernel; either way d lr / d lp = 1
 //   gain  = ratio * A      gain_c = clamp(ratio, clip_lo, clip_hi) * A   (bounds +-inf: no clip)
 //   pg    = -(gain <= gain_c ? gain : gain_c)   clipped = !(gain <= gain_c)
 //   dual  = A < 0 && -A * clip_c < pg           (dual clip; clip_c = +inf: never)
@@ -10,8 +12,8 @@
 //   d     = sign * (lp - other)                 other = ref (sign +1) or old (sign -1)
 //   kl    = w_kl * clamp(est(clamp(d, clamp_input)), clamp_output)    (kl_math.h's kl_value; bounds optional)
 //   loss  = obj + beta * kl - entropy_coef * entropy
-//   dloss/dlp = w_obj * (dual ? 0 : -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi]))
-//               (the first term is exactly 0 where lp - old is outside, NaN included)
+//   dloss/dlp = w_obj * (dual ? 0 : -A * ratio * [|lr| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi]))
+//               (the first term is exactly 0 where lr is outside, NaN included)
 //               + beta * sign * w_kl * est'(d)   (est' through both clamps as kl_math.h's kl_grad;
 //                                                 straight-through estimators: est'(d) = d, unclamped)
 // w_obj, w_kl: the token's weights (1 without weights; x * 1 is exact, so unweighted calls keep their bits).
@@ -35,10 +37,10 @@ struct PPOToken {
 // (p, read at run time) apply; without, the estimator is used bare. Template parameters, not runtime
 // flags: a loop-invariant select keeps GCC from vectorizing the CPU loops (the clamps read from p made
 // the CPU loss 6-7x slower even with no bound set, so the unclamped loop is compiled with CL = false).
+// lr_raw: the log-ratio before its clamp, lp - old per token (or the sequence's, GSPO): the caller's.
 template <int32_t EST, bool ST, bool CL = true>
-KL_HD PPOToken ppo_token(float lp, float old, float other, float sign, float adv, float beta, float clip_lo,
+KL_HD PPOToken ppo_token(float lp, float lr_raw, float other, float sign, float adv, float beta, float clip_lo,
                          float clip_hi, float clip_c, float w_obj, float w_kl, const EstimatorParams& p) {
-  const float lr_raw = lp - old;
   const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
   // The clamp's gradient mask (a NaN is outside); autograd passes an exact 0 outside, so a select,
   // not a product (NaN * 0 is NaN).

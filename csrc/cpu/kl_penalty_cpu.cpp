@@ -86,6 +86,10 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const float clip_lo = a.clip_lo, clip_hi = a.clip_hi, clip_c = a.clip_c, ec = a.entropy_coef;
   const bool clipping = clip_lo > -INFINITY || clip_hi < INFINITY;
   const float adv_seq = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), r.seq * a.adv_s0) : 0.0f;
+  // The log-ratio: lp - old per token, or the sequence's (GSPO), picked with bit masks (a select, even on
+  // a loop-invariant flag, can keep GCC from vectorizing the loop): lr = (bits(l - od) & tok) | seq_bits.
+  const uint32_t lr_tok = a.seq_lr ? 0u : ~0u;
+  const uint32_t lr_seq = a.seq_lr ? f32_bits(reinterpret_cast<const float*>(a.seq_lr)[r.seq]) : 0u;
   const void* lp = reinterpret_cast<const void*>(g.lp);
   const void* old = reinterpret_cast<const void*>(a.old);
   const void* ref = reinterpret_cast<const void*>(a.ref);
@@ -145,7 +149,8 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         auto keep = [mb](float v) { return bits_f32(f32_bits(v) & mb); };
         const float l = keep(p_lp[i]), od = keep(p_old[i]), rf = keep(p_ref[i]), ad = keep(p_adv[i]);
         const float e = keep(p_ent[i]), wo = keep(p_wt[i]), wk = keep(p_wk[i]);
-        const PPOToken t = ppo_token<EST, ST, CL>(l, od, rf, sign, ad, beta, clip_lo, clip_hi, clip_c, wo, wk, est);
+        const float lr = bits_f32((f32_bits(l - od) & lr_tok) | lr_seq);
+        const PPOToken t = ppo_token<EST, ST, CL>(l, lr, rf, sign, ad, beta, clip_lo, clip_hi, clip_c, wo, wk, est);
         o[1][i] = t.obj * mf;
         o[2][i] = t.kl * mf;
         o[3][i] = e;
@@ -294,6 +299,79 @@ void backward(const KLPenaltyArgs& a, int threads) {
   else a.g_ent ? go(F{}, T{}) : go(F{}, F{});
 }
 
+// GSPO's pre-pass (importance_sampling_level "sequence"): the sum of lp - old over a run's counted tokens
+// and their count, in float64, with kLanes fixed accumulators (deterministic, vectorizable). A NaN or
+// inf stays in its own sequence: runs are combined per sequence, never across.
+struct RatioSum {
+  int64_t seq = -1;
+  double sum = 0.0;
+  int64_t count = 0;
+};
+
+template <int32_t DT, bool CONTIG>
+KL_TARGET_CLONES RatioSum ratio_run(const KLPenaltyArgs& a, const Run& r) {
+  const KLRewardArgs& g = a.g;
+  const void* lp = reinterpret_cast<const void*>(g.lp);
+  const void* old = reinterpret_cast<const void*>(a.old);
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(g.mask);
+  auto first = [&](int64_t s0, int64_t s1) { return r.row * s0 + r.col0 * s1; };
+  int64_t jlo, jhi;
+  counted_range(r, &jlo, &jhi);
+  alignas(64) float x_lp[kBlock], x_old[kBlock];
+  alignas(64) uint32_t x_m[kBlock];
+  if (!mask) std::fill(x_m, x_m + kBlock, ~0u);
+  double acc[kLanes] = {};
+  int64_t count = 0;
+  for (int64_t jb = jlo; jb < jhi; jb += kBlock) {
+    const int64_t n = std::min(kBlock, jhi - jb);
+    load_block<DT, CONTIG>(x_lp, lp, first(g.lp_s0, g.lp_s1) + jb * g.lp_s1, g.lp_s1, n);
+    load_block<DT, CONTIG>(x_old, old, first(a.old_s0, a.old_s1) + jb * a.old_s1, a.old_s1, n);
+    if (mask) lane_masks(x_m, mask + first(g.mask_s0, g.mask_s1) + jb * g.mask_s1, g.mask_s1, n);
+    // lp - old in float64 (exact for float32 inputs, as the reference's torch ops); not counted: exactly 0
+    // (NaN padding included), the inputs masked to +0 through the lane mask
+    auto diff = [&](int64_t i) {
+      return static_cast<double>(bits_f32(f32_bits(x_lp[i]) & x_m[i])) -
+             static_cast<double>(bits_f32(f32_bits(x_old[i]) & x_m[i]));
+    };
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += diff(i + l);
+    for (int l = 0; i < n; ++i, ++l) acc[l] += diff(i);
+    int32_t cnt = 0;
+    for (int64_t k = 0; k < n; ++k) cnt += x_m[k] & 1u;
+    count += cnt;
+  }
+  RatioSum s;
+  s.seq = r.seq;
+  s.count = count;
+  for (int l = 0; l < kLanes; ++l) s.sum += acc[l];
+  return s;
+}
+
+template <int32_t DT, bool CONTIG>
+void sequence_log_ratio(const KLPenaltyArgs& a, int threads) {
+  const KLRewardArgs& g = a.g;
+  const int64_t tiles = tile_count(g);
+  std::vector<RatioSum> head(tiles), tail(tiles), per_seq(g.batch);
+  parallel_tiles(g, threads, [&](int64_t k) {
+    for_each_run_in_tile(g, k, [&](const Run& r, bool first) {
+      const RatioSum s = ratio_run<DT, CONTIG>(a, r);
+      if (r.whole) per_seq[r.seq] = s;
+      else (first ? head : tail)[k] = s;
+    });
+  });
+  for (int64_t k = 0; k < tiles; ++k) {  // shared sequences: in tile order (deterministic)
+    for (const RatioSum* p : {&head[k], &tail[k]}) {
+      if (p->seq < 0) continue;
+      per_seq[p->seq].sum += p->sum;
+      per_seq[p->seq].count += p->count;
+    }
+  }
+  float* out = reinterpret_cast<float*>(a.seq_lr);
+  for (int64_t b = 0; b < g.batch; ++b)
+    out[b] = static_cast<float>(per_seq[b].sum / static_cast<double>(std::max<int64_t>(per_seq[b].count, 1)));
+}
+
 inline bool contiguous(const KLPenaltyArgs& a) {
   const KLRewardArgs& g = a.g;
   return g.lp_s1 == 1 && a.old_s1 == 1 && (a.ref == 0 || a.ref_s1 == 1) && (a.adv_per_seq || a.adv_s1 == 1) &&
@@ -343,6 +421,21 @@ int dispatch(const KLPenaltyArgs& a, int threads, bool backward_pass) {
 int kl_penalty_forward_cpu(const KLPenaltyArgs& args, int num_threads) {
   if (args.result) return 4;  // the aggregation on the device is the CUDA forward's (here: totals)
   return cpu_penalty::dispatch(args, num_threads, false);
+}
+
+int kl_penalty_sequence_log_ratio_cpu(const KLPenaltyArgs& a, int num_threads) {
+  if (a.g.batch == 0) return 0;
+  if (!a.seq_lr) return 5;  // no output buffer
+  const bool c = a.g.lp_s1 == 1 && a.old_s1 == 1 && (a.g.mask == 0 || a.g.mask_s1 == 1);
+  switch (a.g.dtype) {
+    case kFloat32: c ? cpu_penalty::sequence_log_ratio<kFloat32, true>(a, num_threads)
+                     : cpu_penalty::sequence_log_ratio<kFloat32, false>(a, num_threads); return 0;
+    case kBFloat16: c ? cpu_penalty::sequence_log_ratio<kBFloat16, true>(a, num_threads)
+                      : cpu_penalty::sequence_log_ratio<kBFloat16, false>(a, num_threads); return 0;
+    case kFloat16: c ? cpu_penalty::sequence_log_ratio<kFloat16, true>(a, num_threads)
+                     : cpu_penalty::sequence_log_ratio<kFloat16, false>(a, num_threads); return 0;
+    default: return 1;
+  }
 }
 
 int kl_penalty_backward_cpu(const KLPenaltyArgs& args, int num_threads) {

@@ -43,6 +43,7 @@ py::dict probe() {
   kernels.append("kl_reward_list_readable");
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
+  kernels.append("kl_penalty_sequence_log_ratio");
   info["kernels"] = kernels;
   info["parallel_runtime"] = kl::parallel_runtime();  // decided at first use, after torch is loaded
   return info;
@@ -145,4 +146,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("kl_penalty_backward", &kl::kl_penalty_backward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_penalty_loss backward on the CPU; returns 0 or an error code (1: unsupported dtypes).");
+  m.def("kl_penalty_sequence_log_ratio", &kl::kl_penalty_sequence_log_ratio_cpu, py::arg("args"),
+        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>(),
+        "GSPO's pre-pass on the CPU: args.seq_lr[b] = mean of lp - old over sequence b's counted tokens; 0 or an "
+        "error code.");
 }

@@ -138,7 +138,9 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       // the vector path, pushed variants over the 128-register budget (8-byte stack frames).
       const float wo = !a.wt ? 1.0f : read<AT>(a.wt, a.wt_s0, a.wt_s1, e);
       const float wk = a.weight_kl ? wo : 1.0f;
-      const PPOToken t = ppo_token<EST, ST>(lpv[j], oldv[j], other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
+      // the log-ratio: per token, or the sequence's (GSPO: seq_lr, read like a per-sequence advantage)
+      const float lr = a.seq_lr ? reinterpret_cast<const float*>(a.seq_lr)[seq] : lpv[j] - oldv[j];
+      const PPOToken t = ppo_token<EST, ST>(lpv[j], lr, other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
                                             wo, wk, g.est);
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;

@@ -1,4 +1,5 @@
-"""What the peers' shims share: a count used as a denominator, and the KL controllers' interface.
+"""What the peers' shims share: a count used as a denominator, GSPO's gradient through the sequence mean,
+and the KL controllers' interface.
 
 The controllers: verl and OpenRLHF share a float ``value`` and ``update(kl, n_steps)``.
 
@@ -19,6 +20,32 @@ def at_least_one(count):
     trainer) as a denominator: at least 1, so an empty batch gives a loss of 0, not the peers' 0 / 0.
     A tensor stays one (no host sync)."""
     return count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1)
+
+
+class _SequenceMeanGradient(torch.autograd.Function):
+    """Identity forward; backward: each counted token of a row gets the mean of the row's incoming
+    gradient over its counted tokens (0 elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.save_for_backward(mask)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        g = torch.where(mask, g, 0.0)
+        mean = g.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+        return torch.where(mask, mean, 0.0).to(g.dtype), None
+
+
+def gradient_through_sequence_mean(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log_probs`` ``[B, T]`` for a GSPO policy loss without a KL term, so that its gradient is the
+    one of a ratio built from the sequence's *mean* log-ratio (TRL, OpenRLHF): the fused GSPO gradient
+    of token ``t`` (GSPO-token's, ``d r_t / d lp_t = 1``) replaced by the mean of the row's over its
+    counted tokens. The same thing when advantages and weights are constant within each sequence;
+    exact also when they vary (per-token advantages), where GSPO-token's differs."""
+    return _SequenceMeanGradient.apply(log_probs, mask)
 
 
 class ProportionalValue:

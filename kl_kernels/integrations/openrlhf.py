@@ -1,12 +1,12 @@
 """OpenRLHF 0.11.2 drop-ins: ``compute_approx_kl``, ``compute_reward``, ``masked_mean``, the KL
-controllers and ``PolicyLoss`` (``policy_loss_type="ppo"``), with OpenRLHF's names, signatures and
+controllers and ``PolicyLoss`` (``policy_loss_type="ppo"`` and ``"gspo"``), with OpenRLHF's names, signatures and
 defaults, computed by kl_kernels' fused ops where there is KL or loss math to fuse.
 
 OpenRLHF is not needed to import this module. Tensors are OpenRLHF's ``[B, T]`` action-aligned
 ones with an ``action_mask`` (bool or 0/1; read as bool). Deviations, all deliberate
 (``python_api/integrations.md``): an all-masked batch gives a loss of 0 where OpenRLHF divides 0 by
-0 (NaN); ``PolicyLoss`` takes ``policy_loss_type="ppo"`` without importance-sampling correction
-(``is_correction_level="off"``), and raises ``NotImplementedError`` naming the option otherwise.
+0 (NaN); ``PolicyLoss`` takes no importance-sampling correction (``is_correction_level="off"``),
+and raises ``NotImplementedError`` naming the option otherwise; its GSPO log-ratio is clamped to +-20.
 
 Example::
 
@@ -22,7 +22,7 @@ import torch
 
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
-from ._common import FixedValue, ProportionalValue, at_least_one
+from ._common import FixedValue, ProportionalValue, at_least_one, gradient_through_sequence_mean
 
 KL_IS_WEIGHT_CLIP = 10.0  # OpenRLHF's cap on exp(lp - old) in the unbiased KL gradient
 # OpenRLHF's estimators -> (ours, clamp_input, clamp_output): every estimate is clamped to [-10, 10],
@@ -112,20 +112,27 @@ class FixedKLController(FixedValue):
 
 
 class PolicyLoss(torch.nn.Module):
-    """OpenRLHF's ``PolicyLoss`` for ``policy_loss_type="ppo"``, fused (:func:`kl_kernels.kl_penalty_loss`):
-    clipped objective with ``clip_eps_low``/``clip_eps_high``, optional dual clip, token-level
-    (``token_level_loss=True``) or sequence-level mean, OpenRLHF's ``dp_size`` /
-    ``batch_num_tokens`` / ``global_batch_size`` normalisers. ``forward`` returns OpenRLHF's 5-tuple
-    ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` (the last two ``None``: no correction)."""
+    """OpenRLHF's ``PolicyLoss`` for ``policy_loss_type="ppo"`` and ``"gspo"``, fused
+    (:func:`kl_kernels.kl_penalty_loss`): clipped objective with ``clip_eps_low``/``clip_eps_high``,
+    optional dual clip, token-level (``token_level_loss=True``) or sequence-level mean, OpenRLHF's
+    ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size`` normalisers. ``"gspo"``: every token
+    takes its sequence's ratio ``exp(mean log-ratio)`` over the action mask
+    (``importance_sampling_level="sequence"``) and the loss is the sequence-level mean, as OpenRLHF
+    forces; the gradient is OpenRLHF's, through the sequence mean, per-token advantages included
+    (:func:`~kl_kernels.integrations._common.gradient_through_sequence_mean`). Deviation: the
+    log-ratio is clamped to +-20 (OpenRLHF's GSPO ratio is not). ``forward`` returns OpenRLHF's
+    5-tuple ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` (the last two ``None``: no
+    correction)."""
 
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float = None,
                  token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
                  is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
                  is_correction_threshold=(0.5, 5.0)) -> None:
         super().__init__()
-        if policy_loss_type != "ppo":
-            raise NotImplementedError(f"policy_loss_type={policy_loss_type!r}: only 'ppo' is fused in kl_kernels "
-                                      "(use OpenRLHF's PolicyLoss for 'gspo')")
+        if policy_loss_type not in ("ppo", "gspo"):
+            raise ValueError(f"Invalid policy loss type: {policy_loss_type}")
+        if policy_loss_type == "gspo":
+            token_level_loss = False  # as OpenRLHF: GSPO's loss is a mean per sequence
         if is_correction_level != "off":
             raise NotImplementedError(f"is_correction_level={is_correction_level!r}: importance-sampling correction "
                                       "is not fused yet (pass per-token weights to kl_kernels.kl_penalty_loss)")
@@ -152,9 +159,12 @@ class PolicyLoss(torch.nn.Module):
                 factor = mask.shape[0] / at_least_one((mask.sum(-1) > 0).sum())
             else:
                 factor = mask.shape[0] * dp_size / at_least_one(global_batch_size)
+        if self.policy_loss_type == "gspo":  # OpenRLHF differentiates through the sequence mean (no KL term here)
+            log_probs = gradient_through_sequence_mean(log_probs, mask)
         out = kl_penalty_loss(log_probs, old_log_probs, advantages, beta=0.0, estimator="k1", mask=mask,
                               clip_epsilon=(self.clip_eps_low, self.clip_eps_high), dual_clip=self.dual_clip,
-                              aggregation=agg)
+                              aggregation=agg,
+                              importance_sampling_level="sequence" if self.policy_loss_type == "gspo" else "token")
         # ppo_kl = mean of old - lp over the mask: the fused k1 "KL to the old policy" diagnostic
         return out.loss * factor, out.clip_fraction, out.kl_mean, None, None
 

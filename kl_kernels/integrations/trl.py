@@ -16,9 +16,12 @@ TRL is not needed to import this module. Supported: loss types ``grpo``, ``bnpo`
 to the reference; the vLLM importance-sampling ratio on the policy term (token or sequence shaped);
 TRL's normalisers; ``delta`` (two-sided clipping: TRL caps the unclipped ratio at ``delta`` before
 the min, which for ``delta >= 1 + epsilon_high``, TRL's recommendation, is exactly the dual clip
-``dual_clip=delta``). Not fused, and refused with ``NotImplementedError``: ``delta`` below
-``1 + epsilon_high``, ``importance_sampling_level="sequence"`` (GSPO), ``use_bias_correction_kl`` with ``beta != 0``
-(a KL weighted by the differentiable ratio), and the ``cispo``/``sapo``/``vespo`` losses.
+``dual_clip=delta``); ``importance_sampling_level="sequence"`` (GSPO: the sequence's mean log-ratio
+for every token; TRL's gradient through that mean is the fused one, as every loss type weighs a
+sequence's tokens alike). Not fused, and refused with ``NotImplementedError``: ``delta`` below
+``1 + epsilon_high``, a token-shaped vLLM ratio with ``importance_sampling_level="sequence"``,
+``use_bias_correction_kl`` with ``beta != 0`` (a KL weighted by the differentiable ratio), and the
+``cispo``/``sapo``/``vespo`` losses.
 Deviation: the log-ratio ``lp - old`` is clamped to +-20 before ``exp`` (TRL leaves it unclamped;
 ``exp(20)`` is already 4.9e8).
 """
@@ -65,11 +68,18 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     if loss_type not in LOSS_TYPES:
         raise NotImplementedError(f"loss_type={loss_type!r} is not fused in kl_kernels "
                                   f"(fused: {', '.join(LOSS_TYPES)})")
-    if importance_sampling_level != "token":
-        if importance_sampling_level == "sequence":
-            raise NotImplementedError("importance_sampling_level='sequence' (GSPO) is not fused yet")
+    if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"Unknown importance sampling level: {importance_sampling_level}. Possible values are "
                          "'token' and 'sequence'.")
+    if (importance_sampling_level == "sequence" and importance_sampling_ratio is not None
+            and importance_sampling_ratio.dim() == 2 and importance_sampling_ratio.shape[-1] != 1):
+        # TRL differentiates through the sequence's mean log-ratio: each token's gradient then carries the
+        # sequence's mean weight, where the fused GSPO gradient carries the token's own
+        raise NotImplementedError("importance_sampling_level='sequence' with a token-shaped importance_sampling_ratio "
+                                  "[B, T] is not fused: use a sequence-level vLLM correction ([B, 1])")
+    if importance_sampling_level == "sequence" and advantages.dim() == 2 and advantages.shape[-1] != 1:
+        raise NotImplementedError("importance_sampling_level='sequence' with per-token advantages [B, T] is not fused "
+                                  "(TRL's advantages are per sequence, [B])")
     if beta != 0.0 and use_bias_correction_kl:
         raise NotImplementedError("use_bias_correction_kl=True with beta != 0 (a KL weighted by the differentiable "
                                   "ratio) is not fused yet: set use_bias_correction_kl=False")
@@ -108,7 +118,7 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     out: KLPenaltyLossOutput = kl_penalty_loss(
         per_token_logps, old, advantages, ref_log_probs=ref_per_token_logps if beta != 0.0 else None, beta=float(beta),
         estimator="k3" if beta != 0.0 else "k1", mask=mask, clip_epsilon=(epsilon_low, eps_high), weights=weights,
-        aggregation=agg, dual_clip=delta)
+        aggregation=agg, dual_clip=delta, importance_sampling_level=importance_sampling_level)
     loss = out.loss * factor
     return (loss, out) if return_output else loss
 

@@ -1,4 +1,4 @@
-"""verl 0.9.1 drop-ins: the KL functions, the vanilla PPO policy loss and the KL controllers.
+"""verl 0.9.1 drop-ins: the KL functions, the vanilla and GSPO policy losses and the KL controllers.
 
 Same names, signatures and defaults as ``verl.trainer.ppo.core_algos`` (and ``apply_kl_penalty`` of
 ``verl.trainer.ppo.ray_trainer``), computed by kl_kernels' fused ops. verl is not needed to import
@@ -149,6 +149,22 @@ def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tens
     return loss, metrics
 
 
+def compute_policy_loss_gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, loss_agg_mode: str = "seq-mean-token-mean", config=None,
+                             rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's registered ``"gspo"`` policy loss, fused (``importance_sampling_level="sequence"``): every
+    token of a response takes its sequence's ratio ``exp(mean(log_prob - old_log_prob))`` over the
+    response mask, clipped with ``clip_ratio_low``/``high`` (no dual clip, as verl), with verl's
+    GSPO-token gradient; ``rollout_is_weights`` on the objective; ``agg_loss`` with
+    ``config.global_batch_info`` (default ``"seq-mean-token-mean"``, as verl). Returns ``(pg_loss,
+    {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})``, the last 0 as in verl.
+    Deviation: verl clamps the sequence log-ratio at 10 from above (ours: +-20, as every ratio here),
+    so a response whose mean log-ratio exceeds 10 differs."""
+    loss, _, metrics = _policy_loss(old_log_prob, log_prob, None, advantages, response_mask, loss_agg_mode, config,
+                                    rollout_is_weights, gspo=True)
+    return loss, metrics
+
+
 def compute_policy_loss_with_kl(old_log_prob: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                                 advantages: torch.Tensor, response_mask: torch.Tensor,
                                 loss_agg_mode: str = "token-mean", config=None,
@@ -164,10 +180,12 @@ def compute_policy_loss_with_kl(old_log_prob: torch.Tensor, log_prob: torch.Tens
 
 
 def _policy_loss(old_log_prob, log_prob, ref_log_prob, advantages, response_mask, loss_agg_mode, config,
-                 rollout_is_weights):
-    """(loss, fused output, metrics) of verl's vanilla policy loss, plus its KL loss with a reference."""
+                 rollout_is_weights, gspo=False):
+    """(loss, fused output, metrics) of verl's vanilla (or ``gspo``) policy loss, plus its KL loss with a
+    reference."""
     if config is None:
-        raise ValueError("compute_policy_loss_vanilla needs the actor config (clip_ratio, clip_ratio_c, ...)")
+        raise ValueError(f"compute_policy_loss_{'gspo' if gspo else 'vanilla'} needs the actor config (clip_ratio, "
+                         "clip_ratio_c, ...)")
     clip_ratio = _get(config, "clip_ratio")
     low = _get(config, "clip_ratio_low")
     high = _get(config, "clip_ratio_high")
@@ -175,8 +193,8 @@ def _policy_loss(old_log_prob, log_prob, ref_log_prob, advantages, response_mask
     high = clip_ratio if high is None else high
     if low is None or high is None:
         raise ValueError("config.clip_ratio (or clip_ratio_low and clip_ratio_high) must be set")
-    clip_c = _get(config, "clip_ratio_c", 3.0)
-    if not clip_c > 1.0:
+    clip_c = None if gspo else _get(config, "clip_ratio_c", 3.0)  # verl's GSPO has no dual clip
+    if clip_c is not None and not clip_c > 1.0:
         raise ValueError("The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0, but get "
                          f"the value: {clip_c}.")
     info = dict(_get(config, "global_batch_info", None) or {})
@@ -190,12 +208,16 @@ def _policy_loss(old_log_prob, log_prob, ref_log_prob, advantages, response_mask
         kl = dict(ref_log_probs=ref_log_prob, beta=float(coef), estimator=est, clamp_input=clamp_in,
                   clamp_output=clamp_out)
     out = kl_penalty_loss(log_prob, old_log_prob, advantages, mask=mask, clip_epsilon=(float(low), float(high)),
-                          dual_clip=float(clip_c), weights=rollout_is_weights, aggregation=agg, **kl)
+                          dual_clip=None if clip_c is None else float(clip_c), weights=rollout_is_weights,
+                          aggregation=agg, importance_sampling_level="sequence" if gspo else "token", **kl)
     with torch.no_grad():  # the one metric the fused pass does not count: the dual clip's share
-        ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
-        adv = advantages
-        c1 = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
-        lower = ((c1 > -adv * clip_c) & (adv < 0) & mask).sum() / mask.sum().clamp_min(1)
+        if clip_c is None:
+            lower = torch.zeros((), device=log_prob.device)
+        else:
+            ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
+            adv = advantages
+            c1 = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
+            lower = ((c1 > -adv * clip_c) & (adv < 0) & mask).sum() / mask.sum().clamp_min(1)
         ppo_kl = out.kl_mean if ref_log_prob is None else (-torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0)
                                                             ).where(mask, 0).sum() / mask.sum().clamp_min(1)
     metrics = {"actor/pg_clipfrac": out.clip_fraction.item(), "actor/ppo_kl": ppo_kl.item(),
@@ -257,20 +279,25 @@ def apply_kl_penalty(data, kl_ctrl, kl_penalty="kl"):
     return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
 
-def register(name: str = "kl_kernels", *, override_vanilla: bool = False) -> list[str]:
-    """Register :func:`compute_policy_loss_vanilla` in verl's policy-loss registry under ``name`` (and
-    under ``"vanilla"`` with ``override_vanilla=True``), so that a verl config selects it with
+def register(name: str = "kl_kernels", *, override_vanilla: bool = False, override_gspo: bool = False) -> list[str]:
+    """Register :func:`compute_policy_loss_vanilla` in verl's policy-loss registry under ``name`` and
+    :func:`compute_policy_loss_gspo` under ``name + "_gspo"`` (and under verl's own ``"vanilla"`` /
+    ``"gspo"`` with ``override_vanilla`` / ``override_gspo``), so that a verl config selects them with
     ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``. Needs verl; returns the names."""
     try:
         from verl.trainer.ppo import core_algos
     except ImportError as exc:
         raise ImportError(f"kl_kernels.integrations.verl.register needs verl installed ({exc})") from exc
-    names = [name] + (["vanilla"] if override_vanilla and name != "vanilla" else [])
-    for n in names:
-        core_algos.register_policy_loss(n)(compute_policy_loss_vanilla)
-    return names
+    plan = [(name, compute_policy_loss_vanilla), (f"{name}_gspo", compute_policy_loss_gspo)]
+    if override_vanilla and name != "vanilla":
+        plan.append(("vanilla", compute_policy_loss_vanilla))
+    if override_gspo:
+        plan.append(("gspo", compute_policy_loss_gspo))
+    for n, fn in plan:
+        core_algos.register_policy_loss(n)(fn)
+    return [n for n, _ in plan]
 
 
 __all__ = ["KL_MODES", "AGG_MODES", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
-           "compute_policy_loss_with_kl",
+           "compute_policy_loss_gspo", "compute_policy_loss_with_kl",
            "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register"]

@@ -14,12 +14,15 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                     offsets=None, lengths=None, padding_side="left", clip_epsilon=None, entropy=None,
                     entropy_coef=0.0, aggregation="token-mean", num_global_tokens=None, process_group=None,
                     norm_length=None, backend="auto", out=None, dual_clip=None, weights=None,
-                    weight_kl=False, clamp_input=None, clamp_output=None) -> KLPenaltyLossOutput:
+                    weight_kl=False, clamp_input=None, clamp_output=None,
+                    importance_sampling_level="token") -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
 
-        ratio_t = exp(clamp(lp_t - old_t, -20, 20))               (the clamp keeps it finite)
+        ratio_t = exp(clamp(r_t, -20, 20))                        (the clamp keeps it finite)
+        r_t     = lp_t - old_t                                    (importance_sampling_level "token")
+                = s_b = mean of lp_u - old_u over b's counted u   ("sequence": GSPO; d r_t / d lp_t = 1)
         pg_t    = -ratio_t * A_t                                  (no clip_epsilon)
                 = -min(ratio_t * A_t, clamp(ratio_t, 1 - eps_lo, 1 + eps_hi) * A_t)   (PPO clip)
         obj_t   = w_t * pg_t, or w_t * min(pg_t, -A_t * c) where A_t < 0   (dual_clip = c)
@@ -68,6 +71,17 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             The guard against overflow: the ratio's log is always clamped to +-20, so with
             ``clamp_input`` bounded (e.g. ``(-20, 20)``) every finite input gives a finite loss and
             gradient; without it, k3 of a diverged token (``d < -88``) is inf.
+        importance_sampling_level: ``"token"`` (default, PPO) or ``"sequence"``: GSPO (Zheng et al.
+            2025; TRL's ``importance_sampling_level="sequence"``, verl's and OpenRLHF's ``"gspo"``): every
+            counted token of sequence ``b`` takes the ratio ``exp(s_b)`` of its sequence, ``s_b`` the mean
+            log-ratio over ``b``'s counted tokens, and the clip decision follows it. The gradient is
+            GSPO-token's (verl): ``d r_t / d lp_t = 1``. It is exactly the gradient of the returned loss
+            (GSPO's, through the mean, as TRL and OpenRLHF differentiate) when the advantages and the
+            weights are constant within each sequence (GRPO's per-sequence advantages; no or per-sequence
+            ``weights``; every aggregation here weighs a sequence's tokens alike); where they vary inside
+            a sequence it is GSPO-token's, by design (the paper's variant for per-token advantages).
+            ``s_b`` is computed before the kernels (a few torch ops on the device, no host read); the
+            KL term stays per token.
         aggregation: ``"token-mean"`` (default), ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``,
             ``"seq-mean-token-sum-norm"``, ``"sum"`` or ``"none"`` (per-token loss, caller's layout,
             0 at non-counted tokens). Weights: :mod:`kl_kernels.kl_penalty.aggregate`.
@@ -131,7 +145,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
-        weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output)
+        weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output,
+        importance_sampling_level=importance_sampling_level)
     num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too

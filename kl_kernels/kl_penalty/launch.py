@@ -36,11 +36,12 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
                      entropy_coef, token_out, weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP,
-                     ext=None):
+                     seq_lr=None, ext=None):
     """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
-    given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights)
+    given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights,
+             seq_lr)
     inputs = resolved(*given)
-    log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights = inputs
+    log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights, seq_lr = inputs
     dev = log_probs.device
     module = kernel_module(dev, "kl_penalty_forward", "kl_penalty_loss", ext)
     a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, estimator, straight_through,
@@ -59,22 +60,24 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     a.beta_mode, a.beta_scalar, a.beta = coefficient(beta, beta_scalar, keep)
     a.clip_lo, a.clip_hi, a.entropy_coef = float(clip_lo), float(clip_hi), float(entropy_coef)
     a.clip_c, a.weight_kl = float(clip_c), int(bool(weight_kl))
+    a.seq_lr = ptr(seq_lr) if seq_lr is not None else 0  # float32 [B], contiguous (problem.py)
     return module, a, keep
 
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, ext=None, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, ext=None, grad_out=None):
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
     ``_C`` or ``_cuda`` by device). ``grad_out``: the caller's float32 buffer for ``grad`` (checked by
     ``problem.py``), written in place and returned. ``weights`` (per token, the aux dtype, or None),
-    ``clip_c`` (dual clip, inf: none), ``weight_kl`` and ``clamp`` (the KL's [in_lo, in_hi, out_lo,
-    out_hi], infinite: none): see ``kl_penalty_loss``."""
+    ``clip_c`` (dual clip, inf: none), ``weight_kl``, ``clamp`` (the KL's [in_lo, in_hi, out_lo,
+    out_hi], infinite: none) and ``seq_lr`` (float32 [B] sequence log-ratios, GSPO; None: per token):
+    see ``kl_penalty_loss``."""
     module, a, keep = _prepare_forward(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
         adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, weights,
-        clip_c, weight_kl, clamp, ext)
+        clip_c, weight_kl, clamp, seq_lr, ext)
     dev, batch, shape = log_probs.device, a.g.batch, log_probs.shape
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
@@ -87,6 +90,24 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
                   workspace_bytes=lambda a: module.kl_penalty_workspace_bytes(a))
     del keep
     return seq_loss, stats, count, tok, grad
+
+
+def sequence_log_ratio(log_probs, old_log_probs, mask, offsets, lengths, layout, left_pad):
+    """GSPO's pre-pass on the CPU (``kl_penalty_sequence_log_ratio`` in ``_C``): float32 ``[B]``, the mean
+    of ``lp - old`` over each sequence's counted tokens (float64 sums; 0 without any). ``log_probs`` and
+    ``old_log_probs`` in one of the kernels' dtypes, on the CPU."""
+    log_probs, old_log_probs, mask, offsets, lengths = resolved(log_probs, old_log_probs, mask, offsets, lengths)
+    module = kernel_module(log_probs.device, "kl_penalty_sequence_log_ratio", "kl_penalty_loss")
+    a, keep = _args(module, log_probs, mask, offsets, lengths, layout, left_pad, 0, False, log_probs.dtype)
+    a.old = ptr(old_log_probs)
+    a.old_s0, a.old_s1 = strides(old_log_probs, layout)
+    out = torch.empty(a.g.batch, dtype=torch.float32)
+    if a.g.batch == 0:  # (an empty tensor's address is 0: nothing to write)
+        return out
+    a.seq_lr = ptr(out)
+    launch_kernel(module, module.kl_penalty_sequence_log_ratio, a, log_probs.device, "kl_penalty_loss")
+    del keep
+    return out
 
 
 def forward_with_totals(*forward_args, grad_out=None):

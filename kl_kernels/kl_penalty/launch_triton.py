@@ -44,11 +44,13 @@ def _geometry(like, mask, offsets, lengths, layout):
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, grad_out=None):
     """Run the Triton forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
-    empty, grad [*shape]), as ``launch.forward`` (``grad_out``: the caller's buffer for ``grad``)."""
-    log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights = resolved(
-        log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights)
+    empty, grad [*shape]), as ``launch.forward`` (``grad_out``: the caller's buffer for ``grad``;
+    ``seq_lr``: float32 [B], the sequences' log-ratios, GSPO)."""
+    (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights,
+     seq_lr) = resolved(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
+                        weights, seq_lr)
     fwd, combine, _ = _kernels()
     dev, shape, total = log_probs.device, log_probs.shape, log_probs.numel()
     packed, batch, width, offsets, lengths, mask_u8, mask_s = _geometry(log_probs, mask, offsets, lengths, layout)
@@ -74,7 +76,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
         dummy = log_probs
         args = (log_probs, old_log_probs, or_dummy(ref_log_probs, dummy), advantages, or_dummy(entropy, dummy),
                 or_dummy(weights, dummy), or_dummy(mask_u8, dummy), or_dummy(beta_t, seq_loss),
-                or_dummy(offsets, count), or_dummy(lengths, count),
+                or_dummy(offsets, count), or_dummy(lengths, count), or_dummy(seq_lr, seq_loss),
                 seq_loss, stats, count, tok if token_out else grad, grad, slot_sum, slot_count,
                 total, batch, width, *strides(log_probs, layout), *strides(old_log_probs, layout),
                 *(strides(ref_log_probs, layout) if ref_log_probs is not None else zero_s), *adv_s,
@@ -86,7 +88,8 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
         flags = dict(PACKED=packed, LEFT_PAD=bool(left_pad), HAS_LENGTHS=lengths is not None,
                      HAS_MASK=mask is not None, HAS_REF=ref_log_probs is not None, HAS_ENT=entropy is not None,
                      HAS_WT=weights is not None, WEIGHT_KL=bool(weight_kl) and weights is not None,
-                     ADV_PER_SEQ=bool(adv_per_seq), BETA_MODE=beta_mode, TOKEN_OUT=bool(token_out),
+                     ADV_PER_SEQ=bool(adv_per_seq), BETA_MODE=beta_mode, SEQ_LR=seq_lr is not None,
+                     TOKEN_OUT=bool(token_out),
                      EST=int(estimator), STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:

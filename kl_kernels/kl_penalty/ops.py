@@ -23,7 +23,7 @@ from ..launching import ESTIMATOR_CODES, LAYOUT_CODES, clamp_bounds
 from . import launch, launch_triton
 from .aggregate import KLPenaltyLossOutput, device_weight, uniform_parts
 from .problem import KLPenaltyProblem
-from .reference import RawLoss
+from .reference import RawLoss, sequence_log_ratio
 
 _DEVICES = ("cpu", "cuda")
 # Private autograd queries (AOTAutograd uses both) live in _compat.torch; a torch without them never
@@ -32,7 +32,7 @@ _DEVICES = ("cpu", "cuda")
 
 def _setup_context(ctx, inputs, output):
     (log_probs, _old, _ref, advantages, entropy, mask, offsets, lengths, _beta, _bs, _aps, layout, left_pad, _est,
-     _st, _clo, _chi, entropy_coef, token_out, _weights, _clip_c, _weight_kl, _clamp) = inputs
+     _st, _clo, _chi, entropy_coef, token_out, _weights, _clip_c, _weight_kl, _clamp, _seq_lr) = inputs
     ctx.save_for_backward(output[4], mask, offsets, lengths)  # the gradient buffer: the only float tensor kept
     ctx.params = (layout, left_pad, log_probs.dtype)
     ctx.entropy = (entropy is not None and entropy.requires_grad, advantages.dtype, entropy_coef)
@@ -45,14 +45,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _input_grads(ctx, g_seq_loss, g_token_out, bwd):
-    """Gradients of the forward's 23 inputs, from the outputs' gradients through ``bwd`` (the op, or
+    """Gradients of the forward's 24 inputs, from the outputs' gradients through ``bwd`` (the op, or
     the launcher in eager mode)."""
     grad, mask, offsets, lengths = ctx.saved_tensors
     g_tok = g_token_out[0] if (ctx.token_out and g_token_out is not None) else None
     entropy_grad, aux_dtype, entropy_coef = ctx.entropy
     g_lp, g_ent = bwd(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad, aux_dtype,
                       entropy_coef)
-    return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 18
+    return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 19
 
 
 def _define(name: str, launcher):
@@ -65,16 +65,16 @@ def _define(name: str, launcher):
             beta: Optional[Tensor], beta_scalar: float, adv_per_seq: bool, layout: int, left_pad: bool,
             estimator: int, straight_through: bool, clip_lo: float, clip_hi: float, entropy_coef: float,
             token_out: bool, weights: Optional[Tensor], clip_c: float, weight_kl: bool,
-            clamp: Sequence[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            clamp: Sequence[float], seq_lr: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Fused forward: (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or [0], grad [*shape])."""
         return launcher.forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths,
                                 beta, beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo,
-                                clip_hi, entropy_coef, token_out, weights, clip_c, weight_kl, clamp)
+                                clip_hi, entropy_coef, token_out, weights, clip_c, weight_kl, clamp, seq_lr)
 
     @fwd.register_fake
     def _(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
           adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-          weights, clip_c, weight_kl, clamp):
+          weights, clip_c, weight_kl, clamp, seq_lr):
         batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
         shape = log_probs.shape
         f32 = dict(dtype=torch.float32)
@@ -135,8 +135,10 @@ def _claim(grad_out) -> None:
         torch.autograd.graph.increment_version(grad_out)
 
 
-def _fused_args(p: KLPenaltyProblem) -> tuple:
-    """The 23 arguments of ``kl_kernels::kl_penalty_fwd`` (and of the launchers' forward) for ``p``."""
+def _fused_args(p: KLPenaltyProblem, cpu_kernel: bool = False) -> tuple:
+    """The 24 arguments of ``kl_kernels::kl_penalty_fwd`` (and of the launchers' forward) for ``p``.
+    GSPO's sequence log-ratios come from the CPU kernel's pre-pass for the CPU kernel (``cpu_kernel``,
+    eager), else from the reference's torch ops (on the device, no host read; traceable)."""
     lp = p.log_probs
     # Advantages, entropy and weights are read in the log-probs' dtype or in float32 (the kernels' aux dtype).
     aux = lp.dtype if all(t is None or t.dtype == lp.dtype for t in (p.advantages, p.entropy, p.weights)) \
@@ -151,14 +153,23 @@ def _fused_args(p: KLPenaltyProblem) -> tuple:
             p.padding_side == "left", ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"),
             clip_lo, clip_hi, p.entropy_coef, p.aggregation == "none", wts,
             p.dual_clip if p.dual_clip is not None else math.inf, p.weight_kl,
-            [*clamp_bounds(p.clamp_input), *clamp_bounds(p.clamp_output)])
+            [*clamp_bounds(p.clamp_input), *clamp_bounds(p.clamp_output)], _sequence_log_ratio(p, cpu_kernel))
+
+
+def _sequence_log_ratio(p: KLPenaltyProblem, cpu_kernel: bool):
+    if p.importance_sampling_level != "sequence":
+        return None
+    if cpu_kernel and not torch.compiler.is_compiling():
+        return launch.sequence_log_ratio(p.log_probs, p.old_log_probs, p.mask, p.offsets, p.lengths,
+                                         LAYOUT_CODES[p.layout], p.padding_side == "left")
+    return sequence_log_ratio(p)
 
 
 def run_fused(p: KLPenaltyProblem, triton: bool = False, emulated: bool = False) -> RawLoss:
     """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_penalty_fwd``
     (C++ kernels), ``kl_kernels::kl_penalty_triton_fwd`` (``triton=True``) or
     ``kl_kernels::kl_penalty_cuda_emu_fwd`` (``emulated=True``: the CUDA kernels on CPU tensors)."""
-    args = _fused_args(p)
+    args = _fused_args(p, cpu_kernel=not (triton or emulated) and p.device.type == "cpu")
     lp, ent, token_out = args[0], args[4], args[18]
     needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
     launcher = launch_triton if triton else launch.emulated if emulated else launch
@@ -223,7 +234,7 @@ class _EagerTotal(torch.autograd.Function):
             else:
                 g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, scale, lp_dtype, entropy_grad,
                                                         aux_dtype)
-        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 18
+        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 19
 
 
 def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
@@ -244,7 +255,7 @@ def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLos
     (:func:`~kl_kernels.kl_penalty.aggregate.on_host`), through the C++ kernel with the aggregation
     folded in (:class:`_EagerTotal`). Same values as ``aggregate(p, run_fused(p))`` up to the
     rounding of the per-sequence sums (summed in float64 here, float32 there)."""
-    loss, rest, count = _EagerTotal.apply(p, num_global_tokens, *_fused_args(p))
+    loss, rest, count = _EagerTotal.apply(p, num_global_tokens, *_fused_args(p, cpu_kernel=True))
     return KLPenaltyLossOutput(loss, *rest.unbind(), count)
 
 
@@ -275,7 +286,7 @@ class _EagerOnDevice(torch.autograd.Function):
             grad, weight = ctx.saved_tensors[:2]
             g_lp, g_ent = ctx.launcher.backward_aggregated(ctx.kernel_args, grad, weight, g_loss, lp_dtype,
                                                            entropy_grad, aux_dtype, ext=ctx.ext)
-        return (None, None, None, None, g_lp, None, None, None, g_ent) + (None,) * 18
+        return (None, None, None, None, g_lp, None, None, None, g_ent) + (None,) * 19
 
 
 def run_fused_on_device(p: KLPenaltyProblem, num_global_tokens, emulated: bool = False,

@@ -19,6 +19,7 @@ from .. import _checks, codes, ragged
 from ..codes import ESTIMATORS
 from ..layouts import NativeLayout, check_device, check_logprob_tensor, normalize_layout, pack_ragged_arg, same_device
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum",
                 "none")
 # The log-ratio log_probs - old_log_probs is clamped to +-LOG_RATIO_BOUND before exp: exp(20) ~ 4.9e8
@@ -64,6 +65,9 @@ class KLPenaltyProblem(NativeLayout):
     clamp_input: tuple | None = None     # the KL's clamps, as kl_reward's (lo, hi; either None)
     clamp_output: tuple | None = None
     grad_out: torch.Tensor | None = None  # the caller's float32 gradient buffer (api.py's out=), this layout
+    # "sequence" (GSPO): each counted token takes its sequence's mean log-ratio; each backend computes those
+    # means its way (reference.sequence_log_ratio, or the CPU kernel's pre-pass) and its kernels read them
+    importance_sampling_level: str = "token"
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
 
@@ -226,7 +230,8 @@ def _check_out(out, lp, inputs) -> torch.Tensor:
 
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
                   padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
-                  dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None):
+                  dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None,
+                  importance_sampling_level="token"):
     """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
 
     ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
@@ -238,6 +243,8 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         raise ValueError(f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}; got {aggregation!r}")
     if padding_side not in ragged.PADDING_SIDES:
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     clip = _check_clip(clip_epsilon)
     entropy_coef = _real("entropy_coef", entropy_coef)
     if dual_clip is not None:
@@ -313,4 +320,6 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         norm_length=norm_length, device_free=device_free, grad_out=out,
         weights=None if wts is None else wts.detach(), weight_kl=weight_kl, dual_clip=dual_clip,
         clamp_input=clamp_input, clamp_output=clamp_output)
+    problem.importance_sampling_level = importance_sampling_level
     return problem, kind, offsets
+

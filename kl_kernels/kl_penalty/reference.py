@@ -5,7 +5,9 @@ It is also the ``"torch"`` backend: gradients come from autograd through exactly
 
 Per token ``t`` of sequence ``b`` with ``m_t`` the final mask (valid and in ``mask``)::
 
-    r_t      = clamp(lp_t - old_t, -20, 20)             ratio_t = exp(r_t)
+    r_t      = clamp(lr_t, -20, 20)                     ratio_t = exp(r_t)
+    lr_t     = lp_t - old_t, or (GSPO) s_b, the sequence's mean lp - old over its counted tokens,
+               with d lr_t / d lp_t = 1 (:func:`sequence_log_ratio`)
     gain_t   = ratio_t * A_t                            A per token or per sequence
     clip_t   = clamp(ratio_t, 1 - eps_lo, 1 + eps_hi) * A_t      (= gain_t without clip_epsilon)
     pg_t     = -(gain_t if gain_t <= clip_t else clip_t)         (PPO's pessimistic min)
@@ -36,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from ..codes import STRAIGHT_THROUGH
-from ..reference_math import estimate, final_mask, straight_through, token_frame
+from ..reference_math import estimate, final_mask, straight_through, token_frame, value_with_gradient_of
 from .problem import LOG_RATIO_BOUND, KLPenaltyProblem
 
 STAT_COLUMNS = ("objective", "kl", "entropy", "ratio", "clipped")
@@ -80,6 +82,8 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
     old = tok(p.old_log_probs)
     adv = tok(per_seq(p.advantages) if p.adv_per_seq else p.advantages)
     log_ratio = torch.where(m, lp, 0.0) - old
+    if p.importance_sampling_level == "sequence":  # GSPO: the sequence's value, the token's gradient (d/dlp = 1)
+        log_ratio = value_with_gradient_of(torch.where(m, per_seq(sequence_log_ratio(p)), 0.0), log_ratio)
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     gain = ratio * adv
     if p.clip is not None:
@@ -131,3 +135,29 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
         ent_term = -p.entropy_coef * ent if ent is not None else torch.zeros_like(obj)
         token_out = torch.stack([loss, obj.detach(), penalty.detach(), ent_term.detach()])
     return RawLoss(sums(loss), stats, count, token_out)
+
+
+def sequence_log_ratio(p: KLPenaltyProblem) -> torch.Tensor:
+    """GSPO's sequence log-ratio ``s_b = sum_t m_t (lp_t - old_t) / max(n_b, 1)`` over the counted tokens
+    (``m_t``, ``n_b`` of them), detached, ``[B]`` contiguous in the math dtype (float32, or float64 for
+    float64 math), summed in float64 per sequence (per-sequence sums, not differences of prefix sums:
+    a NaN or inf at a counted token makes its own sequence's ``s_b`` NaN or inf, no other). Torch ops on the device, no host read: the
+    reference's, and what the GPU backends' kernels read (the CPU kernel has its own pre-pass,
+    ``kl_penalty_sequence_log_ratio``, summing the same terms in another order)."""
+    with torch.no_grad():
+        d = p.log_probs.to(torch.float64) - p.old_log_probs.to(torch.float64)
+        if p.layout == "padded":
+            valid, pos, per_seq, _ = token_frame(p)
+            m = final_mask(p, valid, pos, per_seq)
+            d = torch.where(m, d, 0.0)
+            total, n = d.sum(1), m.sum(1)
+        else:  # per-sequence sums by index_add (traceable, a static output size; no host read)
+            _, _, _, seq = token_frame(p)
+            if p.mask is not None:
+                d = torch.where(p.mask, d, 0.0)
+                n = torch.zeros(p.batch_size, dtype=torch.int64, device=d.device).index_add_(
+                    0, seq, p.mask.to(torch.int64))
+            else:
+                n = p.offsets[1:] - p.offsets[:-1]
+            total = torch.zeros(p.batch_size, dtype=torch.float64, device=d.device).index_add_(0, seq, d)
+        return (total / n.clamp_min(1)).to(p.math_dtype).contiguous()

@@ -5,10 +5,11 @@ token space is cut into tiles of ``BLOCK`` elements (one program each, no grid d
 a row's length), ``frame`` says where each element stands and whether it counts. Per counted
 token (``csrc/common/kl_penalty_math.h``)::
 
-    ratio = exp(clamp(lp - old, -20, 20));  gain = ratio * A;  gain_c = clamp(ratio, lo, hi) * A
+    ratio = exp(clamp(lr, -20, 20));  gain = ratio * A;  gain_c = clamp(ratio, lo, hi) * A
+    (lr = lp - old, or with SEQ_LR the sequence's log-ratio: GSPO)
     obj   = -(gain <= gain_c ? gain : gain_c);   kl = est(d),  d = sign * (lp - other)
     loss  = obj + beta * kl - entropy_coef * entropy
-    grad  = -A * ratio * [|lp - old| <= 20] * (gain <= gain_c ? 1 : [lo <= ratio <= hi]) + beta * sign * est'(d)
+    grad  = -A * ratio * [|lr| <= 20] * (gain <= gain_c ? 1 : [lo <= ratio <= hi]) + beta * sign * est'(d)
 
 The forward writes ``grad`` (the one float32 buffer kept for backward), optional per-token parts
 (aggregation ``"none"``) and six per-sequence sums (loss, objective, kl, entropy, ratio, clipped)
@@ -66,14 +67,14 @@ def _store_sums(ptr, at, stride, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, m)
 
 @triton.jit(do_not_specialize=_SIZES)
 def kl_penalty_fwd_kernel(
-        lp_ptr, old_ptr, ref_ptr, adv_ptr, ent_ptr, wt_ptr, mask_ptr, beta_ptr, offsets_ptr, lengths_ptr,
+        lp_ptr, old_ptr, ref_ptr, adv_ptr, ent_ptr, wt_ptr, mask_ptr, beta_ptr, offsets_ptr, lengths_ptr, seq_lr_ptr,
         seq_loss_ptr, stats_ptr, count_ptr, tok_ptr, grad_ptr, slot_sum_ptr, slot_count_ptr,
         total, batch, width, lp_s0, lp_s1, old_s0, old_s1, ref_s0, ref_s1, adv_s0, adv_s1, ent_s0, ent_s1,
         wt_s0, wt_s1, mask_s0, mask_s1, beta_scalar, clip_lo, clip_hi, clip_c, kl_in_lo, kl_in_hi, kl_out_lo,
         kl_out_hi, entropy_coef, size_bucket,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr,
         HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, HAS_WT: tl.constexpr, WEIGHT_KL: tl.constexpr,
-        ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr,
+        ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr, SEQ_LR: tl.constexpr,
         TOKEN_OUT: tl.constexpr, EST: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr, FLAT: tl.constexpr,
         BLOCK: tl.constexpr):
     """One tile: the gradient buffer, optional per-token parts, whole sequences' sums and the
@@ -108,7 +109,10 @@ def kl_penalty_fwd_kernel(
         ent = tl.zeros_like(lp)
     beta = coef_of(beta_ptr, beta_scalar, seq, inb, BETA_MODE)
 
-    lr_raw = lp - old
+    if SEQ_LR:  # importance_sampling_level "sequence" (GSPO): the sequence's log-ratio (kl::ppo_token's lr_raw)
+        lr_raw = tl.load(seq_lr_ptr + seq, mask=counted, other=0.0)
+    else:
+        lr_raw = lp - old
     ratio = exp_bounded(clamp(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # |.| <= 20: kl::exp_bounded
     gain = ratio * adv
     gain_c = clamp(ratio, clip_lo, clip_hi) * adv
