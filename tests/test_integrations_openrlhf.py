@@ -72,6 +72,12 @@ LOSS_CASES = [
     dict(token_level_loss=False, forward=dict(dp_size=4, global_batch_size=9)),
     dict(policy_loss_type="gspo"), dict(policy_loss_type="gspo", dual_clip=3.0, clip_eps_low=3e-4, clip_eps_high=4e-4),
     dict(policy_loss_type="gspo", forward=dict(dp_size=2, global_batch_size=5)),
+    # the importance-sampling correction (the rollout log-probs: the batch's ref)
+    dict(is_correction_level="token"), dict(is_correction_level="token", is_correction_mode="clip", dual_clip=3.0),
+    dict(is_correction_level="seq", token_level_loss=False),
+    dict(is_correction_level="seq", is_correction_gating="binary_kl", is_correction_threshold=(0.0, 0.02)),
+    dict(is_correction_level="token", is_correction_gating="tv", is_correction_threshold=(0.0, 0.05)),
+    dict(policy_loss_type="gspo", is_correction_level="token"),
 ]
 
 
@@ -89,11 +95,28 @@ def test_policy_loss_equals_openrlhf(case, data):
         s = torch.where(m, data.lp.double() - data.old.double(), 0.0).sum(-1) / m.sum(-1).clamp_min(1)
         if (s.abs() > 20).any():
             return
+    if case.get("policy_loss_type") == "gspo" and case.get("is_correction_level", "off") != "off":
+        m = data.mask.bool()  # (the GSPO ratio is then to the rollout policy)
+        s = torch.where(m, data.lp.double() - data.ref.double(), 0.0).sum(-1) / m.sum(-1).clamp_min(1)
+        if (s.abs() > 20).any():
+            return
+    correcting = case.get("is_correction_level", "off") != "off"
+    if correcting:  # the rollout log-probs: the batch's ref, within e^+-20 of old (a weight exp(old - rollout)
+        # past float32's range is inf for both in their dtypes); and old itself at masked tokens: OpenRLHF
+        # multiplies every token by its weight, masked ones too (inf * 0 = NaN), ours never reads them
+        rollout = data.old.double() + (data.ref.double() - data.old.double()).clamp(-20, 20)
+        data.ref = torch.where(data.mask, rollout.to(data.dtype), data.old)
     peer = exact(data)
     lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
-    got = ko.PolicyLoss(**case)(lp_got, data.old, data.adv, action_mask=data.mask, **fwd)
-    want = ol.PolicyLoss(**case)(lp_want, peer.old, peer.adv, action_mask=data.mask, **fwd)
-    assert len(got) == len(want) == 5 and got[3] is None and got[4] is None
+    got = ko.PolicyLoss(**case)(lp_got, data.old, data.adv, action_mask=data.mask,
+                                rollout_log_probs=data.ref if correcting else None, **fwd)
+    want = ol.PolicyLoss(**case)(lp_want, peer.old, peer.adv, action_mask=data.mask,
+                                 rollout_log_probs=peer.ref if correcting else None, **fwd)
+    assert len(got) == len(want) == 5
+    for k in (3, 4):  # vllm_kl, is_filter_ratio: the PPO correction's metrics
+        assert (got[k] is None) == (want[k] is None)
+        if want[k] is not None:
+            close(got[k].detach().float(), want[k].detach().float(), data.dtype, f"output {k}")
     close(got[0].detach(), want[0].detach().float(), torch.float32 if data.dtype == torch.float32 else data.dtype,
           "loss")
     g_got, = torch.autograd.grad(got[0], lp_got)
@@ -104,11 +127,24 @@ def test_policy_loss_equals_openrlhf(case, data):
     assert float(got[2]) == pytest.approx(float(want[2]), rel=1e-4, abs=1e-5 if data.dtype == torch.float32 else 0.05)
 
 
-def test_policy_loss_options_not_fused_say_so():
-    with pytest.raises(ValueError, match="Invalid policy loss type"):
+def test_policy_loss_bad_options_are_refused_as_openrlhf_refuses_them():
+    ol = peers.openrlhf_loss()
+    bad = [dict(is_correction_level="all"), dict(is_correction_mode="drop"),
+           dict(is_correction_gating="kl"), dict(is_correction_level="seq", is_correction_mode="clip"),
+           dict(is_correction_level="token", is_correction_gating="tv")]  # tv with a lower bound 0.5
+    for kw in bad:
+        with pytest.raises(ValueError) as theirs:
+            ol.PolicyLoss(**kw)
+        with pytest.raises(ValueError) as ours:
+            ko.PolicyLoss(**kw)
+        assert str(ours.value) == str(theirs.value), kw
+    lp = -torch.rand(2, 3)
+    with pytest.raises(ValueError, match="Invalid policy loss type: grpo"):  # OpenRLHF: at forward, the same words
+        ol.PolicyLoss(policy_loss_type="grpo")(lp, lp, torch.randn(2, 3))
+    with pytest.raises(ValueError, match="Invalid policy loss type: grpo"):  # ours: when built
         ko.PolicyLoss(policy_loss_type="grpo")
-    with pytest.raises(NotImplementedError, match="importance-sampling"):
-        ko.PolicyLoss(is_correction_level="token")
+    with pytest.raises(ValueError, match="needs rollout_log_probs"):
+        ko.PolicyLoss(is_correction_level="token")(lp, lp, torch.randn(2, 3))
 
 
 def test_controllers_follow_openrlhfs():

@@ -5,8 +5,7 @@ defaults, computed by kl_kernels' fused ops where there is KL or loss math to fu
 OpenRLHF is not needed to import this module. Tensors are OpenRLHF's ``[B, T]`` action-aligned
 ones with an ``action_mask`` (bool or 0/1; read as bool). Deviations, all deliberate
 (``python_api/integrations.md``): an all-masked batch gives a loss of 0 where OpenRLHF divides 0 by
-0 (NaN); ``PolicyLoss`` takes no importance-sampling correction (``is_correction_level="off"``),
-and raises ``NotImplementedError`` naming the option otherwise; its GSPO log-ratio is clamped to +-20.
+0 (NaN); ``PolicyLoss``'s GSPO log-ratio is clamped to +-20.
 
 Example::
 
@@ -120,9 +119,13 @@ class PolicyLoss(torch.nn.Module):
     (``importance_sampling_level="sequence"``) and the loss is the sequence-level mean, as OpenRLHF
     forces; the gradient is OpenRLHF's, through the sequence mean, per-token advantages included
     (:func:`~kl_kernels.integrations._common.gradient_through_sequence_mean`). Deviation: the
-    log-ratio is clamped to +-20 (OpenRLHF's GSPO ratio is not). ``forward`` returns OpenRLHF's
-    5-tuple ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` (the last two ``None``: no
-    correction)."""
+    log-ratio is clamped to +-20 (OpenRLHF's GSPO ratio is not). The importance-sampling correction
+    (``is_correction_level`` ``"token"``/``"seq"``, ``is_correction_mode``, ``is_correction_gating``,
+    ``is_correction_threshold``; ``forward(..., rollout_log_probs=...)``): for ``"ppo"``, OpenRLHF's
+    per-token weight computed with its formulas (torch ops on data: no gradient) and applied by the
+    fused loss as ``weights``; for ``"gspo"``, the ratio to the rollout policy, as OpenRLHF.
+    ``forward`` returns OpenRLHF's 5-tuple ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``
+    (the last two ``None`` without a PPO correction)."""
 
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float = None,
                  token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
@@ -133,16 +136,63 @@ class PolicyLoss(torch.nn.Module):
             raise ValueError(f"Invalid policy loss type: {policy_loss_type}")
         if policy_loss_type == "gspo":
             token_level_loss = False  # as OpenRLHF: GSPO's loss is a mean per sequence
-        if is_correction_level != "off":
-            raise NotImplementedError(f"is_correction_level={is_correction_level!r}: importance-sampling correction "
-                                      "is not fused yet (pass per-token weights to kl_kernels.kl_penalty_loss)")
         if dual_clip is not None and not dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
+        # OpenRLHF's checks of the importance-sampling correction's options, in its words
+        if is_correction_level not in {"off", "token", "seq"}:
+            raise ValueError(f"is_correction_level must be off/token/seq, got {is_correction_level}")
+        if is_correction_mode not in {"mask", "clip"}:
+            raise ValueError(f"is_correction_mode must be mask/clip, got {is_correction_mode}")
+        if is_correction_gating not in {"ratio", "binary_kl", "tv"}:
+            raise ValueError(f"is_correction_gating must be ratio/binary_kl/tv, got {is_correction_gating}")
+        if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
+            raise ValueError("is_correction_mode=clip requires is_correction_level=token and is_correction_gating=ratio")
+        if is_correction_gating != "ratio" and is_correction_level != "off" and is_correction_threshold[0] > 0:
+            raise ValueError(f"is_correction_gating={is_correction_gating} takes an upper bound only (a single delta)")
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
         self.dual_clip = dual_clip
         self.token_level_loss = token_level_loss
         self.policy_loss_type = policy_loss_type
         self.is_correction_level = is_correction_level
+        self.is_correction_mode = is_correction_mode
+        self.is_correction_gating = is_correction_gating
+        self.is_correction_threshold = is_correction_threshold
+
+    def _correction(self, old_log_probs, rollout_log_probs, mask):
+        """OpenRLHF's importance-sampling correction of the PPO loss (its formulas): the per-token weight
+        ``coef`` (data: from the detached old and rollout log-probs), ``vllm_kl`` and ``is_filter_ratio``."""
+        def mean(x, dim=None):  # OpenRLHF's masked_mean (0 / 0 on an empty row, as there)
+            m = mask.to(x.dtype)
+            return (x * m).sum(dim) / m.sum(dim) if dim is not None else (x * m).sum() / m.sum()
+
+        low, high = self.is_correction_threshold
+        seq_level = self.is_correction_level == "seq"
+        with torch.no_grad():  # in float32 at least (OpenRLHF: the inputs' dtype; bf16 gates would flip early)
+            old_log_probs = old_log_probs.detach().to(torch.promote_types(old_log_probs.dtype, torch.float32))
+            rollout_log_probs = rollout_log_probs.detach().to(old_log_probs.dtype)
+            is_log_ratio = old_log_probs - rollout_log_probs
+            token_is = is_log_ratio.exp()
+            if self.is_correction_gating == "ratio":
+                stat = (mean(is_log_ratio, -1).unsqueeze(-1) if seq_level else is_log_ratio).exp()
+            else:
+                p = rollout_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+                q = old_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+                if self.is_correction_gating == "binary_kl":
+                    stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+                else:  # tv
+                    stat = (p - q).abs()
+                if seq_level:
+                    stat = mean(stat, -1).unsqueeze(-1)
+            if self.is_correction_mode == "clip":
+                coef = stat.clamp(min=low, max=high)
+                filtered = (stat < low) | (stat > high)
+            else:
+                keep = (stat >= low) & (stat <= high)
+                coef = torch.where(keep, token_is, 0.0)
+                filtered = ~keep
+            is_filter_ratio = filtered.float().mean() if seq_level else mean(filtered.float())
+            vllm_kl = mean(rollout_log_probs - old_log_probs)
+        return coef.expand(old_log_probs.shape), vllm_kl, is_filter_ratio
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
                 batch_num_tokens=None, global_batch_size=None):
@@ -159,14 +209,28 @@ class PolicyLoss(torch.nn.Module):
                 factor = mask.shape[0] / at_least_one((mask.sum(-1) > 0).sum())
             else:
                 factor = mask.shape[0] * dp_size / at_least_one(global_batch_size)
+        correcting = self.is_correction_level != "off"
+        if correcting and rollout_log_probs is None:
+            raise ValueError(f"is_correction_level={self.is_correction_level!r} needs rollout_log_probs")
+        weights = vllm_kl = is_filter_ratio = None
+        base = old_log_probs
         if self.policy_loss_type == "gspo":  # OpenRLHF differentiates through the sequence mean (no KL term here)
+            if correcting:  # its GSPO ratio is then to the rollout policy, without a weight
+                base = rollout_log_probs
+            if log_probs.dtype in (torch.bfloat16, torch.float16):  # average float32 gradients, not bf16-rounded ones
+                log_probs, base = log_probs.float(), base.float()
             log_probs = gradient_through_sequence_mean(log_probs, mask)
-        out = kl_penalty_loss(log_probs, old_log_probs, advantages, beta=0.0, estimator="k1", mask=mask,
+        elif correcting:
+            weights, vllm_kl, is_filter_ratio = self._correction(old_log_probs, rollout_log_probs, mask)
+        out = kl_penalty_loss(log_probs, base, advantages, beta=0.0, estimator="k1", mask=mask,
                               clip_epsilon=(self.clip_eps_low, self.clip_eps_high), dual_clip=self.dual_clip,
-                              aggregation=agg,
+                              aggregation=agg, weights=weights,
                               importance_sampling_level="sequence" if self.policy_loss_type == "gspo" else "token")
-        # ppo_kl = mean of old - lp over the mask: the fused k1 "KL to the old policy" diagnostic
-        return out.loss * factor, out.clip_fraction, out.kl_mean, None, None
+        if base is old_log_probs:  # ppo_kl = mean of old - lp over the mask: the fused k1 diagnostic
+            ppo_kl = out.kl_mean
+        else:
+            ppo_kl = (old_log_probs - log_probs.detach()).where(mask, 0).sum() / mask.sum().clamp_min(1)
+        return out.loss * factor, out.clip_fraction, ppo_kl, vllm_kl, is_filter_ratio
 
 
 __all__ = ["KL_ESTIMATORS", "compute_approx_kl", "compute_reward", "masked_mean", "AdaptiveKLController",
