@@ -96,6 +96,23 @@ POLICY_CASES = [
 ]
 
 
+def _compare_policy_loss(ours, theirs, cfg, mode, with_weights, data):
+    """A verl policy loss and our shim of it on ``data``: the loss and its gradient; returns both metrics dicts
+    (same keys)."""
+    peer = exact(data)
+    lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
+    got, got_metrics = ours(data.old, lp_got, data.adv, data.mask, mode, cfg, data.weights if with_weights else None)
+    want, want_metrics = theirs(peer.old, lp_want, peer.adv, data.mask, mode, cfg,
+                                peer.weights if with_weights else None)
+    md = torch.float32
+    close(got.detach(), want.detach().to(md), md if data.dtype == torch.float32 else data.dtype, "pg_loss")
+    g_got, = torch.autograd.grad(got, lp_got)
+    g_want, = torch.autograd.grad(want, lp_want)
+    close(g_got, g_want, data.dtype, "d pg_loss / d log_prob", scale=g_want.abs().max().item() + 1e-3)
+    assert set(got_metrics) == set(want_metrics)
+    return got_metrics, want_metrics
+
+
 @pytest.mark.parametrize("mode, over, with_weights", POLICY_CASES,
                          ids=[f"{m}-{'-'.join(o) or 'default'}-{'w' if w else 'nw'}" for m, o, w in POLICY_CASES])
 @given(data=batches())
@@ -106,19 +123,8 @@ def test_compute_policy_loss_vanilla_equals_verl(mode, over, with_weights, data)
 
     if not data.mask.any():
         return
-    cfg = _verl_config(**over)
-    peer = exact(data)
-    lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
-    got, got_metrics = kv.compute_policy_loss_vanilla(data.old, lp_got, data.adv, data.mask, mode, cfg,
-                                                      data.weights if with_weights else None)
-    want, want_metrics = ca.compute_policy_loss_vanilla(peer.old, lp_want, peer.adv, data.mask, mode, cfg,
-                                                        peer.weights if with_weights else None)
-    md = torch.float32
-    close(got.detach(), want.detach().to(md), md if data.dtype == torch.float32 else data.dtype, "pg_loss")
-    g_got, = torch.autograd.grad(got, lp_got)
-    g_want, = torch.autograd.grad(want, lp_want)
-    close(g_got, g_want, data.dtype, "d pg_loss / d log_prob", scale=g_want.abs().max().item() + 1e-3)
-    assert set(got_metrics) == set(want_metrics)
+    got_metrics, want_metrics = _compare_policy_loss(kv.compute_policy_loss_vanilla, ca.compute_policy_loss_vanilla,
+                                                     _verl_config(**over), mode, with_weights, data)
     for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"):
         assert got_metrics[key] == pytest.approx(want_metrics[key], abs=2e-6 if data.dtype == torch.float32 else 0.05)
     if not ((data.lp.double() - data.old.double()).abs() > 20).any():  # ours leaves the log-ratio unclamped
@@ -158,19 +164,8 @@ def test_compute_policy_loss_gspo_equals_verl(mode, over, with_weights, data):
     d = torch.where(m, data.lp.double() - data.old.double(), 0.0).sum(-1) / m.sum(-1).clamp_min(1)
     if (d > 10).any():
         return
-    cfg = _verl_actor_config(**over)
-    peer = exact(data)
-    lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
-    got, got_metrics = kv.compute_policy_loss_gspo(data.old, lp_got, data.adv, data.mask, mode, cfg,
-                                                   data.weights if with_weights else None)
-    want, want_metrics = ca.compute_policy_loss_gspo(peer.old, lp_want, peer.adv, data.mask, mode, cfg,
-                                                     peer.weights if with_weights else None)
-    md = torch.float32
-    close(got.detach(), want.detach().to(md), md if data.dtype == torch.float32 else data.dtype, "pg_loss")
-    g_got, = torch.autograd.grad(got, lp_got)
-    g_want, = torch.autograd.grad(want, lp_want)
-    close(g_got, g_want, data.dtype, "d pg_loss / d log_prob", scale=g_want.abs().max().item() + 1e-3)
-    assert set(got_metrics) == set(want_metrics)
+    got_metrics, want_metrics = _compare_policy_loss(kv.compute_policy_loss_gspo, ca.compute_policy_loss_gspo,
+                                                     _verl_actor_config(**over), mode, with_weights, data)
     assert got_metrics["actor/pg_clipfrac_lower"] == 0.0
     assert got_metrics["actor/pg_clipfrac"] == pytest.approx(want_metrics["actor/pg_clipfrac"],
                                                              abs=2e-6 if data.dtype == torch.float32 else 0.05)

@@ -22,21 +22,30 @@ def at_least_one(count):
     return count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1)
 
 
-class _SequenceMeanGradient(torch.autograd.Function):
-    """Identity forward; backward: each counted token of a row gets the mean of the row's incoming
-    gradient over its counted tokens (0 elsewhere)."""
+class _RewriteGradient(torch.autograd.Function):
+    """Identity forward; the backward hands the incoming gradient to ``rewrite(g, *data)`` (``data``: tensors
+    without gradient). What the shims use to give a fused op's input a peer's gradient."""
 
     @staticmethod
-    def forward(ctx, x, mask):
-        ctx.save_for_backward(mask)
+    def forward(ctx, x, rewrite, *data):
+        ctx.rewrite = rewrite
+        ctx.save_for_backward(*data)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        (mask,) = ctx.saved_tensors
-        g = torch.where(mask, g, 0.0)
-        mean = g.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
-        return torch.where(mask, mean, 0.0).to(g.dtype), None
+        return (ctx.rewrite(g, *ctx.saved_tensors), None) + (None,) * len(ctx.saved_tensors)
+
+
+def rewrite_gradient(x: torch.Tensor, rewrite, *data: torch.Tensor) -> torch.Tensor:
+    """``x``, whose gradient is ``rewrite(incoming gradient, *data)``."""
+    return _RewriteGradient.apply(x, rewrite, *data)
+
+
+def _sequence_mean(g, mask):
+    g = torch.where(mask, g, 0.0)
+    mean = g.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+    return torch.where(mask, mean, 0.0).to(g.dtype)
 
 
 def gradient_through_sequence_mean(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -45,7 +54,7 @@ def gradient_through_sequence_mean(log_probs: torch.Tensor, mask: torch.Tensor) 
     of token ``t`` (GSPO-token's, ``d r_t / d lp_t = 1``) replaced by the mean of the row's over its
     counted tokens. The same thing when advantages and weights are constant within each sequence;
     exact also when they vary (per-token advantages), where GSPO-token's differs."""
-    return _SequenceMeanGradient.apply(log_probs, mask)
+    return rewrite_gradient(log_probs, _sequence_mean, mask)
 
 
 class ProportionalValue:

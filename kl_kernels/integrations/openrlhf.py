@@ -21,27 +21,14 @@ import torch
 
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
-from ._common import FixedValue, ProportionalValue, at_least_one, gradient_through_sequence_mean
+from ._common import (FixedValue, ProportionalValue, at_least_one, gradient_through_sequence_mean,
+                      rewrite_gradient)
 
 KL_IS_WEIGHT_CLIP = 10.0  # OpenRLHF's cap on exp(lp - old) in the unbiased KL gradient
 # OpenRLHF's estimators -> (ours, clamp_input, clamp_output): every estimate is clamped to [-10, 10],
 # and k3 clamps its log-ratio from below at -10 first.
 KL_ESTIMATORS = {"k1": ("k1", None, (-10.0, 10.0)), "k2": ("k2", None, (-10.0, 10.0)),
                  "k3": ("k3", (-10.0, None), (-10.0, 10.0))}
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward multiplies the incoming gradient by ``w`` (data)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(w)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (w,) = ctx.saved_tensors
-        return g * w, None
 
 
 def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, log_probs_old: torch.Tensor | None = None,
@@ -65,7 +52,7 @@ def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, log
                    detach=False).kl.reshape(shape)
     if unbiased_gradient and log_probs_old is not None:
         w = torch.exp(log_probs.float().detach() - log_probs_old.float()).clamp(max=KL_IS_WEIGHT_CLIP)
-        kl = _ScaleGrad.apply(kl, w)
+        kl = rewrite_gradient(kl, torch.mul, w)  # the gradient times w (data)
     return kl
 
 
