@@ -226,13 +226,20 @@ def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per
     fn, reason = _extensions.kernel("_cuda", kernel)
     if reason:
         return None
-    ok = torch.empty((), dtype=torch.int32, device=values.device)
     with torch.cuda.device(values.device):
-        extra = [0 if t is None else t.data_ptr() for t in per_sequence]
-        code = fn(values.data_ptr(), batch, bound, *extra, ok.data_ptr(),
-                  torch.cuda.current_stream(values.device).cuda_stream)
+        ok, code = launch_check(fn, values, batch, bound, *per_sequence,
+                                stream=torch.cuda.current_stream(values.device).cuda_stream)
     raise_for(code, _extensions.load("_cuda")[0], f"the {kernel} check")  # the kernels' one table of codes
     return ok
+
+
+def launch_check(fn, values: torch.Tensor, batch: int, bound: int, *per_sequence, stream: int):
+    """Call check kernel ``fn`` (a ``_cuda`` or ``_cuda_emu`` binding) the way :func:`kernel_check`
+    does: ``(ok, error code)``, ``ok`` a fresh int32 0-d tensor on ``values``' device. Shared so that
+    the tests run every call site's arguments through the emulated kernels on the CPU."""
+    ok = torch.empty((), dtype=torch.int32, device=values.device)
+    extra = [0 if t is None else t.data_ptr() for t in per_sequence]
+    return ok, fn(values.data_ptr(), batch, bound, *extra, ok.data_ptr(), stream)
 
 
 def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:

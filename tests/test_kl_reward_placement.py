@@ -67,6 +67,7 @@ def test_last_valid_placement_ignores_the_mask(backend, layout):
         kw = dict(coef=0.5, offsets=torch.tensor([0, 3, 5]))
     dev = backend_device(backend)
     lp, ref, mask = lp.to(dev), ref.to(dev), mask.to(dev)
+    kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     score = torch.tensor([10.0, 20.0], device=dev)
     got = {p: kl_reward(lp, ref, score, mask=mask, reward_placement=p, backend=backend, **kw).reward.cpu()
            for p in ("last", "last_valid")}

@@ -101,3 +101,36 @@ def test_kernel_check_falls_back_where_it_cannot_run():
     torch operations (or the host check, for CPU tensors)."""
     assert ragged.kernel_check("offsets_valid", torch.tensor([0, 1]), 1, 1) is None
     assert ragged.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3) is None
+
+
+def test_every_call_site_passes_what_the_kernels_take(monkeypatch):
+    """The eager calls that enqueue a value check on a GPU, run here through the emulated kernels
+    (``checks_on_host`` made False, ``kernel_check`` routed to ``_cuda_emu`` by the same argument
+    marshalling): each passes arguments the binding accepts, valid batches pass and a bad
+    ``prompt_lens`` trips the assertion. A packed batch's ``prompt_lens`` check once passed
+    ``width=None``, a TypeError on every packed GPU call with ``prompt_lens`` (first H100 run)."""
+    from kl_kernels import kl_penalty_loss, kl_reward
+
+    module = _extensions.load("_cuda_emu")[0]
+    calls = []
+
+    def on_the_emulator(kernel, values, batch, bound, *per_sequence):
+        calls.append(kernel)
+        ok, code = ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, stream=0)
+        assert code == 0
+        return ok
+
+    monkeypatch.setattr(ragged, "checks_on_host", lambda t: False)
+    monkeypatch.setattr(ragged, "kernel_check", on_the_emulator)
+    lens = torch.tensor([3, 0, 2])
+    offsets = torch.tensor([0, 3, 3, 5])
+    prompt = torch.tensor([1, 0, 2])
+    packed, padded = torch.randn(5), torch.randn(3, 4)
+    for kw in (dict(offsets=offsets), dict(lengths=lens, padding_side="left"), dict()):
+        x = padded if "offsets" not in kw else packed
+        out = kl_reward(x, x * 0.5, torch.ones(3), prompt_lens=prompt, reward_placement="last", backend="torch", **kw)
+        assert out.reward.isfinite().all()
+        kl_penalty_loss(x, x * 0.5, torch.ones_like(x), ref_log_probs=x * 0.25, backend="torch", **kw)
+    assert set(calls) == {"offsets_valid", "lengths_valid"}
+    with pytest.raises(RuntimeError, match="prompt_lens must be in"):
+        kl_reward(packed, packed, prompt_lens=torch.tensor([4, 0, 0]), offsets=offsets, backend="torch")

@@ -297,8 +297,9 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
                 return lengths if lengths is not None else torch.full((batch,), width, device=device)
             return ragged.offsets_to_lengths(offsets)
         if not ragged.checks_on_host(prompt_lens):
-            ok = ragged.kernel_check("lengths_valid", prompt_lens, batch, width, None if padded else offsets,
-                                     lengths if padded else None)
+            # (packed: the kernel bounds each sequence by its offsets and reads no width; the binding takes an int)
+            ok = ragged.kernel_check("lengths_valid", prompt_lens, batch, width if padded else 0,
+                                     None if padded else offsets, lengths if padded else None)
             ragged.device_check(((prompt_lens >= 0) & (prompt_lens <= seq_lengths())).all() if ok is None else ok,
                                 f"prompt_lens must be in [0, {what}]")
             return prompt_lens
