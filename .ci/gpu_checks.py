@@ -39,9 +39,13 @@ def report(name, fn):
         traceback.print_exc(limit=4)
 
 
-def packed(n_seq=64, seed=0, dtype=torch.float32):
+def packed(n_seq=64, seed=0, dtype=torch.float32, long_row=0):
+    """A packed batch; ``long_row`` > 0 makes row 1 that long (over 16 tiles of 2,048: the combine
+    kernels sum it with the whole block, csrc/cuda/tiles.cuh)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 700, (n_seq,), generator=g)
+    if long_row:
+        lengths[1] = long_row
     offsets = torch.zeros(n_seq + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
     n = int(offsets[-1])
@@ -127,13 +131,13 @@ def nosync():
 
 
 def race():
-    """Each CUDA kernel once on a batch whose rows span several tiles, both layouts, with the
-    checks on the device: what compute-sanitizer's racecheck runs (the whole self-check under it
+    """Each CUDA kernel once on a batch whose rows span several tiles (one row 20 tiles: the combine's
+    block-wide sum and its shared-memory tree), both layouts, with the checks on the device: what compute-sanitizer's racecheck runs (the whole self-check under it
     did not finish in 90 s for the loss on the third H200 run)."""
     for backend in BACKENDS:
-        for name, x in (("packed", packed(n_seq=12)), ("padded", padded(b=6, t=3000))):
+        for name, x in (("packed", packed(n_seq=12, long_row=40_000)), ("padded", padded(b=6, t=3000))):
             report(f"race kl_reward {backend} {name}", lambda x=x, backend=backend: reward_call(x, backend))
-        x = packed(n_seq=12)
+        x = packed(n_seq=12, long_row=40_000)
 
         def loss(x=x, backend=backend):
             for options in (False, True):

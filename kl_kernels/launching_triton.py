@@ -20,6 +20,12 @@ GPU_CONFIGS = ((512, 4), (1024, 8))
 MIN_BLOCK = min(b for b, _ in GPU_CONFIGS)
 INTERPRETER_TILES = 8
 COMBINE_BLOCK = 128
+# The combine kernels add a row's later tiles COMBINE_CHUNK at a time (triton/tiles.py, later_tiles),
+# over [rows, COMBINE_CHUNK] slots per step: few rows per program keep that in registers (kl_reward's
+# three slot streams, the loss's six sums per slot).
+COMBINE_CHUNK = 16
+REWARD_COMBINE_BLOCK = 32
+PENALTY_COMBINE_BLOCK = 8
 
 
 def kernel_set(fwd, combine, bwd):

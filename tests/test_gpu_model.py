@@ -34,3 +34,13 @@ def test_page_is_up_to_date():
     want = gpu_model.page(so, tool)
     got = (REPO / "bench" / "gpu_model.md").read_text()
     assert got == want, "bench/gpu_model.md is stale: run `python -m kl_kernels.bench.gpu_model --write`"
+
+
+def test_a_long_row_is_not_a_serial_walk():
+    """The forward's combine over one 8M-token row (4,096 tiles of 2,048): before the block-wide sum
+    (csrc/cuda/tiles.cuh, combine_sequences) one thread walked the 4,096 tile slots, ~0.8 ms of
+    dependent L2 round trips at 0.2 us, 40x the row's own streaming time at 3 TB/s (~22 us for fp32
+    k-estimates in and out); now it must stay under the streaming time. Rows up to 16 later tiles keep
+    the walk (16 steps: 3 us)."""
+    assert gpu_model.combine_chain(16) == 16
+    assert gpu_model.combine_chain(4096) * gpu_model.L2_ROUND_TRIP_US < 22

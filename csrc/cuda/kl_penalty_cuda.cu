@@ -13,7 +13,7 @@
 //   float atomics: for each sum in turn, a block-wide fp64 segmented scan (restarting at each
 //   sequence's first element, so a NaN or inf stays in its sequence) into one shared array, read
 //   at each segment's last lane. Sequences inside the tile finish there; the tile's first and
-//   last segments go to two slots per tile, which combine adds in tile order.
+//   last segments go to two slots per tile, which combine adds (combine_sequences, tiles.cuh).
 //
 // Inputs are read with their strides (no vector loads: the loss reads five inputs per token in
 // three dtypes, and the math, not the loads, dominates). Deterministic, no host synchronization,
@@ -226,26 +226,23 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   float* seq_loss = reinterpret_cast<float*>(a.seq_loss);
   float* stats = reinterpret_cast<float*>(a.stats);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < g.batch;
-       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t lo, hi;
-    flat_range(g, b, &lo, &hi);
-    double sum[kSums] = {0, 0, 0, 0, 0, 0};
-    int64_t cnt = 0;
-    if (hi > lo) {
-      const int64_t k0 = lo / kCudaTile, k1 = (hi - 1) / kCudaTile;
-      if (k1 == k0) continue;  // finished by its tile
-      // The last segment of its first tile, then the first segment of the others, in tile order.
-      for (int64_t t = k0; t <= k1; ++t) {
-        const int64_t slot = t == k0 ? 2 * k0 + 1 : 2 * t;
-        for (int v = 0; v < kSums; ++v) sum[v] += wsp.slot_sum[slot * kSlotStride + v];
-        cnt += wsp.slot_count[slot];
-      }
-    }
-    seq_loss[b] = static_cast<float>(sum[0]);
-    for (int v = 1; v < kSums; ++v) stats[b * kStatColumns + (v - 1)] = static_cast<float>(sum[v]);
-    count[b] = cnt;
-  }
+  auto range = [&](int64_t b, int64_t* lo, int64_t* hi) { flat_range(g, b, lo, hi); };
+  auto slot = [&](int64_t i) {
+    SlotTotals<kSums> s;
+#pragma unroll
+    for (int v = 0; v < kSums; ++v) s.sum[v] = wsp.slot_sum[i * kSlotStride + v];
+    s.count = wsp.slot_count[i];
+    s.last = -1;
+    return s;
+  };
+  // A row inside one tile was finished by its tile; an empty one gets zeros.
+  combine_sequences<kSums>(g.batch, range, slot, [&](int64_t b, int64_t lo, int64_t hi, bool spans,
+                                                     const SlotTotals<kSums>& t) {
+    if (hi > lo && !spans) return;
+    seq_loss[b] = static_cast<float>(t.sum[0]);
+    for (int v = 1; v < kSums; ++v) stats[b * kStatColumns + (v - 1)] = static_cast<float>(t.sum[v]);
+    count[b] = t.count;
+  });
 }
 
 // The aggregation's sums and outputs (add_agg_terms, finalize_aggregation), after combine, in one

@@ -15,7 +15,8 @@
 //   int counts, in shared memory; a sequence's share of the tile is the segmented sum at its last
 //   lane (its count: the count prefix there minus the one before its first lane). Sequences wholly
 //   inside the tile are finished there; the tile's first and last segments go to two slots per
-//   tile, which the combine kernel adds in tile order, one thread per sequence, before applying
+//   tile, which the combine kernel adds (one thread per sequence in tile order, the whole block
+//   for a row over more than kLongSpan tiles: combine_sequences, tiles.cuh) before applying
 //   the "last" placement.
 //
 // Deterministic (fixed reduction order), no host synchronization, no allocation (the caller
@@ -204,34 +205,29 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   const Workspace wsp = carve(a, ws);
   float* kl_sum = reinterpret_cast<float*>(a.kl_sum);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < a.batch;
-       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t lo, hi;
-    flat_range(a, b, &lo, &hi);
+  auto range = [&](int64_t b, int64_t* lo, int64_t* hi) { flat_range(a, b, lo, hi); };
+  auto slot = [&](int64_t i) {
+    SlotTotals<1> s;
+    s.sum[0] = wsp.slot_sum[i];
+    s.count = wsp.slot_count[i];
+    s.last = wsp.slot_last[i];
+    return s;
+  };
+  auto finish = [&](int64_t b, int64_t lo, int64_t hi, bool spans, const SlotTotals<1>& t) {
     int64_t last = -1;
     if (hi == lo) {  // no element: no tile saw it
       kl_sum[b] = 0.0f;
       count[b] = 0;
+    } else if (spans) {  // the last segment of its first tile, then the first segment of the others
+      kl_sum[b] = static_cast<float>(t.sum[0]);
+      count[b] = t.count;
+      last = t.last;
     } else {
-      const int64_t k0 = lo / kCudaTile, k1 = (hi - 1) / kCudaTile;
-      if (k1 > k0) {  // the last segment of its first tile, then the first segment of the others
-        double sum = wsp.slot_sum[2 * k0 + 1];
-        int64_t cnt = wsp.slot_count[2 * k0 + 1];
-        last = wsp.slot_last[2 * k0 + 1];
-        for (int64_t t = k0 + 1; t <= k1; ++t) {
-          sum += wsp.slot_sum[2 * t];
-          cnt += wsp.slot_count[2 * t];
-          const int64_t l = wsp.slot_last[2 * t];
-          last = l > last ? l : last;
-        }
-        kl_sum[b] = static_cast<float>(sum);
-        count[b] = cnt;
-      } else {
-        last = wsp.last[b];
-      }
+      last = wsp.last[b];
     }
     if (a.placement == kLast || a.placement == kLastValid) place_sequence_reward<DT, RT>(a, b, last);
-  }
+  };
+  combine_sequences<1>(a.batch, range, slot, finish);
 }
 
 template <int32_t DT, int32_t RT, bool VEC>

@@ -191,6 +191,104 @@ __device__ __forceinline__ void block_segmented_scan(double v, bool starts, int 
 // (The tile's first element needs no flag: nothing comes before it in the tile.)
 __device__ __forceinline__ bool starts_segment(const Where& e, int64_t i) { return e.lo == i; }
 
+// ---------------------------------------------------------------- combine: rows spanning tiles
+// A sequence spanning tiles k0..k1 is finished by the combine kernels from the tiles' boundary
+// slots: the tail slot of its first tile (2 * k0 + 1), then the head slot (2 * t) of each later
+// tile. Up to kLongSpan later tiles one thread adds them in tile order. A longer row (a 32k-token
+// response spans 16 tiles; one 8M-token row 4,096) is summed by the whole block: thread i adds
+// tiles k0 + 1 + i, k0 + 1 + i + kThreads, ... in order, then a tree of fixed shape over the
+// threads. Its dependent chain is span / kThreads + log2(kThreads) steps instead of span (4,096
+// L2 round trips, ~0.8 ms, for the 8M-token row: bench/gpu_model.md), and the result depends on
+// the row alone, never on timing (deterministic, no atomics).
+constexpr int64_t kLongSpan = 16;
+static_assert((kThreads & (kThreads - 1)) == 0, "the tree halves kThreads");
+
+template <int N>
+struct SlotTotals {  // N float64 sums, a count and the largest last position (-1: none)
+  double sum[N];
+  int64_t count;
+  int64_t last;
+};
+
+template <int N>
+__device__ __forceinline__ SlotTotals<N> no_totals() {
+  SlotTotals<N> r;
+#pragma unroll
+  for (int v = 0; v < N; ++v) r.sum[v] = 0.0;
+  r.count = 0;
+  r.last = -1;
+  return r;
+}
+
+template <int N>
+__device__ __forceinline__ void add_totals(SlotTotals<N>& acc, const SlotTotals<N>& x) {
+#pragma unroll
+  for (int v = 0; v < N; ++v) acc.sum[v] += x.sum[v];
+  acc.count += x.count;
+  acc.last = x.last > acc.last ? x.last : acc.last;
+}
+
+// The head slots of tiles k0 + 1 .. k1, summed by every thread of the block (block-uniform k0, k1).
+template <int N, class Slot>
+__device__ SlotTotals<N> block_slot_sum(int64_t k0, int64_t k1, const Slot& slot) {
+  __shared__ double s_sum[N][kThreads];
+  __shared__ int64_t s_count[kThreads], s_last[kThreads];
+  SlotTotals<N> acc = no_totals<N>();
+  for (int64_t t = k0 + 1 + threadIdx.x; t <= k1; t += kThreads) add_totals(acc, slot(2 * t));
+  const int i = threadIdx.x;
+#pragma unroll
+  for (int v = 0; v < N; ++v) s_sum[v][i] = acc.sum[v];
+  s_count[i] = acc.count;
+  s_last[i] = acc.last;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half >>= 1) {
+    if (i < half) {
+#pragma unroll
+      for (int v = 0; v < N; ++v) s_sum[v][i] += s_sum[v][i + half];
+      s_count[i] += s_count[i + half];
+      s_last[i] = s_last[i + half] > s_last[i] ? s_last[i + half] : s_last[i];
+    }
+    __syncthreads();
+  }
+  SlotTotals<N> r;
+#pragma unroll
+  for (int v = 0; v < N; ++v) r.sum[v] = s_sum[v][0];
+  r.count = s_count[0];
+  r.last = s_last[0];
+  __syncthreads();  // the arrays are rewritten by the next row
+  return r;
+}
+
+// The combine kernels' walk: for each sequence b (flat range [lo, hi) from range(b, &lo, &hi)),
+// finish(b, lo, hi, spans, totals), `spans` when the row crosses a tile boundary and `totals` then
+// its slots' sums. slot(index) reads one slot as SlotTotals<N>. Every thread of the block runs the
+// same iterations (one sequence per thread each), so that the block can sum a long row together.
+template <int N, class Range, class Slot, class Finish>
+__device__ void combine_sequences(int64_t batch, const Range& range, const Slot& slot, const Finish& finish) {
+  __shared__ int64_t long_k0[kThreads], long_k1[kThreads];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < batch; base += stride) {
+    const int64_t b = base + threadIdx.x;
+    int64_t lo = 0, hi = 0;
+    if (b < batch) range(b, &lo, &hi);
+    const int64_t k0 = lo / kCudaTile, k1 = hi > lo ? (hi - 1) / kCudaTile : k0;
+    const bool spans = k1 > k0, long_row = k1 - k0 > kLongSpan;
+    SlotTotals<N> totals = spans ? slot(2 * k0 + 1) : no_totals<N>();
+    if (spans && !long_row)
+      for (int64_t t = k0 + 1; t <= k1; ++t) add_totals(totals, slot(2 * t));
+    long_k0[threadIdx.x] = k0;
+    long_k1[threadIdx.x] = long_row ? k1 : -1;
+    __syncthreads();
+    for (int i = 0; i < kThreads; ++i) {
+      if (long_k1[i] < 0) continue;  // the same for every thread of the block
+      const SlotTotals<N> part = block_slot_sum<N>(long_k0[i], long_k1[i], slot);
+      if (static_cast<int>(threadIdx.x) == i) add_totals(totals, part);
+    }
+    if (b < batch) finish(b, lo, hi, spans, totals);
+    __syncthreads();  // long_k0/long_k1 are rewritten by the next iteration
+  }
+}
+
 // Calls f(DT, AT) (std::integral_constant dtype codes) for a half/single main dtype and a second
 // dtype that is the same or float32; returns 1 (unsupported) for anything else.
 template <typename F>

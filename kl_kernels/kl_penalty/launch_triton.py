@@ -13,8 +13,8 @@ import math
 import torch
 
 from ..launching import NO_CLAMP, resolved, strides
-from ..launching_triton import (COMBINE_BLOCK, MIN_BLOCK, interpreter_block, kernel_set, launch_tiles, or_dummy,
-                                readable_flat, size_bucket, triton_cdiv, tuned)
+from ..launching_triton import (COMBINE_BLOCK, COMBINE_CHUNK, MIN_BLOCK, PENALTY_COMBINE_BLOCK, interpreter_block,
+                                kernel_set, launch_tiles, or_dummy, readable_flat, size_bucket, triton_cdiv, tuned)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,9 +93,9 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
                      EST=int(estimator), STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
-        combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
+        combine[(triton_cdiv(batch, PENALTY_COMBINE_BLOCK),)](
             or_dummy(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, width, PACKED=packed,
-            TILE=block, BLOCK_B=COMBINE_BLOCK)
+            TILE=block, BLOCK_B=PENALTY_COMBINE_BLOCK, CHUNK=COMBINE_CHUNK)
     return seq_loss, stats, count, tok, grad
 
 

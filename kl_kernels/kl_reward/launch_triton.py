@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..launching import resolved, strides
-from ..launching_triton import (COMBINE_BLOCK, MIN_BLOCK, interpreter_block, readable_flat,
+from ..launching_triton import (COMBINE_CHUNK, MIN_BLOCK, REWARD_COMBINE_BLOCK, interpreter_block, readable_flat,
                                 kernel_set, launch_tiles, or_dummy, size_bucket, triton_cdiv, tuned)
 
 @functools.lru_cache(maxsize=None)
@@ -93,11 +93,12 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
                      PLACEMENT=min(placement, 3), RETURN_REF=bool(return_ref), FLAT=flat)
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
-        combine[(triton_cdiv(batch, COMBINE_BLOCK),)](
+        combine[(triton_cdiv(batch, REWARD_COMBINE_BLOCK),)](
             log_probs, ref_log_probs, or_dummy(reward, dummy), or_dummy(c["coef"], kl_sum), or_dummy(c["offsets"], count),
             or_dummy(c["lengths"], count), reward_out, kl_sum, count, last, slot_sum, slot_count, slot_last,
             batch, c["width"], *c["lp_s"], *c["ref_s"], rw_s0, c["coef_scalar"], lo, hi, olo, ohi,
-            **c["flags"], PLACE_LAST=placement in (3, 4), LAST_VALID=placement == 4, TILE=block, BLOCK_B=COMBINE_BLOCK)
+            **c["flags"], PLACE_LAST=placement in (3, 4), LAST_VALID=placement == 4, TILE=block,
+            BLOCK_B=REWARD_COMBINE_BLOCK, CHUNK=COMBINE_CHUNK)
     return kl, reward_out, ref_out, kl_sum, count
 
 

@@ -14,7 +14,7 @@ token (``csrc/common/kl_penalty_math.h``)::
 The forward writes ``grad`` (the one float32 buffer kept for backward), optional per-token parts
 (aggregation ``"none"``) and six per-sequence sums (loss, objective, kl, entropy, ratio, clipped)
 plus the count, deterministically: fp64 segmented scans inside a tile, two boundary slots per tile,
-and ``combine`` adds the slots of sequences that span tiles in tile order (as ``kl_reward``).
+and ``combine`` adds the slots of sequences that span tiles (as ``kl_reward``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton.language as tl
 from .. import codes
 
 from .kl_math import clamp, exp_bounded, inside, kl_grad, kl_value, segment_sum
-from .tiles import coef_of, combine_rows, frame
+from .tiles import coef_of, combine_rows, frame, later_tiles
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
 # clipped; 8 for the combine's power-of-two 2-D block).
@@ -184,8 +184,10 @@ def kl_penalty_fwd_kernel(
 
 @triton.jit(do_not_specialize=("batch", "width"))
 def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, slot_sum_ptr, slot_count_ptr,
-                              batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Per sequence: finish the sums of sequences that span tiles (tile order, fp64); zero the empty ones."""
+                              batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr,
+                              CHUNK: tl.constexpr):
+    """Per sequence: finish the sums of sequences that span tiles (fp64; CHUNK later tiles a step,
+    ``later_tiles``); zero the empty ones."""
     b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
     c = tl.arange(0, 8)
     used = c < 6
@@ -194,11 +196,11 @@ def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, s
     acc = tl.load(slot_sum_ptr + (2 * k0 + 1)[:, None] * 8 + c[None, :], mask=m2, other=0.0)
     cnt = tl.load(slot_count_ptr + 2 * k0 + 1, mask=spans, other=0).to(tl.int64)
     steps = tl.max(tl.where(spans, k1 - k0, 0), axis=0)
-    for j in range(1, steps + 1):
-        m = spans & (k0 + j <= k1)
-        acc += tl.load(slot_sum_ptr + (2 * (k0 + j))[:, None] * 8 + c[None, :], mask=m[:, None] & used[None, :],
-                       other=0.0)
-        cnt += tl.load(slot_count_ptr + 2 * (k0 + j), mask=m, other=0).to(tl.int64)
+    for j0 in range(1, steps + 1, CHUNK):
+        t, m = later_tiles(k0, k1, spans, j0, CHUNK)
+        at = (2 * t)[:, :, None] * 8 + c[None, None, :]
+        acc += tl.sum(tl.load(slot_sum_ptr + at, mask=m[:, :, None] & used[None, None, :], other=0.0), axis=1)
+        cnt += tl.sum(tl.load(slot_count_ptr + 2 * t, mask=m, other=0).to(tl.int64), axis=1)
     empty = inb & (n == 0)
     write = spans | empty
     acc = tl.where(spans[:, None], acc, 0.0).to(tl.float32)

@@ -11,7 +11,7 @@ Per-sequence sums are deterministic without float atomics: a segmented scan insi
 tile (a NaN or inf stays in its own sequence). A sequence that lies wholly in one tile is finished
 there; the tile's first and last segments (which may continue into neighbouring tiles) are also
 written to two slots per tile (fp64), and ``combine`` adds the slots of each spanning sequence
-in tile order, then applies the ``"last"``/``"last_valid"`` placements. Two launches per forward, one backward.
+(16 tiles a step, ``later_tiles``), then applies the ``"last"``/``"last_valid"`` placements. Two launches per forward, one backward.
 
 All index arithmetic is int64. Runtime values (sizes, strides, coef, clamps) are runtime
 arguments; only structural choices (layout, estimator, which optional tensors exist) are
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .kl_math import kl_grad, kl_value, segment_sum
-from .tiles import coef_of, combine_rows, frame
+from .tiles import coef_of, combine_rows, frame, later_tiles
 
 # Runtime integers that change from batch to batch: no specialization on their values.
 _SIZES = ("total", "batch", "width", "lp_s0", "ref_s0", "mask_s0", "rw_s0")
@@ -131,20 +131,20 @@ def kl_reward_combine_kernel(
         coef_scalar, in_lo, in_hi, out_lo, out_hi,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, PLACE_LAST: tl.constexpr,
         LAST_VALID: tl.constexpr, COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr,
-        BLOCK_B: tl.constexpr):
-    """Per sequence: finish the sums of sequences spanning tiles (tile order, fp64), zero the
-    empty ones, and put a ``"last"``-placed (``LAST_VALID``: ``"last_valid"``) reward on its token."""
+        BLOCK_B: tl.constexpr, CHUNK: tl.constexpr):
+    """Per sequence: finish the sums of sequences spanning tiles (fp64; CHUNK later tiles a step,
+    ``later_tiles``), zero the empty ones, and put a ``"last"``-placed (``LAST_VALID``: ``"last_valid"``) reward on its token."""
     b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
     # The sequence is the last segment of its first tile, then the first segment of the others.
     acc = tl.load(slot_sum_ptr + 2 * k0 + 1, mask=spans, other=0.0)
     cnt = tl.load(slot_count_ptr + 2 * k0 + 1, mask=spans, other=0).to(tl.int64)
     lst = tl.load(slot_last_ptr + 2 * k0 + 1, mask=spans, other=-1)
     steps = tl.max(tl.where(spans, k1 - k0, 0), axis=0)
-    for j in range(1, steps + 1):
-        m = spans & (k0 + j <= k1)
-        acc += tl.load(slot_sum_ptr + 2 * (k0 + j), mask=m, other=0.0)
-        cnt += tl.load(slot_count_ptr + 2 * (k0 + j), mask=m, other=0).to(tl.int64)
-        lst = tl.maximum(lst, tl.load(slot_last_ptr + 2 * (k0 + j), mask=m, other=-1))
+    for j0 in range(1, steps + 1, CHUNK):
+        t, m = later_tiles(k0, k1, spans, j0, CHUNK)
+        acc += tl.sum(tl.load(slot_sum_ptr + 2 * t, mask=m, other=0.0), axis=1)
+        cnt += tl.sum(tl.load(slot_count_ptr + 2 * t, mask=m, other=0).to(tl.int64), axis=1)
+        lst = tl.maximum(lst, tl.max(tl.load(slot_last_ptr + 2 * t, mask=m, other=-1), axis=1))
     empty = inb & (n == 0)
     tl.store(kl_sum_ptr + b, tl.where(spans, acc, 0.0).to(tl.float32), mask=spans | empty)
     tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=spans | empty)

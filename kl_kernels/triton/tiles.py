@@ -118,3 +118,13 @@ def combine_rows(offsets_ptr, batch, width, PACKED: tl.constexpr, TILE: tl.const
     k0 = lo // TILE
     k1 = (hi - 1) // TILE
     return b, inb, lo, hi, n, k0, k1, inb & (n > 0) & (k1 > k0)
+
+
+@triton.jit
+def later_tiles(k0, k1, spans, j0, CHUNK: tl.constexpr):
+    """The combine's step over a row's later tiles: tiles ``k0 + j0 .. k0 + j0 + CHUNK - 1`` of each
+    row as ``[BLOCK_B, CHUNK]`` indices and their mask (up to ``k1``). A step adds CHUNK head slots with
+    one ``tl.sum`` (a fixed tree), so a row over many tiles (one 8M-token row: 8,192 tiles of 1,024) is
+    a chain of span / CHUNK dependent steps instead of span; the order depends on the row alone."""
+    t = k0[:, None] + j0 + tl.arange(0, CHUNK)[None, :]
+    return t, spans[:, None] & (t <= k1[:, None])
