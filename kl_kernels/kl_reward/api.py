@@ -12,13 +12,13 @@ from .. import ragged
 from . import fast
 from .backends import REGISTRY
 from .ops import run_fused_list
-from .problem import KLRewardOutput, RawOutputs, build_problem
+from .problem import KLRewardOutput, RawOutputs, build_problem, widened
 
 
 def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None,
               offsets=None, lengths=None, padding_side="left", prompt_lens=None,
               reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False,
-              detach=True, mask_nan=False, backend="auto", out=None) -> KLRewardOutput:
+              detach=True, mask_nan=False, backend="auto", out=None, kl_dtype=None) -> KLRewardOutput:
     r"""Assistant-masked, ragged-batch KL estimate and KL-penalized reward, in one call.
 
     Per token ``t`` of sequence ``b``, with ``d = log_probs - ref_log_probs`` (math in float32,
@@ -76,6 +76,13 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides it), ``"torch"``, ``"cpu"``,
             ``"cuda"`` or ``"triton"``. An explicit backend that cannot run raises
             :class:`~kl_kernels.BackendUnavailableError` with every reason.
+        kl_dtype: ``None`` (default: the log-probs' dtype) or a wider floating dtype for the per-token
+            results, e.g. ``torch.float32`` from bfloat16 log-probs (OpenRLHF returns float32 KL). The
+            math is float32 either way; with ``kl_dtype`` no result is rounded to the narrower dtype:
+            ``kl`` and ``ref_log_probs`` come in ``kl_dtype``, ``reward`` in its promotion with the
+            reward's dtype; gradients flow back in the inputs' dtypes. The inputs are widened before
+            the kernel (exact: every bfloat16/float16 value is a float32 value), which costs one more
+            pass over them than the default.
         out: optional buffers for the results, so a training loop can reuse its memory (no page
             faults on the CPU; fixed addresses for CUDA graph capture): a :class:`KLRewardOutput` or
             5-tuple ``(kl, reward, ref_log_probs, kl_sum, count)`` of tensors shaped, typed and placed
@@ -87,7 +94,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
 
     Returns:
         :class:`KLRewardOutput` ``(kl, reward, ref_log_probs, kl_sum, count)``: ``kl`` in the
-        log-probs dtype; ``reward`` in the promotion of the reward's and the log-probs' dtypes
+        log-probs dtype (or ``kl_dtype``); ``reward`` in the promotion of the reward's and the log-probs' dtypes
         (so a float32 reward is never rounded to bfloat16); ``ref_log_probs`` (or ``None``) in
         its dtype; ``kl_sum [B]`` float32 (float64 for float64 inputs); ``count [B]`` int64.
 
@@ -119,7 +126,8 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
     return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
-                      return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, out=out)
+                      return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, out=out,
+                      kl_dtype=kl_dtype)
 
 
 def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_log_probs, reward=None, *, coef=1.0,
@@ -140,10 +148,12 @@ def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_lo
 def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
                lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
                clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
-               store=None, out=None) -> KLRewardOutput:
+               store=None, out=None, kl_dtype=None) -> KLRewardOutput:
     # A list/tuple subclass is read once, here, so that every lane and backend sees the same items.
     log_probs = ragged.plain_sequence(log_probs, "log_probs")
     ref_log_probs = ragged.plain_sequence(ref_log_probs, "ref_log_probs")
+    if kl_dtype is not None:
+        log_probs, ref_log_probs = widened(kl_dtype, log_probs=log_probs, ref_log_probs=ref_log_probs)
     reward = ragged.plain_sequence(reward, "reward")
     mask = ragged.plain_sequence(mask, "mask")
     if prompt_lens is None and clamp_input is None and clamp_output is None:

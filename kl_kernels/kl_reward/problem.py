@@ -159,6 +159,38 @@ def _check_options(estimator, reward_placement, padding_side, clamp_input, clamp
     return _checks.clamp_bounds("clamp_input", clamp_input), _checks.clamp_bounds("clamp_output", clamp_output)
 
 
+# --------------------------------------------------------------------------- kl_dtype
+
+_WIDTH = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
+
+
+def widened(kl_dtype, **inputs):
+    """``kl_reward``'s ``kl_dtype``: each log-probs input (a tensor, a nested tensor or a list of
+    tensors) in ``kl_dtype`` where its floating dtype is narrower; a value exactly representable in
+    both, so the kernels' float32 math sees the same numbers. Anything else is left for the layout
+    checks to judge (an integer tensor is not converted into an accepted one)."""
+    if not isinstance(kl_dtype, torch.dtype):
+        raise TypeError(f"kl_dtype must be None or a torch floating dtype, got {type(kl_dtype).__name__}")
+    if kl_dtype not in _WIDTH:
+        raise ValueError(f"kl_dtype must be one of float16, bfloat16, float32, float64; got {kl_dtype}")
+
+    def widen(name, t):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _WIDTH:
+            return t
+        if _WIDTH[t.dtype] > _WIDTH[kl_dtype] or (_WIDTH[t.dtype] == _WIDTH[kl_dtype] and t.dtype != kl_dtype):
+            raise ValueError(f"kl_dtype ({kl_dtype}) must be {name}'s dtype ({t.dtype}) or wider: the results "
+                             "are never narrowed")
+        return t if t.dtype == kl_dtype else t.to(kl_dtype)
+
+    out = []
+    for name, x in inputs.items():
+        if isinstance(x, (list, tuple)):
+            out.append(type(x)(widen(f"{name}[{i}]", t) for i, t in enumerate(x)))
+        else:
+            out.append(widen(name, x))
+    return out
+
+
 # --------------------------------------------------------------------------- tensor checks
 
 
