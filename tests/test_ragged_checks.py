@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from batches import LAYOUTS, check
 from kl_kernels import _extensions, ragged
+from strategies import cases
+from test_kl_reward_oracle import _auto_is_ambiguous
 
 pytestmark = pytest.mark.cuda_emulated
 
@@ -103,14 +106,10 @@ def test_kernel_check_falls_back_where_it_cannot_run():
     assert ragged.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3) is None
 
 
-def test_every_call_site_passes_what_the_kernels_take(monkeypatch):
-    """The eager calls that enqueue a value check on a GPU, run here through the emulated kernels
-    (``checks_on_host`` made False, ``kernel_check`` routed to ``_cuda_emu`` by the same argument
-    marshalling): each passes arguments the binding accepts, valid batches pass and a bad
-    ``prompt_lens`` trips the assertion. A packed batch's ``prompt_lens`` check once passed
-    ``width=None``, a TypeError on every packed GPU call with ``prompt_lens`` (first H100 run)."""
-    from kl_kernels import kl_penalty_loss, kl_reward
-
+def _checks_as_on_a_gpu(monkeypatch) -> list:
+    """Make the value checks take their accelerator path on CPU tensors: ``checks_on_host`` False,
+    ``kernel_check`` run by the emulated kernels through the same argument marshalling. Returns the
+    list the kernels' names are appended to, call by call."""
     module = _extensions.load("_cuda_emu")[0]
     calls = []
 
@@ -122,6 +121,18 @@ def test_every_call_site_passes_what_the_kernels_take(monkeypatch):
 
     monkeypatch.setattr(ragged, "checks_on_host", lambda t: False)
     monkeypatch.setattr(ragged, "kernel_check", on_the_emulator)
+    return calls
+
+
+def test_every_call_site_passes_what_the_kernels_take(monkeypatch):
+    """The eager calls that enqueue a value check on a GPU, run here through the emulated kernels
+    (``checks_on_host`` made False, ``kernel_check`` routed to ``_cuda_emu`` by the same argument
+    marshalling): each passes arguments the binding accepts, valid batches pass and a bad
+    ``prompt_lens`` trips the assertion. A packed batch's ``prompt_lens`` check once passed
+    ``width=None``, a TypeError on every packed GPU call with ``prompt_lens`` (first H100 run)."""
+    from kl_kernels import kl_penalty_loss, kl_reward
+
+    calls = _checks_as_on_a_gpu(monkeypatch)
     lens = torch.tensor([3, 0, 2])
     offsets = torch.tensor([0, 3, 3, 5])
     prompt = torch.tensor([1, 0, 2])
@@ -134,3 +145,17 @@ def test_every_call_site_passes_what_the_kernels_take(monkeypatch):
     assert set(calls) == {"offsets_valid", "lengths_valid"}
     with pytest.raises(RuntimeError, match="prompt_lens must be in"):
         kl_reward(packed, packed, prompt_lens=torch.tensor([4, 0, 0]), offsets=offsets, backend="torch")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@given(case=cases(dtypes=(torch.float32, torch.bfloat16)))
+@settings(max_examples=20, deadline=None)
+def test_oracle_cases_on_the_accelerator_path_of_the_checks(layout, case):
+    """The oracle's random cases (every layout, masks, prompt_lens, rewards, placements) with the
+    value checks on their accelerator path (above): the calls run and match the float64 oracle, as
+    on the CPU path. The first H100 run found a call site only that path reaches; this sweeps them."""
+    assume(not (layout == "nested_strided" and case.batch == 0))  # torch has no empty strided nested tensor
+    assume(not _auto_is_ambiguous(case, layout))  # raises, asking for a placement (tested in the oracle)
+    with pytest.MonkeyPatch.context() as mp:
+        _checks_as_on_a_gpu(mp)
+        check(case, layout, backend="torch")
