@@ -59,7 +59,9 @@ inline void lane_masks(uint32_t* __restrict x_m, const uint8_t* m, int64_t strid
   }
 }
 
-template <int32_t DT, int32_t AT, int32_t EST, bool CONTIG>
+// KR: kl_times_ratio, a template parameter (loops of its own): read at run time in the loop, GCC no longer
+// vectorized it (4-5x slower, KR off too).
+template <int32_t DT, int32_t AT, int32_t EST, bool CONTIG, bool KR>
 KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   const KLRewardArgs& g = a.g;
   const int64_t total = g.total;
@@ -90,6 +92,7 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
   // a loop-invariant flag, can keep GCC from vectorizing the loop): lr = (bits(l - od) & tok) | seq_bits.
   const uint32_t lr_tok = a.seq_lr ? 0u : ~0u;
   const uint32_t lr_seq = a.seq_lr ? f32_bits(reinterpret_cast<const float*>(a.seq_lr)[r.seq]) : 0u;
+  const uint32_t kl_ratio = KR ? ~0u : 0u;  // kl_times_ratio as kl::ppo_token reads it (KR: compiled out)
   const void* lp = reinterpret_cast<const void*>(g.lp);
   const void* old = reinterpret_cast<const void*>(a.old);
   const void* ref = reinterpret_cast<const void*>(a.ref);
@@ -150,7 +153,8 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         const float l = keep(p_lp[i]), od = keep(p_old[i]), rf = keep(p_ref[i]), ad = keep(p_adv[i]);
         const float e = keep(p_ent[i]), wo = keep(p_wt[i]), wk = keep(p_wk[i]);
         const float lr = bits_f32((f32_bits(l - od) & lr_tok) | lr_seq);
-        const PPOToken t = ppo_token<EST, ST, CL>(l, lr, rf, sign, ad, beta, clip_lo, clip_hi, clip_c, wo, wk, est);
+        const PPOToken t =
+            ppo_token<EST, ST, CL, KR>(l, lr, rf, sign, ad, beta, clip_lo, clip_hi, clip_c, wo, wk, est, kl_ratio);
         o[1][i] = t.obj * mf;
         o[2][i] = t.kl * mf;
         o[3][i] = e;
@@ -214,7 +218,8 @@ void forward(const KLPenaltyArgs& a, int threads) {
   std::vector<Sums> head(tiles), tail(tiles), per_seq(g.batch);
   parallel_tiles(g, threads, [&](int64_t k) {
     for_each_run_in_tile(g, k, [&](const Run& r, bool first) {
-      const Sums s = forward_run<DT, AT, EST, CONTIG>(a, r);
+      const Sums s = a.kl_ratio ? forward_run<DT, AT, EST, CONTIG, true>(a, r)
+                                : forward_run<DT, AT, EST, CONTIG, false>(a, r);
       if (r.whole) per_seq[r.seq] = s;    // this tile alone owns the sequence
       else (first ? head : tail)[k] = s;  // shared: combined below, in tile order
     });
