@@ -45,6 +45,7 @@ class LossCase:
     clamp_input: tuple | None = None
     clamp_output: tuple | None = None
     importance_sampling_level: str = "token"
+    kl_times_ratio: bool = False
 
     @property
     def batch(self):
@@ -115,7 +116,8 @@ def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch
         clamp_input=draw(st.sampled_from([None, None, (-20.0, 20.0), (-0.5, None), (None, 0.3)])),
         clamp_output=draw(st.sampled_from([None, None, (-10.0, 10.0), (None, 0.01)])),
         entropy_coef=draw(st.sampled_from([0.0, 0.01, 1.0])), aggregation=draw(st.sampled_from(list(aggregations))),
-        pad_extra=draw(st.integers(0, 2)), importance_sampling_level=draw(st.sampled_from(["token", "token", "sequence"])))
+        pad_extra=draw(st.integers(0, 2)), importance_sampling_level=draw(st.sampled_from(["token", "token", "sequence"])),
+        kl_times_ratio=draw(st.sampled_from([False, False, True])))
 
 
 @dataclass
@@ -141,6 +143,8 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
         kw["clamp_output"] = case.clamp_output
     if case.importance_sampling_level != "token":
         kw["importance_sampling_level"] = case.importance_sampling_level
+    if case.kl_times_ratio:
+        kw["kl_times_ratio"] = True
     adv_tok = None if case.adv_per_seq else case.adv
     adv_seq = torch.tensor(case.adv, dtype=case.dtype) if case.adv_per_seq else None
     if layout.startswith("padded"):
@@ -263,7 +267,8 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
     exp = oracle_loss(oracle_seqs(case), estimator=case.estimator, clip=case.clip_bounds(),
                       entropy_coef=case.entropy_coef, aggregation=case.aggregation, norm_length=norm,
                       dual_clip=case.dual_clip, weight_kl=case.weight_kl, clamp_input=case.clamp_input,
-                      clamp_output=case.clamp_output, importance_sampling_level=case.importance_sampling_level)
+                      clamp_output=case.clamp_output, importance_sampling_level=case.importance_sampling_level,
+                      kl_times_ratio=case.kl_times_ratio)
     md = torch.float64 if case.dtype == torch.float64 else torch.float32
     lengths = case.lengths
     n_tok = exp.num_tokens

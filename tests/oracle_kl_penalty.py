@@ -43,7 +43,7 @@ class Result:
 
 
 def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False, clamp_input=None,
-                clamp_output=None, lr=None):
+                clamp_output=None, lr=None, kl_times_ratio=False):
     """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp) of one counted token. ``lr``: the log-ratio
     to use instead of the token's lp - old (GSPO: its sequence's), with d lr / d lp = 1 (GSPO-token)."""
     lr = s.lp[t] - s.old[t] if lr is None else lr
@@ -76,6 +76,8 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
     kl = _clamp(e_raw, clamp_output)
     dkl = sign * (d if estimator.endswith("+") else
                   _inside(e_raw, clamp_output) * _est_grad(x, base) * _inside(d, clamp_input))
+    if kl_times_ratio:  # ratio * kl, by the product rule (the ratio's derivative: ratio, 0 outside its clamp)
+        kl, dkl = ratio * kl, ratio * dkl + inside_lr * ratio * kl
     if weight_kl:
         kl, dkl = wt * kl, wt * dkl
     ent = s.ent[t] if s.ent is not None else 0.0
@@ -84,7 +86,8 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
 
 def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggregation="token-mean",
                 norm_length=None, global_tokens=None, global_seqs=None, dual_clip=None, weight_kl=False,
-                clamp_input=None, clamp_output=None, importance_sampling_level="token") -> Result:
+                clamp_input=None, clamp_output=None, importance_sampling_level="token",
+                kl_times_ratio=False) -> Result:
     """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel).
     ``importance_sampling_level="sequence"`` (GSPO, from the paper and verl's ``compute_policy_loss_gspo``):
     every counted token's log-ratio is its sequence's mean of lp - old over counted tokens."""
@@ -101,7 +104,8 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
                 rows.append(None)
                 continue
             rows.append(token_terms(s, t, estimator=estimator, clip=clip, dual_clip=dual_clip, weight_kl=weight_kl,
-                                    clamp_input=clamp_input, clamp_output=clamp_output, lr=lr))
+                                    clamp_input=clamp_input, clamp_output=clamp_output, lr=lr,
+                                    kl_times_ratio=kl_times_ratio))
         per_seq.append(rows)
     counts = [sum(r is not None for r in rows) for rows in per_seq]
     n_tok = sum(counts) if global_tokens is None else global_tokens

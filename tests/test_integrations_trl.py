@@ -23,7 +23,7 @@ from peer_batches import batches, close, exact, printed_without
 
 
 def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_accum, training, mcl, delta=None,
-              level="token"):
+              level="token", bias_correction=False):
     grpo = peers.trl_grpo_module()
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda model, *a, **k: (lp, torch.zeros_like(lp.detach()), None),
@@ -33,7 +33,7 @@ def _trl_loss(lp, inputs, *, loss_type, beta, eps_low, eps_high, use_vllm, grad_
         current_gradient_accumulation_steps=grad_accum, max_completion_length=mcl, _entropy_bonus_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         accelerator=SimpleNamespace(num_processes=2, gather=lambda x: x, reduce=lambda x, reduction="sum": x),
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=2))
+        args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=delta, steps_per_generation=2))
     return grpo.GRPOTrainer._compute_loss(fake, None, inputs)
 
 
@@ -51,6 +51,18 @@ def test_grpo_loss_equals_trls(loss_type, beta, use_vllm, delta, training, data)
     _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, "token")
 
 
+# use_bias_correction_kl (TRL's default) with beta != 0: the KL term times the differentiable ratio
+BIAS_CASES = [("dapo", 0.04, False, None), ("grpo", 0.1, True, 1.5), ("bnpo", 0.04, True, None)]
+
+
+@pytest.mark.parametrize("loss_type, beta, use_vllm, delta", BIAS_CASES, ids=[
+    f"{c[0]}-beta{c[1]}-{'vllm' if c[2] else 'plain'}{'' if c[3] is None else f'-delta{c[3]}'}" for c in BIAS_CASES])
+@given(data=batches())
+@settings(max_examples=10, deadline=None)
+def test_grpo_loss_with_bias_corrected_kl_equals_trls(loss_type, beta, use_vllm, delta, data):
+    _compare_with_trl(loss_type, beta, use_vllm, delta, True, data, "token", bias_correction=True)
+
+
 # GSPO (importance_sampling_level="sequence"): TRL's recommended grpo/luspo and the token-summing dapo; the
 # vLLM ratio sequence-shaped [B, 1] (a token-shaped one with sequence level is refused, test below)
 SEQ_CASES = [("grpo", 0.0, False, None), ("grpo", 0.04, True, 2.0), ("dapo", 0.04, True, None),
@@ -65,13 +77,18 @@ def test_grpo_loss_sequence_level_equals_trls(loss_type, beta, use_vllm, delta, 
     _compare_with_trl(loss_type, beta, use_vllm, delta, True, data, "sequence")
 
 
-def _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, level):
+def _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, level, bias_correction=False):
     b, t = data.mask.shape
     if ((data.lp.double() - data.old.double()).abs() > 20).any():  # ours clamps the log-ratio at +-20, TRL does not
         data.old = data.lp + (data.old - data.lp).clamp(-19, 19)  # (19: bf16 rounding stays inside)
     # TRL multiplies the per-token loss by the mask, so an overflowing KL at a token that does not count
     # gives inf * 0 = NaN; ours never reads such tokens (documented): keep the padding's KL finite here
     data.ref = torch.where(data.mask, data.ref, data.lp)
+    if bias_correction:  # the product rule ratio * (kl + kl') cancels: k3 ~ e^|d| of a diverged reference times a
+        # ratio up to e^19 leaves float32 (TRL's autograd as ours, rounded differently) an error ~ ulp(ratio * kl),
+        # far above the result's own ulp (past e^88: inf - inf). Diverged tokens kept within e^+-5 of lp here
+        data.ref = (data.lp.double() + (data.ref.double() - data.lp.double()).clamp(-5, 5)).to(data.dtype)
+        data.old = (data.lp.double() + (data.old.double() - data.lp.double()).clamp(-5, 5)).to(data.dtype)
     peer = exact(data)
     adv = data.adv[:, 0].contiguous()  # TRL's [B] advantages
     isr = (data.weights[:, :1] if b % 2 or level == "sequence" else data.weights) if use_vllm else None  # [B, 1]/[B, T]
@@ -80,7 +97,8 @@ def _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, level):
               importance_sampling_level=level)
     lp_got, lp_want = data.lp.clone().requires_grad_(), peer.lp.clone().requires_grad_()
     got = kt.grpo_loss(lp_got, adv, data.mask, old_per_token_logps=data.old, ref_per_token_logps=data.ref,
-                       importance_sampling_ratio=isr, use_bias_correction_kl=False, max_completion_length=t + 5,
+                       importance_sampling_ratio=isr, use_bias_correction_kl=bias_correction,
+                       max_completion_length=t + 5,
                        num_items_in_batch=n_items, num_processes=2, gradient_accumulation_steps=3,
                        steps_per_generation=2, **kw)
     inputs = dict(prompt_ids=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.long),
@@ -90,7 +108,8 @@ def _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, level):
     if isr is not None:
         inputs["importance_sampling_ratio"] = isr.to(peer.lp.dtype)
     want = _trl_loss(lp_want, inputs, loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, use_vllm=use_vllm,
-                     grad_accum=3, training=training, mcl=t + 5, delta=delta, level=level)
+                     grad_accum=3, training=training, mcl=t + 5, delta=delta, level=level,
+                     bias_correction=bias_correction)
     md = torch.float32 if data.dtype == torch.float32 else data.dtype
     if not torch.isfinite(want):  # TRL's k3 is unclamped: exp(ref - lp) overflows on a diverged token (inf, or
         assert not torch.isfinite(got)  # NaN from inf * 0 at a masked one); ours overflows alike (inf)
@@ -107,7 +126,8 @@ def test_options_not_fused_say_so():
                       (dict(importance_sampling_level="sequence", importance_sampling_ratio=torch.ones(2, 3)),
                        "token-shaped importance_sampling_ratio"),
                       (dict(importance_sampling_level="sequence", advantages=torch.randn(2, 3)), "per-token advantages"),
-                      (dict(beta=0.1, ref_per_token_logps=lp), "use_bias_correction_kl"),
+                      (dict(beta=0.1, ref_per_token_logps=lp, importance_sampling_level="sequence"),
+                       "use_bias_correction_kl"),
                       (dict(loss_type="sapo"), "sapo")):
         with pytest.raises(NotImplementedError, match=match):
             kt.grpo_loss(lp, kw.pop("advantages", adv), mask, num_items_in_batch=6, **kw)

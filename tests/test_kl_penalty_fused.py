@@ -41,7 +41,7 @@ def _op_args(kind="padded", token_out=False, seq_lr=False):
     weights = torch.rand(lp.shape, generator=torch.Generator().manual_seed(5)).to(adv.dtype)
     return (lp.requires_grad_(), old, ref, adv, ent.requires_grad_(), *geo, torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]),
             0.0, False, layout, True, 3, False, 0.8, 1.28, 0.01, token_out, weights, 3.0, True, [-20.0, 20.0, -10.0, 10.0],
-            torch.tensor([0.05, -0.1, 0.0, 0.3, -2.0]) if seq_lr else None)
+            torch.tensor([0.05, -0.1, 0.0, 0.3, -2.0]) if seq_lr else None, seq_lr)  # kl_times_ratio with GSPO
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])

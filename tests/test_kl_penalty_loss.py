@@ -120,3 +120,24 @@ def test_importance_sampling_level_is_checked():
     lp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="importance_sampling_level must be 'token' or 'sequence'"):
         kl_penalty_loss(lp, lp, torch.zeros(2), importance_sampling_level="seq")
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "none"])
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_gradcheck_float64_kl_times_ratio(estimator, aggregation):
+    """kl_times_ratio: the KL term times the ratio, differentiated through both (torch backend, float64)."""
+    g = torch.Generator().manual_seed(2)
+    B, T = 4, 6
+    lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    kw = dict(old_log_probs=lp.detach() + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+              advantages=torch.randn(B, generator=g, dtype=torch.float64), lengths=torch.tensor([6, 0, 1, 4]),
+              mask=torch.rand(B, T, generator=g) < 0.8, beta=0.5, clip_epsilon=0.2, estimator=estimator,
+              ref_log_probs=lp.detach() - 0.4 * torch.rand(B, T, generator=g, dtype=torch.float64),
+              aggregation=aggregation, backend="torch", kl_times_ratio=True)
+    assert torch.autograd.gradcheck(lambda x: kl_penalty_loss(x, **kw).loss, (lp,))
+
+
+def test_kl_times_ratio_is_checked():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(TypeError, match="kl_times_ratio must be a bool"):
+        kl_penalty_loss(lp, lp, torch.zeros(2), kl_times_ratio=1)

@@ -112,8 +112,9 @@ def test_kl_reward_token_math_is_bitwise_the_cpu_kernels(estimator, clamps, dtyp
 
 @pytest.mark.parametrize("options", [{}, {"dual_clip": 1.5, "weights": True}, {"weights": True, "weight_kl": True},
                                      {"clamp_input": (-10.0, 10.0), "clamp_output": (-5.0, 5.0)},
-                                     {"importance_sampling_level": "sequence", "dual_clip": 1.5}],
-                         ids=["plain", "dual-clip-weights", "weights-on-kl", "kl-clamps", "gspo"])
+                                     {"importance_sampling_level": "sequence", "dual_clip": 1.5},
+                                     {"kl_times_ratio": True, "weights": True, "weight_kl": True}],
+                         ids=["plain", "dual-clip-weights", "weights-on-kl", "kl-clamps", "gspo", "kl-times-ratio"])
 @pytest.mark.parametrize("with_ref", [True, False], ids=["ref", "old"])
 @pytest.mark.parametrize("clip", [None, 0.2], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("estimator", ESTIMATORS)

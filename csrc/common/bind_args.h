@@ -53,6 +53,7 @@ inline void bind_penalty_args(pybind11::module_& m) {
   KL_FIELD(g_ent); KL_FIELD(result); KL_FIELD(result_loss); KL_FIELD(result_count); KL_FIELD(result_weight);
   KL_FIELD(agg_scale); KL_FIELD(agg_per_token); KL_FIELD(agg_seq_mean); KL_FIELD(agg_tokens); KL_FIELD(agg_beta);
   KL_FIELD(agg_entropy_coef); KL_FIELD(g_loss); KL_FIELD(seq_lr);
+  KL_FIELD(kl_ratio);
 #undef KL_FIELD
 }
 

@@ -32,6 +32,7 @@ struct KLPenaltyArgs {
   // importance_sampling_level "sequence" (GSPO): float32 [B], sequence b's log-ratio (the mean of lp - old
   // over its counted tokens, computed before the kernel), used as every counted token's lp - old; 0: per token.
   uintptr_t seq_lr = 0;
+  int32_t kl_ratio = 0;          // kl_times_ratio: the KL term times the (differentiable) ratio
 
   // forward outputs (contiguous); the CPU forward skips seq_loss, stats and count when they are 0
   // (a caller of the totals), the CUDA forward writes them always

@@ -11,6 +11,7 @@
 //   obj   = w_obj * (dual ? -A * clip_c : pg)
 //   d     = sign * (lp - other)                 other = ref (sign +1) or old (sign -1)
 //   kl    = w_kl * clamp(est(clamp(d, clamp_input)), clamp_output)    (kl_math.h's kl_value; bounds optional)
+//           (times ratio with kl_times_ratio, and its gradient then the product's: see ppo_token)
 //   loss  = obj + beta * kl - entropy_coef * entropy
 //   dloss/dlp = w_obj * (dual ? 0 : -A * ratio * [|lr| <= 20] * (gain <= gain_c ? 1 : [clip_lo <= ratio <= clip_hi]))
 //               (the first term is exactly 0 where lr is outside, NaN included)
@@ -38,9 +39,14 @@ struct PPOToken {
 // flags: a loop-invariant select keeps GCC from vectorizing the CPU loops (the clamps read from p made
 // the CPU loss 6-7x slower even with no bound set, so the unclamped loop is compiled with CL = false).
 // lr_raw: the log-ratio before its clamp, lp - old per token (or the sequence's, GSPO): the caller's.
-template <int32_t EST, bool ST, bool CL = true>
+// kl_ratio (0 or all bits set; kl_times_ratio): the KL term times the ratio, differentiated through both (TRL's
+// use_bias_correction_kl): kl = w_kl * ratio * est(d), d/dlp = w_kl * (ratio * sign * est'(d) + [|lr| <= 20]
+// ratio * est(d)). Bit masks, not selects (see above); with kl_ratio = 0 the plain term's exact bits. KR = false
+// compiles it out (the CPU's common loop: with it, read at run time, GCC no longer vectorized the loop, 5x slower).
+template <int32_t EST, bool ST, bool CL = true, bool KR = true>
 KL_HD PPOToken ppo_token(float lp, float lr_raw, float other, float sign, float adv, float beta, float clip_lo,
-                         float clip_hi, float clip_c, float w_obj, float w_kl, const EstimatorParams& p) {
+                         float clip_hi, float clip_c, float w_obj, float w_kl, const EstimatorParams& p,
+                         uint32_t kl_ratio = 0u) {
   const float lr = clamp_lo_hi(lr_raw, 1, -kLogRatioBound, 1, kLogRatioBound);
   // The clamp's gradient mask (a NaN is outside); autograd passes an exact 0 outside, so a select,
   // not a product (NaN * 0 is NaN).
@@ -64,11 +70,20 @@ KL_HD PPOToken ppo_token(float lp, float lr_raw, float other, float sign, float 
   const bool dual = adv < 0.0f && cap < pg;  // NaN pg: false (NaN stays)
   PPOToken t;
   t.obj = w_obj * (dual ? cap : pg);
-  t.kl = w_kl * kl;
   t.ratio = ratio;
   t.clipped = take ? 0.0f : 1.0f;
   const float g_obj = dual ? 0.0f : -adv * ratio * w;
-  t.grad = w_obj * (in_lr ? g_obj : 0.0f) + beta * sign * (w_kl * dk);
+  if constexpr (KR) {
+    const float kr = bits_f32((f32_bits(ratio) & kl_ratio) | (0x3f800000u & ~kl_ratio));  // ratio, or 1
+    const float dr = in_lr ? ratio * kl : 0.0f;  // the ratio's derivative times the KL (read with kl_ratio only)
+    t.kl = w_kl * (kr * kl);
+    const float g_base = w_obj * (in_lr ? g_obj : 0.0f) + beta * sign * (w_kl * (kr * dk));
+    const float g_with = g_base + beta * (w_kl * dr);
+    t.grad = bits_f32((f32_bits(g_with) & kl_ratio) | (f32_bits(g_base) & ~kl_ratio));
+  } else {
+    t.kl = w_kl * kl;
+    t.grad = w_obj * (in_lr ? g_obj : 0.0f) + beta * sign * (w_kl * dk);
+  }
   return t;
 }
 

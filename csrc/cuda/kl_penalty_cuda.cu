@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       // the log-ratio: per token, or the sequence's (GSPO: seq_lr, read like a per-sequence advantage)
       const float lr = a.seq_lr ? reinterpret_cast<const float*>(a.seq_lr)[seq] : lpv[j] - oldv[j];
       const PPOToken t = ppo_token<EST, ST>(lpv[j], lr, other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
-                                            wo, wk, g.est);
+                                            wo, wk, g.est, a.kl_ratio ? ~0u : 0u);
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
     }

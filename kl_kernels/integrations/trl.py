@@ -19,9 +19,10 @@ the min, which for ``delta >= 1 + epsilon_high``, TRL's recommendation, is exact
 ``dual_clip=delta``); ``importance_sampling_level="sequence"`` (GSPO: the sequence's mean log-ratio
 for every token; TRL's gradient through that mean is the fused one, as every loss type weighs a
 sequence's tokens alike). Not fused, and refused with ``NotImplementedError``: ``delta`` below
-``1 + epsilon_high``, a token-shaped vLLM ratio with ``importance_sampling_level="sequence"``,
-``use_bias_correction_kl`` with ``beta != 0`` (a KL weighted by the differentiable ratio), and the
-``cispo``/``sapo``/``vespo`` losses.
+``1 + epsilon_high``, a token-shaped vLLM ratio or per-token advantages with
+``importance_sampling_level="sequence"``, ``use_bias_correction_kl`` with ``beta != 0`` at sequence level,
+and the ``cispo``/``sapo``/``vespo`` losses. ``use_bias_correction_kl`` (TRL's default) with ``beta != 0``
+at token level is fused: the KL term times the differentiable ratio (``kl_times_ratio``).
 Deviation: the log-ratio ``lp - old`` is clamped to +-20 before ``exp`` (TRL leaves it unclamped;
 ``exp(20)`` is already 4.9e8).
 """
@@ -80,9 +81,12 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     if importance_sampling_level == "sequence" and advantages.dim() == 2 and advantages.shape[-1] != 1:
         raise NotImplementedError("importance_sampling_level='sequence' with per-token advantages [B, T] is not fused "
                                   "(TRL's advantages are per sequence, [B])")
-    if beta != 0.0 and use_bias_correction_kl:
-        raise NotImplementedError("use_bias_correction_kl=True with beta != 0 (a KL weighted by the differentiable "
-                                  "ratio) is not fused yet: set use_bias_correction_kl=False")
+    bias_correction = beta != 0.0 and use_bias_correction_kl
+    if bias_correction and importance_sampling_level == "sequence":
+        # TRL broadcasts the sequence's ratio onto the per-token KL and differentiates it through the sequence
+        # mean, which spreads each token's KL over the whole sequence's gradient: not the fused per-token rule
+        raise NotImplementedError("use_bias_correction_kl=True with beta != 0 and importance_sampling_level="
+                                  "'sequence' is not fused: set use_bias_correction_kl=False or use token level")
     if beta != 0.0 and ref_per_token_logps is None:
         raise ValueError("beta != 0 needs ref_per_token_logps")
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
@@ -118,7 +122,8 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     out: KLPenaltyLossOutput = kl_penalty_loss(
         per_token_logps, old, advantages, ref_log_probs=ref_per_token_logps if beta != 0.0 else None, beta=float(beta),
         estimator="k3" if beta != 0.0 else "k1", mask=mask, clip_epsilon=(epsilon_low, eps_high), weights=weights,
-        aggregation=agg, dual_clip=delta, importance_sampling_level=importance_sampling_level)
+        aggregation=agg, dual_clip=delta, importance_sampling_level=importance_sampling_level,
+        kl_times_ratio=bias_correction)
     loss = out.loss * factor
     return (loss, out) if return_output else loss
 

@@ -15,7 +15,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                     entropy_coef=0.0, aggregation="token-mean", num_global_tokens=None, process_group=None,
                     norm_length=None, backend="auto", out=None, dual_clip=None, weights=None,
                     weight_kl=False, clamp_input=None, clamp_output=None,
-                    importance_sampling_level="token") -> KLPenaltyLossOutput:
+                    importance_sampling_level="token", kl_times_ratio=False) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
@@ -28,7 +28,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         obj_t   = w_t * pg_t, or w_t * min(pg_t, -A_t * c) where A_t < 0   (dual_clip = c)
         kl_t    = est(old_t - lp_t)   KL(old || new), as TorchRL's KLPENPPOLoss
                 = est(lp_t - ref_t)   KL(new || ref) when ref_log_probs is given (GRPO-style)
-                (times w_t with weight_kl=True; est with kl_reward's clamp_input / clamp_output)
+                (times w_t with weight_kl=True; est with kl_reward's clamp_input / clamp_output;
+                 times ratio_t, differentiated, with kl_times_ratio=True)
         loss_t  = obj_t + beta_b * kl_t - entropy_coef * entropy_t
 
     ``w_t`` is the token's weight (``weights``; 1 without).
@@ -82,6 +83,11 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             a sequence it is GSPO-token's, by design (the paper's variant for per-token advantages).
             ``s_b`` is computed before the kernels (a few torch ops on the device, no host read); the
             KL term stays per token.
+        kl_times_ratio: multiply the KL term by the token's ratio, differentiated through both:
+            ``d (ratio_t kl_t) / d lp_t = ratio_t kl_t' + ratio_t kl_t`` (the ratio's part 0 outside its
+            +-20 clamp). The unbiased reverse-KL gradient of off-policy samples (DeepSeek-V3.2; TRL's
+            ``use_bias_correction_kl``, its default). ``kl_mean`` is then the mean of ``ratio_t kl_t``.
+            Default ``False``.
         aggregation: ``"token-mean"`` (default), ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``,
             ``"seq-mean-token-sum-norm"``, ``"sum"`` or ``"none"`` (per-token loss, caller's layout,
             0 at non-counted tokens). Weights: :mod:`kl_kernels.kl_penalty.aggregate`.
@@ -146,7 +152,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
         weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output,
-        importance_sampling_level=importance_sampling_level)
+        importance_sampling_level=importance_sampling_level, kl_times_ratio=kl_times_ratio)
     num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too

@@ -36,7 +36,7 @@ def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, str
 def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                      beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
                      entropy_coef, token_out, weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP,
-                     seq_lr=None, ext=None):
+                     seq_lr=None, kl_ratio=False, ext=None):
     """(module, args, keep) of a forward: the argument struct filled with the inputs (no outputs yet)."""
     given = (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights,
              seq_lr)
@@ -61,23 +61,25 @@ def _prepare_forward(log_probs, old_log_probs, ref_log_probs, advantages, entrop
     a.clip_lo, a.clip_hi, a.entropy_coef = float(clip_lo), float(clip_hi), float(entropy_coef)
     a.clip_c, a.weight_kl = float(clip_c), int(bool(weight_kl))
     a.seq_lr = ptr(seq_lr) if seq_lr is not None else 0  # float32 [B], contiguous (problem.py)
+    a.kl_ratio = int(bool(kl_ratio))
     return module, a, keep
 
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, ext=None, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, kl_ratio=False, ext=None,
+            grad_out=None):
     """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
     ``_C`` or ``_cuda`` by device). ``grad_out``: the caller's float32 buffer for ``grad`` (checked by
     ``problem.py``), written in place and returned. ``weights`` (per token, the aux dtype, or None),
     ``clip_c`` (dual clip, inf: none), ``weight_kl``, ``clamp`` (the KL's [in_lo, in_hi, out_lo,
-    out_hi], infinite: none) and ``seq_lr`` (float32 [B] sequence log-ratios, GSPO; None: per token):
-    see ``kl_penalty_loss``."""
+    out_hi], infinite: none), ``seq_lr`` (float32 [B] sequence log-ratios, GSPO; None: per token) and
+    ``kl_ratio`` (kl_times_ratio): see ``kl_penalty_loss``."""
     module, a, keep = _prepare_forward(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
         adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, weights,
-        clip_c, weight_kl, clamp, seq_lr, ext)
+        clip_c, weight_kl, clamp, seq_lr, kl_ratio, ext)
     dev, batch, shape = log_probs.device, a.g.batch, log_probs.shape
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
     stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)

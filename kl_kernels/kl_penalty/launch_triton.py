@@ -44,10 +44,11 @@ def _geometry(like, mask, offsets, lengths, layout):
 
 def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, grad_out=None):
+            weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, kl_ratio=False,
+            grad_out=None):
     """Run the Triton forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
     empty, grad [*shape]), as ``launch.forward`` (``grad_out``: the caller's buffer for ``grad``;
-    ``seq_lr``: float32 [B], the sequences' log-ratios, GSPO)."""
+    ``seq_lr``: float32 [B], the sequences' log-ratios, GSPO; ``kl_ratio``: kl_times_ratio)."""
     (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights,
      seq_lr) = resolved(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                         weights, seq_lr)
@@ -89,6 +90,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
                      HAS_MASK=mask is not None, HAS_REF=ref_log_probs is not None, HAS_ENT=entropy is not None,
                      HAS_WT=weights is not None, WEIGHT_KL=bool(weight_kl) and weights is not None,
                      ADV_PER_SEQ=bool(adv_per_seq), BETA_MODE=beta_mode, SEQ_LR=seq_lr is not None,
+                     KL_RATIO=bool(kl_ratio),
                      TOKEN_OUT=bool(token_out),
                      EST=int(estimator), STRAIGHT_THROUGH=bool(straight_through), FLAT=flat)
         block = launch_tiles(fwd, total, args, flags)

@@ -32,7 +32,7 @@ _DEVICES = ("cpu", "cuda")
 
 def _setup_context(ctx, inputs, output):
     (log_probs, _old, _ref, advantages, entropy, mask, offsets, lengths, _beta, _bs, _aps, layout, left_pad, _est,
-     _st, _clo, _chi, entropy_coef, token_out, _weights, _clip_c, _weight_kl, _clamp, _seq_lr) = inputs
+     _st, _clo, _chi, entropy_coef, token_out, _weights, _clip_c, _weight_kl, _clamp, _seq_lr, _kl_ratio) = inputs
     ctx.save_for_backward(output[4], mask, offsets, lengths)  # the gradient buffer: the only float tensor kept
     ctx.params = (layout, left_pad, log_probs.dtype)
     ctx.entropy = (entropy is not None and entropy.requires_grad, advantages.dtype, entropy_coef)
@@ -45,14 +45,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _input_grads(ctx, g_seq_loss, g_token_out, bwd):
-    """Gradients of the forward's 24 inputs, from the outputs' gradients through ``bwd`` (the op, or
+    """Gradients of the forward's 25 inputs, from the outputs' gradients through ``bwd`` (the op, or
     the launcher in eager mode)."""
     grad, mask, offsets, lengths = ctx.saved_tensors
     g_tok = g_token_out[0] if (ctx.token_out and g_token_out is not None) else None
     entropy_grad, aux_dtype, entropy_coef = ctx.entropy
     g_lp, g_ent = bwd(grad, g_seq_loss, g_tok, mask, offsets, lengths, *ctx.params, entropy_grad, aux_dtype,
                       entropy_coef)
-    return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 19
+    return (g_lp, None, None, None, g_ent if entropy_grad else None) + (None,) * 20
 
 
 def _define(name: str, launcher):
@@ -65,16 +65,17 @@ def _define(name: str, launcher):
             beta: Optional[Tensor], beta_scalar: float, adv_per_seq: bool, layout: int, left_pad: bool,
             estimator: int, straight_through: bool, clip_lo: float, clip_hi: float, entropy_coef: float,
             token_out: bool, weights: Optional[Tensor], clip_c: float, weight_kl: bool,
-            clamp: Sequence[float], seq_lr: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            clamp: Sequence[float], seq_lr: Optional[Tensor],
+            kl_ratio: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Fused forward: (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or [0], grad [*shape])."""
         return launcher.forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths,
                                 beta, beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo,
-                                clip_hi, entropy_coef, token_out, weights, clip_c, weight_kl, clamp, seq_lr)
+                                clip_hi, entropy_coef, token_out, weights, clip_c, weight_kl, clamp, seq_lr, kl_ratio)
 
     @fwd.register_fake
     def _(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
           adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
-          weights, clip_c, weight_kl, clamp, seq_lr):
+          weights, clip_c, weight_kl, clamp, seq_lr, kl_ratio):
         batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
         shape = log_probs.shape
         f32 = dict(dtype=torch.float32)
@@ -136,7 +137,7 @@ def _claim(grad_out) -> None:
 
 
 def _fused_args(p: KLPenaltyProblem, cpu_kernel: bool = False) -> tuple:
-    """The 24 arguments of ``kl_kernels::kl_penalty_fwd`` (and of the launchers' forward) for ``p``.
+    """The 25 arguments of ``kl_kernels::kl_penalty_fwd`` (and of the launchers' forward) for ``p``.
     GSPO's sequence log-ratios come from the CPU kernel's pre-pass for the CPU kernel (``cpu_kernel``,
     eager), else from the reference's torch ops (on the device, no host read; traceable)."""
     lp = p.log_probs
@@ -153,7 +154,8 @@ def _fused_args(p: KLPenaltyProblem, cpu_kernel: bool = False) -> tuple:
             p.padding_side == "left", ESTIMATOR_CODES[p.estimator.rstrip("+")], p.estimator.endswith("+"),
             clip_lo, clip_hi, p.entropy_coef, p.aggregation == "none", wts,
             p.dual_clip if p.dual_clip is not None else math.inf, p.weight_kl,
-            [*clamp_bounds(p.clamp_input), *clamp_bounds(p.clamp_output)], _sequence_log_ratio(p, cpu_kernel))
+            [*clamp_bounds(p.clamp_input), *clamp_bounds(p.clamp_output)], _sequence_log_ratio(p, cpu_kernel),
+            p.kl_times_ratio)
 
 
 def _sequence_log_ratio(p: KLPenaltyProblem, cpu_kernel: bool):
@@ -234,7 +236,7 @@ class _EagerTotal(torch.autograd.Function):
             else:
                 g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, scale, lp_dtype, entropy_grad,
                                                         aux_dtype)
-        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 19
+        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 20
 
 
 def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
@@ -286,7 +288,7 @@ class _EagerOnDevice(torch.autograd.Function):
             grad, weight = ctx.saved_tensors[:2]
             g_lp, g_ent = ctx.launcher.backward_aggregated(ctx.kernel_args, grad, weight, g_loss, lp_dtype,
                                                            entropy_grad, aux_dtype, ext=ctx.ext)
-        return (None, None, None, None, g_lp, None, None, None, g_ent) + (None,) * 19
+        return (None, None, None, None, g_lp, None, None, None, g_ent) + (None,) * 20
 
 
 def run_fused_on_device(p: KLPenaltyProblem, num_global_tokens, emulated: bool = False,

@@ -68,6 +68,7 @@ class KLPenaltyProblem(NativeLayout):
     # "sequence" (GSPO): each counted token takes its sequence's mean log-ratio; each backend computes those
     # means its way (reference.sequence_log_ratio, or the CPU kernel's pre-pass) and its kernels read them
     importance_sampling_level: str = "token"
+    kl_times_ratio: bool = False         # the KL term times the (differentiable) ratio (TRL's use_bias_correction_kl)
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
 
@@ -231,7 +232,7 @@ def _check_out(out, lp, inputs) -> torch.Tensor:
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
                   padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
                   dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None,
-                  importance_sampling_level="token"):
+                  importance_sampling_level="token", kl_times_ratio=False):
     """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
 
     ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
@@ -253,6 +254,8 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     clamp_output = _checks.clamp_bounds("clamp_output", clamp_output)
     if not isinstance(weight_kl, bool):
         raise TypeError(f"weight_kl must be a bool, got {type(weight_kl).__name__}")
+    if not isinstance(kl_times_ratio, bool):
+        raise TypeError(f"kl_times_ratio must be a bool, got {type(kl_times_ratio).__name__}")
     if weight_kl and weights is None:
         raise ValueError("weight_kl=True weights the KL term by `weights`: pass weights too")
     if isinstance(log_probs, (list, tuple)) != isinstance(old_log_probs, (list, tuple)):
@@ -321,5 +324,6 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         weights=None if wts is None else wts.detach(), weight_kl=weight_kl, dual_clip=dual_clip,
         clamp_input=clamp_input, clamp_output=clamp_output)
     problem.importance_sampling_level = importance_sampling_level
+    problem.kl_times_ratio = kl_times_ratio
     return problem, kind, offsets
 

@@ -14,9 +14,10 @@ Per token ``t`` of sequence ``b`` with ``m_t`` the final mask (valid and in ``ma
     obj_t    = w_t * (-A_t * c if A_t < 0 and -A_t * c < pg_t else pg_t)   (dual clip c; none: pg_t)
     d_t      = lp_t - ref_t  (ref_log_probs given: KL(new || ref))
              = old_t - lp_t  (otherwise: TorchRL's KL(old || new), sampled from the old policy)
-    kl_t     = v_t * clamp(est(clamp(d_t, clamp_input)), clamp_output)   k1 d, abs |d|, k2 d^2/2,
+    kl_t     = v_t * q_t * clamp(est(clamp(d_t, clamp_input)), clamp_output)   k1 d, abs |d|, k2 d^2/2,
                k3 expm1(-d) + d (bounds optional); "+": k2's gradient at the unclamped d
     w_t      = the token's weight (1 without ``weights``); v_t = w_t with ``weight_kl``, else 1
+    q_t      = ratio_t with ``kl_times_ratio`` (differentiated), else 1
     loss_t   = m_t * (obj_t + beta_b * kl_t - entropy_coef * entropy_t)
 
 and per sequence the sums of ``loss_t``, ``obj_t``, ``kl_t``, ``entropy_t``, ``ratio_t`` and of the
@@ -27,6 +28,8 @@ store in their one gradient buffer) is::
 
     dloss_t/dlp_t = m_t * (w_t * [not dual_t] * -A_t ratio_t [|lp_t - old_t| <= 20] u_t + beta_b * s * v_t * est'(d_t))
     u_t = 1 if gain_t <= clip_t else [1 - eps_lo <= ratio_t <= 1 + eps_hi]     s = +1 (ref) / -1 (old)
+
+(``kl_times_ratio``: the KL part is ``beta_b * v_t * (ratio_t s est'(d_t) + [|lr_t| <= 20] ratio_t est(d_t))``.)
 
 Non-counted tokens contribute nothing and get zero gradient, whatever they hold (NaN included).
 """
@@ -109,6 +112,8 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
         kl = torch.clamp(kl, *p.clamp_output)
     if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
         kl = straight_through(kl, d)  # value: the (clamped) estimator; gradient: d (k2's, unclamped)
+    if p.kl_times_ratio:  # differentiated through the ratio too (its clamp's gradient mask included)
+        kl = ratio * kl
     if p.weight_kl:
         kl = wts * kl
 

@@ -74,7 +74,7 @@ def kl_penalty_fwd_kernel(
         kl_out_hi, entropy_coef, size_bucket,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr,
         HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, HAS_WT: tl.constexpr, WEIGHT_KL: tl.constexpr,
-        ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr, SEQ_LR: tl.constexpr,
+        ADV_PER_SEQ: tl.constexpr, BETA_MODE: tl.constexpr, SEQ_LR: tl.constexpr, KL_RATIO: tl.constexpr,
         TOKEN_OUT: tl.constexpr, EST: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr, FLAT: tl.constexpr,
         BLOCK: tl.constexpr):
     """One tile: the gradient buffer, optional per-token parts, whole sequences' sums and the
@@ -127,7 +127,12 @@ def kl_penalty_fwd_kernel(
     dual = (adv < 0.0) & (cap < pg)
     obj = tl.where(dual, cap, pg)
     # the clamp's gradient mask (a NaN is outside) selects: an exact 0 outside, not NaN * 0
-    g_obj = tl.where(inside(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) > 0.0, tl.where(dual, 0.0, -adv * ratio * w), 0.0)
+    in_lr = inside(lr_raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) > 0.0
+    g_obj = tl.where(in_lr, tl.where(dual, 0.0, -adv * ratio * w), 0.0)
+    if KL_RATIO:  # kl_times_ratio (kl::ppo_token's kl_ratio): ratio * kl, differentiated through both
+        dr = tl.where(in_lr, ratio * kl, 0.0)
+        kl = ratio * kl
+        dk = ratio * dk
     if HAS_WT:  # per-token weights: on the policy term, and (WEIGHT_KL) on the KL term
         wt = _load(wt_ptr, seq, col, offs, wt_s0, wt_s1, counted, False, FLAT)
         obj = wt * obj
@@ -135,7 +140,11 @@ def kl_penalty_fwd_kernel(
         if WEIGHT_KL:
             kl = wt * kl
             dk = wt * dk
+            if KL_RATIO:
+                dr = wt * dr
     grad = g_obj + beta * sign * dk
+    if KL_RATIO:
+        grad = grad + beta * dr
     loss = obj + beta * kl - entropy_coef * ent
     # exactly 0 where not counted (inputs there were read as 0, but the formulas need not give 0)
     grad = tl.where(counted, grad, 0.0)
