@@ -161,7 +161,7 @@ def _check_options(estimator, reward_placement, padding_side, clamp_input, clamp
 
 # --------------------------------------------------------------------------- kl_dtype
 
-_WIDTH = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def widened(kl_dtype, **inputs):
@@ -171,13 +171,13 @@ def widened(kl_dtype, **inputs):
     checks to judge (an integer tensor is not converted into an accepted one)."""
     if not isinstance(kl_dtype, torch.dtype):
         raise TypeError(f"kl_dtype must be None or a torch floating dtype, got {type(kl_dtype).__name__}")
-    if kl_dtype not in _WIDTH:
+    if kl_dtype not in _FLOATS:
         raise ValueError(f"kl_dtype must be one of float16, bfloat16, float32, float64; got {kl_dtype}")
 
     def widen(name, t):
-        if not isinstance(t, torch.Tensor) or t.dtype not in _WIDTH:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
             return t
-        if _WIDTH[t.dtype] > _WIDTH[kl_dtype] or (_WIDTH[t.dtype] == _WIDTH[kl_dtype] and t.dtype != kl_dtype):
+        if torch.promote_types(t.dtype, kl_dtype) != kl_dtype:  # narrower, or neither wider (bf16 / fp16)
             raise ValueError(f"kl_dtype ({kl_dtype}) must be {name}'s dtype ({t.dtype}) or wider: the results "
                              "are never narrowed")
         return t if t.dtype == kl_dtype else t.to(kl_dtype)
