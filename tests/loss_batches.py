@@ -17,11 +17,13 @@ from hypothesis import strategies as st
 
 from batches import _pad
 from kl_kernels import kl_penalty_loss
-from oracle_kl_penalty import Seq, oracle_loss
+from oracle_kl_penalty import Seq, oracle_loss, oracle_weights
 from tolerances import TOLERANCES
 
 LOSS_LAYOUTS = ("packed", "padded_left", "padded_right", "list", "nested_jagged")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum", "none")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum-norm",
+                "sum", "none")
+NORM_AGGREGATIONS = ("seq-mean-token-sum-norm", "token-sum-norm")
 
 
 @dataclass
@@ -46,6 +48,19 @@ class LossCase:
     clamp_output: tuple | None = None
     importance_sampling_level: str = "token"
     kl_times_ratio: bool = False
+    kl_aggregation: str | None = None       # None: as aggregation
+    entropy_aggregation: str | None = None
+    num_sequences: object = None            # None, "nonempty" or an int
+
+    @property
+    def aggregations(self):
+        return (self.aggregation, self.kl_aggregation or self.aggregation,
+                self.entropy_aggregation or self.aggregation)
+
+    @property
+    def normed(self):
+        """Whether a term divides by norm_length."""
+        return any(a in NORM_AGGREGATIONS for a in self.aggregations)
 
     @property
     def batch(self):
@@ -84,7 +99,9 @@ class LossCase:
 
 @st.composite
 def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), max_batch=6,
-               aggregations=AGGREGATIONS):
+               aggregations=AGGREGATIONS, split=False):
+    """Random loss cases. ``split``: also draw the KL and entropy terms' own aggregations and
+    ``num_sequences`` (every aggregation then but ``"none"``)."""
     lengths = draw(st.lists(st.one_of(st.sampled_from([0, 1, 2, 3, 7, 13, 31]), st.integers(0, 40)),
                             min_size=0, max_size=max_batch))
     dtype = draw(st.sampled_from(list(dtypes)))
@@ -106,7 +123,7 @@ def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch
     beta_kind = draw(st.sampled_from(["float", "scalar_tensor", "per_seq"]))
     beta = [float(x) for x in torch.rand(len(lengths), generator=g) * 2] if beta_kind == "per_seq" else draw(
         st.sampled_from([0.0, 0.05, 1.0]))
-    return LossCase(
+    case = LossCase(
         lp=lp, old=old, adv=adv, mask=mask if draw(st.booleans()) else None, ref=ref if draw(st.booleans()) else None,
         ent=ent if draw(st.booleans()) else None, beta_kind=beta_kind, beta=beta,
         estimator=draw(st.sampled_from(["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"])),
@@ -118,6 +135,17 @@ def loss_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch
         entropy_coef=draw(st.sampled_from([0.0, 0.01, 1.0])), aggregation=draw(st.sampled_from(list(aggregations))),
         pad_extra=draw(st.integers(0, 2)), importance_sampling_level=draw(st.sampled_from(["token", "token", "sequence"])),
         kl_times_ratio=draw(st.sampled_from([False, False, True])))
+    if split:
+        terms = [a for a in aggregations if a != "none"]
+        case.aggregation = draw(st.sampled_from(terms))
+        case.kl_aggregation = draw(st.sampled_from([None] + terms))
+        case.entropy_aggregation = draw(st.sampled_from([None] + terms))
+        if any(a.startswith("seq-mean") for a in case.aggregations):
+            case.num_sequences = draw(st.sampled_from([None, "nonempty", len(lengths) + 3]))
+        if case.ent is None and draw(st.booleans()):  # the entropy term is what entropy_aggregation weighs
+            case.ent = ent
+            case.entropy_coef = draw(st.sampled_from([0.01, 1.0]))
+    return case
 
 
 @dataclass
@@ -145,6 +173,9 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
         kw["importance_sampling_level"] = case.importance_sampling_level
     if case.kl_times_ratio:
         kw["kl_times_ratio"] = True
+    for name in ("kl_aggregation", "entropy_aggregation", "num_sequences"):
+        if getattr(case, name) is not None:
+            kw[name] = getattr(case, name)
     adv_tok = None if case.adv_per_seq else case.adv
     adv_seq = torch.tensor(case.adv, dtype=case.dtype) if case.adv_per_seq else None
     if layout.startswith("padded"):
@@ -164,7 +195,7 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
         if case.weights is not None:
             kw["weights"] = pad(case.weights)
         kw["advantages"] = pad(adv_tok) if adv_tok is not None else adv_seq
-        if case.aggregation == "seq-mean-token-sum-norm" and width == 0:
+        if case.normed and width == 0:
             kw["norm_length"] = 5
         built = BuiltLoss(kw, layout, width, side)
     else:
@@ -191,7 +222,7 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
         if case.weights is not None:
             kw["weights"] = cat(case.weights)
         kw["advantages"] = cat(adv_tok) if adv_tok is not None else adv_seq
-        if case.aggregation == "seq-mean-token-sum-norm":
+        if case.normed:
             kw["norm_length"] = max(case.lengths, default=0) + 3
         built = BuiltLoss(kw, layout)
     if requires_grad:
@@ -263,12 +294,13 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
                 kw[name] = [t.detach().requires_grad_() for t in v]
         built.kwargs.update({k: kw[k] for k in ("log_probs", "entropy") if k in kw})
     out = kl_penalty_loss(**kw, backend=backend)
-    norm = norm_length_of(case, built) if case.aggregation == "seq-mean-token-sum-norm" else None
+    norm = norm_length_of(case, built) if case.normed else None
     exp = oracle_loss(oracle_seqs(case), estimator=case.estimator, clip=case.clip_bounds(),
                       entropy_coef=case.entropy_coef, aggregation=case.aggregation, norm_length=norm,
                       dual_clip=case.dual_clip, weight_kl=case.weight_kl, clamp_input=case.clamp_input,
                       clamp_output=case.clamp_output, importance_sampling_level=case.importance_sampling_level,
-                      kl_times_ratio=case.kl_times_ratio)
+                      kl_times_ratio=case.kl_times_ratio, kl_aggregation=case.kl_aggregation,
+                      entropy_aggregation=case.entropy_aggregation, num_sequences=case.num_sequences)
     md = torch.float64 if case.dtype == torch.float64 else torch.float32
     lengths = case.lengths
     n_tok = exp.num_tokens
@@ -285,9 +317,11 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
             assert (pad == 0).all(), "per-token loss must be 0 in the padding"
     else:
         assert out.loss.shape == () and out.loss.dtype == md
-        denom = {"token-mean": max(n_tok, 1), "seq-mean-token-mean": 1.0, "seq-mean-token-sum": max(case.batch, 1),
-                 "seq-mean-token-sum-norm": norm, "sum": 1.0}[case.aggregation]
-        scale = term_scale / denom if case.aggregation != "seq-mean-token-mean" else term_scale
+        # The bound scales with the largest weight of any term (a token-mean's 1 / N, ...).
+        counts = [len(r) if case.mask is None else int(case.mask[b].sum()) for b, r in enumerate(exp.token_loss)]
+        w_max = max((oracle_weights(counts, agg, norm_length=norm, num_sequences=case.num_sequences)(b)
+                     for agg in case.aggregations for b in range(case.batch)), default=1.0)
+        scale = term_scale * w_max
         assert_close_sum(out.loss.detach().cpu(), exp.loss, scale, md, "loss")
         assert_close_sum(out.loss_objective.cpu(), exp.loss_objective, scale, md, "loss_objective")
         assert_close_sum(out.loss_kl.cpu(), exp.loss_kl, scale, md, "loss_kl")

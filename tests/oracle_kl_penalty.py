@@ -84,11 +84,44 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
     return obj, kl, ent, ratio, clipped, dobj, dkl
 
 
+def oracle_weights(counts: list, aggregation: str, *, norm_length=None, global_tokens=None, global_seqs=None,
+                   num_sequences=None):
+    """``b -> w_b`` of an aggregation (the issue's table; verl 0.9.1's ``agg_loss`` for the seq-mean modes with
+    ``num_sequences="nonempty"``, TRL's loss types otherwise), from the per-sequence token counts."""
+    n_tok = sum(counts) if global_tokens is None else global_tokens
+    if global_seqs is not None:
+        n_seq = global_seqs
+    elif num_sequences == "nonempty":
+        n_seq = sum(1 for c in counts if c > 0)
+    elif num_sequences is not None:
+        n_seq = int(num_sequences)
+    else:
+        n_seq = len(counts)
+
+    def weight(b):
+        if aggregation == "token-mean":
+            return 1.0 / max(n_tok, 1)
+        if aggregation == "seq-mean-token-mean":
+            return 1.0 / (max(counts[b], 1) * max(n_seq, 1))
+        if aggregation == "seq-mean-token-sum":
+            return 1.0 / max(n_seq, 1)
+        if aggregation == "seq-mean-token-sum-norm":
+            return 1.0 / (max(n_seq, 1) * norm_length)
+        if aggregation == "token-sum-norm":
+            return 1.0 / norm_length
+        if aggregation in ("sum", "none"):
+            return 1.0
+        raise AssertionError(aggregation)
+    return weight
+
+
 def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggregation="token-mean",
                 norm_length=None, global_tokens=None, global_seqs=None, dual_clip=None, weight_kl=False,
                 clamp_input=None, clamp_output=None, importance_sampling_level="token",
-                kl_times_ratio=False) -> Result:
+                kl_times_ratio=False, kl_aggregation=None, entropy_aggregation=None, num_sequences=None) -> Result:
     """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel).
+    ``kl_aggregation`` / ``entropy_aggregation`` weigh the KL / entropy terms their own way (None: as
+    ``aggregation``); ``num_sequences`` is B: None (every sequence), ``"nonempty"`` or a count.
     ``importance_sampling_level="sequence"`` (GSPO, from the paper and verl's ``compute_policy_loss_gspo``):
     every counted token's log-ratio is its sequence's mean of lp - old over counted tokens."""
     per_seq = []
@@ -108,26 +141,17 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
                                     kl_times_ratio=kl_times_ratio))
         per_seq.append(rows)
     counts = [sum(r is not None for r in rows) for rows in per_seq]
-    n_tok = sum(counts) if global_tokens is None else global_tokens
-    n_seq = len(seqs) if global_seqs is None else global_seqs
-
-    def weight(b):
-        if aggregation == "token-mean":
-            return 1.0 / max(n_tok, 1)
-        if aggregation == "seq-mean-token-mean":
-            return 1.0 / (max(counts[b], 1) * max(n_seq, 1))
-        if aggregation == "seq-mean-token-sum":
-            return 1.0 / max(n_seq, 1)
-        if aggregation == "seq-mean-token-sum-norm":
-            return 1.0 / norm_length
-        if aggregation in ("sum", "none"):
-            return 1.0
-        raise AssertionError(aggregation)
+    weight = oracle_weights(counts, aggregation, norm_length=norm_length, global_tokens=global_tokens,
+                            global_seqs=global_seqs, num_sequences=num_sequences)
+    weight_kl = oracle_weights(counts, kl_aggregation or aggregation, norm_length=norm_length,
+                               global_tokens=global_tokens, global_seqs=global_seqs, num_sequences=num_sequences)
+    weight_ent = oracle_weights(counts, entropy_aggregation or aggregation, norm_length=norm_length,
+                                global_tokens=global_tokens, global_seqs=global_seqs, num_sequences=num_sequences)
 
     obj_terms, kl_terms, ent_terms, grads, grads_ent, token_loss = [], [], [], [], [], []
     kl_sum = ratio_sum = clip_sum = 0.0
     for b, (s, rows) in enumerate(zip(seqs, per_seq)):
-        w = weight(b)
+        w, wk, we = weight(b), weight_kl(b), weight_ent(b)
         g, ge, tl = [], [], []
         for r in rows:
             if r is None:
@@ -135,10 +159,10 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
                 continue
             obj, kl, ent, ratio, clipped, dobj, dkl = r
             obj_terms.append(w * obj)
-            kl_terms.append(w * s.beta * kl)
-            ent_terms.append(-w * entropy_coef * ent)
-            g.append(w * (dobj + s.beta * dkl))
-            ge.append(-w * entropy_coef)
+            kl_terms.append(wk * s.beta * kl)
+            ent_terms.append(-we * entropy_coef * ent)
+            g.append(w * dobj + wk * s.beta * dkl)
+            ge.append(-we * entropy_coef)
             tl.append(obj + s.beta * kl - entropy_coef * ent)
             kl_sum += kl
             ratio_sum += ratio

@@ -93,7 +93,9 @@ def test_bitwise_for_any_thread_count(backend, op, layout, dtype):
     try:
         torch.set_num_threads(1)
         want = _run(op, backend, layout, dtype)
-        for threads in (2, 3, 1):
+        # Triton's interpreter runs its kernels in NumPy whatever torch's thread count (only the host
+        # ops around them see it), and it is slow: one rerun, with 2 threads.
+        for threads in (2,) if backend == "triton" else (2, 3, 1):
             torch.set_num_threads(threads)
             got = _run(op, backend, layout, dtype)
             assert len(got) == len(want)

@@ -32,7 +32,11 @@ def test_compute_approx_kl_equals_openrlhf(estimator, unbiased, data):
     got = ko.compute_approx_kl(*got_in, log_probs_old=old[0], **kw)
     want = ou.compute_approx_kl(*want_in, log_probs_old=old[1], **kw)
     assert got.dtype == torch.float32  # OpenRLHF upcasts
-    close(got.detach(), want.detach(), torch.float32, "kl", scale=11.0)
+    # The value: OpenRLHF's straight-through `value.detach() + s - s.detach()` (s = w (lp - base)^2 / 2, up to
+    # ~5e4 for a diverged token) rounds the value to s's float32 ulp (10 came back as 10.00049); ours is the
+    # estimate itself, which is OpenRLHF's value without the straight-through (its documented forward value).
+    want_value = ou.compute_approx_kl(*want_in, kl_estimator=estimator) if unbiased != "no" else want
+    close(got.detach(), want_value.detach(), torch.float32, "kl", scale=11.0)
     up = torch.linspace(-1, 1, got.numel()).reshape(got.shape)
     g_got = torch.autograd.grad((got * up).sum(), got_in)
     g_want = torch.autograd.grad((want * up.to(want.dtype)).sum(), want_in)

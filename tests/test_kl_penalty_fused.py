@@ -374,6 +374,9 @@ WORKER = textwrap.dedent("""
     kw = {k: v for k, v in mine.items() if k != "log_probs"}
     if agg == "token-mean-n":  # the explicit global count instead of the process group
         out = kl_penalty_loss(lp, **kw, aggregation="token-mean", num_global_tokens=data["n_global"], backend=backend)
+    elif agg == "split":  # each term its own weights, B the non-empty sequences of both ranks
+        out = kl_penalty_loss(lp, **kw, aggregation="seq-mean-token-mean", kl_aggregation="token-mean",
+                              num_sequences="nonempty", process_group=dist.group.WORLD, backend=backend)
     else:
         out = kl_penalty_loss(lp, **kw, aggregation=agg, process_group=dist.group.WORLD, backend=backend)
     out.loss.backward()
@@ -387,7 +390,8 @@ WORKER = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch"] + FUSED)
-@pytest.mark.parametrize("aggregation", ["token-mean", "token-mean-n", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "token-mean-n", "seq-mean-token-mean", "seq-mean-token-sum",
+                                         "split"])
 def test_two_ranks_equal_the_union(aggregation, backend, tmp_path):
     """2 processes on gloo: the ranks' losses sum to the loss of the union batch, each rank's gradient
     is the union's gradient on its tokens, and process-group diagnostics are the union's."""
@@ -404,8 +408,12 @@ def test_two_ranks_equal_the_union(aggregation, backend, tmp_path):
     union = {k: (torch.cat([s[k] for s in shards]) if isinstance(shards[0][k], torch.Tensor) else shards[0][k])
              for k in shards[0]}
     lp_u = union.pop("log_probs").clone().requires_grad_()
-    agg = "token-mean" if aggregation == "token-mean-n" else aggregation
-    want = kl_penalty_loss(lp_u, **union, aggregation=agg, backend=backend)
+    if aggregation == "split":
+        want = kl_penalty_loss(lp_u, **union, aggregation="seq-mean-token-mean", kl_aggregation="token-mean",
+                               num_sequences="nonempty", backend=backend)
+    else:
+        agg = "token-mean" if aggregation == "token-mean-n" else aggregation
+        want = kl_penalty_loss(lp_u, **union, aggregation=agg, backend=backend)
     want.loss.backward()
     n_global = int(want.num_tokens)
 

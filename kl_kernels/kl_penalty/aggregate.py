@@ -4,23 +4,37 @@ Every backend returns the same :class:`~kl_kernels.kl_penalty.reference.RawLoss`
 sums ``S_b`` and counts ``n_b``); the loss is ``sum_b w_b * S_b`` with per-sequence weights ``w_b``
 that depend only on counts, never on values, so they carry no gradient:
 
-=========================  =================================  ============================================
-aggregation                ``w_b``                            meaning
-=========================  =================================  ============================================
-``token-mean``             ``1 / N``                          mean over counted tokens (N: all ranks')
-``seq-mean-token-mean``    ``1 / (max(n_b, 1) * B)``          mean over sequences of their token mean
-``seq-mean-token-sum``     ``1 / B``                          mean over sequences of their token sum
-``seq-mean-token-sum-norm`` ``1 / norm_length``               token sum over a constant length (Dr. GRPO,
-                                                              verl's definition: no division by ``B``)
-``sum``                    ``1``                              plain sum
-=========================  =================================  ============================================
+==========================  ===============================  ============================================
+aggregation                 ``w_b``                          meaning
+==========================  ===============================  ============================================
+``token-mean``              ``1 / N``                        mean over counted tokens (N: all ranks')
+``seq-mean-token-mean``     ``1 / (max(n_b, 1) * B)``        mean over sequences of their token mean
+``seq-mean-token-sum``      ``1 / B``                        mean over sequences of their token sum
+``seq-mean-token-sum-norm`` ``1 / (B * norm_length)``        mean over sequences of their token sum over a
+                                                             constant length (Dr. GRPO; verl 0.9.1, TRL's
+                                                             ``dr_grpo``)
+``token-sum-norm``          ``1 / norm_length``              token sum over a constant length (verl <= 0.4's
+                                                             ``seq-mean-token-sum-norm``: no division by B)
+``sum``                     ``1``                            plain sum
+==========================  ===============================  ============================================
 
-``B`` counts every sequence of the batch (an empty one adds 0 to the numerator, as verl). With
-data parallelism (``num_global_tokens`` or ``process_group``) ``N`` and ``B`` are the totals over
-all ranks, so each rank's loss is its share: **the sum over ranks equals the loss of the union
-batch**, and so do the gradients (each rank's gradient is the union's, restricted to its tokens).
-Under DDP, which averages gradients over ``W`` ranks, scale the loss by ``W`` to train on the
-union's loss. An empty union (``N = 0`` or ``B = 0``) gives a loss of 0.
+``B`` is ``num_sequences``: every sequence of the batch by default (an empty one adds 0 to the
+numerator: TorchRL, verl <= 0.4, TRL), ``"nonempty"`` for the sequences with a counted token
+(verl 0.9.1), or the caller's count. Every count is at least 1 in a denominator.
+
+The policy, KL and entropy terms may each take their own aggregation (``kl_aggregation``,
+``entropy_aggregation``; OpenRLHF token-means the KL and entropy terms of a sequence-level policy
+loss, TRL the entropy bonus): ``loss = sum_b (w_b S_obj_b + w'_b beta_b S_kl_b - w''_b c S_ent_b)``.
+Such a call (:func:`run_split`) counts the tokens of each sequence before the kernel, runs it with
+``beta_b * w'_b / w_b`` as the per-sequence KL coefficient (one fused pass and one gradient buffer
+still serve both terms: every ``w_b > 0``) and sums the entropy term, which has no fused math, with
+torch ops.
+
+With data parallelism (``num_global_tokens``, ``num_sequences`` or ``process_group``) ``N`` and
+``B`` are the totals over all ranks, so each rank's loss is its share: **the sum over ranks equals
+the loss of the union batch**, and so do the gradients (each rank's gradient is the union's,
+restricted to its tokens). Under DDP, which averages gradients over ``W`` ranks, scale the loss by
+``W`` to train on the union's loss. An empty union (``N = 0`` or ``B = 0``) gives a loss of 0.
 """
 
 from __future__ import annotations
@@ -29,9 +43,12 @@ from typing import NamedTuple
 
 import torch
 
+from dataclasses import replace
+
 from ..layouts import TokenLayout
-from .problem import KLPenaltyProblem
-from .reference import RawLoss
+from ..reference_math import final_mask, token_frame
+from .problem import KLPenaltyProblem, _aggregations
+from .reference import RawLoss, per_sequence_sum
 
 
 class KLPenaltyLossOutput(NamedTuple):
@@ -66,19 +83,89 @@ def _all_reduce(vec: torch.Tensor, process_group) -> torch.Tensor:
     return vec
 
 
-_UNIFORM = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum")
+_UNIFORM = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum-norm", "sum")
 _ON_HOST = _UNIFORM  # aggregations that CPU tensors take through _aggregate_on_host
 
 
-def _uniform_weight(p: KLPenaltyProblem, n_tokens, n_seqs):
-    """``w`` of an aggregation with one weight for every sequence; floats or float64 0-d tensors."""
-    if p.aggregation == "token-mean":
-        return 1.0 / (max(n_tokens, 1.0) if isinstance(n_tokens, float) else n_tokens.clamp_min(1.0))
-    if p.aggregation == "seq-mean-token-sum":
-        return 1.0 / (max(n_seqs, 1.0) if isinstance(n_seqs, float) else n_seqs.clamp_min(1.0))
-    if p.aggregation == "seq-mean-token-sum-norm":
+def _at_least_one(x):
+    return max(x, 1.0) if isinstance(x, float) else x.clamp_min(1.0)
+
+
+def _uniform_weight(p: KLPenaltyProblem, n_tokens, n_seqs, aggregation=None):
+    """``w`` of an aggregation with one weight for every sequence (``p.aggregation`` by default);
+    floats or float64 0-d tensors."""
+    aggregation = aggregation or p.aggregation
+    if aggregation == "token-mean":
+        return 1.0 / _at_least_one(n_tokens)
+    if aggregation == "seq-mean-token-sum":
+        return 1.0 / _at_least_one(n_seqs)
+    if aggregation == "seq-mean-token-sum-norm":
+        return 1.0 / (_at_least_one(n_seqs) * p.norm_length)
+    if aggregation == "token-sum-norm":
         return 1.0 / p.norm_length
     return 1.0
+
+
+def _weight(p: KLPenaltyProblem, aggregation: str, count: torch.Tensor, n_tokens: torch.Tensor,
+            n_seqs: torch.Tensor) -> torch.Tensor:
+    """The float64 weight ``w_b`` of ``aggregation``: ``[B]`` for ``seq-mean-token-mean``, else 0-d."""
+    if aggregation == "seq-mean-token-mean":
+        return 1.0 / (count.to(torch.float64).clamp_min(1.0) * n_seqs.clamp_min(1.0))
+    w = _uniform_weight(p, n_tokens, n_seqs, aggregation)
+    return w if isinstance(w, torch.Tensor) else torch.full((), w, dtype=torch.float64, device=count.device)
+
+
+def _sequence_count(p: KLPenaltyProblem, count: torch.Tensor) -> torch.Tensor:
+    """``B`` before any all-reduce, a float64 0-d tensor on the counts' device (no host copy)."""
+    if p.num_sequences == "nonempty":
+        return (count > 0).sum().to(torch.float64)
+    if isinstance(p.num_sequences, torch.Tensor):
+        return p.num_sequences.to(device=count.device, dtype=torch.float64)
+    # torch.full, not torch.tensor(..., device=dev): a fill kernel, no (synchronizing) host-to-device copy
+    n = p.batch_size if p.num_sequences is None else p.num_sequences
+    return torch.full((), float(n), dtype=torch.float64, device=count.device)
+
+
+def _token_count(num_global_tokens, n_tokens: torch.Tensor) -> torch.Tensor:
+    """``N`` of ``token-mean``: the caller's global count, else this call's (all-reduced) one."""
+    if num_global_tokens is None:
+        return n_tokens
+    if isinstance(num_global_tokens, torch.Tensor):
+        return num_global_tokens.to(device=n_tokens.device, dtype=torch.float64)
+    return torch.full((), float(num_global_tokens), dtype=torch.float64, device=n_tokens.device)
+
+
+def _reduces_sequence_count(p: KLPenaltyProblem) -> bool:
+    return p.num_sequences is None or p.num_sequences == "nonempty"  # a caller's count is already global
+
+
+def run_split(p: KLPenaltyProblem, impl, *, kind: str, offsets, num_global_tokens=None,
+              process_group=None) -> KLPenaltyLossOutput:
+    """A call whose terms are weighed differently (``p.split_terms``): count each sequence's
+    tokens first, run the backend with the KL coefficient ``beta_b * w_kl_b / w_b`` (and without
+    a differently aggregated entropy term, summed here with torch ops), then :func:`aggregate`."""
+    valid, pos, per_seq, seq = token_frame(p)
+    m = final_mask(p, valid, pos, per_seq)
+    count = per_sequence_sum(p, m, seq)  # float64 [B]
+    n_tokens, n_seqs = count.sum(), _sequence_count(p, count)
+    if process_group is not None:
+        n_tokens, n_seqs = _all_reduce(torch.stack([n_tokens, n_seqs]), process_group).unbind()
+    n_tok = _token_count(num_global_tokens, n_tokens)
+    agg_policy, agg_kl, agg_entropy = _aggregations(p)
+    run = replace(p)
+    if agg_kl != agg_policy:
+        ratio = _weight(p, agg_kl, count, n_tok, n_seqs) / _weight(p, agg_policy, count, n_tok, n_seqs)
+        beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
+        # float32 as the kernels read it (float64 for the float64 reference: no rounding of beta there)
+        run.beta = (ratio * beta).to(torch.float64 if p.math_dtype == torch.float64 else torch.float32)
+    entropy_sums = None
+    if agg_entropy != agg_policy and p.entropy is not None:
+        ent = torch.where(m, p.entropy, torch.zeros((), dtype=p.entropy.dtype, device=p.entropy.device))
+        entropy_sums = per_sequence_sum(p, ent, seq)
+        run.entropy, run.entropy_coef = None, 0.0
+    raw = impl.run(run)
+    return aggregate(p, raw, kind=kind, offsets=offsets, num_global_tokens=num_global_tokens,
+                     process_group=process_group, entropy_sums=entropy_sums)
 
 
 def on_host(p: KLPenaltyProblem, process_group) -> bool:
@@ -87,7 +174,7 @@ def on_host(p: KLPenaltyProblem, process_group) -> bool:
     CPU tensors) and its outputs built in a handful of torch calls: on a 2-core machine each torch
     call costs ~8 us, as much as the kernel spends on thousands of tokens; the generic path of
     :func:`aggregate` needs ~35 of them."""
-    return (p.device.type == "cpu" and process_group is None and p.aggregation in _ON_HOST
+    return (p.device.type == "cpu" and process_group is None and p.aggregation in _ON_HOST and not p.split_terms
             and not (isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1) and not torch.compiler.is_compiling())
 
 
@@ -97,7 +184,8 @@ def on_device(p: KLPenaltyProblem, process_group) -> bool:
     ``finalize_aggregation`` of csrc/common/kl_penalty_args.h). On a GPU the generic path below
     costs ~30 small launches per forward and ~10 per backward: the H200 run of 2026-11-26 measured
     the loss host-bound at 1.4-1.7 ms a step, slower than eager autograd."""
-    return process_group is None and p.aggregation != "none" and not torch.compiler.is_compiling()
+    return (process_group is None and p.aggregation != "none" and not p.split_terms
+            and not torch.compiler.is_compiling())
 
 
 def device_weight(p: KLPenaltyProblem, num_global_tokens) -> tuple[float, bool, bool, torch.Tensor | None]:
@@ -144,23 +232,24 @@ def _aggregate_on_host(p: KLPenaltyProblem, raw: RawLoss, num_global_tokens) -> 
 
 
 def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_global_tokens=None,
-              process_group=None) -> KLPenaltyLossOutput:
-    """Apply ``p.aggregation`` to a backend's per-sequence sums (see the module doc)."""
+              process_group=None, entropy_sums=None) -> KLPenaltyLossOutput:
+    """Apply the aggregations to a backend's per-sequence sums (see the module doc).
+    ``entropy_sums``: :func:`run_split`'s per-sequence entropy sums (differentiable), when the
+    backend ran without the entropy term."""
     if on_host(p, process_group):
         return _aggregate_on_host(p, raw, num_global_tokens)
     md = raw.seq_loss.dtype
-    dev = raw.count.device
     # Few, small ops: at RLHF batch sizes each torch call here costs about as much as a kernel pass.
     # (Tensor methods (select, narrow, unbind) rather than Python indexing throughout: the same ops,
     # and they also run under a fake CUDA mode on a CPU-only torch, tests/test_no_host_sync.py.)
     col = raw.stats.detach().to(torch.float64).sum(0)  # objective, kl, entropy, ratio, clipped totals
     _, col_kl, _, col_ratio, col_clip = col.unbind()
     n_tokens = raw.count.sum().to(torch.float64)
-    # torch.full, not torch.tensor(..., device=dev): a fill kernel, no (synchronizing) host-to-device copy
-    n_seqs = torch.full((), float(p.batch_size), dtype=torch.float64, device=dev)
+    n_seqs = _sequence_count(p, raw.count)
     if process_group is not None:  # one all-reduce of every count and total
-        n_tokens, n_seqs, kl_total, ratio_total, clip_total = _all_reduce(
+        n_tokens, n_seqs_all, kl_total, ratio_total, clip_total = _all_reduce(
             torch.stack([n_tokens, n_seqs, col_kl, col_ratio, col_clip]), process_group).unbind()
+        n_seqs = n_seqs_all if _reduces_sequence_count(p) else n_seqs
     else:
         kl_total, ratio_total, clip_total = col_kl, col_ratio, col_clip
     denom = n_tokens.clamp_min(1.0)
@@ -170,26 +259,20 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
         tokens = TokenLayout(kind, offsets)._tokens  # back to the caller's layout
         return KLPenaltyLossOutput(*map(tokens, raw.token_out.unbind(0)), *diag, num_tokens)
 
-    per_seq_beta = isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1
-    if p.aggregation in _UNIFORM:
-        # One weight for every sequence: loss = w * sum_b S_b.
-        n = n_tokens
-        if num_global_tokens is not None:
-            n = num_global_tokens.to(device=dev, dtype=torch.float64) if isinstance(
-                num_global_tokens, torch.Tensor) else torch.full((), float(num_global_tokens), dtype=torch.float64,
-                                                                device=dev)
-        w = _uniform_weight(p, n, n_seqs)
-        loss = (raw.seq_loss.to(torch.float64).sum() * w).to(md)
-        parts = col.narrow(0, 0, 3) * w
-        kl_part = (raw.stats.select(1, 1).to(torch.float64) * p.beta.to(torch.float64)).sum() * w if per_seq_beta \
-            else parts.select(0, 1) * (p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta)
-    else:  # "seq-mean-token-mean": per-sequence weights
-        weight = 1.0 / (raw.count.to(torch.float64).clamp_min(1.0) * n_seqs.clamp_min(1.0))
-        loss = (weight * raw.seq_loss.to(torch.float64)).sum().to(md)
-        wstats = weight.unsqueeze(1) * raw.stats.detach().narrow(1, 0, 3).to(torch.float64)
-        parts = wstats.sum(0)
-        beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
-        kl_part = (wstats.select(1, 1) * beta).sum()
-    part_objective, _, part_entropy = parts.unbind()
-    loss_ent = part_entropy * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
-    return KLPenaltyLossOutput(loss, part_objective.to(md), kl_part.to(md), loss_ent.to(md), *diag, num_tokens)
+    n_tok = _token_count(num_global_tokens, n_tokens)
+    agg_policy, agg_kl, agg_entropy = _aggregations(p)
+    w = _weight(p, agg_policy, raw.count, n_tok, n_seqs)
+    w_kl = w if agg_kl == agg_policy else _weight(p, agg_kl, raw.count, n_tok, n_seqs)
+    stats = raw.stats.detach().narrow(1, 0, 3).to(torch.float64)
+    loss = (w * raw.seq_loss.to(torch.float64)).sum()
+    part_objective = (w * stats.select(1, 0)).sum()
+    beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
+    kl_part = (w_kl * beta * stats.select(1, 1)).sum()
+    if entropy_sums is None:
+        loss_ent = (w * stats.select(1, 2)).sum() * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
+    else:  # the entropy term, summed apart with its own weights (run_split)
+        term = (_weight(p, agg_entropy, raw.count, n_tok, n_seqs) * entropy_sums).sum() * -p.entropy_coef
+        loss = loss + term
+        loss_ent = term.detach() + 0.0
+    return KLPenaltyLossOutput(loss.to(md), part_objective.to(md), kl_part.to(md), loss_ent.to(md), *diag,
+                               num_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import backends as _dispatch
 from .. import ragged
-from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host
+from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host, run_split
 from .backends import REGISTRY
 from .ops import run_fused_aggregated, run_fused_on_device
 from .problem import _num_global_tokens, build_problem
@@ -15,7 +15,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                     entropy_coef=0.0, aggregation="token-mean", num_global_tokens=None, process_group=None,
                     norm_length=None, backend="auto", out=None, dual_clip=None, weights=None,
                     weight_kl=False, clamp_input=None, clamp_output=None,
-                    importance_sampling_level="token", kl_times_ratio=False) -> KLPenaltyLossOutput:
+                    importance_sampling_level="token", kl_times_ratio=False, kl_aggregation=None,
+                    entropy_aggregation=None, num_sequences=None) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
@@ -89,14 +90,24 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             ``use_bias_correction_kl``, its default). ``kl_mean`` is then the mean of ``ratio_t kl_t``.
             Default ``False``.
         aggregation: ``"token-mean"`` (default), ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``,
-            ``"seq-mean-token-sum-norm"``, ``"sum"`` or ``"none"`` (per-token loss, caller's layout,
-            0 at non-counted tokens). Weights: :mod:`kl_kernels.kl_penalty.aggregate`.
+            ``"seq-mean-token-sum-norm"`` (``1 / (B * norm_length)``), ``"token-sum-norm"``
+            (``1 / norm_length``), ``"sum"`` or ``"none"`` (per-token loss, caller's layout, 0 at
+            non-counted tokens). Weights: :mod:`kl_kernels.kl_penalty.aggregate`.
+        kl_aggregation, entropy_aggregation: the KL and the entropy term's own aggregation (any of
+            the above but ``"none"``); ``None`` (default): ``aggregation``'s. OpenRLHF token-means
+            both under a sequence-level policy loss; TRL's entropy bonus is a token mean. Such a
+            call counts each sequence's tokens before the kernel (one masked torch reduction) and
+            takes the generic aggregation path.
+        num_sequences: ``B`` of the seq-mean aggregations: ``None`` (default: every sequence of the
+            batch, TorchRL and verl <= 0.4), ``"nonempty"`` (sequences with a counted token: verl
+            0.9.1) or a count (int or 0-dim tensor: all ranks' sequences under data parallelism).
         num_global_tokens: ``"token-mean"`` over several ranks: the token count of all ranks
-            together (int or 0-dim tensor), so the ranks' losses sum to the union's token mean.
+            together (int or 0-d tensor), so the ranks' losses sum to the union's token mean.
         process_group: a ``torch.distributed`` group: the token and sequence counts (and the
-            diagnostics) are all-reduced over it (one small all-reduce).
-        norm_length: the constant length of ``"seq-mean-token-sum-norm"`` (default: the padded
-            width ``T``; required for the other layouts).
+            diagnostics) are all-reduced over it (one small all-reduce; two with ``kl_aggregation``,
+            ``entropy_aggregation`` or ``num_sequences``).
+        norm_length: the constant length of ``"seq-mean-token-sum-norm"`` and ``"token-sum-norm"``
+            (default: the padded width ``T``; required for the other layouts).
         backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides), ``"torch"``, ``"cpu"``,
             ``"cuda"`` or ``"triton"``.
         out: optional float32 buffer for the fused kernels' per-token gradient ``dloss_t / dlp_t``
@@ -152,9 +163,14 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
         weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output,
-        importance_sampling_level=importance_sampling_level, kl_times_ratio=kl_times_ratio)
-    num_global_tokens = _num_global_tokens(num_global_tokens, aggregation, process_group, problem.device)
+        importance_sampling_level=importance_sampling_level, kl_times_ratio=kl_times_ratio,
+        kl_aggregation=kl_aggregation, entropy_aggregation=entropy_aggregation, num_sequences=num_sequences,
+        process_group=process_group)
+    num_global_tokens = _num_global_tokens(num_global_tokens, problem, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
+    if problem.split_terms:
+        return run_split(problem, impl, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
+                         process_group=process_group)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too
         return run_fused_aggregated(problem, num_global_tokens)
     if impl.name in ("cuda", "cuda-emulated", "triton") and on_device(problem, process_group):  # and on a device

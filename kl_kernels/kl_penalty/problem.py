@@ -20,8 +20,12 @@ from ..codes import ESTIMATORS
 from ..layouts import NativeLayout, check_device, check_logprob_tensor, normalize_layout, pack_ragged_arg, same_device
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum",
-                "none")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                "token-sum-norm", "sum", "none")
+# The aggregations whose weight divides by a sequence count B (num_sequences applies to them) and those
+# that divide by the constant length norm_length.
+SEQUENCE_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+NORM_AGGREGATIONS = ("seq-mean-token-sum-norm", "token-sum-norm")
 # The log-ratio log_probs - old_log_probs is clamped to +-LOG_RATIO_BOUND before exp: exp(20) ~ 4.9e8
 # keeps the ratio (and ratio * advantage) finite in float32 where a diverged token would give inf.
 LOG_RATIO_BOUND = codes.LOG_RATIO_BOUND  # the one table: kl_kernels/codes.py
@@ -69,6 +73,19 @@ class KLPenaltyProblem(NativeLayout):
     # means its way (reference.sequence_log_ratio, or the CPU kernel's pre-pass) and its kernels read them
     importance_sampling_level: str = "token"
     kl_times_ratio: bool = False         # the KL term times the (differentiable) ratio (TRL's use_bias_correction_kl)
+    # The KL and entropy terms' own aggregations (None: the policy term's, ``aggregation``), and the sequence
+    # count B of the seq-mean aggregations: None (every sequence), "nonempty" (those with a counted token),
+    # or the caller's count (int or 0-d tensor: data parallel's global count).
+    kl_aggregation: str | None = None
+    entropy_aggregation: str | None = None
+    num_sequences: object = None
+
+    @property
+    def split_terms(self) -> bool:
+        """Whether the terms are not all weighed alike, or B is not the batch's: then the call takes
+        :func:`kl_kernels.kl_penalty.aggregate.run_split` (counts before the kernel)."""
+        return (self.kl_aggregation not in (None, self.aggregation)
+                or self.entropy_aggregation not in (None, self.aggregation) or self.num_sequences is not None)
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count
 
@@ -197,15 +214,21 @@ def _check_process_group(process_group) -> None:
                         f"torch.distributed.group.WORLD), got {type(process_group).__name__}")
 
 
-def _num_global_tokens(n, aggregation, process_group, device):
+def _aggregations(p) -> tuple:
+    """The aggregations of a problem's three terms (policy, KL, entropy)."""
+    return (p.aggregation, p.kl_aggregation or p.aggregation, p.entropy_aggregation or p.aggregation)
+
+
+def _num_global_tokens(n, problem, process_group, device):
     if n is not None and process_group is not None:
         raise ValueError("pass num_global_tokens or process_group, not both")
     _check_process_group(process_group)
     if n is None:
         return None
-    if aggregation != "token-mean":
-        raise ValueError(f"num_global_tokens applies to aggregation='token-mean' only, got {aggregation!r} "
-                         "(use process_group for the sequence count of the seq-mean aggregations)")
+    if "token-mean" not in _aggregations(problem):
+        raise ValueError(f"num_global_tokens applies to aggregation='token-mean' only (of the policy, KL or entropy "
+                         f"term), got {problem.aggregation!r} (use num_sequences or process_group for the sequence "
+                         "count of the seq-mean aggregations)")
     if isinstance(n, torch.Tensor):
         if n.dim() != 0 or n.dtype.is_complex or n.dtype == torch.bool:
             raise ValueError(f"num_global_tokens must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
@@ -214,6 +237,44 @@ def _num_global_tokens(n, aggregation, process_group, device):
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise ValueError(f"num_global_tokens must be an integer >= 0 (the token count of every rank together), "
                          f"got {n!r}")
+    return int(n)
+
+
+def _term_aggregation(value, name, aggregation):
+    """``kl_aggregation`` / ``entropy_aggregation``: None (the policy term's) or an aggregation but
+    ``"none"``; with ``aggregation="none"`` (per-token output) only None or ``"none"``."""
+    if value is None or value == aggregation:
+        return None
+    if value not in AGGREGATIONS or value == "none":
+        choices = ", ".join(repr(a) for a in AGGREGATIONS if a != "none")
+        raise ValueError(f"{name} must be None (the policy term's aggregation) or one of {choices}; got {value!r}")
+    if aggregation == "none":
+        raise ValueError(f"{name}={value!r} cannot combine with aggregation='none' (per-token losses): pass None")
+    return value
+
+
+def _num_sequences(n, aggregations, process_group, device):
+    """``num_sequences``: None, ``"nonempty"``, an int >= 0 or a 0-d real tensor on the inputs' device."""
+    if n is None:
+        return None
+    if not any(a in SEQUENCE_AGGREGATIONS for a in aggregations):
+        raise ValueError(f"num_sequences applies to the seq-mean aggregations ({', '.join(SEQUENCE_AGGREGATIONS)}) "
+                         f"only, got aggregations {sorted(set(aggregations))}")
+    if isinstance(n, str):
+        if n != "nonempty":
+            raise ValueError(f"num_sequences must be None, 'nonempty', an int >= 0 or a 0-dim tensor; got {n!r}")
+        return n
+    if process_group is not None:
+        raise ValueError("pass a count in num_sequences or process_group, not both (num_sequences='nonempty' "
+                         "combines with process_group: the non-empty sequences of every rank are counted)")
+    if isinstance(n, torch.Tensor):
+        if n.dim() != 0 or n.dtype.is_complex or n.dtype == torch.bool:
+            raise ValueError(f"num_sequences must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
+        check_device("num_sequences", n.device, device)
+        return n
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ValueError(f"num_sequences must be None, 'nonempty' or an integer >= 0 (the sequence count of every "
+                         f"rank together), got {n!r}")
     return int(n)
 
 
@@ -232,7 +293,8 @@ def _check_out(out, lp, inputs) -> torch.Tensor:
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
                   padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
                   dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None,
-                  importance_sampling_level="token", kl_times_ratio=False):
+                  importance_sampling_level="token", kl_times_ratio=False, kl_aggregation=None,
+                  entropy_aggregation=None, num_sequences=None, process_group=None):
     """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
 
     ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
@@ -242,6 +304,9 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         raise ValueError(f"estimator must be one of {', '.join(map(repr, ESTIMATORS))}; got {estimator!r}")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}; got {aggregation!r}")
+    kl_aggregation = _term_aggregation(kl_aggregation, "kl_aggregation", aggregation)
+    entropy_aggregation = _term_aggregation(entropy_aggregation, "entropy_aggregation", aggregation)
+    aggregations = (aggregation, kl_aggregation or aggregation, entropy_aggregation or aggregation)
     if padding_side not in ragged.PADDING_SIDES:
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -297,17 +362,22 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         wts = _token_tensor(weights, "weights", kind, lp, offsets, host_lengths)
         _check_float(wts, "weights")
 
+    normed = next((a for a in aggregations if a in NORM_AGGREGATIONS), None)
     if norm_length is not None:
         norm_length = _real("norm_length", norm_length, lo=0.0, lo_open=True)
-        if aggregation != "seq-mean-token-sum-norm":
-            raise ValueError(f"norm_length applies to aggregation='seq-mean-token-sum-norm' only, got {aggregation!r}")
-    elif aggregation == "seq-mean-token-sum-norm":
+        if normed is None:
+            raise ValueError(f"norm_length applies to the aggregations {' and '.join(map(repr, NORM_AGGREGATIONS))} "
+                             f"only, got {sorted(set(aggregations))}")
+    elif normed is not None:
         if layout != "padded":
-            raise ValueError("aggregation='seq-mean-token-sum-norm' divides by a constant length: pass norm_length "
-                             "(e.g. the maximum response length) for packed, list or nested inputs")
+            raise ValueError(f"aggregation {normed!r} divides by a constant length: pass norm_length (e.g. the "
+                             "maximum response length) for packed, list or nested inputs")
         if lp.shape[1] == 0:
-            raise ValueError("aggregation='seq-mean-token-sum-norm' needs norm_length when the padded width T is 0")
+            raise ValueError(f"aggregation {normed!r} needs norm_length when the padded width T is 0")
         norm_length = float(lp.shape[1])
+    num_sequences = _num_sequences(num_sequences, aggregations, process_group, device)
+    if entropy is None or entropy_coef == 0.0:  # no entropy term: nothing for its own aggregation to weigh
+        entropy_aggregation = None
 
     beta = _beta(beta, batch, device)
     if out is not None:
@@ -325,5 +395,8 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
         clamp_input=clamp_input, clamp_output=clamp_output)
     problem.importance_sampling_level = importance_sampling_level
     problem.kl_times_ratio = kl_times_ratio
+    problem.kl_aggregation = kl_aggregation
+    problem.entropy_aggregation = entropy_aggregation
+    problem.num_sequences = num_sequences
     return problem, kind, offsets
 
