@@ -339,6 +339,9 @@ def _mutations(op):
         add((f"agg-{agg}", None, _set(aggregation=agg), "ok", LOSS))
     add(("agg-norm", PADDED, _set(aggregation="seq-mean-token-sum-norm"), "ok", LOSS))
     add(("agg-none", None, _set(aggregation="none"), "ok", LOSS))
+    add(("agg-token-sum-norm", PADDED, _set(aggregation="token-sum-norm"), "ok", LOSS))
+    add(("split-terms", None, _set(aggregation="seq-mean-token-mean", kl_aggregation="token-mean",
+                                   num_sequences="nonempty"), "ok", LOSS))
     add(("entropy", None, lambda kw: _set(entropy=_map_tokens({"e": kw["log_probs"]}, "e", lambda t: -t.detach())["e"],
                                           entropy_coef=0.01)(kw), "ok", LOSS))
     add(("global-tokens", None, _set(num_global_tokens=20), "ok", LOSS))
@@ -454,6 +457,9 @@ def _mutations(op):
     add(("global-tokens-float", None, _set(num_global_tokens=2.5), ("error", "num_global_tokens"), LOSS))
     add(("process-group-str", None, _set(process_group="world"), ("error", "process_group"), LOSS))
     add(("entropy-shape", DENSE, _set(entropy=torch.ones(7)), ("error", "entropy"), LOSS))
+    add(("num-sequences-str", None, _set(aggregation="seq-mean-token-sum", num_sequences="all"),
+         ("error", "num_sequences"), LOSS))
+    add(("kl-aggregation-none", None, _set(kl_aggregation="none"), ("error", "kl_aggregation"), LOSS))
     add(("norm-length-packed", ("packed",), _set(aggregation="seq-mean-token-sum-norm"), ("error", "norm_length"),
          LOSS))
     return m

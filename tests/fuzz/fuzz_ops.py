@@ -44,7 +44,8 @@ from adversarial.results import flat  # noqa: E402
 ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+", "k4", "", "K1")
 PLACEMENTS = ("auto", "token", "sequence", "last", "first")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum",
-                "none", "mean")
+                "none", "mean", "token-sum-norm")
+NUM_SEQUENCES = ("nonempty", "all", -1, 0, 3, 2 ** 40)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32)
 SPECIAL_FLOATS = (0.0, -0.0, 1.0, -1.0, math.nan, math.inf, -math.inf, 1e-45, 3.5e38, 2.0 ** 200, -88.0, 20.0)
 EXPECTED = (ValueError, TypeError, BackendUnavailableError)
@@ -154,6 +155,11 @@ def build(fdp):
             kw["clip_epsilon"] = _float(fdp)
         if fdp.ConsumeBool():
             kw["norm_length"] = fdp.ConsumeIntInRange(-1, 8)
+        # consumed last, so the saved inputs of earlier options keep their meaning
+        if fdp.ConsumeBool():
+            kw["kl_aggregation"] = AGGREGATIONS[fdp.ConsumeIntInRange(0, len(AGGREGATIONS) - 1)]
+        if fdp.ConsumeBool():
+            kw["num_sequences"] = NUM_SEQUENCES[fdp.ConsumeIntInRange(0, len(NUM_SEQUENCES) - 1)]
     return op, kw
 
 
