@@ -12,6 +12,7 @@ from . import _extensions
 from .backends import BACKEND_NAMES, ENV_VAR
 from .kl_penalty.backends import REGISTRY as PENALTY_REGISTRY
 from .kl_reward.backends import REGISTRY
+from .token_logprobs.backends import REGISTRY as LOGPROBS_REGISTRY
 from .version import __version__
 
 
@@ -23,7 +24,8 @@ def info() -> dict:
     ``_C``, ``_cuda``) and, for each backend (``torch``, ``cpu``, ``cuda``, ``triton``),
     ``{"available": bool, "reason": str | None, "devices", "dtypes", "layouts", "notes"}``,
     where ``reason`` lists every cause of unavailability (``kl_reward``'s backends; those of
-    ``kl_penalty_loss`` are under ``kl_penalty_loss_backends``).
+    ``kl_penalty_loss`` are under ``kl_penalty_loss_backends``, those of ``token_logprobs`` under
+    ``token_logprobs_backends``).
 
     Example::
 
@@ -41,4 +43,5 @@ def info() -> dict:
         "extensions": {name: _extensions.probe(name) for name in ("_C", "_cuda", "_cuda_emu")},
         "backends": {b.name: b.describe() for b in sorted(REGISTRY, key=lambda b: BACKEND_NAMES.index(b.name))},
         "kl_penalty_loss_backends": {b.name: b.describe() for b in PENALTY_REGISTRY},
+        "token_logprobs_backends": {b.name: b.describe() for b in LOGPROBS_REGISTRY},
     }

@@ -281,3 +281,29 @@ def test_policy_loss_with_kl_equals_verls_actor_loss(mode, kl_type, over, data):
     tol = dict(rel=1e-4, abs=1e-5) if data.dtype == torch.float32 else dict(rel=0.05, abs=0.05)
     assert metrics["actor/kl_loss"] == pytest.approx(float(kl_loss), **tol)
     assert metrics["actor/ppo_kl"] == pytest.approx(want_metrics["actor/ppo_kl"], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_logprobs_and_entropy_from_logits_equal_verl(dtype, inplace):
+    """verl's torch_functional helpers (its torch path: flash-attn is absent) against the shims: values
+    and gradients; the entropy within float32 rounding of verl's (which cancels at large logits)."""
+    tf = peers.verl_torch_functional()
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 7, 120, generator=g) * 3).to(dtype)
+    y = torch.randint(0, 120, (3, 7), generator=g)
+    up = torch.randn(3, 7, generator=g)
+    want_in = x.float().detach().requires_grad_()
+    want = tf.logprobs_from_logits(want_in, y)
+    want_h = tf.entropy_from_logits(want_in)
+    (g_want,) = torch.autograd.grad((want * up).sum() + want_h.sum(), want_in)
+    got_in = x.detach().clone().requires_grad_()
+    logits = got_in * 1
+    got = kv.logprobs_from_logits(logits, y, inplace_backward=inplace)
+    got_h = kv.entropy_from_logits(got_in)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_h, want_h.detach(), rtol=1e-5, atol=1e-4)
+    (g_got,) = torch.autograd.grad((got * up).sum() + got_h.sum(), got_in)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(g_got.float(), g_want, **tol)

@@ -29,6 +29,7 @@ import torch
 
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
+from ..token_logprobs import token_logprobs
 from ._common import FixedValue, ProportionalValue, at_least_one
 
 # verl's kl_penalty modes -> (our estimator, clamp_input, clamp_output). verl's low_var_kl / k3
@@ -76,6 +77,24 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> 
     lp, ref = (logprob, ref_logprob) if logprob.dim() == 2 else (logprob.reshape(1, -1), ref_logprob.reshape(1, -1))
     out = kl_reward(lp, ref, coef=0.0, estimator=est, clamp_input=clamp_in, clamp_output=clamp_out, detach=False)
     return out.kl.reshape(shape)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """verl's ``verl.utils.torch_functional.logprobs_from_logits``: ``log_softmax(logits)[labels]``
+    over the last dimension, float32, without an ``[N, V]`` float32 copy (:func:`kl_kernels.token_logprobs`,
+    chunked). ``inplace_backward`` as verl's flash-attention path: the logits' gradient is written
+    into the logits' storage (they are overwritten during backward; eager calls only); verl's torch
+    fallback ignores the flag. Labels equal to -100 give 0 (verl's gather would fail on them)."""
+    return token_logprobs(logits, labels, inplace_backward=bool(inplace_backward) and logits.requires_grad
+                          and not torch.compiler.is_compiling()).log_probs
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """verl's ``entropy_from_logits``: the entropy of ``softmax(logits)`` over the last dimension,
+    float32, chunked (:func:`kl_kernels.token_logprobs` with ``return_entropy=True``): every term
+    ``p_j (logsumexp - z_j)`` is >= 0, where verl's ``logsumexp - sum(p * z)`` cancels at large logits."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    return token_logprobs(logits, labels, return_entropy=True).entropy
 
 
 def _scale_of(loss_mask: torch.Tensor, loss_agg_mode: str, dp_size, batch_num_tokens, global_batch_size,

@@ -1,0 +1,131 @@
+"""Benchmark of ``token_logprobs`` (issue 28): time and peak extra memory of per-token log-probs and
+entropy from logits, forward + backward, side by side in one run, against what RL trainers write
+(eager ``log_softmax(logits.float() / T).gather`` + ``logsumexp - sum(softmax * logits)``, verl's
+``entropy_from_logits``) and ``torch.compile`` of it.
+
+Peak memory: each contender runs in a fresh process (``spawn``); after the inputs exist and a
+warm-up call ran (and compiled), the resident high-water mark is reset (Linux ``clear_refs``) and
+the figure is its peak during one call over the resident size before it (``VmHWM - VmRSS``): what a
+forward + backward needs beyond its inputs, the logits' gradient included. Times: median of 5 calls
+(:func:`kl_kernels.bench.timing.measure`).
+
+Run: ``python -m kl_kernels.bench.token_logprobs [--out DIR] [--sizes N:V ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import torch
+
+from .machine import describe
+from .timing import measure
+
+DEFAULT_SIZES = ((2048, 32768), (4096, 65536), (2048, 131072))
+CONTENDERS = ("eager", "compile", "token_logprobs", "token_logprobs_inplace")
+TEMPERATURE = 0.7
+
+
+def _eager(logits, labels):
+    z = logits.float() / TEMPERATURE
+    lp = torch.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p = torch.softmax(z, -1)
+    entropy = torch.logsumexp(z, -1) - (p * z).sum(-1)
+    return lp, entropy
+
+
+def _step(name: str, logits: torch.Tensor, labels: torch.Tensor, fn):
+    """One forward + backward of ``name``; returns nothing (the gradient is dropped)."""
+    if name.startswith("token_logprobs"):
+        from kl_kernels import token_logprobs
+
+        # inplace: the gradient overwrites the logits (a leaf here, whose .grad then aliases them): later
+        # calls read gradients as logits, which costs the same
+        x = logits.detach().requires_grad_()
+        out = token_logprobs(x, labels, temperature=TEMPERATURE, return_entropy=True,
+                             inplace_backward=name.endswith("inplace"))
+        (out.log_probs.sum() + 0.01 * out.entropy.sum()).backward()
+        return
+    x = logits.detach().requires_grad_()
+    lp, entropy = fn(x, labels)
+    (lp.sum() + 0.01 * entropy.sum()).backward()
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident size (Linux >= 4.0)
+        f.write("5")
+
+
+def _child(name: str, n: int, vocab: int, dtype: str, queue) -> None:
+    try:
+        torch.manual_seed(0)
+        logits = (torch.randn(n, vocab) * 3).to(getattr(torch, dtype))
+        labels = torch.randint(0, vocab, (n,))
+        fn = torch.compile(_eager) if name == "compile" else _eager
+        _step(name, logits, labels, fn)  # warm-up (and compile)
+        _reset_peak()
+        before = _status_mib("VmRSS")
+        _step(name, logits, labels, fn)
+        peak = _status_mib("VmHWM") - before
+        timing = measure(lambda: _step(name, logits, labels, fn), torch.device("cpu"), warmup=0, repeats=5,
+                         budget_s=20.0)
+        queue.put(dict(contender=name, n=n, vocab=vocab, dtype=dtype, ms=timing.median_ms, min_ms=timing.min_ms,
+                       runs=timing.repeats, peak_extra_mib=round(peak, 1),
+                       logits_mib=round(logits.numel() * logits.element_size() / 2**20, 1)))
+    except Exception as e:  # reported as a row, not a crash of the benchmark
+        queue.put(dict(contender=name, n=n, vocab=vocab, dtype=dtype, error=f"{type(e).__name__}: {e}"))
+
+
+def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16") -> dict:
+    ctx = mp.get_context("spawn")
+    rows = []
+    for n, vocab in sizes:
+        for name in CONTENDERS:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_child, args=(name, n, vocab, dtype, queue))
+            proc.start()
+            proc.join(timeout=900)
+            rows.append(queue.get() if not queue.empty() else dict(contender=name, n=n, vocab=vocab, dtype=dtype,
+                                                                  error=f"exit code {proc.exitcode}"))
+            print(_line(rows[-1]), flush=True)
+    return dict(machine=describe(torch.device("cpu")), temperature=TEMPERATURE, rows=rows)
+
+
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['contender']:<24} N={r['n']:<6} V={r['vocab']:<7} {r['dtype']}: {r['error']}"
+    return (f"{r['contender']:<24} N={r['n']:<6} V={r['vocab']:<7} {r['dtype']}: {r['ms']:9.1f} ms  "
+            f"peak +{r['peak_extra_mib']:8.1f} MiB (logits {r['logits_mib']} MiB)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=None, help="N:V pairs (default: %s)" % " ".join(
+        f"{n}:{v}" for n, v in DEFAULT_SIZES))
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--out", default=None, help="folder for results.json")
+    args = parser.parse_args(argv)
+    sizes = DEFAULT_SIZES if args.sizes is None else tuple(tuple(map(int, s.split(":"))) for s in args.sizes)
+    result = run(sizes, args.dtype)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    main()

@@ -1,0 +1,12 @@
+"""``token_logprobs``: per-token log-probs (and entropy) from logits, without an ``[N, V]`` float32 copy.
+
+Files: ``api.py`` (the public function), ``problem.py`` (argument checks), ``reference.py`` (the
+math, chunked over rows, any float dtype), ``ops.py`` (the ``torch.library`` ops with fake and
+autograd), ``backends.py`` (which backends run it: the chunked torch reference today; the fused
+CPU/CUDA/Triton kernels of issue 28 are declared and say they are not built yet). Tests:
+``tests/test_token_logprobs.py``; benchmark: ``kl_kernels/bench/token_logprobs.py``.
+"""
+
+from .api import TokenLogprobsOutput, token_logprobs
+
+__all__ = ["token_logprobs", "TokenLogprobsOutput"]

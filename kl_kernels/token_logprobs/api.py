@@ -1,0 +1,77 @@
+"""The public ``token_logprobs`` function: validate, dispatch."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import backends as _dispatch
+from .backends import REGISTRY
+from .problem import build_problem
+
+
+class TokenLogprobsOutput(NamedTuple):
+    """Result of :func:`kl_kernels.token_logprobs`: ``log_probs [*S]`` and ``entropy [*S]`` (None
+    unless ``return_entropy``), float32 (float64 for float64 logits), 0 at non-counted tokens."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mask=None, ignore_index=-100,
+                   inplace_backward=False, backend="auto") -> TokenLogprobsOutput:
+    r"""Per-token ``log softmax(logits / T)[label]`` (and the entropy of ``softmax(logits / T)``),
+    without an ``[N, V]`` float32 copy of the logits, forward or backward.
+
+    Per counted token (``labels != ignore_index`` and ``mask``), with ``z = logits / T``::
+
+        log_probs = z[label] - logsumexp(z)
+        entropy   = sum_j p_j (logsumexp(z) - z_j),   p = softmax(z)
+
+    Gradients flow to ``logits``: ``(onehot(label) - p) / T`` times the log-probs' gradient, plus
+    ``p_j (logsumexp(z) - z_j - entropy) / T`` times the entropy's. Rows are processed a chunk at a
+    time (about 1M logits), so the extra memory is a few float32 chunks, not ``[N, V]``: this is what
+    ``log_softmax(logits.float()).gather(...)`` costs (one or two ``[N, V]`` float32 tensors, and its
+    backward saves one), which is what limits RL batch sizes at V = 32k-152k.
+
+    Args:
+        logits: ``[*S, V]`` (e.g. packed ``[N, V]`` or padded ``[B, T, V]``; a slice such as
+            ``logits[:, :-1]`` is read in place), float32, bfloat16, float16 or float64.
+        labels: ``[*S]`` integer token ids, in ``[0, V)`` where counted (checked: a ``ValueError``
+            on the CPU; on a GPU a device-side assertion, no host sync; ``KL_KERNELS_SYNC_CHECKS=1``
+            makes it a ``ValueError`` there too).
+        temperature: ``T > 0`` (default 1.0): the sampling temperature the logits are divided by.
+        return_entropy: also return the per-token entropy (differentiable).
+        mask: optional bool ``[*S]``: which tokens count (e.g. assistant tokens); the others give 0.
+        ignore_index: labels equal to it do not count (default -100, as ``cross_entropy``).
+        inplace_backward: write the logits' gradient into the logits' own storage during
+            backward, saving the ``[*S, V]`` gradient allocation. **Hazards**: the logits are
+            overwritten (any later use of them reads gradients; autograd raises if another node
+            saved them); if ``logits`` is a leaf its ``.grad`` aliases it; eager calls only.
+        backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides) or ``"torch"``; the fused
+            ``"cpu"``, ``"cuda"`` and ``"triton"`` kernels are not built yet and say so.
+
+    Returns:
+        :class:`TokenLogprobsOutput` ``(log_probs, entropy)``: ``[*S]`` float32 (float64 for
+        float64 logits); 0 at non-counted tokens; NaN for a counted row whose logits hold NaN or
+        ``+inf`` or are all ``-inf`` (``-inf`` entries otherwise are a masked vocabulary: fine).
+
+    Example::
+
+        >>> import torch
+        >>> from kl_kernels import token_logprobs
+        >>> logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
+        >>> out = token_logprobs(logits, torch.tensor([0, -100]), return_entropy=True)
+        >>> out.log_probs.detach()
+        tensor([-0.2395,  0.0000])
+        >>> round(float(out.entropy[0]), 4)
+        0.6656
+        >>> out.log_probs.sum().backward()
+        >>> logits.grad[0]
+        tensor([ 0.2130, -0.1065, -0.1065])
+    """
+    problem = build_problem(logits, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
+                            ignore_index=ignore_index, inplace_backward=inplace_backward)
+    impl = _dispatch.select(REGISTRY, backend, op="token_logprobs", problem=problem)
+    return TokenLogprobsOutput(*impl.run(problem))

@@ -1,0 +1,42 @@
+"""The backends of ``token_logprobs``, in ``"auto"`` preference order.
+
+=========  =========  ========================  ============================================
+backend    devices    dtypes                    status in this version
+=========  =========  ========================  ============================================
+cuda       cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
+triton     cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
+cpu        cpu        fp32, bf16, fp16          not built yet (issue 28): says so when named
+torch      cpu, cuda  fp32, bf16, fp16, fp64    chunked torch math (reference.py): no [N, V]
+                                                float32 temporary, backward recomputed per chunk
+=========  =========  ========================  ============================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import HALF_AND_SINGLE, Backend
+from .ops import run_torch
+
+_ROWS = frozenset({"packed"})
+
+
+def _not_built(kind: str):
+    def reasons() -> list[str]:
+        return [f"token_logprobs has no fused {kind} kernel yet (issue 28); backend='torch' (or 'auto') runs it "
+                "chunked, without an [N, V] float32 temporary"]
+    return reasons
+
+
+def _never(problem):  # an unavailable row is never chosen
+    raise AssertionError("unreachable: the backend is declared unavailable")
+
+
+REGISTRY: list[Backend] = [
+    Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built("CUDA"), _never, notes="not built yet"),
+    Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built("Triton"), _never,
+            notes="not built yet"),
+    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS, _not_built("CPU"), _never, notes="not built yet"),
+    Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, _ROWS, lambda: [], run_torch,
+            notes="chunked torch math (float64-capable)"),
+]

@@ -1,0 +1,112 @@
+"""Validate ``token_logprobs``' arguments into one :class:`TokenLogprobsProblem`.
+
+Every check happens here, before any backend runs; bad input raises ``TypeError``/``ValueError``
+naming the argument and what was expected. Inputs are never modified (``inplace_backward``
+overwrites the logits during the backward pass, on request, see the API).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from .. import ragged
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass
+class TokenLogprobsProblem:
+    """``logits [*S, V]``, ``labels [*S]`` (int64), ``counted [*S]`` (bool: mask and not
+    ``ignore_index``), ``temperature > 0``."""
+
+    logits: torch.Tensor
+    labels: torch.Tensor
+    counted: torch.Tensor
+    temperature: float
+    return_entropy: bool
+    inplace_backward: bool
+    device_free = False
+    layout = "packed"  # the backends' layout field: rows of a [*S, V] tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+    @property
+    def dtypes(self) -> set:
+        return {self.logits.dtype}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.labels.numel()
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[-1]
+
+
+def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_index,
+                  inplace_backward) -> TokenLogprobsProblem:
+    if not isinstance(logits, torch.Tensor) or logits.is_nested or logits.layout != torch.strided:
+        raise TypeError(f"logits must be a dense tensor [*S, V], got {type(logits).__name__}"
+                        + (" (nested)" if isinstance(logits, torch.Tensor) and logits.is_nested else ""))
+    if logits.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [*S, V] with a vocabulary V >= 1, got shape {list(logits.shape)}")
+    if not isinstance(labels, torch.Tensor) or labels.is_nested or labels.layout != torch.strided:
+        raise TypeError(f"labels must be a dense integer tensor [*S], got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (token ids), got {labels.dtype}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels must have the logits' shape without the vocabulary, {list(logits.shape[:-1])}, "
+                         f"got {list(labels.shape)}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels must be on the logits' device {logits.device}, got {labels.device}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor [*S], got {getattr(mask, 'dtype', type(mask).__name__)}")
+        if tuple(mask.shape) != tuple(labels.shape):
+            raise ValueError(f"mask must have the labels' shape {list(labels.shape)}, got {list(mask.shape)}")
+        if mask.device != logits.device:
+            raise ValueError(f"mask must be on the logits' device {logits.device}, got {mask.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    for name, value in (("return_entropy", return_entropy), ("inplace_backward", inplace_backward)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if inplace_backward and torch.compiler.is_compiling():
+        raise ValueError("inplace_backward=True is for eager calls (it overwrites the logits in the backward pass); "
+                         "under torch.compile call without it")
+
+    if inplace_backward and logits.dim() > 3:
+        try:
+            logits.view(-1, logits.shape[-1])
+        except RuntimeError:
+            raise ValueError("inplace_backward=True needs logits whose rows form an [N, V] view (or [B, T, V] "
+                             f"slabs); got shape {list(logits.shape)} with strides {list(logits.stride())}") from None
+
+    labels = labels.to(torch.int64)
+    counted = labels != int(ignore_index)
+    if mask is not None:
+        counted = counted & mask
+    vocab = logits.shape[-1]
+    bad = counted & ((labels < 0) | (labels >= vocab))
+    if not ragged.values_checkable(labels):  # traced by torch.compile (no host read there), or meta
+        pass
+    elif ragged.checks_on_host(labels):
+        if labels.numel() and bool(bad.any()):
+            first = labels[bad].reshape(-1)[0].item()
+            raise ValueError(f"labels must be in [0, {vocab}) (the vocabulary) or ignore_index={int(ignore_index)} "
+                             f"at counted tokens, got {first}")
+    else:
+        ragged.device_check(~bad.any(), f"token_logprobs: labels outside [0, {vocab}) at counted tokens")
+    return TokenLogprobsProblem(logits=logits, labels=labels, counted=counted, temperature=float(temperature),
+                                return_entropy=return_entropy, inplace_backward=inplace_backward)

@@ -1,0 +1,286 @@
+"""token_logprobs against an independent float64 oracle (Python floats, one row at a time): values
+and gradients, packed ``[N, V]`` and padded ``[B, T, V]`` (sliced too), every dtype, adversarial
+logits (huge magnitudes, -inf entries, one-hot rows, NaN in one row, V = 1, labels 0 and V-1,
+ignore_index, mask), several chunks per call; gradcheck, opcheck, torch.compile, argument checks,
+inplace_backward, the backends' declarations; parity with verl 0.9.1's helpers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kl_kernels import BackendUnavailableError, token_logprobs
+from kl_kernels.token_logprobs import ops, reference
+from tolerances import TOLERANCES
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def oracle_row(x: list, label: int, temperature: float):
+    """(log_prob, entropy, d lp / d x, d H / d x) of one row, in float64 Python math."""
+    z = [v / temperature for v in x]
+    if any(math.isnan(v) or v == math.inf for v in z) or all(v == -math.inf for v in z):
+        nan = float("nan")
+        return nan, nan, [nan] * len(z), [nan] * len(z)
+    top = max(z)
+    s = math.fsum(math.exp(v - top) for v in z)
+    lse = top + math.log(s)
+    p = [math.exp(v - lse) for v in z]
+    u = [lse - v for v in z]
+    h = math.fsum(pi * ui for pi, ui in zip(p, u) if pi > 0)
+    lp = z[label] - lse
+    d_lp = [((1.0 if j == label else 0.0) - p[j]) / temperature for j in range(len(z))]
+    d_h = [(p[j] * (u[j] - h) if p[j] > 0 else 0.0) / temperature for j in range(len(z))]
+    return lp, h, d_lp, d_h
+
+
+@st.composite
+def cases(draw, dtypes=DTYPES):
+    dtype = draw(st.sampled_from(list(dtypes)))
+    vocab = draw(st.sampled_from([1, 2, 3, 7, 33, 64]))
+    layout = draw(st.sampled_from(["packed", "padded", "sliced"]))
+    shape = (draw(st.integers(0, 9)),) if layout == "packed" else (draw(st.integers(0, 3)), draw(st.integers(0, 5)))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = draw(st.sampled_from([0.1, 3.0, 30.0] + ([3e3] if dtype != torch.float16 else [])))
+    full = shape if layout != "sliced" else (shape[0], shape[1] + 1)
+    x = torch.randn(*full, vocab, generator=g, dtype=torch.float64) * scale
+    n_rows = x[..., 0].numel()
+    flat = x.view(-1, vocab)
+    labels = torch.randint(0, vocab, full, generator=g)
+    for r in range(n_rows):
+        kind = draw(st.sampled_from(["plain"] * 6 + ["neg-inf", "one-hot", "nan", "label-neg-inf"]))
+        lab = int(labels.view(-1)[r])
+        if kind == "neg-inf" and vocab > 1:
+            flat[r, (lab + 1) % vocab] = -math.inf
+        elif kind == "one-hot":
+            flat[r] = -math.inf
+            flat[r, lab] = 5.0
+        elif kind == "nan":
+            flat[r, int(torch.randint(0, vocab, (), generator=g))] = math.nan
+        elif kind == "label-neg-inf" and vocab > 1:
+            flat[r, lab] = -math.inf
+    labels.view(-1)[torch.rand(n_rows, generator=g) < 0.15] = -100
+    mask = (torch.rand(full, generator=g) < 0.8) if draw(st.booleans()) else None
+    logits = x.to(dtype)
+    if layout == "sliced":  # logits[:, :-1]: [B, T, V] slabs, not an [N, V] view
+        logits, labels = logits[:, :-1], labels[:, :-1]
+        mask = None if mask is None else mask[:, :-1]
+    temperature = draw(st.sampled_from([1.0, 0.7, 2.5]))
+    return logits, labels, mask, temperature
+
+
+def _check(logits, labels, mask, temperature, *, entropy=True):
+    md = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    leaf = logits.detach().clone().requires_grad_()
+    before = logits.detach().clone()
+    out = token_logprobs(leaf if leaf.shape == logits.shape else logits, labels, temperature=temperature,
+                         return_entropy=entropy, mask=mask)
+    assert out.log_probs.dtype == md and out.log_probs.shape == labels.shape
+    g = torch.Generator().manual_seed(0)
+    up_lp = torch.randn(labels.shape, generator=g, dtype=md)
+    up_h = torch.randn(labels.shape, generator=g, dtype=md)
+    total = (out.log_probs * up_lp).sum() + ((out.entropy * up_h).sum() if entropy else 0.0)
+    grad = torch.autograd.grad(total, leaf)[0] if total.requires_grad else torch.zeros_like(leaf)
+    assert torch.equal(leaf.detach().nan_to_num(), before.nan_to_num()), "the logits were modified"
+    tol = TOLERANCES[md]
+    gtol = TOLERANCES[logits.dtype]
+    rows = logits.detach().double().reshape(-1, logits.shape[-1]).tolist()
+    flat_lab = labels.reshape(-1).tolist()
+    counted = [lab != -100 and (mask is None or bool(m)) for lab, m in
+               zip(flat_lab, (mask.reshape(-1).tolist() if mask is not None else [True] * len(flat_lab)))]
+    got_lp = out.log_probs.detach().reshape(-1).tolist()
+    got_h = out.entropy.detach().reshape(-1).tolist() if entropy else None
+    got_g = grad.double().reshape(-1, logits.shape[-1]).tolist()
+    for r, row in enumerate(rows):
+        if not counted[r]:
+            assert got_lp[r] == 0 and (not entropy or got_h[r] == 0), f"row {r}: not counted, not 0"
+            assert all(v == 0 for v in got_g[r]), f"row {r}: not counted, has a gradient"
+            continue
+        lp, h, d_lp, d_h = oracle_row(row, flat_lab[r], temperature)
+        mag = max((abs(v) for v in row if math.isfinite(v)), default=0.0) / temperature + 1.0
+        for what, got, want in (("log_prob", got_lp[r], lp), ("entropy", got_h[r] if entropy else None, h)):
+            if got is None:
+                continue
+            if math.isnan(want) or math.isinf(want):
+                assert got == want or (math.isnan(want) and math.isnan(got)), f"row {r} {what}: {got} vs {want}"
+            else:
+                assert abs(got - want) <= tol.atol + 8 * tol.rtol * mag, f"row {r} {what}: {got} vs {want}"
+        want_g = [a * up_lp.reshape(-1)[r].item() + (b * up_h.reshape(-1)[r].item() if entropy else 0.0)
+                  for a, b in zip(d_lp, d_h)]
+        gscale = abs(up_lp.reshape(-1)[r].item()) + (abs(up_h.reshape(-1)[r].item()) * mag if entropy else 0.0)
+        for j, (a, b) in enumerate(zip(got_g[r], want_g)):
+            if math.isnan(b):
+                assert math.isnan(a), f"row {r} grad[{j}]: {a} vs NaN"
+            else:
+                bound = gtol.atol + 4 * gtol.rtol * abs(b) + 8 * tol.rtol * gscale / temperature
+                assert abs(a - b) <= bound, f"row {r} grad[{j}]: {a} vs {b} (bound {bound})"
+
+
+@given(case=cases())
+@settings(max_examples=60)
+def test_matches_the_oracle(case):
+    _check(*case)
+
+
+@given(case=cases(dtypes=(torch.float32, torch.bfloat16)), rows=st.sampled_from([1, 2, 3]))
+@settings(max_examples=25)
+def test_many_chunks_match_the_oracle(case, rows, monkeypatch_module):
+    """A few rows per chunk: the chunk loop, its row ranges and the [B, T, V] slab walk."""
+    logits = case[0]
+    monkeypatch_module.setattr(reference, "CHUNK_ELEMENTS", rows * logits.shape[-1])
+    _check(*case)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+def test_log_probs_only_has_no_entropy():
+    x = torch.randn(4, 5)
+    out = token_logprobs(x, torch.tensor([0, 1, 4, -100]))
+    assert out.entropy is None
+    _check(x, torch.tensor([0, 1, 4, -100]), None, 1.0, entropy=False)
+
+
+def test_matches_log_softmax_gather():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 6, 50, generator=g, requires_grad=True)
+    y = torch.randint(0, 50, (3, 6), generator=g)
+    want = torch.log_softmax(x.double() / 0.8, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    got = token_logprobs(x, y, temperature=0.8).log_probs
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    (gx,) = torch.autograd.grad(got.sum(), x)
+    (wx,) = torch.autograd.grad(torch.log_softmax(x / 0.8, -1).gather(-1, y.unsqueeze(-1)).sum(), x)
+    torch.testing.assert_close(gx, wx, rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck_float64():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 7, (2, 3), generator=g)
+    y[0, 1] = -100
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+
+    def f(x):
+        out = token_logprobs(x, y, temperature=1.3, return_entropy=True, mask=mask)
+        return out.log_probs, out.entropy
+
+    assert torch.autograd.gradcheck(f, (x,))
+
+
+@pytest.mark.parametrize("want_entropy", [False, True])
+def test_opcheck(want_entropy):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 11, generator=g, requires_grad=True)
+    y = torch.randint(0, 11, (5,), generator=g)
+    counted = torch.tensor([True, False, True, True, True])
+    torch.library.opcheck(torch.ops.kl_kernels.token_logprobs_fwd.default, (x, y, counted, 0.9, want_entropy, False))
+    lse = torch.logsumexp(x.detach() / 0.9, -1)
+    ent = torch.rand(5)
+    torch.library.opcheck(torch.ops.kl_kernels.token_logprobs_bwd.default,
+                          (torch.randn(5), torch.randn(5) if want_entropy else None, x.detach(), y, counted, 0.9,
+                           lse, ent))
+
+
+@pytest.mark.slow
+def test_compile_fullgraph():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 40, generator=g, requires_grad=True)
+    y = torch.randint(0, 40, (2, 5), generator=g)
+
+    def f(x, y):
+        out = token_logprobs(x, y, temperature=0.7, return_entropy=True)
+        return out.log_probs.sum() + 0.1 * out.entropy.sum()
+
+    eager = f(x, y)
+    (ge,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(f, fullgraph=True)(x, y)
+    (gc,) = torch.autograd.grad(compiled, x)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(gc, ge)
+
+
+@pytest.mark.parametrize("shape", [(6, 30), (2, 4, 30)])
+def test_inplace_backward_overwrites_the_logits_with_their_gradient(shape):
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(*shape, generator=g)
+    y = torch.randint(0, 30, shape[:-1], generator=g)
+    x = base.clone().requires_grad_()
+    out = token_logprobs(x * 1.0, y, return_entropy=True)  # non-leaf logits, as a model's output
+    (want,) = torch.autograd.grad(out.log_probs.sum() + out.entropy.sum(), x)
+
+    w = base.clone().requires_grad_()
+    logits = w * 1.0
+    out = token_logprobs(logits, y, return_entropy=True, inplace_backward=True)
+    (got,) = torch.autograd.grad(out.log_probs.sum() + out.entropy.sum(), w)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(logits.detach(), want)  # the logits now hold their gradient
+
+
+def test_inplace_backward_is_refused_under_compile_and_for_unviewable_rows():
+    x = torch.randn(2, 3, 4, 5).transpose(1, 2)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        token_logprobs(x, torch.zeros(2, 4, 3, dtype=torch.int64), inplace_backward=True)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(logits=[1.0]), TypeError, "logits must be a dense tensor"),
+    (dict(logits=torch.zeros(3, 4, dtype=torch.int32)), TypeError, "logits must be float32"),
+    (dict(logits=torch.zeros(3, 0)), ValueError, "vocabulary V >= 1"),
+    (dict(labels=torch.zeros(3, dtype=torch.float32)), TypeError, "labels must be an integer tensor"),
+    (dict(labels=torch.zeros(4, dtype=torch.int64)), ValueError, "labels must have the logits' shape"),
+    (dict(labels=torch.tensor([0, 4, 1])), ValueError, r"labels must be in \[0, 4\)"),
+    (dict(labels=torch.tensor([0, -1, 1])), ValueError, r"labels must be in \[0, 4\)"),
+    (dict(mask=torch.ones(3)), TypeError, "mask must be a bool tensor"),
+    (dict(mask=torch.ones(2, dtype=torch.bool)), ValueError, "mask must have the labels' shape"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
+    (dict(return_entropy=1), TypeError, "return_entropy must be a bool"),
+    (dict(backend="numpy"), ValueError, "backend must be one of"),
+])
+def test_bad_arguments_name_themselves(kwargs, error, match):
+    args = dict(logits=torch.zeros(3, 4), labels=torch.tensor([0, 1, 3]))
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        token_logprobs(args.pop("logits"), args.pop("labels"), **args)
+
+
+def test_out_of_range_labels_that_do_not_count_are_fine():
+    out = token_logprobs(torch.zeros(3, 4), torch.tensor([0, 9, -5]), mask=torch.tensor([True, False, False]))
+    torch.testing.assert_close(out.log_probs, torch.tensor([-math.log(4), 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "triton"])
+def test_fused_backends_say_they_are_not_built_yet(backend):
+    with pytest.raises(BackendUnavailableError, match="no fused .* kernel yet"):
+        token_logprobs(torch.zeros(2, 3), torch.tensor([0, 1]), backend=backend)
+
+
+def test_info_lists_the_backends():
+    import kl_kernels
+
+    rows = kl_kernels.info()["token_logprobs_backends"]
+    assert rows["torch"]["available"] and not rows["cpu"]["available"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_with_verl(dtype):
+    """verl 0.9.1's logprobs_from_logits (its torch path, flash-attn absent) and entropy_from_logits."""
+    import peers
+
+    tf = peers.verl_torch_functional()
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(3, 9, 100, generator=g) * 4).to(dtype)
+    y = torch.randint(0, 100, (3, 9), generator=g)
+    want_lp = tf.logprobs_from_logits(x.float(), y)
+    want_h = tf.entropy_from_logits(x.float())
+    out = token_logprobs(x, y, return_entropy=True)
+    torch.testing.assert_close(out.log_probs, want_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy, want_h, rtol=1e-5, atol=1e-4)
