@@ -21,6 +21,7 @@
 #include "cpu/parallel.h"
 #include "cpu/tensor_lists.h"
 #include "cpu/tensordict_samples.h"
+#include "cpu/token_logprobs_cpu.h"
 
 namespace py = pybind11;
 
@@ -44,6 +45,8 @@ py::dict probe() {
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
   kernels.append("kl_penalty_sequence_log_ratio");
+  kernels.append("token_logprobs_forward");
+  kernels.append("token_logprobs_backward");
   info["kernels"] = kernels;
   info["parallel_runtime"] = kl::parallel_runtime();  // decided at first use, after torch is loaded
   return info;
@@ -150,4 +153,20 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads"), py::call_guard<py::gil_scoped_release>(),
         "GSPO's pre-pass on the CPU: args.seq_lr[b] = mean of lp - old over sequence b's counted tokens; 0 or an "
         "error code.");
+  {
+    py::class_<kl::TokenLogprobsArgs> c(m, "TokenLogprobsArgs", py::module_local());
+    c.def(py::init<>());
+#define KL_FIELD(name) c.def_readwrite(#name, &kl::TokenLogprobsArgs::name)
+    KL_FIELD(logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner); KL_FIELD(stride_outer);
+    KL_FIELD(stride_inner); KL_FIELD(labels); KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(log_probs);
+    KL_FIELD(lse); KL_FIELD(entropy); KL_FIELD(grad_lp); KL_FIELD(grad_entropy); KL_FIELD(grad_logits);
+    KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner);
+#undef KL_FIELD
+  }
+  m.def("token_logprobs_forward", &kl::token_logprobs_forward_cpu, py::arg("args"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused token_logprobs forward on the CPU (log-probs, lse, entropy per row); 0 or an error code.");
+  m.def("token_logprobs_backward", &kl::token_logprobs_backward_cpu, py::arg("args"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused token_logprobs backward on the CPU (the logits' gradient, in place allowed); 0 or an error code.");
 }

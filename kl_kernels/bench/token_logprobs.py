@@ -26,7 +26,7 @@ from .machine import describe
 from .timing import measure
 
 DEFAULT_SIZES = ((2048, 32768), (4096, 65536), (2048, 131072))
-CONTENDERS = ("eager", "compile", "token_logprobs", "token_logprobs_inplace")
+CONTENDERS = ("eager", "compile", "token_logprobs[torch]", "token_logprobs[cpu]", "token_logprobs[cpu]+inplace")
 TEMPERATURE = 0.7
 
 
@@ -46,7 +46,8 @@ def _step(name: str, logits: torch.Tensor, labels: torch.Tensor, fn):
         # inplace: the gradient overwrites the logits (a leaf here, whose .grad then aliases them): later
         # calls read gradients as logits, which costs the same
         x = logits.detach().requires_grad_()
-        out = token_logprobs(x, labels, temperature=TEMPERATURE, return_entropy=True,
+        backend = name[name.index("[") + 1:name.index("]")]
+        out = token_logprobs(x, labels, temperature=TEMPERATURE, return_entropy=True, backend=backend,
                              inplace_backward=name.endswith("inplace"))
         (out.log_probs.sum() + 0.01 * out.entropy.sum()).backward()
         return

@@ -2,8 +2,9 @@
 
 Files: ``api.py`` (the public function), ``problem.py`` (argument checks), ``reference.py`` (the
 math, chunked over rows, any float dtype), ``ops.py`` (the ``torch.library`` ops with fake and
-autograd), ``backends.py`` (which backends run it: the chunked torch reference today; the fused
-CPU/CUDA/Triton kernels of issue 28 are declared and say they are not built yet). Tests:
+autograd), ``launch.py`` (the fused CPU kernel's launcher; the kernel is
+``csrc/cpu/token_logprobs_cpu.cpp``), ``backends.py`` (which backends run it: the fused CPU kernel and the
+chunked torch math; the CUDA/Triton kernels of issue 28 are declared and say they are not built yet). Tests:
 ``tests/test_token_logprobs.py``; benchmark: ``kl_kernels/bench/token_logprobs.py``.
 """
 

@@ -49,8 +49,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
             backward, saving the ``[*S, V]`` gradient allocation. **Hazards**: the logits are
             overwritten (any later use of them reads gradients; autograd raises if another node
             saved them); if ``logits`` is a leaf its ``.grad`` aliases it; eager calls only.
-        backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides) or ``"torch"``; the fused
-            ``"cpu"``, ``"cuda"`` and ``"triton"`` kernels are not built yet and say so.
+        backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides): the fused ``"cpu"`` kernel
+            for CPU tensors, else ``"torch"`` (the chunked math); the fused ``"cuda"`` and
+            ``"triton"`` kernels are not built yet and say so.
 
     Returns:
         :class:`TokenLogprobsOutput` ``(log_probs, entropy)``: ``[*S]`` float32 (float64 for

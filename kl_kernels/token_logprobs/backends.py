@@ -5,7 +5,8 @@ backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
 cuda       cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
 triton     cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
-cpu        cpu        fp32, bf16, fp16          not built yet (issue 28): says so when named
+cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``,
+                                                ``csrc/cpu/token_logprobs_cpu.cpp``): a row at a time
 torch      cpu, cuda  fp32, bf16, fp16, fp64    chunked torch math (reference.py): no [N, V]
                                                 float32 temporary, backward recomputed per chunk
 =========  =========  ========================  ============================================
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import HALF_AND_SINGLE, Backend
-from .ops import run_torch
+from ..backends import HALF_AND_SINGLE, Backend, _extension_reasons
+from .ops import run_cpu, run_torch
 
 _ROWS = frozenset({"packed"})
 
@@ -28,6 +29,13 @@ def _not_built(kind: str):
     return reasons
 
 
+def _vocabulary_contiguous(problem) -> list[str]:
+    if problem.logits.dim() and problem.logits.stride(-1) != 1 and problem.vocab > 1:
+        return [f"the logits' vocabulary dimension has stride {problem.logits.stride(-1)}; the fused kernel reads "
+                "each row contiguously (pass logits.contiguous(), or backend='torch')"]
+    return []
+
+
 def _never(problem):  # an unavailable row is never chosen
     raise AssertionError("unreachable: the backend is declared unavailable")
 
@@ -36,7 +44,8 @@ REGISTRY: list[Backend] = [
     Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built("CUDA"), _never, notes="not built yet"),
     Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built("Triton"), _never,
             notes="not built yet"),
-    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS, _not_built("CPU"), _never, notes="not built yet"),
+    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS, lambda: _extension_reasons("_C", "token_logprobs_forward"),
+            run_cpu, notes="fused multi-threaded C++ kernel", requires=_vocabulary_contiguous),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, _ROWS, lambda: [], run_torch,
             notes="chunked torch math (float64-capable)"),
 ]

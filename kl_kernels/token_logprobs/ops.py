@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import launch, reference
 from .problem import TokenLogprobsProblem
 
 
@@ -43,6 +43,33 @@ def _(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy)
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
+@torch.library.custom_op("kl_kernels::token_logprobs_cpu_fwd", mutates_args=(), device_types="cpu")
+def token_logprobs_cpu_fwd(logits: Tensor, labels: Tensor, counted: Tensor, temperature: float, want_entropy: bool,
+                           inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused CPU kernel's forward (csrc/cpu/token_logprobs_cpu.cpp): as ``token_logprobs_fwd``, float32."""
+    return launch.forward(logits, labels, counted, temperature, want_entropy)
+
+
+@token_logprobs_cpu_fwd.register_fake
+def _(logits, labels, counted, temperature, want_entropy, inplace_backward):
+    return (logits.new_empty(labels.shape, dtype=torch.float32),
+            logits.new_empty(labels.shape if want_entropy else (0,), dtype=torch.float32),
+            logits.new_empty((labels.numel(),), dtype=torch.float32))
+
+
+@torch.library.custom_op("kl_kernels::token_logprobs_cpu_bwd", mutates_args=(), device_types="cpu")
+def token_logprobs_cpu_bwd(grad_lp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, labels: Tensor,
+                           counted: Tensor, temperature: float, lse: Tensor, entropy: Tensor) -> Tensor:
+    """The fused CPU kernel's backward: ``d loss / d logits``, a new contiguous tensor."""
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    return launch.backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy, out)
+
+
+@token_logprobs_cpu_bwd.register_fake
+def _(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
 def _setup_context(ctx, inputs, output):
     logits, labels, counted, temperature, want_entropy, inplace = inputs
     _lp, entropy, lse = output
@@ -51,25 +78,37 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_lp, grad_entropy, _grad_lse):
-    logits, labels, counted, lse, entropy = ctx.saved_tensors
-    if not ctx.want_entropy:
-        grad_entropy = None
-    if ctx.inplace:  # eager only (problem.py): the gradient overwrites the logits, chunk by chunk
-        with torch.no_grad():
-            target = logits.detach()  # shares the version counter: a later reader of the logits is told
-            grad = reference.backward(grad_lp, grad_entropy, target, labels, counted, ctx.temperature, lse,
-                                      entropy, target)
-    else:
-        grad = token_logprobs_bwd(grad_lp, grad_entropy, logits, labels, counted, ctx.temperature, lse, entropy)
-    return grad, None, None, None, None, None
+def _backward_with(bwd, inplace_write):
+    def backward(ctx, grad_lp, grad_entropy, _grad_lse):
+        logits, labels, counted, lse, entropy = ctx.saved_tensors
+        if not ctx.want_entropy:
+            grad_entropy = None
+        if ctx.inplace:  # eager only (problem.py): the gradient overwrites the logits, chunk by chunk
+            with torch.no_grad():
+                target = logits.detach()  # shares the version counter: a later reader of the logits is told
+                grad = inplace_write(grad_lp, grad_entropy, target, labels, counted, ctx.temperature, lse, entropy,
+                                     target)
+        else:
+            grad = bwd(grad_lp, grad_entropy, logits, labels, counted, ctx.temperature, lse, entropy)
+        return grad, None, None, None, None, None
+    return backward
 
 
-token_logprobs_fwd.register_autograd(_backward, setup_context=_setup_context)
+token_logprobs_fwd.register_autograd(_backward_with(token_logprobs_bwd, reference.backward),
+                                     setup_context=_setup_context)
+token_logprobs_cpu_fwd.register_autograd(_backward_with(token_logprobs_cpu_bwd, launch.backward),
+                                         setup_context=_setup_context)
 
 
 def run_torch(p: TokenLogprobsProblem) -> tuple[Tensor, Tensor | None]:
     """The torch backend: ``(log_probs, entropy or None)``."""
     lp, entropy, _lse = token_logprobs_fwd(p.logits, p.labels, p.counted, p.temperature, p.return_entropy,
                                            p.inplace_backward)
+    return lp, (entropy if p.return_entropy else None)
+
+
+def run_cpu(p: TokenLogprobsProblem) -> tuple[Tensor, Tensor | None]:
+    """The fused CPU backend: ``(log_probs, entropy or None)``, float32."""
+    lp, entropy, _lse = token_logprobs_cpu_fwd(p.logits, p.labels, p.counted, p.temperature, p.return_entropy,
+                                               p.inplace_backward)
     return lp, (entropy if p.return_entropy else None)

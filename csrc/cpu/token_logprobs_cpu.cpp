@@ -1,0 +1,189 @@
+// Fused CPU token_logprobs: per counted row of the logits (V entries, z = x / T),
+//
+//   forward:  m = max z;  S = sum_j e^(z_j - m);  W = sum_j e^(z_j - m) (m - z_j)   (every term >= 0)
+//             lse = m + log S;  log_prob = z_y - lse;  entropy = W / S + log S   (= sum_j p_j (lse - z_j))
+//   backward: p_j = e^(z_j - lse);  d x_j = (g_lp (1[j = y] - p_j) + g_H p_j ((lse - z_j) - entropy)) / T
+//
+// the formulas of kl_kernels/token_logprobs/reference.py (tests/test_token_logprobs.py holds both to a
+// float64 oracle). The forward reads a row twice (its max, then the sums), while it sits in the core's
+// cache (V = 152k bf16 is 304 KB): the logits cross the memory bus once. Sums: 16 float lanes over 256
+// entries, then float64, in a fixed order: deterministic for any thread count. No [N, V] temporary.
+// A counted row with a NaN or +inf logit, or only -inf ones, gives NaN; -inf entries are probability 0.
+#include "cpu/token_logprobs_cpu.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "common/codes.h"
+#include "common/kl_math.h"
+#include "cpu/parallel.h"
+
+namespace kl {
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KL_TLP_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define KL_TLP_CLONES
+#endif
+
+constexpr int kL = 16;          // vector lanes of the row loops
+constexpr int64_t kSpan = 256;  // entries summed in float before the float64 accumulators
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// lse - z beyond this has e^(z - lse) == 0 in float32 (exp_vec flushes below e^-87.3): clamping keeps
+// 0 * inf (a -inf logit) out of the entropy terms.
+constexpr float kFar = 88.0f;
+
+inline int64_t row_start(int64_t r, int64_t inner, int64_t so, int64_t si) { return (r / inner) * so + (r % inner) * si; }
+
+template <int32_t DT>
+KL_TLP_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  float* lp_out = reinterpret_cast<float*>(a.log_probs);
+  float* lse_out = reinterpret_cast<float*>(a.lse);
+  float* ent_out = reinterpret_cast<float*>(a.entropy);
+  using Bits = BitsOf<DT>;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (!counted[r]) {
+      lp_out[r] = 0.0f;
+      lse_out[r] = 0.0f;
+      if (ent_out) ent_out[r] = 0.0f;
+      continue;
+    }
+    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    // pass 1: the max (a +inf shows there), and whether a NaN is there (selects: both vectorize)
+    float mx[kL], nan_seen[kL];
+    for (int l = 0; l < kL; ++l) mx[l] = -kInf, nan_seen[l] = 0.0f;
+    int64_t j = 0;
+    for (; j + kL <= V; j += kL) {
+      for (int l = 0; l < kL; ++l) {
+        const float z = from_bits<DT>(row[j + l]) * inv_t;
+        mx[l] = z > mx[l] ? z : mx[l];
+        nan_seen[l] = z != z ? 1.0f : nan_seen[l];
+      }
+    }
+    for (; j < V; ++j) {
+      const float z = from_bits<DT>(row[j]) * inv_t;
+      mx[0] = z > mx[0] ? z : mx[0];
+      nan_seen[0] = z != z ? 1.0f : nan_seen[0];
+    }
+    float m = -kInf;
+    bool bad = false;
+    for (int l = 0; l < kL; ++l) m = mx[l] > m ? mx[l] : m, bad = bad || nan_seen[l] != 0.0f;
+    bad = bad || m == kInf;
+    const int64_t y = labels[r];
+    if (bad || m == -kInf || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      lp_out[r] = nan;
+      lse_out[r] = nan;
+      if (ent_out) ent_out[r] = nan;
+      continue;
+    }
+    // pass 2: S and W, 16 float lanes over each 256-entry span, spans added in float64
+    double S = 0.0, W = 0.0;
+    for (int64_t s0 = 0; s0 < V; s0 += kSpan) {
+      const int64_t s1 = s0 + kSpan < V ? s0 + kSpan : V;
+      float se[kL], sw[kL];
+      for (int l = 0; l < kL; ++l) se[l] = 0.0f, sw[l] = 0.0f;
+      int64_t k = s0;
+      for (; k + kL <= s1; k += kL) {
+        for (int l = 0; l < kL; ++l) {
+          const float d = m - from_bits<DT>(row[k + l]) * inv_t;  // >= 0 (inf at -inf)
+          const float e = exp_vec(-d);
+          se[l] += e;
+          sw[l] += e * (d <= kFar ? d : kFar);
+        }
+      }
+      for (; k < s1; ++k) {
+        const float d = m - from_bits<DT>(row[k]) * inv_t;
+        const float e = exp_vec(-d);
+        se[0] += e;
+        sw[0] += e * (d <= kFar ? d : kFar);
+      }
+      for (int l = 0; l < kL; ++l) S += se[l], W += sw[l];
+    }
+    const double log_s = std::log(S);
+    const float lse = static_cast<float>(static_cast<double>(m) + log_s);
+    lse_out[r] = lse;
+    lp_out[r] = from_bits<DT>(row[y]) * inv_t - lse;
+    if (ent_out) ent_out[r] = static_cast<float>(W / S + log_s);
+  }
+}
+
+template <int32_t DT>
+KL_TLP_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  const float* lse_in = reinterpret_cast<const float*>(a.lse);
+  const float* ent_in = reinterpret_cast<const float*>(a.entropy);
+  const float* g_lp = reinterpret_cast<const float*>(a.grad_lp);
+  const float* g_ent = reinterpret_cast<const float*>(a.grad_entropy);
+  using Bits = BitsOf<DT>;
+  for (int64_t r = r0; r < r1; ++r) {
+    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    Bits* out = reinterpret_cast<Bits*>(a.grad_logits) + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner);
+    if (!counted[r]) {
+      for (int64_t j = 0; j < V; ++j) out[j] = to_bits<DT>(0.0f);
+      continue;
+    }
+    const float gl = g_lp ? g_lp[r] : 0.0f;
+    const float gh = g_ent ? g_ent[r] : 0.0f;
+    const float lse = lse_in[r];
+    const float h = g_ent ? ent_in[r] : 0.0f;
+    const int64_t y = labels[r];
+    const bool in_vocab = y >= 0 && y < V;
+    // the label's logit, read before the loop: with inplace_backward `out` is `row`
+    const float zy = in_vocab ? from_bits<DT>(row[y]) * inv_t : std::numeric_limits<float>::quiet_NaN();
+    for (int64_t j = 0; j < V; ++j) {
+      const float d = lse - from_bits<DT>(row[j]) * inv_t;  // lse - z_j
+      const float p = exp_vec(-d);
+      const float g = -gl * p + gh * (p * ((d <= kFar ? d : kFar) - h));
+      out[j] = to_bits<DT>(g * inv_t);
+    }
+    if (in_vocab) {
+      const float d = lse - zy;
+      const float p = exp_vec(-d);
+      out[y] = to_bits<DT>((gl * (1.0f - p) + gh * (p * ((d <= kFar ? d : kFar) - h))) * inv_t);
+    }
+  }
+}
+
+template <class Fn>
+int run_rows(const TokenLogprobsArgs& a, int num_threads, Fn&& fn) {
+  if (a.rows <= 0) return 0;
+  const int64_t per_tile = a.vocab >= 65536 ? 1 : 65536 / a.vocab;  // ~64k logits a tile
+  const int64_t tiles = (a.rows + per_tile - 1) / per_tile;
+  run_tiles(tiles, num_threads, [&](int64_t t) {
+    const int64_t r0 = t * per_tile;
+    fn(r0, r0 + per_tile < a.rows ? r0 + per_tile : a.rows);
+  });
+  return 0;
+}
+
+}  // namespace
+
+int token_logprobs_forward_cpu(const TokenLogprobsArgs& a, int num_threads) {
+  switch (a.dtype) {
+    case kFloat32: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kFloat32>(a, r0, r1); });
+    case kBFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kBFloat16>(a, r0, r1); });
+    case kFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kFloat16>(a, r0, r1); });
+    default: return 1;
+  }
+}
+
+int token_logprobs_backward_cpu(const TokenLogprobsArgs& a, int num_threads) {
+  switch (a.dtype) {
+    case kFloat32: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kFloat32>(a, r0, r1); });
+    case kBFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kBFloat16>(a, r0, r1); });
+    case kFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kFloat16>(a, r0, r1); });
+    default: return 1;
+  }
+}
+
+}  // namespace kl
