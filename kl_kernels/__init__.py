@@ -11,7 +11,8 @@ Public API:
 * :class:`FixedKLController`, :class:`AdaptiveKLController`, :class:`ZieglerKLController`: the KL
   coefficient (beta) of a KL penalty, fixed or adapted to a target KL, with state on device.
 * :func:`token_logprobs`: per-token log-probs (and entropy) from logits, chunked: no ``[N, V]``
-  float32 temporary, forward or backward.
+  float32 temporary, forward or backward; :func:`linear_token_logprobs` the same from hidden
+  states and the LM head, without the ``[N, V]`` logits at all.
 * :mod:`kl_kernels.torchrl` (``torchrl`` extra): TorchRL drop-in KL transforms.
 * :func:`info`: which backends (torch, cpu, cuda, triton) can run here, and why not.
 
@@ -25,10 +26,10 @@ from .backends import BackendUnavailableError
 from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, KLPenaltyLossOutput,
                          ZieglerKLController, kl_penalty_loss)
 from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
-from .token_logprobs import TokenLogprobsOutput, token_logprobs
+from .token_logprobs import TokenLogprobsOutput, linear_token_logprobs, token_logprobs
 from .version import __version__
 
 __all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
            "BackendUnavailableError", "FixedKLController", "AdaptiveKLController", "ZieglerKLController",
-           "kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "token_logprobs", "TokenLogprobsOutput",
+           "kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput",
            "__version__"]

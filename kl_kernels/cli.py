@@ -90,6 +90,7 @@ def _bench_child(args, say) -> list | None:
     argv += ["--sizes", *args.sizes] if args.sizes else []
     argv += ["--device", args.device] if args.device else []
     argv += ["--no-compile"] if args.no_compile else []
+    argv += ["--no-token-logprobs"]  # once, in the parent
     with tempfile.TemporaryDirectory() as tmp:
         say("first with glibc's default allocator (a child process), then tuned")
         if subprocess.run(argv + ["--out", tmp]).returncode != 0:
@@ -142,8 +143,28 @@ def cmd_bench(args) -> int:
     if earlier:
         facts["malloc"] = f"both: {earlier[0]['malloc']} (rows first) and {malloc}"
     paths = report.write(earlier + rows, facts, copy_gbs, Path(args.out))
+    if not args.no_token_logprobs:
+        paths.append(_bench_token_logprobs(args, device, facts, say))
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _bench_token_logprobs(args, device, facts, say) -> Path:
+    """token_logprobs (log-probs and entropy from logits, forward + backward) against eager
+    ``log_softmax().gather`` and its torch.compile: time and peak extra memory, one size
+    (``python -m kl_kernels.bench.token_logprobs`` runs more, each contender in its own process)."""
+    from .bench import token_logprobs as tlp
+
+    size = (256, 8192) if args.quick else (2048, 32768)
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
+    say(f"token_logprobs: N={size[0]}, V={size[1]}, {dtype} logits, forward + backward (time, peak extra memory)")
+    print("\ntoken_logprobs vs log_softmax().gather + entropy (peaks in this process; see "
+          "python -m kl_kernels.bench.token_logprobs for clean ones):")
+    # --quick: no torch.compile contender here (its compile alone takes longer than the rest)
+    rows = tlp.run_here([size], dtype, device, with_compile=not (args.no_compile or args.quick), progress=print)
+    path = Path(args.out) / "token_logprobs.json"
+    path.write_text(json.dumps(dict(machine=facts, temperature=tlp.TEMPERATURE, rows=rows), indent=1))
+    return path
 
 
 def main(argv=None) -> int:
@@ -174,6 +195,8 @@ def main(argv=None) -> int:
                               "or both, the default first (default: both)")
     p_bench.add_argument("--system-malloc", action="store_true", help="the same as --malloc default")
     p_bench.add_argument("--out", default="kl_kernels_bench", help="folder for results.json/.csv/.png")
+    p_bench.add_argument("--no-token-logprobs", action="store_true",
+                         help="skip the token_logprobs rows (log-probs from logits, kl_kernels.bench.token_logprobs)")
     p_bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)

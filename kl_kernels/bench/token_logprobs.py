@@ -69,31 +69,67 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _child(name: str, n: int, vocab: int, dtype: str, queue) -> None:
+def measure_one(name: str, n: int, vocab: int, dtype: str, device: torch.device, repeats: int = 5) -> dict:
+    """One contender's row: time (median of ``repeats`` calls after a warm-up, which also compiles) and
+    the peak extra memory of one call (CPU: resident high-water mark over the resident size before it,
+    in a process of its own for a clean figure; CUDA: torch's allocator peak over what was allocated)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(n, vocab, device=device) * 3).to(getattr(torch, dtype))
+    labels = torch.randint(0, vocab, (n,), device=device)
+    fn = torch.compile(_eager) if name == "compile" else _eager
     try:
-        torch.manual_seed(0)
-        logits = (torch.randn(n, vocab) * 3).to(getattr(torch, dtype))
-        labels = torch.randint(0, vocab, (n,))
-        fn = torch.compile(_eager) if name == "compile" else _eager
         _step(name, logits, labels, fn)  # warm-up (and compile)
-        _reset_peak()
-        before = _status_mib("VmRSS")
-        _step(name, logits, labels, fn)
-        peak = _status_mib("VmHWM") - before
-        timing = measure(lambda: _step(name, logits, labels, fn), torch.device("cpu"), warmup=0, repeats=5,
-                         budget_s=20.0)
-        queue.put(dict(contender=name, n=n, vocab=vocab, dtype=dtype, ms=timing.median_ms, min_ms=timing.min_ms,
-                       runs=timing.repeats, peak_extra_mib=round(peak, 1),
-                       logits_mib=round(logits.numel() * logits.element_size() / 2**20, 1)))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device) / 2**20
+            _step(name, logits, labels, fn)
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 - before
+        else:
+            _reset_peak()
+            before = _status_mib("VmRSS")
+            _step(name, logits, labels, fn)
+            peak = _status_mib("VmHWM") - before
+        timing = measure(lambda: _step(name, logits, labels, fn), device, warmup=0, repeats=repeats, budget_s=20.0)
     except Exception as e:  # reported as a row, not a crash of the benchmark
-        queue.put(dict(contender=name, n=n, vocab=vocab, dtype=dtype, error=f"{type(e).__name__}: {e}"))
+        return dict(contender=name, n=n, vocab=vocab, dtype=dtype, error=f"{type(e).__name__}: {e}")
+    return dict(contender=name, n=n, vocab=vocab, dtype=dtype, ms=timing.median_ms, min_ms=timing.min_ms,
+                runs=timing.repeats, peak_extra_mib=round(peak, 1),
+                logits_mib=round(logits.numel() * logits.element_size() / 2**20, 1))
+
+
+def contenders(device: torch.device, with_compile: bool = True) -> tuple:
+    names = [c for c in CONTENDERS if with_compile or c != "compile"]
+    return tuple(c for c in names if device.type == "cpu" or "[cpu]" not in c)
+
+
+def _child(name: str, n: int, vocab: int, dtype: str, queue) -> None:
+    queue.put(measure_one(name, n, vocab, dtype, torch.device("cpu")))
+
+
+def copy_floor(n: int, vocab: int, dtype: str, device: torch.device) -> dict:
+    """The bytes a forward + backward must move, at copy speed: the logits read twice (forward,
+    backward) and their gradient written once, 3x the logits' bytes, against ``dst.copy_(src)`` of
+    the logits (2x their bytes: read + write), so the floor is 1.5 copies."""
+    src = torch.randn(n, vocab, device=device).to(getattr(torch, dtype))
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), device, warmup=1, repeats=5, budget_s=5.0)
+    nbytes = 3 * src.numel() * src.element_size()
+    return dict(contender="floor: 1.5 x copy (same bytes)", n=n, vocab=vocab, dtype=dtype, ms=1.5 * t.median_ms,
+                min_ms=1.5 * t.min_ms, runs=t.repeats, peak_extra_mib=0.0, bytes=nbytes,
+                copy_gbs=round(2 * src.numel() * src.element_size() / (t.median_ms * 1e-3) / 1e9, 1),
+                logits_mib=round(src.numel() * src.element_size() / 2**20, 1))
 
 
 def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16") -> dict:
+    """Every contender at every size, each in a fresh process (CPU), and the copy floor."""
     ctx = mp.get_context("spawn")
     rows = []
     for n, vocab in sizes:
-        for name in CONTENDERS:
+        rows.append(copy_floor(n, vocab, dtype, torch.device("cpu")))
+        print(_line(rows[-1]), flush=True)
+        for name in contenders(torch.device("cpu")):
             queue = ctx.Queue()
             proc = ctx.Process(target=_child, args=(name, n, vocab, dtype, queue))
             proc.start()
@@ -104,10 +140,26 @@ def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16") -> dict:
     return dict(machine=describe(torch.device("cpu")), temperature=TEMPERATURE, rows=rows)
 
 
+def run_here(sizes, dtype: str, device: torch.device, with_compile: bool = True, progress=print) -> list[dict]:
+    """Every contender in this process (``kl-kernels bench``): on the CPU the peaks after the first
+    contender include what earlier ones left in glibc's heap; the standalone run (:func:`run`) is
+    the clean figure."""
+    rows = []
+    for n, vocab in sizes:
+        for name in contenders(device, with_compile):
+            rows.append(measure_one(name, n, vocab, dtype, device, repeats=3))
+            progress(_line(rows[-1]))
+    return rows
+
+
+def line(r: dict) -> str:
+    return _line(r)
+
+
 def _line(r: dict) -> str:
     if "error" in r:
-        return f"{r['contender']:<24} N={r['n']:<6} V={r['vocab']:<7} {r['dtype']}: {r['error']}"
-    return (f"{r['contender']:<24} N={r['n']:<6} V={r['vocab']:<7} {r['dtype']}: {r['ms']:9.1f} ms  "
+        return f"{r['contender']:<28} N={r['n']:<6} V={r['vocab']:<7} {r['dtype']}: {r['error']}"
+    return (f"{r['contender']:<28} N={r['n']:<6} V={r['vocab']:<7} {r['dtype']}: {r['ms']:9.1f} ms  "
             f"peak +{r['peak_extra_mib']:8.1f} MiB (logits {r['logits_mib']} MiB)")
 
 

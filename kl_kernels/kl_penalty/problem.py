@@ -229,14 +229,19 @@ def _num_global_tokens(n, problem, process_group, device):
         raise ValueError(f"num_global_tokens applies to aggregation='token-mean' only (of the policy, KL or entropy "
                          f"term), got {problem.aggregation!r} (use num_sequences or process_group for the sequence "
                          "count of the seq-mean aggregations)")
+    return _global_count(n, "num_global_tokens", "an integer >= 0", "token", device)
+
+
+def _global_count(n, name: str, expected: str, what: str, device):
+    """A caller's count of every rank's tokens or sequences: an int >= 0 or a 0-dim real tensor on the
+    inputs' device."""
     if isinstance(n, torch.Tensor):
         if n.dim() != 0 or n.dtype.is_complex or n.dtype == torch.bool:
-            raise ValueError(f"num_global_tokens must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
-        check_device("num_global_tokens", n.device, device)
+            raise ValueError(f"{name} must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
+        check_device(name, n.device, device)
         return n
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"num_global_tokens must be an integer >= 0 (the token count of every rank together), "
-                         f"got {n!r}")
+        raise ValueError(f"{name} must be {expected} (the {what} count of every rank together), got {n!r}")
     return int(n)
 
 
@@ -267,15 +272,7 @@ def _num_sequences(n, aggregations, process_group, device):
     if process_group is not None:
         raise ValueError("pass a count in num_sequences or process_group, not both (num_sequences='nonempty' "
                          "combines with process_group: the non-empty sequences of every rank are counted)")
-    if isinstance(n, torch.Tensor):
-        if n.dim() != 0 or n.dtype.is_complex or n.dtype == torch.bool:
-            raise ValueError(f"num_sequences must be an int or a 0-dim real tensor, got {n.dtype} {list(n.shape)}")
-        check_device("num_sequences", n.device, device)
-        return n
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"num_sequences must be None, 'nonempty' or an integer >= 0 (the sequence count of every "
-                         f"rank together), got {n!r}")
-    return int(n)
+    return _global_count(n, "num_sequences", "None, 'nonempty' or an integer >= 0", "sequence", device)
 
 
 def _check_out(out, lp, inputs) -> torch.Tensor:

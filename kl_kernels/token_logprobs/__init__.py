@@ -4,10 +4,12 @@ Files: ``api.py`` (the public function), ``problem.py`` (argument checks), ``ref
 math, chunked over rows, any float dtype), ``ops.py`` (the ``torch.library`` ops with fake and
 autograd), ``launch.py`` (the fused CPU kernel's launcher; the kernel is
 ``csrc/cpu/token_logprobs_cpu.cpp``), ``backends.py`` (which backends run it: the fused CPU kernel and the
-chunked torch math; the CUDA/Triton kernels of issue 28 are declared and say they are not built yet). Tests:
+chunked torch math; the CUDA/Triton kernels of issue 28 are declared and say they are not built yet),
+``linear.py`` (``linear_token_logprobs``: from hidden states and the LM head, chunked over tokens). Tests:
 ``tests/test_token_logprobs.py``; benchmark: ``kl_kernels/bench/token_logprobs.py``.
 """
 
 from .api import TokenLogprobsOutput, token_logprobs
+from .linear import linear_token_logprobs
 
-__all__ = ["token_logprobs", "TokenLogprobsOutput"]
+__all__ = ["token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput"]

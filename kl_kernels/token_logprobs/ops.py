@@ -22,12 +22,18 @@ def token_logprobs_fwd(logits: Tensor, labels: Tensor, counted: Tensor, temperat
     return reference.forward(logits, labels, counted, temperature, want_entropy)
 
 
-@token_logprobs_fwd.register_fake
-def _(logits, labels, counted, temperature, want_entropy, inplace_backward):
-    md = reference.math_dtype(logits)
+def _fake_forward(logits, labels, counted, temperature, want_entropy, inplace_backward):
+    md = reference.math_dtype(logits)  # the fused kernels read fp32/bf16/fp16: float32 there too
     return (logits.new_empty(labels.shape, dtype=md),
             logits.new_empty(labels.shape if want_entropy else (0,), dtype=md),
             logits.new_empty((labels.numel(),), dtype=md))
+
+
+def _fake_backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+token_logprobs_fwd.register_fake(_fake_forward)
 
 
 @torch.library.custom_op("kl_kernels::token_logprobs_bwd", mutates_args=())
@@ -38,9 +44,7 @@ def token_logprobs_bwd(grad_lp: Optional[Tensor], grad_entropy: Optional[Tensor]
     return reference.backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy, out)
 
 
-@token_logprobs_bwd.register_fake
-def _(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+token_logprobs_bwd.register_fake(_fake_backward)
 
 
 @torch.library.custom_op("kl_kernels::token_logprobs_cpu_fwd", mutates_args=(), device_types="cpu")
@@ -50,11 +54,7 @@ def token_logprobs_cpu_fwd(logits: Tensor, labels: Tensor, counted: Tensor, temp
     return launch.forward(logits, labels, counted, temperature, want_entropy)
 
 
-@token_logprobs_cpu_fwd.register_fake
-def _(logits, labels, counted, temperature, want_entropy, inplace_backward):
-    return (logits.new_empty(labels.shape, dtype=torch.float32),
-            logits.new_empty(labels.shape if want_entropy else (0,), dtype=torch.float32),
-            logits.new_empty((labels.numel(),), dtype=torch.float32))
+token_logprobs_cpu_fwd.register_fake(_fake_forward)
 
 
 @torch.library.custom_op("kl_kernels::token_logprobs_cpu_bwd", mutates_args=(), device_types="cpu")
@@ -65,9 +65,7 @@ def token_logprobs_cpu_bwd(grad_lp: Optional[Tensor], grad_entropy: Optional[Ten
     return launch.backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy, out)
 
 
-@token_logprobs_cpu_bwd.register_fake
-def _(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+token_logprobs_cpu_bwd.register_fake(_fake_backward)
 
 
 def _setup_context(ctx, inputs, output):

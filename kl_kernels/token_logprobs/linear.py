@@ -1,0 +1,170 @@
+r"""``linear_token_logprobs``: :func:`token_logprobs` from hidden states and the LM head, a chunk of tokens at
+a time, so the logits ``[N, V]`` never exist whole: peak extra memory O(chunk x V), not O(N x V).
+
+Forward, per chunk of ``C`` tokens: ``logits_c = hidden_c @ weight.T (+ bias)`` (torch's matmul: MKL/oneDNN
+on the CPU, cuBLAS on a GPU) and the row pass of :mod:`~kl_kernels.token_logprobs` on it (the fused CPU
+kernel, or the chunked torch math); only ``lse`` and the entropy per token are kept. Backward, per chunk:
+the logits are recomputed, their gradient written over them in place by the row pass, then
+``d hidden_c = d logits_c @ weight`` and ``d weight += d logits_c.T @ hidden_c`` (float32 accumulators,
+chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import launch, reference
+from .api import TokenLogprobsOutput
+from .problem import LOGIT_DTYPES
+
+# Tokens per chunk: about 2^24 logits (64 MiB in float32), whatever V.
+CHUNK_LOGITS = 1 << 24
+
+
+def _rows(backend: str):
+    """(forward, backward) of the row pass for a chunk's logits [C, V]."""
+    if backend == "cpu":
+        return launch.forward, launch.backward
+    return reference.forward, reference.backward
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, chunk, backend):
+        fwd, _ = _rows(backend)
+        n = labels.numel()
+        md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
+        lp = torch.empty(n, dtype=md, device=hidden.device)
+        ent = torch.empty(n if want_entropy else 0, dtype=md, device=hidden.device)
+        lse = torch.empty(n, dtype=md, device=hidden.device)
+        for c0 in range(0, n, chunk):
+            c1 = min(c0 + chunk, n)
+            logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
+            lp_c, ent_c, lse_c = fwd(logits, labels[c0:c1], counted[c0:c1], temperature, want_entropy)
+            lp[c0:c1], lse[c0:c1] = lp_c, lse_c
+            if want_entropy:
+                ent[c0:c1] = ent_c
+        ctx.save_for_backward(hidden, weight, bias, labels, counted, lse, ent)
+        ctx.temperature, ctx.want_entropy, ctx.chunk, ctx.backend = temperature, want_entropy, chunk, backend
+        ctx.mark_non_differentiable(lse)
+        return lp, ent, lse
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent, _grad_lse):
+        hidden, weight, bias, labels, counted, lse, ent = ctx.saved_tensors
+        _, bwd = _rows(ctx.backend)
+        n = labels.numel()
+        g_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        g_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+            if bias is not None and ctx.needs_input_grad[2] else None
+        grad_ent = grad_ent if ctx.want_entropy else None
+        for c0 in range(0, n, ctx.chunk):
+            c1 = min(c0 + ctx.chunk, n)
+            logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
+            # the logits' gradient over the logits themselves (no second [C, V] buffer)
+            d = bwd(None if grad_lp is None else grad_lp[c0:c1], None if grad_ent is None else grad_ent[c0:c1],
+                    logits, labels[c0:c1], counted[c0:c1], ctx.temperature, lse[c0:c1],
+                    ent[c0:c1] if grad_ent is not None else ent, logits)
+            if g_hidden is not None:
+                g_hidden[c0:c1] = d @ weight
+            if g_weight is not None:
+                g_weight += (d.t() @ hidden[c0:c1]).float()
+            if g_bias is not None:
+                g_bias += d.float().sum(0)
+        return (g_hidden, None if g_weight is None else g_weight.to(weight.dtype),
+                None if g_bias is None else g_bias.to(bias.dtype), None, None, None, None, None, None)
+
+
+def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False, mask=None,
+                          ignore_index=-100, chunk_size=None, backend="auto") -> TokenLogprobsOutput:
+    r"""Per-token log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``,
+    without materializing the ``[N, V]`` logits: tokens go ``chunk_size`` at a time (default: about
+    16M logits a chunk), forward and backward (recomputed), so the extra memory is O(chunk x V).
+
+    Args:
+        hidden: ``[*S, H]`` hidden states (float32, bfloat16, float16, float64); gradients flow to it.
+        weight: ``[V, H]`` the LM head (``lm_head.weight``), hidden's dtype and device; gradients flow.
+        labels: ``[*S]`` token ids in ``[0, V)`` where counted.
+        bias: optional ``[V]`` (gradients flow).
+        temperature, return_entropy, mask, ignore_index: as :func:`kl_kernels.token_logprobs`.
+        chunk_size: tokens per chunk (an int >= 1), default ``max(1, 2**24 // V)``.
+        backend: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, else the
+            chunked torch math), ``"cpu"`` or ``"torch"``.
+
+    Returns:
+        :class:`~kl_kernels.token_logprobs.TokenLogprobsOutput` ``(log_probs, entropy)``, ``[*S]``,
+        float32 (float64 with the torch backend on float64 inputs), 0 at non-counted tokens.
+
+    Example::
+
+        >>> import torch
+        >>> from kl_kernels import linear_token_logprobs
+        >>> h, w = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+        >>> out = linear_token_logprobs(h, w, torch.tensor([1, 2, 3, -100]), chunk_size=2)
+        >>> out.log_probs.shape, bool(out.log_probs[3] == 0)
+        (torch.Size([4]), True)
+        >>> out.log_probs.sum().backward()
+        >>> h.grad.shape, w.grad.shape
+        (torch.Size([4, 8]), torch.Size([10, 8]))
+    """
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense tensor, got {type(t).__name__}")
+        if t.dtype not in LOGIT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError(f"hidden must be [*S, H], got shape {list(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight must be [V, H] with V >= 1 and H = hidden.shape[-1] = {hidden.shape[-1]}, got "
+                         f"{list(weight.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
+                         f"{weight.dtype}, {weight.device}")
+    vocab = weight.shape[0]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab,)
+                             or bias.dtype != hidden.dtype or bias.device != hidden.device):
+        raise ValueError(f"bias must be None or a [{vocab}] tensor of hidden's dtype and device, got "
+                         f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}")
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_LOGITS // vocab)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be None or an int >= 1 (tokens per chunk), got {chunk_size!r}")
+    # labels, mask, temperature, ignore_index: token_logprobs' own checks, on a zero-stride stand-in for
+    # the logits (no [N, V] memory)
+    from .problem import build_problem
+
+    stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
+    p = build_problem(stand_in, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
+                      ignore_index=ignore_index, inplace_backward=False)
+    name = _backend(backend, hidden)
+    shape = p.labels.shape
+    lp, ent, _ = _LinearTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                            p.labels.reshape(-1), p.counted.reshape(-1), p.temperature,
+                                            return_entropy, int(chunk_size), name)
+    return TokenLogprobsOutput(lp.reshape(shape), ent.reshape(shape) if return_entropy else None)
+
+
+def _backend(backend, hidden) -> str:
+    from .. import backends as _dispatch
+
+    name = _dispatch.requested_backend(backend)
+    fused_ok = hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and not launch_missing()
+    if name == "auto":
+        return "cpu" if fused_ok else "torch"
+    if name == "torch" or (name == "cpu" and fused_ok):
+        return name
+    raise _dispatch.BackendUnavailableError(
+        f"linear_token_logprobs: backend {name!r} cannot run these inputs ({hidden.dtype} on {hidden.device}): "
+        "it runs on 'cpu' (CPU tensors, fp32/bf16/fp16, the fused row kernel) and 'torch'")
+
+
+def launch_missing() -> bool:
+    from .. import _extensions
+
+    return _extensions.kernel("_C", "token_logprobs_forward")[1] is not None
+

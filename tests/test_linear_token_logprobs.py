@@ -1,0 +1,109 @@
+"""linear_token_logprobs (hidden states x LM head, chunked) against the float64 formula
+``log_softmax((h @ W.T + b) / T)[y]`` and its autograd gradients, on both row backends, several
+chunk sizes (1 token, a ragged last chunk, one chunk), masks and ignore_index; gradcheck in float64;
+argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kl_kernels import BackendUnavailableError, linear_token_logprobs
+
+
+def _want(h, w, b, y, counted, temperature, entropy):
+    logits = (h.double() @ w.double().t() + (0 if b is None else b.double())) / temperature
+    logp = torch.log_softmax(logits, -1)
+    lp = torch.where(counted, logp.gather(-1, torch.where(counted, y, 0).unsqueeze(-1)).squeeze(-1), 0.0)
+    ent = torch.where(counted, -(logp.exp() * logp).sum(-1), 0.0)
+    return lp, ent
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@given(n=st.integers(0, 13), hid=st.sampled_from([1, 8, 33]), vocab=st.sampled_from([1, 7, 50]),
+       chunk=st.sampled_from([1, 4, 100, None]), with_bias=st.booleans(), entropy=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), temperature=st.sampled_from([1.0, 0.6]),
+       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=30)
+def test_matches_the_float64_formula(backend, n, hid, vocab, chunk, with_bias, entropy, dtype, temperature, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hid, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hid, generator=g) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dtype).requires_grad_() if with_bias else None
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.2] = -100
+    mask = torch.rand(n, generator=g) < 0.8
+    counted = (y != -100) & mask
+    out = linear_token_logprobs(h, w, y, bias=b, temperature=temperature, return_entropy=entropy, mask=mask,
+                                chunk_size=chunk, backend=backend)
+    lp_want, ent_want = _want(h, w, b, y, counted, temperature, entropy)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.log_probs.double(), lp_want, **tol)
+    leaves = [h, w] + ([b] if b is not None else [])
+    up = torch.randn(n, generator=g, dtype=torch.float64)
+    total = (out.log_probs.double() * up).sum() + ((out.entropy.double() * up).sum() if entropy else 0.0)
+    want_total = (lp_want * up).sum() + ((ent_want * up).sum() if entropy else 0.0)
+    if entropy:
+        torch.testing.assert_close(out.entropy.double(), ent_want, **tol)
+    if not total.requires_grad:
+        return
+    got = torch.autograd.grad(total, leaves, allow_unused=True)
+    doubles = [t.detach().double().requires_grad_() for t in leaves]
+    lp64, ent64 = _want(*doubles[:2], doubles[2] if b is not None else None, y, counted, temperature, entropy)
+    want = torch.autograd.grad((lp64 * up).sum() + ((ent64 * up).sum() if entropy else 0.0), doubles,
+                               allow_unused=True)
+    del want_total
+    for name, a, e in zip(("hidden", "weight", "bias"), got, want):
+        if e is None:
+            continue
+        gtol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2 * (1 + n))
+        assert a.dtype == dtype, name
+        torch.testing.assert_close(a.double(), e, **gtol, msg=lambda m, name=name: f"d {name}: {m}")
+
+
+def test_gradcheck_float64():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 5, -100, 2, 3])
+
+    def f(h, w, b):
+        out = linear_token_logprobs(h, w, y, bias=b, temperature=1.4, return_entropy=True, chunk_size=2)
+        return out.log_probs, out.entropy
+
+    assert torch.autograd.gradcheck(f, (h, w, b))
+
+
+def test_padded_shape_and_chunks_agree():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 5, 8, generator=g)
+    w = torch.randn(30, 8, generator=g)
+    y = torch.randint(0, 30, (2, 5), generator=g)
+    one = linear_token_logprobs(h, w, y, chunk_size=10)
+    many = linear_token_logprobs(h, w, y, chunk_size=3)
+    assert one.log_probs.shape == (2, 5)
+    torch.testing.assert_close(one.log_probs, many.log_probs)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(weight=torch.zeros(10, 7)), ValueError, r"weight must be \[V, H\]"),
+    (dict(weight=torch.zeros(10, 8, dtype=torch.float64)), ValueError, "weight must have hidden's dtype"),
+    (dict(bias=torch.zeros(9)), ValueError, "bias must be None or a"),
+    (dict(chunk_size=0), ValueError, "chunk_size must be None or an int >= 1"),
+    (dict(labels=torch.tensor([0, 10, 1])), ValueError, r"labels must be in \[0, 10\)"),
+    (dict(hidden=torch.zeros(3, 8, dtype=torch.int32)), TypeError, "hidden must be float32"),
+])
+def test_bad_arguments_name_themselves(kwargs, error, match):
+    args = dict(hidden=torch.zeros(3, 8), weight=torch.zeros(10, 8), labels=torch.tensor([0, 1, 9]))
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        linear_token_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+
+
+def test_cpu_backend_refuses_float64_by_name():
+    h, w = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)
+    with pytest.raises(BackendUnavailableError, match="linear_token_logprobs: backend 'cpu'"):
+        linear_token_logprobs(h, w, torch.tensor([0, 1]), backend="cpu")
