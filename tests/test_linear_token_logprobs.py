@@ -21,7 +21,7 @@ def _want(h, w, b, y, counted, temperature, entropy):
     return lp, ent
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)])
 @given(n=st.integers(0, 13), hid=st.sampled_from([1, 8, 33]), vocab=st.sampled_from([1, 7, 50]),
        chunk=st.sampled_from([1, 4, 100, None]), with_bias=st.booleans(), entropy=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), temperature=st.sampled_from([1.0, 0.6]),

@@ -76,6 +76,17 @@ def test_forward_kernels_issue_128_bit_loads(records):
     assert not _offenders(records, FWD, lambda r: not r["loads"].get("128"))
 
 
+def test_token_logprobs_kernels_compile_within_the_budget(records):
+    """token_logprobs' row kernels (issue 28), both dtypes, each target: compiled, no local memory (the
+    test above), at most REG_BUDGET registers. Their loads stay scalar (masked rows of any stride)."""
+    rows = [r for r in records if r["kernel"].startswith("token_logprobs_")]
+    for arch in ARCHES:
+        for kernel in ("token_logprobs_fwd_kernel", "token_logprobs_bwd_kernel"):
+            for case in ("float32-rows", "bfloat16-rows"):
+                assert any(r["kernel"] == kernel and r["arch"] == arch and r["case"] == case for r in rows)
+    assert not _offenders(rows, {r["kernel"] for r in rows}, lambda r: r["regs"] > REG_BUDGET)
+
+
 def test_occupancy_model():
     assert aot.blocks_per_sm(128, 4) == 4 and aot.blocks_per_sm(128, 8) == 2
     assert aot.blocks_per_sm(255, 4) == 2 and aot.blocks_per_sm(255, 8) == 1

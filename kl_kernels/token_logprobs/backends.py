@@ -4,7 +4,9 @@
 backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
 cuda       cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
-triton     cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
+triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/token_logprobs.py``), one
+                                                program per row: compiled for sm_80/sm_90 and run in Triton's
+                                                interpreter in CI, never on a GPU yet, so only when named
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``,
                                                 ``csrc/cpu/token_logprobs_cpu.cpp``): a row at a time
 torch      cpu, cuda  fp32, bf16, fp16, fp64    chunked torch math (reference.py): no [N, V]
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import HALF_AND_SINGLE, Backend, _extension_reasons
-from .ops import run_cpu, run_torch
+from ..triton import interpreting
+from ..backends import HALF_AND_SINGLE, Backend, _extension_reasons, _triton_reasons
+from .ops import run_cpu, run_torch, run_triton
 
 _ROWS = frozenset({"packed"})
 
 
-def _not_built(kind: str):
+def _not_built(kind: str):  # the CUDA C++ row kernel
     def reasons() -> list[str]:
         return [f"token_logprobs has no fused {kind} kernel yet (issue 28); backend='torch' (or 'auto') runs it "
                 "chunked, without an [N, V] float32 temporary"]
@@ -42,10 +45,12 @@ def _never(problem):  # an unavailable row is never chosen
 
 REGISTRY: list[Backend] = [
     Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built("CUDA"), _never, notes="not built yet"),
-    Backend("triton", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built("Triton"), _never,
-            notes="not built yet"),
-    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS, lambda: _extension_reasons("_C", "token_logprobs_forward"),
-            run_cpu, notes="fused multi-threaded C++ kernel", requires=_vocabulary_contiguous),
+    Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, _ROWS,
+            _triton_reasons, run_triton, requires=_vocabulary_contiguous, auto_devices=frozenset(),
+            notes="Triton kernels, one program per row (only when named: not yet run on a GPU)"),
+    Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS,
+            lambda: _extension_reasons("_C", "token_logprobs_forward"), run_cpu, requires=_vocabulary_contiguous,
+            notes="fused multi-threaded C++ kernel"),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, _ROWS, lambda: [], run_torch,
             notes="chunked torch math (float64-capable)"),
 ]

@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from . import launch, reference
+from . import launch, launch_triton, reference
 from .api import TokenLogprobsOutput
 from .problem import LOGIT_DTYPES
 
@@ -27,6 +27,8 @@ def _rows(backend: str):
     """(forward, backward) of the row pass for a chunk's logits [C, V]."""
     if backend == "cpu":
         return launch.forward, launch.backward
+    if backend == "triton":
+        return launch_triton.forward, launch_triton.backward
     return reference.forward, reference.backward
 
 
@@ -93,7 +95,8 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         temperature, return_entropy, mask, ignore_index: as :func:`kl_kernels.token_logprobs`.
         chunk_size: tokens per chunk (an int >= 1), default ``max(1, 2**24 // V)``.
         backend: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, else the
-            chunked torch math), ``"cpu"`` or ``"torch"``.
+            chunked torch math), ``"cpu"``, ``"triton"`` (only when named, as for ``token_logprobs``)
+            or ``"torch"``.
 
     Returns:
         :class:`~kl_kernels.token_logprobs.TokenLogprobsOutput` ``(log_probs, entropy)``, ``[*S]``,
@@ -156,11 +159,17 @@ def _backend(backend, hidden) -> str:
         and not launch_missing()
     if name == "auto":
         return "cpu" if fused_ok else "torch"
-    if name == "torch" or (name == "cpu" and fused_ok):
+    from .backends import REGISTRY
+
+    triton_row = next(b for b in REGISTRY if b.name == "triton")
+    triton_ok = (hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                 and not triton_row.unavailable_reasons() and hidden.device.type in triton_row.devices)
+    if name == "torch" or (name == "cpu" and fused_ok) or (name == "triton" and triton_ok):
         return name
     raise _dispatch.BackendUnavailableError(
         f"linear_token_logprobs: backend {name!r} cannot run these inputs ({hidden.dtype} on {hidden.device}): "
-        "it runs on 'cpu' (CPU tensors, fp32/bf16/fp16, the fused row kernel) and 'torch'")
+        "it runs on 'cpu' (CPU tensors, fp32/bf16/fp16, the fused row kernel), 'triton' (fp32/bf16/fp16 where "
+        "Triton runs) and 'torch'")
 
 
 def launch_missing() -> bool:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import launch, reference
+from . import launch, launch_triton, reference
 from .problem import TokenLogprobsProblem
 
 
@@ -68,6 +68,28 @@ def token_logprobs_cpu_bwd(grad_lp: Optional[Tensor], grad_entropy: Optional[Ten
 token_logprobs_cpu_bwd.register_fake(_fake_backward)
 
 
+@torch.library.custom_op("kl_kernels::token_logprobs_triton_fwd", mutates_args=())
+def token_logprobs_triton_fwd(logits: Tensor, labels: Tensor, counted: Tensor, temperature: float, want_entropy: bool,
+                              inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The Triton kernels' forward (kl_kernels/triton/token_logprobs.py): as ``token_logprobs_fwd``, float32."""
+    return launch_triton.forward(logits, labels, counted, temperature, want_entropy)
+
+
+token_logprobs_triton_fwd.register_fake(_fake_forward)
+
+
+@torch.library.custom_op("kl_kernels::token_logprobs_triton_bwd", mutates_args=())
+def token_logprobs_triton_bwd(grad_lp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor,
+                              labels: Tensor, counted: Tensor, temperature: float, lse: Tensor,
+                              entropy: Tensor) -> Tensor:
+    """The Triton kernels' backward: ``d loss / d logits``, a new contiguous tensor."""
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    return launch_triton.backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy, out)
+
+
+token_logprobs_triton_bwd.register_fake(_fake_backward)
+
+
 def _setup_context(ctx, inputs, output):
     logits, labels, counted, temperature, want_entropy, inplace = inputs
     _lp, entropy, lse = output
@@ -96,12 +118,21 @@ token_logprobs_fwd.register_autograd(_backward_with(token_logprobs_bwd, referenc
                                      setup_context=_setup_context)
 token_logprobs_cpu_fwd.register_autograd(_backward_with(token_logprobs_cpu_bwd, launch.backward),
                                          setup_context=_setup_context)
+token_logprobs_triton_fwd.register_autograd(_backward_with(token_logprobs_triton_bwd, launch_triton.backward),
+                                            setup_context=_setup_context)
 
 
 def run_torch(p: TokenLogprobsProblem) -> tuple[Tensor, Tensor | None]:
     """The torch backend: ``(log_probs, entropy or None)``."""
     lp, entropy, _lse = token_logprobs_fwd(p.logits, p.labels, p.counted, p.temperature, p.return_entropy,
                                            p.inplace_backward)
+    return lp, (entropy if p.return_entropy else None)
+
+
+def run_triton(p: TokenLogprobsProblem) -> tuple[Tensor, Tensor | None]:
+    """The Triton backend: ``(log_probs, entropy or None)``, float32."""
+    lp, entropy, _lse = token_logprobs_triton_fwd(p.logits, p.labels, p.counted, p.temperature, p.return_entropy,
+                                                  p.inplace_backward)
     return lp, (entropy if p.return_entropy else None)
 
 

@@ -4,6 +4,7 @@
   of ``csrc/common/kl_math.h``.
 * ``kl_reward.py``: the ``kl_reward`` kernels (forward tiles, per-sequence combine, backward).
 * ``kl_penalty.py``: the ``kl_penalty_loss`` kernels (same structure; one gradient buffer).
+* ``token_logprobs.py``: the ``token_logprobs`` row kernels (one program per row of the logits).
 
 Nothing here is imported by ``import kl_kernels``: the ``triton`` backend imports this package
 the first time it runs, so a machine without Triton loses only that backend. With

@@ -152,6 +152,17 @@ def _child(arch: int, out_dir: str) -> list[dict]:
             case["name"] = f"{str(dtype)[6:]}-{layout}"
             P.backward(grad, torch.randn(B), None, mask, offsets, lengths, lay, True, dtype, True, torch.float32,
                        0.01)
+    # token_logprobs: one program per row of the logits, with and without the entropy
+    from kl_kernels.token_logprobs import launch_triton as T
+
+    for dtype in (torch.float32, torch.bfloat16):
+        case["name"] = f"{str(dtype)[6:]}-rows"
+        logits = torch.randn(6, 3000, generator=g).to(dtype)
+        labels, counted = torch.randint(0, 3000, (6,), generator=g), torch.rand(6, generator=g) > 0.2
+        for entropy in (False, True):
+            _, ent, lse = T.forward(logits, labels, counted, 0.7, entropy)
+            T.backward(torch.randn(6), torch.randn(6) if entropy else None, logits, labels, counted, 0.7, lse, ent,
+                       torch.empty_like(logits))
     return records
 
 

@@ -1,0 +1,104 @@
+"""Triton kernels of ``token_logprobs``: one program per row of the logits, the algorithm of
+``csrc/cpu/token_logprobs_cpu.cpp`` (the formulas of ``kl_kernels/token_logprobs/reference.py``)::
+
+    forward:  m = max z;  S = sum_j e^(z_j - m);  W = sum_j e^(z_j - m) min(m - z_j, 88)
+              lse = m + log S;  log_prob = z_y - lse;  entropy = W / S + log S
+    backward: p_j = e^(z_j - lse);  dx_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, 88) - H)) / T
+
+with z = x / T (as x * (1 / T)), the sums per BLOCK-wide step in float32 and across steps in float64,
+in a fixed order: deterministic. A counted row with a NaN or +inf logit, or only -inf ones, gives NaN.
+Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view or
+[B, T, V] slabs), the vocabulary contiguous. Not yet run on a GPU: compiled for sm_80/sm_90 in CI and
+run under the interpreter; the ``triton`` backend runs them only when named.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kl_math import _exp_reduce
+
+FAR = tl.constexpr(88.0)  # lse - z beyond this has e^(z - lse) == 0 in float32: keeps 0 * inf out
+
+
+@triton.jit
+def _exp(y):
+    """e^y for any y <= 89 (-inf gives 0), the CPU kernel's exp_vec without its NaN select."""
+    p, half, _ = _exp_reduce(y)
+    return (half * p + half) * 2.0
+
+
+@triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner"))
+def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_ptr, ent_ptr, rows, vocab, inner,
+                              stride_outer, stride_inner, inv_t, WANT_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner
+    cnt = tl.load(counted_ptr + r).to(tl.int32)  # (a uint8 view of the bool mask)
+    counted = cnt != 0
+    lanes = tl.arange(0, BLOCK)
+    counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0  # as a block: a scalar mask would not broadcast
+    # pass 1: the max (a +inf shows there) and whether a NaN is there
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    for j0 in range(0, vocab, BLOCK):
+        offs = j0 + lanes
+        z = tl.load(base + offs, mask=(offs < vocab) & counted_v, other=float("-inf")).to(tl.float32) * inv_t
+        mx = tl.where(z > mx, z, mx)
+        nan = tl.where(z != z, 1, nan)
+    m = tl.max(mx, 0)
+    bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf"))
+    # pass 2: S and W, float32 per step, float64 across steps
+    s_total = tl.zeros([1], tl.float64)
+    w_total = tl.zeros([1], tl.float64)
+    m_safe = tl.where(bad, 0.0, m)
+    live_v = counted_v & ((tl.zeros([BLOCK], tl.int32) + bad.to(tl.int32)) == 0)
+    for j0 in range(0, vocab, BLOCK):
+        offs = j0 + lanes
+        z = tl.load(base + offs, mask=(offs < vocab) & live_v, other=float("-inf")).to(tl.float32) * inv_t
+        d = m_safe - z
+        e = _exp(-d)
+        s_total += tl.sum(e, 0).to(tl.float64)
+        w_total += tl.sum(e * tl.where(d <= FAR, d, FAR), 0).to(tl.float64)
+    y = tl.load(labels_ptr + r)
+    in_vocab = (y >= 0) & (y < vocab)
+    zy = tl.load(base + tl.where(in_vocab, y, 0)).to(tl.float32) * inv_t  # every row exists: no mask needed
+    log_s = tl.log(tl.max(s_total, 0).to(tl.float32))
+    lse = m_safe + log_s
+    undefined = bad | (~in_vocab)
+    nan_value = float("nan")
+    lp = tl.where(counted, tl.where(undefined, nan_value, zy - lse), 0.0)
+    tl.store(lp_ptr + r, lp)
+    tl.store(lse_ptr + r, tl.where(counted, tl.where(undefined, nan_value, lse), 0.0))
+    if WANT_ENTROPY:
+        h = (tl.max(w_total, 0) / tl.max(s_total, 0)).to(tl.float32) + log_s
+        tl.store(ent_ptr + r, tl.where(counted, tl.where(undefined, nan_value, h), 0.0))
+
+
+@triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner", "g_stride_outer",
+                               "g_stride_inner"))
+def token_logprobs_bwd_kernel(logits_ptr, labels_ptr, counted_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, out_ptr,
+                              rows, vocab, inner, stride_outer, stride_inner, g_stride_outer, g_stride_inner, inv_t,
+                              HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner
+    out = out_ptr + (r // inner) * g_stride_outer + (r % inner) * g_stride_inner
+    cnt = tl.load(counted_ptr + r).to(tl.int32)  # (a uint8 view of the bool mask)
+    counted = cnt != 0
+    lanes = tl.arange(0, BLOCK)
+    counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0
+    # (absent gradients come with a valid stand-in pointer: always loaded, then zeroed)
+    gl = tl.where(counted & HAS_G_LP, tl.load(g_lp_ptr + r), 0.0)
+    gh = tl.where(counted & HAS_G_ENT, tl.load(g_ent_ptr + r), 0.0)
+    h = tl.where(HAS_G_ENT, tl.load(ent_ptr + r), 0.0)
+    lse = tl.load(lse_ptr + r)
+    y = tl.load(labels_ptr + r)
+    for j0 in range(0, vocab, BLOCK):
+        offs = j0 + lanes
+        ok = offs < vocab
+        x = tl.load(base + offs, mask=ok & counted_v, other=0.0).to(tl.float32)
+        d = lse - x * inv_t
+        p = _exp(-d)
+        g = tl.where(offs == y, gl * (1.0 - p), -gl * p) + gh * (p * (tl.where(d <= FAR, d, FAR) - h))
+        g = tl.where(counted, g * inv_t, 0.0)
+        tl.store(out + offs, g.to(out_ptr.dtype.element_ty), mask=ok)
