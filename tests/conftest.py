@@ -82,6 +82,10 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("torchrl") is not None and torchrl_missing():
             item.add_marker(pytest.mark.skip(reason=f"the `torchrl` extra is not installed ({torchrl_missing()} "
                                                     "missing): pip install 'kl_kernels[torchrl]'"))
+    # The few slow tests first (stable: the rest keep their order), so that pytest-xdist starts them
+    # early instead of ending the run on one of them (the wheel build alone takes ~4 minutes) while
+    # the other workers idle.
+    items[:] = sorted(items, key=lambda i: i.get_closest_marker("slow") is None)
 
 
 def pytest_runtest_logreport(report):

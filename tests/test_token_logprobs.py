@@ -146,17 +146,12 @@ def test_triton_row_steps(vocab):
 
 @given(case=cases(dtypes=(torch.float32, torch.bfloat16)), rows=st.sampled_from([1, 2, 3]))
 @settings(max_examples=25)
-def test_many_chunks_match_the_oracle(case, rows, monkeypatch_module):
+def test_many_chunks_match_the_oracle(case, rows):
     """A few rows per chunk: the chunk loop, its row ranges and the [B, T, V] slab walk."""
     logits = case[0]
-    monkeypatch_module.setattr(reference, "CHUNK_ELEMENTS", rows * logits.shape[-1])
-    _check(*case, backend="torch")
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
     with pytest.MonkeyPatch.context() as m:
-        yield m
+        m.setattr(reference, "CHUNK_ELEMENTS", rows * logits.shape[-1])
+        _check(*case, backend="torch")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
