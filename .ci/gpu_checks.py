@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-from kl_kernels import kl_penalty_loss, kl_reward, selfcheck
+from kl_kernels import kl_penalty_loss, kl_reward, selfcheck, token_logprobs
 
 import os
 
@@ -92,6 +92,29 @@ def loss_call(x, backend, lp=None, options=False):
                            offsets=x["offsets"], clip_epsilon=0.2, backend=backend, **kw)
 
 
+def logits_batch(seed=4, n=300, vocab=5000):
+    """Logits [N, V] (bf16, a -inf entry, ignored labels) for token_logprobs, where its Triton kernels run."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(n, vocab, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    x[1, 7] = float("-inf")
+    y = torch.randint(0, vocab, (n,), device=DEV, generator=g)
+    y[::17] = -100
+    return x, y
+
+
+def logprobs_call(x, y, backend, inplace=False):
+    """token_logprobs forward + backward (log-probs and entropy): the gradient of the logits."""
+    leaf = x.detach().clone().requires_grad_(True)
+    logits = leaf * 1.0 if inplace else leaf
+    out = token_logprobs(logits, y, temperature=0.7, return_entropy=True, backend=backend, inplace_backward=inplace)
+    (grad,) = torch.autograd.grad(out.log_probs.sum() + 0.1 * out.entropy.sum(), leaf)
+    return out, grad
+
+
+# token_logprobs' fused GPU backend (the cuda one is not built yet)
+LOGPROBS_BACKENDS = tuple(b for b in BACKENDS if b == "triton") or ("torch",)
+
+
 def selfchecks():
     for op in OPS:
         for backend in BACKENDS:
@@ -128,6 +151,18 @@ def nosync():
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             report(f"nosync kl_penalty_loss fwd+bwd {backend}{' all options' if options else ''}", loss)
+    for backend in LOGPROBS_BACKENDS:
+        for inplace in (False, True):
+            def logprobs(backend=backend, inplace=inplace):
+                x, y = logits_batch()
+                logprobs_call(x, y, backend, inplace)
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    logprobs_call(x, y, backend, inplace)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            report(f"nosync token_logprobs fwd+bwd {backend}{' inplace' if inplace else ''}", logprobs)
 
 
 def race():
@@ -199,6 +234,30 @@ def graph():
                 torch.testing.assert_close(out.loss, want.loss)
                 torch.testing.assert_close(grad, want_grad)
             report(f"graph kl_penalty_loss fwd+bwd {backend}{' all options' if options else ''}", loss)
+    for backend in LOGPROBS_BACKENDS:
+        def logprobs(backend=backend):
+            (x, y), (x2, _) = logits_batch(seed=5), logits_batch(seed=6)
+            static = x.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    logprobs_call(static, y, backend)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                leaf = static.detach().requires_grad_(True)
+                out = token_logprobs(leaf, y, temperature=0.7, return_entropy=True, backend=backend)
+                (grad,) = torch.autograd.grad(out.log_probs.sum() + 0.1 * out.entropy.sum(), leaf)
+            static.copy_(x2)
+            g.replay()
+            torch.cuda.synchronize()
+            want, want_grad = logprobs_call(x2, y, backend)
+            torch.testing.assert_close(out.log_probs, want.log_probs, equal_nan=True)
+            torch.testing.assert_close(out.entropy, want.entropy, equal_nan=True)
+            torch.testing.assert_close(grad, want_grad, equal_nan=True)
+        report(f"graph token_logprobs fwd+bwd {backend}", logprobs)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import backend_device
 from kl_kernels import BackendUnavailableError, linear_token_logprobs
 
 
@@ -29,12 +30,14 @@ def _want(h, w, b, y, counted, temperature, entropy):
 @settings(max_examples=30)
 def test_matches_the_float64_formula(backend, n, hid, vocab, chunk, with_bias, entropy, dtype, temperature, seed):
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hid, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(vocab, hid, generator=g) * 0.5).to(dtype).requires_grad_()
-    b = torch.randn(vocab, generator=g).to(dtype).requires_grad_() if with_bias else None
+    dev = backend_device(backend)  # Triton on the GPU where there is one
+    h = torch.randn(n, hid, generator=g).to(dtype).to(dev).requires_grad_()
+    w = (torch.randn(vocab, hid, generator=g) * 0.5).to(dtype).to(dev).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dtype).to(dev).requires_grad_() if with_bias else None
     y = torch.randint(0, vocab, (n,), generator=g)
     y[torch.rand(n, generator=g) < 0.2] = -100
     mask = torch.rand(n, generator=g) < 0.8
+    y, mask = y.to(dev), mask.to(dev)
     counted = (y != -100) & mask
     out = linear_token_logprobs(h, w, y, bias=b, temperature=temperature, return_entropy=entropy, mask=mask,
                                 chunk_size=chunk, backend=backend)
@@ -42,7 +45,7 @@ def test_matches_the_float64_formula(backend, n, hid, vocab, chunk, with_bias, e
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(out.log_probs.double(), lp_want, **tol)
     leaves = [h, w] + ([b] if b is not None else [])
-    up = torch.randn(n, generator=g, dtype=torch.float64)
+    up = torch.randn(n, generator=g, dtype=torch.float64).to(dev)
     total = (out.log_probs.double() * up).sum() + ((out.entropy.double() * up).sum() if entropy else 0.0)
     want_total = (lp_want * up).sum() + ((ent_want * up).sum() if entropy else 0.0)
     if entropy:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kl_kernels import BackendUnavailableError, token_logprobs
 from kl_kernels.token_logprobs import ops, reference
+from conftest import backend_device
 from tolerances import TOLERANCES
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -80,14 +81,17 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto"):
     md = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if backend in ("cpu", "triton") and logits.dtype == torch.float64:
         backend = "torch"  # the fused kernels read fp32/bf16/fp16
+    dev = backend_device(backend)  # Triton on the GPU where there is one
+    logits, labels = logits.to(dev), labels.to(dev)
+    mask = None if mask is None else mask.to(dev)
     leaf = logits.detach().clone().requires_grad_()
     before = logits.detach().clone()
     out = token_logprobs(leaf if leaf.shape == logits.shape else logits, labels, temperature=temperature,
                          return_entropy=entropy, mask=mask, backend=backend)
     assert out.log_probs.dtype == md and out.log_probs.shape == labels.shape
     g = torch.Generator().manual_seed(0)
-    up_lp = torch.randn(labels.shape, generator=g, dtype=md)
-    up_h = torch.randn(labels.shape, generator=g, dtype=md)
+    up_lp = torch.randn(labels.shape, generator=g, dtype=md).to(dev)
+    up_h = torch.randn(labels.shape, generator=g, dtype=md).to(dev)
     total = (out.log_probs * up_lp).sum() + ((out.entropy * up_h).sum() if entropy else 0.0)
     grad = torch.autograd.grad(total, leaf)[0] if total.requires_grad else torch.zeros_like(leaf)
     assert torch.equal(leaf.detach().nan_to_num(), before.nan_to_num()), "the logits were modified"
@@ -100,6 +104,7 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto"):
     got_lp = out.log_probs.detach().reshape(-1).tolist()
     got_h = out.entropy.detach().reshape(-1).tolist() if entropy else None
     got_g = grad.double().reshape(-1, logits.shape[-1]).tolist()
+    ups_lp, ups_h = up_lp.reshape(-1).tolist(), up_h.reshape(-1).tolist()
     for r, row in enumerate(rows):
         if not counted[r]:
             assert got_lp[r] == 0 and (not entropy or got_h[r] == 0), f"row {r}: not counted, not 0"
@@ -114,9 +119,8 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto"):
                 assert got == want or (math.isnan(want) and math.isnan(got)), f"row {r} {what}: {got} vs {want}"
             else:
                 assert abs(got - want) <= tol.atol + 8 * tol.rtol * mag, f"row {r} {what}: {got} vs {want}"
-        want_g = [a * up_lp.reshape(-1)[r].item() + (b * up_h.reshape(-1)[r].item() if entropy else 0.0)
-                  for a, b in zip(d_lp, d_h)]
-        gscale = abs(up_lp.reshape(-1)[r].item()) + (abs(up_h.reshape(-1)[r].item()) * mag if entropy else 0.0)
+        want_g = [a * ups_lp[r] + (b * ups_h[r] if entropy else 0.0) for a, b in zip(d_lp, d_h)]
+        gscale = abs(ups_lp[r]) + (abs(ups_h[r]) * mag if entropy else 0.0)
         for j, (a, b) in enumerate(zip(got_g[r], want_g)):
             if math.isnan(b):
                 assert math.isnan(a), f"row {r} grad[{j}]: {a} vs NaN"
@@ -157,7 +161,8 @@ def test_many_chunks_match_the_oracle(case, rows):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_log_probs_only_has_no_entropy(backend):
     x = torch.randn(4, 5)
-    out = token_logprobs(x, torch.tensor([0, 1, 4, -100]), backend=backend)
+    out = token_logprobs(x.to(backend_device(backend)), torch.tensor([0, 1, 4, -100]).to(backend_device(backend)),
+                         backend=backend)
     assert out.entropy is None
     _check(x, torch.tensor([0, 1, 4, -100]), None, 1.0, entropy=False, backend=backend)
 
@@ -223,15 +228,17 @@ def test_gradcheck_float64():
 @pytest.mark.parametrize("want_entropy", [False, True])
 def test_opcheck(want_entropy, op):
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 11, generator=g, requires_grad=True)
-    y = torch.randint(0, 11, (5,), generator=g)
-    counted = torch.tensor([True, False, True, True, True])
+    dev = backend_device("triton" if op.endswith("triton") else "cpu")
+    x = torch.randn(5, 11, generator=g).to(dev).requires_grad_()
+    y = torch.randint(0, 11, (5,), generator=g).to(dev)
+    counted = torch.tensor([True, False, True, True, True], device=dev)
     fwd, bwd = getattr(torch.ops.kl_kernels, f"{op}_fwd"), getattr(torch.ops.kl_kernels, f"{op}_bwd")
     torch.library.opcheck(fwd.default, (x, y, counted, 0.9, want_entropy, False))
     lse = torch.logsumexp(x.detach() / 0.9, -1)
-    ent = torch.rand(5)
+    ent = torch.rand(5, device=dev)
     torch.library.opcheck(bwd.default,
-                          (torch.randn(5), torch.randn(5) if want_entropy else None, x.detach(), y, counted, 0.9,
+                          (torch.randn(5, device=dev), torch.randn(5, device=dev) if want_entropy else None,
+                           x.detach(), y, counted, 0.9,
                            lse, ent))
 
 
@@ -239,8 +246,8 @@ def test_opcheck(want_entropy, op):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_fullgraph(backend):
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 5, 40, generator=g, requires_grad=True)
-    y = torch.randint(0, 40, (2, 5), generator=g)
+    x = torch.randn(2, 5, 40, generator=g).to(backend_device(backend)).requires_grad_()
+    y = torch.randint(0, 40, (2, 5), generator=g).to(backend_device(backend))
 
     def f(x, y):
         out = token_logprobs(x, y, temperature=0.7, return_entropy=True, backend=backend)
@@ -258,8 +265,8 @@ def test_compile_fullgraph(backend):
 @pytest.mark.parametrize("shape", [(6, 30), (2, 4, 30)])
 def test_inplace_backward_overwrites_the_logits_with_their_gradient(shape, backend):
     g = torch.Generator().manual_seed(5)
-    base = torch.randn(*shape, generator=g)
-    y = torch.randint(0, 30, shape[:-1], generator=g)
+    base = torch.randn(*shape, generator=g).to(backend_device(backend))
+    y = torch.randint(0, 30, shape[:-1], generator=g).to(backend_device(backend))
     x = base.clone().requires_grad_()
     out = token_logprobs(x * 1.0, y, return_entropy=True, backend=backend)  # non-leaf logits, as a model's output
     (want,) = torch.autograd.grad(out.log_probs.sum() + out.entropy.sum(), x)

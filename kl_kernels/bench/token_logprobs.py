@@ -9,7 +9,7 @@ the figure is its peak during one call over the resident size before it (``VmHWM
 forward + backward needs beyond its inputs, the logits' gradient included. Times: median of 5 calls
 (:func:`kl_kernels.bench.timing.measure`).
 
-Run: ``python -m kl_kernels.bench.token_logprobs [--out DIR] [--sizes N:V ...]``.
+Run: ``python -m kl_kernels.bench.token_logprobs [--device cpu|cuda] [--out DIR] [--sizes N:V ...]``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from .machine import describe
 from .timing import measure
 
 DEFAULT_SIZES = ((2048, 32768), (4096, 65536), (2048, 131072))
-CONTENDERS = ("eager", "compile", "token_logprobs[torch]", "token_logprobs[cpu]", "token_logprobs[cpu]+inplace")
+CONTENDERS = ("eager", "compile", "token_logprobs[torch]", "token_logprobs[cpu]", "token_logprobs[cpu]+inplace",
+              "token_logprobs[triton]", "token_logprobs[triton]+inplace")
 TEMPERATURE = 0.7
 
 
@@ -100,8 +101,11 @@ def measure_one(name: str, n: int, vocab: int, dtype: str, device: torch.device,
 
 
 def contenders(device: torch.device, with_compile: bool = True) -> tuple:
+    """The contenders that run on ``device``: the CPU kernel on the CPU, Triton on a GPU (its CPU
+    interpreter is a test tool, not a contender)."""
     names = [c for c in CONTENDERS if with_compile or c != "compile"]
-    return tuple(c for c in names if device.type == "cpu" or "[cpu]" not in c)
+    own = "[cpu]" if device.type == "cpu" else "[triton]"
+    return tuple(c for c in names if own in c or ("[cpu]" not in c and "[triton]" not in c))
 
 
 def _child(name: str, n: int, vocab: int, dtype: str, queue) -> None:
@@ -146,6 +150,8 @@ def run_here(sizes, dtype: str, device: torch.device, with_compile: bool = True,
     the clean figure."""
     rows = []
     for n, vocab in sizes:
+        rows.append(copy_floor(n, vocab, dtype, device))
+        progress(_line(rows[-1]))
         for name in contenders(device, with_compile):
             rows.append(measure_one(name, n, vocab, dtype, device, repeats=3))
             progress(_line(rows[-1]))
@@ -168,10 +174,18 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", nargs="+", default=None, help="N:V pairs (default: %s)" % " ".join(
         f"{n}:{v}" for n, v in DEFAULT_SIZES))
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cpu: each contender in its own process; cuda: all in this one (torch's "
+                             "allocator peaks are per call)")
     parser.add_argument("--out", default=None, help="folder for results.json")
     args = parser.parse_args(argv)
     sizes = DEFAULT_SIZES if args.sizes is None else tuple(tuple(map(int, s.split(":"))) for s in args.sizes)
-    result = run(sizes, args.dtype)
+    if args.device == "cuda":
+        device = torch.device("cuda")
+        result = dict(machine=describe(device), temperature=TEMPERATURE,
+                      rows=run_here(sizes, args.dtype, device, progress=lambda m: print(m, flush=True)))
+    else:
+        result = run(sizes, args.dtype)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
