@@ -159,9 +159,56 @@ def _check_kl_penalty_loss(backend, device) -> list:
     return failures
 
 
+def _logits_cases(dtype):
+    """Logits and labels for token_logprobs: V = 1, a block's edges (1023-1025), a long row; a masked
+    vocabulary entry (-inf), a one-hot row, a NaN row, ignored labels, labels 0 and V-1; [N, V] rows and
+    [B, T, V] slabs (``logits[:, :-1]``)."""
+    g = torch.Generator().manual_seed(4321)
+    for vocab in (1, 1023, 1025, 5000):
+        x = torch.randn(2, 5, vocab, generator=g, dtype=torch.float64) * 4
+        y = torch.randint(0, vocab, (2, 5), generator=g)
+        y[0, 0], y[1, 4], y[1, 1] = 0, vocab - 1, -100
+        if vocab > 1:
+            x[0, 2, (int(y[0, 2]) + 1) % vocab] = -math.inf
+            x[1, 3] = -math.inf
+            x[1, 3, int(y[1, 3])] = 2.0
+            x[0, 4, vocab // 2] = math.nan
+        mask = torch.ones(2, 5, dtype=torch.bool)
+        mask[1, 0] = False
+        yield f"V={vocab} rows", x.to(dtype), y, mask
+        yield f"V={vocab} slabs", x.to(dtype)[:, :-1], y[:, :-1], mask[:, :-1]
+
+
+def _check_token_logprobs(backend, device) -> list:
+    from .token_logprobs import token_logprobs
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, x, y, mask in _logits_cases(dtype):
+            x, y, mask = x.to(device), y.to(device), mask.to(device)
+            what = f"token_logprobs[{backend}] {name} {str(dtype)[6:]}"
+            leaf, leaf_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+            try:
+                got = token_logprobs(leaf, y, temperature=0.7, return_entropy=True, mask=mask, backend=backend)
+                want = token_logprobs(leaf_ref, y, temperature=0.7, return_entropy=True, mask=mask, backend="torch")
+            except Exception as exc:
+                failures.append(f"{what}: raised {type(exc).__name__}: {exc}")
+                continue
+            _compare(f"{what} log_probs", got.log_probs, want.log_probs, torch.float32, failures)
+            _compare(f"{what} entropy", got.entropy, want.entropy, torch.float32, failures)
+            up = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
+
+            def total(out):
+                return ((out.log_probs.nan_to_num(0, 0, 0) + 0.5 * out.entropy.nan_to_num(0, 0, 0)) * up).sum()
+            g_got = torch.autograd.grad(total(got), leaf)[0]
+            g_want = torch.autograd.grad(total(want), leaf_ref)[0]
+            _compare(f"{what} grad", g_got, g_want, dtype, failures)
+    return failures
+
+
 CHECKS: dict[str, Callable[[str, torch.device], list]] = {
     "kl_reward": _check_kl_reward,
     "kl_penalty_loss": _check_kl_penalty_loss,
+    "token_logprobs": _check_token_logprobs,
 }
 
 

@@ -51,8 +51,8 @@ def test_bench_tiny_writes_results(tmp_path):
     assert {r["malloc"] for r in data["rows"]} == {"glibc default", data["rows"][-1]["malloc"]} != {"glibc default"}
     assert "kl_reward[cpu] out=" in impls
     tlp = json.loads((tmp_path / "token_logprobs.json").read_text())["rows"]
-    assert {r["contender"] for r in tlp} == {"eager", "token_logprobs[torch]", "token_logprobs[cpu]",
-                                             "token_logprobs[cpu]+inplace"}
+    assert {r["contender"] for r in tlp} == {"floor: 1.5 x copy (same bytes)", "eager", "token_logprobs[torch]",
+                                             "token_logprobs[cpu]", "token_logprobs[cpu]+inplace"}
     assert all("error" not in r and r["ms"] > 0 for r in tlp), tlp
     copies = {(r["malloc"], r["task"], r["layout"]): r for r in data["rows"] if r["impl"] == "copy (same bytes)"}
     for row in data["rows"]:

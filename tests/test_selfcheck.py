@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
-from kl_kernels import kl_penalty_loss, kl_reward, selfcheck
+from kl_kernels import kl_penalty_loss, kl_reward, selfcheck, token_logprobs
 from kl_kernels.kl_penalty import backends as loss_backends
+from kl_kernels.token_logprobs import backends as logprobs_backends
 from kl_kernels.kl_reward import backends as reward_backends
 from kl_kernels.kl_reward.problem import RawOutputs
 
@@ -111,11 +112,52 @@ def test_the_loss_check_catches_a_broken_gradient(monkeypatch):
     assert not selfcheck.passed("kl_penalty_loss", "cpu", "cpu")
 
 
+@pytest.mark.parametrize("broken", ["value", "grad"])
+def test_the_token_logprobs_check_catches_a_broken_row_kernel(monkeypatch, broken):
+    """token_logprobs' check (its Triton row is checked on a GPU before "auto" takes it): a cpu row off
+    by a little in the value or only in the gradient fails it, and "auto" moves on to torch."""
+    cpu = next(b for b in logprobs_backends.REGISTRY if b.name == "cpu")
+
+    def wrong(problem):
+        lp, entropy = cpu.run(problem)
+        if broken == "value":
+            return lp + 1e-3 * (lp != 0), entropy
+        return lp * 2 - lp.detach(), entropy  # same values, twice the gradient
+
+    rows = _with_cpu_row(logprobs_backends.REGISTRY, self_check_devices=CPU, run=wrong)
+    _install(monkeypatch, logprobs_backends, "kl_kernels.token_logprobs.api", rows)
+    failures = selfcheck.run("token_logprobs", "cpu", "cpu")
+    assert failures and all(("grad" if broken == "grad" else "log_probs") in f for f in failures), failures[:3]
+    x, y = torch.randn(3, 7), torch.tensor([0, 6, 2])
+    out = token_logprobs(x, y)  # "auto": not the cpu row
+    torch.testing.assert_close(out.log_probs, torch.log_softmax(x, -1).gather(-1, y[:, None])[:, 0])
+    assert not selfcheck.passed("token_logprobs", "cpu", "cpu")
+
+
+def test_auto_takes_the_token_logprobs_row_that_passed(monkeypatch):
+    cpu = next(b for b in logprobs_backends.REGISTRY if b.name == "cpu")
+    calls = []
+    rows = _with_cpu_row(logprobs_backends.REGISTRY, self_check_devices=CPU,
+                         run=lambda p: (calls.append(1), cpu.run(p))[1])
+    _install(monkeypatch, logprobs_backends, "kl_kernels.token_logprobs.api", rows)
+    token_logprobs(torch.randn(3, 7), torch.tensor([0, 6, 2]))
+    assert selfcheck.verdicts()[("token_logprobs", "cpu", "cpu", selfcheck.__version__)] == []
+    assert len(calls) > 16  # the check's cases, then the call itself
+
+
+@pytest.mark.triton
+def test_the_token_logprobs_check_passes_for_triton():
+    """What "auto" runs on a GPU before it takes the Triton row kernels (here, their interpreter)."""
+    from conftest import triton_device
+
+    assert selfcheck.run("token_logprobs", "triton", triton_device()) == []
+
+
 def test_every_backend_here_passes():
     """What `kl-kernels info --check` runs: every available fused backend on this machine."""
     names = {b.name for b in reward_backends.REGISTRY if not b.unavailable_reasons() and "cpu" in b.devices}
-    for op in ("kl_reward", "kl_penalty_loss"):
-        for name in sorted(names - {"torch", "triton"}):  # the interpreter is checked by its own tests
+    for op in ("kl_reward", "kl_penalty_loss", "token_logprobs"):
+        for name in sorted(names - {"torch", "triton"} - ({"cuda-emulated"} if op == "token_logprobs" else set())):  # the interpreter is checked by its own tests
             assert selfcheck.run(op, name, "cpu") == [], (op, name)
 
 
@@ -129,4 +171,5 @@ def test_info_check_command():
     lines = proc.stdout.splitlines()
     assert any(line.split()[:2] == ["kl_reward", "cpu"] and line.endswith("passed") for line in lines), proc.stdout
     assert any(line.split()[:2] == ["kl_penalty_loss", "cpu"] and line.endswith("passed") for line in lines)
+    assert any(line.split()[:2] == ["token_logprobs", "cpu"] and line.endswith("passed") for line in lines)
     assert not any(line.split()[1:2] == ["cuda-emulated"] for line in lines), proc.stdout

@@ -6,7 +6,8 @@ backend    devices    dtypes                    status in this version
 cuda       cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
 triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/token_logprobs.py``), one
                                                 program per row: compiled for sm_80/sm_90 and run in Triton's
-                                                interpreter in CI, never on a GPU yet, so only when named
+                                                interpreter in CI; ran on an H200 (2026-11-27: tests, no-sync,
+                                                CUDA graph); "auto" after its first-use self-check
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``,
                                                 ``csrc/cpu/token_logprobs_cpu.cpp``): a row at a time
 torch      cpu, cuda  fp32, bf16, fp16, fp64    chunked torch math (reference.py): no [N, V]
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..triton import interpreting
-from ..backends import HALF_AND_SINGLE, Backend, _extension_reasons, _triton_reasons
+from ..backends import GPU_SELF_CHECK, HALF_AND_SINGLE, Backend, _extension_reasons, _triton_reasons
 from .ops import run_cpu, run_torch, run_triton
 
 _ROWS = frozenset({"packed"})
@@ -46,8 +47,10 @@ def _never(problem):  # an unavailable row is never chosen
 REGISTRY: list[Backend] = [
     Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built("CUDA"), _never, notes="not built yet"),
     Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, _ROWS,
-            _triton_reasons, run_triton, requires=_vocabulary_contiguous, auto_devices=frozenset(),
-            notes="Triton kernels, one program per row (only when named: not yet run on a GPU)"),
+            _triton_reasons, run_triton, requires=_vocabulary_contiguous, auto_devices=frozenset({"cuda"}),
+            self_check_devices=GPU_SELF_CHECK,
+            notes="Triton kernels, one program per row" + (" (interpreter: CPU tensors on request)" if interpreting()
+                                                          else " (auto: after its first-use self-check)")),
     Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS,
             lambda: _extension_reasons("_C", "token_logprobs_forward"), run_cpu, requires=_vocabulary_contiguous,
             notes="fused multi-threaded C++ kernel"),

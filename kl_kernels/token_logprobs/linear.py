@@ -11,13 +11,16 @@ chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import torch
 
+from .. import backends as _dispatch
 from . import launch, launch_triton, reference
 from .api import TokenLogprobsOutput
-from .problem import LOGIT_DTYPES
+from .backends import REGISTRY
+from .problem import LOGIT_DTYPES, build_problem
 
 # Tokens per chunk: about 2^24 logits (64 MiB in float32), whatever V.
 CHUNK_LOGITS = 1 << 24
@@ -94,9 +97,9 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         bias: optional ``[V]`` (gradients flow).
         temperature, return_entropy, mask, ignore_index: as :func:`kl_kernels.token_logprobs`.
         chunk_size: tokens per chunk (an int >= 1), default ``max(1, 2**24 // V)``.
-        backend: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, else the
-            chunked torch math), ``"cpu"``, ``"triton"`` (only when named, as for ``token_logprobs``)
-            or ``"torch"``.
+        backend: the row pass's, chosen as :func:`kl_kernels.token_logprobs` chooses for a chunk's
+            logits: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, Triton on a
+            GPU after its self-check, else the chunked torch math), ``"cpu"``, ``"triton"`` or ``"torch"``.
 
     Returns:
         :class:`~kl_kernels.token_logprobs.TokenLogprobsOutput` ``(log_probs, entropy)``, ``[*S]``,
@@ -138,42 +141,17 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         raise ValueError(f"chunk_size must be None or an int >= 1 (tokens per chunk), got {chunk_size!r}")
     # labels, mask, temperature, ignore_index: token_logprobs' own checks, on a zero-stride stand-in for
     # the logits (no [N, V] memory)
-    from .problem import build_problem
-
-    stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
-    p = build_problem(stand_in, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
-                      ignore_index=ignore_index, inplace_backward=False)
-    name = _backend(backend, hidden)
+    p = build_problem(hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab), labels, temperature=temperature,
+                      return_entropy=return_entropy, mask=mask, ignore_index=ignore_index, inplace_backward=False)
+    # The backend: token_logprobs' own dispatch, asked about what the row pass will get, a chunk's fresh
+    # contiguous logits [C, V] (one row stands in)
+    chunk_rows = dataclasses.replace(p, logits=hidden.new_empty((1, vocab)), labels=p.labels[:0], counted=p.counted[:0])
+    try:
+        name = _dispatch.select(REGISTRY, backend, op="token_logprobs", problem=chunk_rows).name
+    except _dispatch.BackendUnavailableError as exc:
+        raise _dispatch.BackendUnavailableError(f"linear_token_logprobs (its row pass): {exc}") from None
     shape = p.labels.shape
     lp, ent, _ = _LinearTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                             p.labels.reshape(-1), p.counted.reshape(-1), p.temperature,
                                             return_entropy, int(chunk_size), name)
     return TokenLogprobsOutput(lp.reshape(shape), ent.reshape(shape) if return_entropy else None)
-
-
-def _backend(backend, hidden) -> str:
-    from .. import backends as _dispatch
-
-    name = _dispatch.requested_backend(backend)
-    fused_ok = hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-        and not launch_missing()
-    if name == "auto":
-        return "cpu" if fused_ok else "torch"
-    from .backends import REGISTRY
-
-    triton_row = next(b for b in REGISTRY if b.name == "triton")
-    triton_ok = (hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                 and not triton_row.unavailable_reasons() and hidden.device.type in triton_row.devices)
-    if name == "torch" or (name == "cpu" and fused_ok) or (name == "triton" and triton_ok):
-        return name
-    raise _dispatch.BackendUnavailableError(
-        f"linear_token_logprobs: backend {name!r} cannot run these inputs ({hidden.dtype} on {hidden.device}): "
-        "it runs on 'cpu' (CPU tensors, fp32/bf16/fp16, the fused row kernel), 'triton' (fp32/bf16/fp16 where "
-        "Triton runs) and 'torch'")
-
-
-def launch_missing() -> bool:
-    from .. import _extensions
-
-    return _extensions.kernel("_C", "token_logprobs_forward")[1] is not None
-

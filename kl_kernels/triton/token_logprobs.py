@@ -8,8 +8,8 @@
 with z = x / T (as x * (1 / T)), the sums per BLOCK-wide step in float32 and across steps in float64,
 in a fixed order: deterministic. A counted row with a NaN or +inf logit, or only -inf ones, gives NaN.
 Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view or
-[B, T, V] slabs), the vocabulary contiguous. Not yet run on a GPU: compiled for sm_80/sm_90 in CI and
-run under the interpreter; the ``triton`` backend runs them only when named.
+[B, T, V] slabs), the vocabulary contiguous. Compiled for sm_80/sm_90 and run under the interpreter in
+CI; run on an H200 (bench/results/gpu-h200-2026-11-27): "auto" takes them on a GPU after the self-check.
 """
 
 from __future__ import annotations
