@@ -113,7 +113,6 @@ def backward(grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None, lo
     """Write ``d loss / d logits`` into ``out`` (logits' shape and dtype; the logits themselves
     for ``inplace_backward``: each chunk is read before it is overwritten) and return it."""
     md = math_dtype(logits)
-    n = labels.numel()
     lab, cnt = labels.reshape(-1), counted.reshape(-1)
     zero = torch.zeros((), dtype=md, device=logits.device)
     gl = torch.where(cnt, grad_lp.reshape(-1).to(md), zero) if grad_lp is not None else None
@@ -135,5 +134,4 @@ def backward(grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None, lo
             d = d + gh[r0:r1].unsqueeze(1) * torch.where(p > 0, p * (u - h_all[r0:r1].unsqueeze(1)), 0.0)
         d = torch.where(cnt[r0:r1].unsqueeze(1), d / temperature, 0.0)
         target.copy_(d)
-    del n
     return out
