@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kl_kernels import BackendUnavailableError, token_logprobs
-from kl_kernels.token_logprobs import ops, reference
+from kl_kernels import BackendUnavailableError, token_logprobs, vocab_rows
+from kl_kernels.token_logprobs import ops  # noqa: F401 - registers the torch.library ops
 from conftest import backend_device
 from tolerances import TOLERANCES
 
@@ -154,7 +154,7 @@ def test_many_chunks_match_the_oracle(case, rows):
     """A few rows per chunk: the chunk loop, its row ranges and the [B, T, V] slab walk."""
     logits = case[0]
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(reference, "CHUNK_ELEMENTS", rows * logits.shape[-1])
+        m.setattr(vocab_rows, "CHUNK_ELEMENTS", rows * logits.shape[-1])
         _check(*case, backend="torch")
 
 
@@ -346,5 +346,5 @@ def test_torch_path_chunks_are_larger_on_a_gpu():
     """On a GPU a chunk of the torch path is 64M logits, not the CPU's cache-sized 1M: with 1M, N = 8192,
     V = 128k took ~1,000 chunks of small launches, 794 ms where eager took 63 (H200, 2026-11-27)."""
     vocab = 131072
-    assert reference._rows_per_chunk(torch.empty(1, vocab)) == (1 << 20) // vocab
-    assert reference._rows_per_chunk(torch.empty(1, vocab, device="meta")) == (1 << 26) // vocab == 512
+    assert vocab_rows.rows_per_chunk(torch.empty(1, vocab)) == (1 << 20) // vocab
+    assert vocab_rows.rows_per_chunk(torch.empty(1, vocab, device="meta")) == (1 << 26) // vocab == 512

@@ -1,23 +1,14 @@
 """Host launcher of the fused CPU ``token_logprobs`` kernels (``csrc/cpu/token_logprobs_cpu.cpp``):
 fill ``TokenLogprobsArgs`` from tensors, allocate the outputs, launch. Everything has been validated
 by ``problem.py``; the logits' vocabulary dimension is contiguous (``backends.py`` requires it) and
-their rows form an ``[N, V]`` view or ``[B, T, V]`` slabs (``reference.rows_of``)."""
+their rows form an ``[N, V]`` view or ``[B, T, V]`` slabs (``kl_kernels.vocab_rows``)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..launching import DTYPE_CODES, kernel_module, launch_kernel, ptr, resolved
-from .reference import rows_of
-
-
-def _row_map(x: torch.Tensor) -> tuple[int, int, int]:
-    """(inner, stride_outer, stride_inner) of row r = (r // inner) * stride_outer + (r % inner) * stride_inner."""
-    if x.dim() == 1:
-        return 1, 0, 0
-    if x.dim() == 2:
-        return max(x.shape[0], 1), 0, x.stride(0)
-    return max(x.shape[1], 1), x.stride(0), x.stride(1)
+from ..vocab_rows import row_map, rows_of
 
 
 def _args(module, logits, labels, counted, temperature):
@@ -25,7 +16,7 @@ def _args(module, logits, labels, counted, temperature):
     rows = rows_of(logits)
     a = module.TokenLogprobsArgs()
     a.logits, a.dtype, a.rows, a.vocab = ptr(rows), DTYPE_CODES[rows.dtype], labels.numel(), rows.shape[-1]
-    a.inner, a.stride_outer, a.stride_inner = _row_map(rows)
+    a.inner, a.stride_outer, a.stride_inner = row_map(rows)
     labels = labels.contiguous()
     counted = counted.contiguous()
     a.labels, a.counted, a.inv_temperature = ptr(labels), ptr(counted), 1.0 / temperature
@@ -54,7 +45,7 @@ def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float,
     g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).to(torch.float32).contiguous()
     target = out if out.dim() <= 3 else out.view(-1, out.shape[-1])
     a.grad_logits = ptr(target)
-    _, a.g_stride_outer, a.g_stride_inner = _row_map(target)
+    _, a.g_stride_outer, a.g_stride_inner = row_map(target)
     a.lse, a.entropy = ptr(lse), ptr(entropy) if g_ent is not None else 0
     a.grad_lp, a.grad_entropy = ptr(g_lp), ptr(g_ent)
     launch_kernel(module, module.token_logprobs_backward, a, logits.device, "token_logprobs")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..launching import resolved
-from .launch import _row_map
-from .reference import rows_of
+from ..vocab_rows import row_map, rows_of
 
 BLOCK = 1024  # entries of a row per step (4 per thread at 8 warps)
 
@@ -27,7 +26,7 @@ def forward(logits, labels, counted, temperature: float, want_entropy: bool):
     ent = torch.empty(labels.shape if want_entropy else (0,), dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     if n:
-        inner, so, si = _row_map(rows)
+        inner, so, si = row_map(rows)
         flags = counted.contiguous().view(torch.uint8)  # the kernels read the bool mask as bytes
         fwd[(n,)](rows, labels.contiguous(), flags, lp, lse, ent if want_entropy else lp, n, rows.shape[-1], inner, so,
                   si, 1.0 / temperature, WANT_ENTROPY=want_entropy, BLOCK=BLOCK, num_warps=8)
@@ -41,8 +40,8 @@ def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float,
     n = labels.numel()
     if n:
         target = out if out.dim() <= 3 else out.view(-1, out.shape[-1])
-        inner, so, si = _row_map(rows)
-        _, gso, gsi = _row_map(target)
+        inner, so, si = row_map(rows)
+        _, gso, gsi = row_map(target)
         g_lp = None if grad_lp is None else grad_lp.reshape(-1).to(torch.float32).contiguous()
         g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).to(torch.float32).contiguous()
         flags = counted.contiguous().view(torch.uint8)

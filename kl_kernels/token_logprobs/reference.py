@@ -15,64 +15,20 @@ Non-counted tokens give 0 and no gradient, whatever their logits hold. A counted
 ``+inf``, or only ``-inf``, gives NaN (the softmax is undefined there); ``-inf`` entries elsewhere
 are fine (masked vocabulary: probability 0, no gradient).
 
-Rows are processed ``CHUNK_ELEMENTS // V`` at a time (``GPU_CHUNK_ELEMENTS // V`` on a GPU), so the float32 temporaries are a few chunks
+Rows are processed a chunk at a time (``kl_kernels.vocab_rows``: 1M logits on the CPU, 64M on a GPU), so the float32 temporaries are a few chunks
 of ``[rows, V]``, never ``[N, V]``: forward keeps only ``lse`` and ``H`` per token (float32), and
 backward recomputes ``p`` per chunk from the logits. Math in float32 (float64 for float64 logits).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
-# Elements per chunk of the float32 temporaries (z, p, ...), whatever V. On the CPU 1M (4 MiB each, near
-# the cache); on a GPU 64M (256 MiB each): a chunk's ~30 small launches cost ~0.3 ms of host time, so 1M
-# chunks made N = 8192, V = 128k take ~1,000 of them, 794 ms where eager took 63 (H200, 2026-11-27).
-CHUNK_ELEMENTS = 1 << 20
-GPU_CHUNK_ELEMENTS = 1 << 26
+from ..vocab_rows import row_blocks, rows_of, rows_per_chunk
 
 
 def math_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
-def rows_of(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` as something :func:`row_blocks` walks without a copy: itself when its rows form an
-    ``[N, V]`` view or ``[B, T, V]`` slabs (e.g. ``logits[:, :-1]``), else one contiguous copy."""
-    if logits.dim() <= 3:
-        return logits
-    try:
-        return logits.view(-1, logits.shape[-1])
-    except RuntimeError:
-        return logits.reshape(-1, logits.shape[-1])  # a copy: no view reaches these rows
-
-
-def row_blocks(x: torch.Tensor, rows: int, *others: torch.Tensor) -> Iterator[tuple]:
-    """``(r0, r1, x_block, *other_blocks)``: consecutive row ranges ``[r0, r1)`` of the flattened
-    ``[*S, V]`` tensor ``x`` as ``[r1 - r0, V]`` views, at most ``rows`` rows each, and the same rows
-    of each tensor of ``others`` (same shape as ``x``)."""
-    vocab = x.shape[-1]
-    if x.dim() == 1:
-        x, others = x.unsqueeze(0), tuple(o.unsqueeze(0) for o in others)
-    if x.dim() == 3:
-        try:
-            x, others = x.view(-1, vocab), tuple(o.view(-1, vocab) for o in others)
-        except RuntimeError:  # [B, T, V] slabs, e.g. logits[:, :-1]: row blocks within each slab
-            width = x.shape[1]
-            for b in range(x.shape[0]):
-                for t0 in range(0, width, rows):
-                    t1 = min(t0 + rows, width)
-                    yield (b * width + t0, b * width + t1, x[b, t0:t1], *(o[b, t0:t1] for o in others))
-            return
-    for r0 in range(0, x.shape[0], rows):
-        r1 = min(r0 + rows, x.shape[0])
-        yield (r0, r1, x[r0:r1], *(o[r0:r1] for o in others))
-
-
-def _rows_per_chunk(logits: torch.Tensor) -> int:
-    elements = CHUNK_ELEMENTS if logits.device.type == "cpu" else GPU_CHUNK_ELEMENTS
-    return max(1, elements // logits.shape[-1])
 
 
 def forward(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, temperature: float,
@@ -86,7 +42,7 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, t
     ent = torch.zeros(n if want_entropy else 0, dtype=md, device=logits.device)
     lse = torch.zeros(n, dtype=md, device=logits.device)
     nan = torch.full((), float("nan"), dtype=md, device=logits.device)
-    for r0, r1, block in row_blocks(rows_of(logits), _rows_per_chunk(logits)):
+    for r0, r1, block in row_blocks(rows_of(logits), rows_per_chunk(logits)):
         z = block.to(md) / temperature
         top = z.amax(-1)
         undefined = torch.isnan(top) | torch.isinf(top)  # NaN, +inf, or every entry -inf
@@ -120,7 +76,7 @@ def backward(grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None, lo
     h_all = entropy.reshape(-1) if gh is not None else None
     source = rows_of(logits)
     dest = out if source is logits else out.view(source.shape)
-    for r0, r1, block, target in row_blocks(source, _rows_per_chunk(logits), dest):
+    for r0, r1, block, target in row_blocks(source, rows_per_chunk(logits), dest):
         z = block.to(md) / temperature
         u = lse[r0:r1].unsqueeze(1) - z
         p = torch.exp(-u)
