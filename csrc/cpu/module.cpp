@@ -21,6 +21,7 @@
 #include "cpu/parallel.h"
 #include "cpu/tensor_lists.h"
 #include "cpu/tensordict_samples.h"
+#include "cpu/full_kl_cpu.h"
 #include "cpu/token_logprobs_cpu.h"
 
 namespace py = pybind11;
@@ -47,6 +48,8 @@ py::dict probe() {
   kernels.append("kl_penalty_sequence_log_ratio");
   kernels.append("token_logprobs_forward");
   kernels.append("token_logprobs_backward");
+  kernels.append("full_kl_forward");
+  kernels.append("full_kl_backward");
   info["kernels"] = kernels;
   info["parallel_runtime"] = kl::parallel_runtime();  // decided at first use, after torch is loaded
   return info;
@@ -169,4 +172,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("token_logprobs_backward", &kl::token_logprobs_backward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused token_logprobs backward on the CPU (the logits' gradient, in place allowed); 0 or an error code.");
+  {
+    py::class_<kl::FullKLArgs> c(m, "FullKLArgs", py::module_local());
+    c.def(py::init<>());
+#define KL_FIELD(name) c.def_readwrite(#name, &kl::FullKLArgs::name)
+    KL_FIELD(logits); KL_FIELD(ref_logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner);
+    KL_FIELD(stride_outer); KL_FIELD(stride_inner); KL_FIELD(ref_stride_outer); KL_FIELD(ref_stride_inner);
+    KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(kl); KL_FIELD(lse); KL_FIELD(ref_lse); KL_FIELD(grad_kl);
+    KL_FIELD(grad_logits); KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner); KL_FIELD(grad_ref);
+    KL_FIELD(gr_stride_outer); KL_FIELD(gr_stride_inner);
+#undef KL_FIELD
+  }
+  m.def("full_kl_forward", &kl::full_kl_forward_cpu, py::arg("args"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused full_kl forward on the CPU (KL over the vocabulary, lse, ref_lse per row); 0 or an error code.");
+  m.def("full_kl_backward", &kl::full_kl_backward_cpu, py::arg("args"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused full_kl backward on the CPU (the gradients to both logits); 0 or an error code.");
 }

@@ -17,28 +17,15 @@
 
 #include "common/codes.h"
 #include "common/kl_math.h"
-#include "cpu/parallel.h"
+#include "cpu/vocab_rows.h"
 
 namespace kl {
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KL_TLP_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define KL_TLP_CLONES
-#endif
-
-constexpr int kL = 16;          // vector lanes of the row loops
-constexpr int64_t kSpan = 256;  // entries summed in float before the float64 accumulators
 constexpr float kInf = std::numeric_limits<float>::infinity();
-// lse - z beyond this has e^(z - lse) == 0 in float32 (exp_vec flushes below e^-87.3): clamping keeps
-// 0 * inf (a -inf logit) out of the entropy terms.
-constexpr float kFar = 88.0f;
-
-inline int64_t row_start(int64_t r, int64_t inner, int64_t so, int64_t si) { return (r / inner) * so + (r % inner) * si; }
 
 template <int32_t DT>
-KL_TLP_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
+KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
   const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
@@ -56,11 +43,11 @@ KL_TLP_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
     }
     const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
     // pass 1: the max (a +inf shows there), and whether a NaN is there (selects: both vectorize)
-    float mx[kL], nan_seen[kL];
-    for (int l = 0; l < kL; ++l) mx[l] = -kInf, nan_seen[l] = 0.0f;
+    float mx[kRowLanes], nan_seen[kRowLanes];
+    for (int l = 0; l < kRowLanes; ++l) mx[l] = -kInf, nan_seen[l] = 0.0f;
     int64_t j = 0;
-    for (; j + kL <= V; j += kL) {
-      for (int l = 0; l < kL; ++l) {
+    for (; j + kRowLanes <= V; j += kRowLanes) {
+      for (int l = 0; l < kRowLanes; ++l) {
         const float z = from_bits<DT>(row[j + l]) * inv_t;
         mx[l] = z > mx[l] ? z : mx[l];
         nan_seen[l] = z != z ? 1.0f : nan_seen[l];
@@ -73,7 +60,7 @@ KL_TLP_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
     }
     float m = -kInf;
     bool bad = false;
-    for (int l = 0; l < kL; ++l) m = mx[l] > m ? mx[l] : m, bad = bad || nan_seen[l] != 0.0f;
+    for (int l = 0; l < kRowLanes; ++l) m = mx[l] > m ? mx[l] : m, bad = bad || nan_seen[l] != 0.0f;
     bad = bad || m == kInf;
     const int64_t y = labels[r];
     if (bad || m == -kInf || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
@@ -85,26 +72,26 @@ KL_TLP_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
     }
     // pass 2: S and W, 16 float lanes over each 256-entry span, spans added in float64
     double S = 0.0, W = 0.0;
-    for (int64_t s0 = 0; s0 < V; s0 += kSpan) {
-      const int64_t s1 = s0 + kSpan < V ? s0 + kSpan : V;
-      float se[kL], sw[kL];
-      for (int l = 0; l < kL; ++l) se[l] = 0.0f, sw[l] = 0.0f;
+    for (int64_t s0 = 0; s0 < V; s0 += kRowSpan) {
+      const int64_t s1 = s0 + kRowSpan < V ? s0 + kRowSpan : V;
+      float se[kRowLanes], sw[kRowLanes];
+      for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sw[l] = 0.0f;
       int64_t k = s0;
-      for (; k + kL <= s1; k += kL) {
-        for (int l = 0; l < kL; ++l) {
+      for (; k + kRowLanes <= s1; k += kRowLanes) {
+        for (int l = 0; l < kRowLanes; ++l) {
           const float d = m - from_bits<DT>(row[k + l]) * inv_t;  // >= 0 (inf at -inf)
           const float e = exp_vec(-d);
           se[l] += e;
-          sw[l] += e * (d <= kFar ? d : kFar);
+          sw[l] += e * (d <= kRowFar ? d : kRowFar);
         }
       }
       for (; k < s1; ++k) {
         const float d = m - from_bits<DT>(row[k]) * inv_t;
         const float e = exp_vec(-d);
         se[0] += e;
-        sw[0] += e * (d <= kFar ? d : kFar);
+        sw[0] += e * (d <= kRowFar ? d : kRowFar);
       }
-      for (int l = 0; l < kL; ++l) S += se[l], W += sw[l];
+      for (int l = 0; l < kRowLanes; ++l) S += se[l], W += sw[l];
     }
     const double log_s = std::log(S);
     const float lse = static_cast<float>(static_cast<double>(m) + log_s);
@@ -115,7 +102,7 @@ KL_TLP_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
 }
 
 template <int32_t DT>
-KL_TLP_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
+KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
   const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
@@ -143,47 +130,31 @@ KL_TLP_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t
     for (int64_t j = 0; j < V; ++j) {
       const float d = lse - from_bits<DT>(row[j]) * inv_t;  // lse - z_j
       const float p = exp_vec(-d);
-      const float g = -gl * p + gh * (p * ((d <= kFar ? d : kFar) - h));
+      const float g = -gl * p + gh * (p * ((d <= kRowFar ? d : kRowFar) - h));
       out[j] = to_bits<DT>(g * inv_t);
     }
     if (in_vocab) {
       const float d = lse - zy;
       const float p = exp_vec(-d);
-      out[y] = to_bits<DT>((gl * (1.0f - p) + gh * (p * ((d <= kFar ? d : kFar) - h))) * inv_t);
+      out[y] = to_bits<DT>((gl * (1.0f - p) + gh * (p * ((d <= kRowFar ? d : kRowFar) - h))) * inv_t);
     }
   }
-}
-
-template <class Fn>
-int run_rows(const TokenLogprobsArgs& a, int num_threads, Fn&& fn) {
-  if (a.rows <= 0) return 0;
-  const int64_t per_tile = a.vocab >= 65536 ? 1 : 65536 / a.vocab;  // ~64k logits a tile
-  const int64_t tiles = (a.rows + per_tile - 1) / per_tile;
-  run_tiles(tiles, num_threads, [&](int64_t t) {
-    const int64_t r0 = t * per_tile;
-    fn(r0, r0 + per_tile < a.rows ? r0 + per_tile : a.rows);
-  });
-  return 0;
 }
 
 }  // namespace
 
 int token_logprobs_forward_cpu(const TokenLogprobsArgs& a, int num_threads) {
-  switch (a.dtype) {
-    case kFloat32: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kFloat32>(a, r0, r1); });
-    case kBFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kBFloat16>(a, r0, r1); });
-    case kFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kFloat16>(a, r0, r1); });
-    default: return 1;
-  }
+  return with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kDt>(a, r0, r1); });
+  });
 }
 
 int token_logprobs_backward_cpu(const TokenLogprobsArgs& a, int num_threads) {
-  switch (a.dtype) {
-    case kFloat32: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kFloat32>(a, r0, r1); });
-    case kBFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kBFloat16>(a, r0, r1); });
-    case kFloat16: return run_rows(a, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kFloat16>(a, r0, r1); });
-    default: return 1;
-  }
+  return with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kDt>(a, r0, r1); });
+  });
 }
 
 }  // namespace kl

@@ -1,0 +1,163 @@
+// Fused CPU full_kl: per counted row, the policy's logits x and the reference's r (V entries each),
+// z = x / T, w = r / T,
+//
+//   forward:  m = max z, n = max w;  u_j = m - z_j >= 0, v_j = n - w_j >= 0 (inf at a -inf logit)
+//             S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)   (a term is 0 where e^-u_j is)
+//             KL = A / S + log R - log S;  lse = m + log S;  ref_lse = n + log R
+//   backward: p_j = e^(z_j - lse), q_j = e^(w_j - ref_lse)
+//             d x_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T       (0 where p_j is)
+//             d r_j = g (q_j - p_j) / T
+//
+// the formulas of kl_kernels/full_kl/reference.py (tests/test_full_kl.py holds both to a float64 oracle).
+// Subtracting each row's own max before the difference (v_j - u_j, not z_j - w_j) keeps a constant shift
+// between the two models' logits, which cancels in the KL, out of the float32 arithmetic. A counted row
+// with a NaN or +inf in either tensor, or only -inf in either, gives NaN; the policy putting mass where
+// the reference has none (w_j = -inf, p_j > 0) gives KL = +inf; a row whose KL is not finite has NaN
+// gradients. Sums: 16 float lanes over 256 entries, then float64, in a fixed order: deterministic for any
+// thread count. The forward reads each row twice while it sits in cache; no [N, V] temporary.
+#include "cpu/full_kl_cpu.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "common/codes.h"
+#include "common/kl_math.h"
+#include "cpu/vocab_rows.h"
+
+namespace kl {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+template <int32_t DT>
+KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  float* kl_out = reinterpret_cast<float*>(a.kl);
+  float* lse_out = reinterpret_cast<float*>(a.lse);
+  float* ref_lse_out = reinterpret_cast<float*>(a.ref_lse);
+  using Bits = BitsOf<DT>;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (!counted[r]) {
+      kl_out[r] = 0.0f, lse_out[r] = 0.0f, ref_lse_out[r] = 0.0f;
+      continue;
+    }
+    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
+                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
+    // pass 1: both maxima (a +inf shows there) and whether a NaN is in either row
+    float mz[kRowLanes], mw[kRowLanes], nan_seen[kRowLanes];
+    for (int l = 0; l < kRowLanes; ++l) mz[l] = -kInf, mw[l] = -kInf, nan_seen[l] = 0.0f;
+    int64_t j = 0;
+    for (; j + kRowLanes <= V; j += kRowLanes) {
+      for (int l = 0; l < kRowLanes; ++l) {
+        const float z = from_bits<DT>(x[j + l]) * inv_t, w = from_bits<DT>(y[j + l]) * inv_t;
+        mz[l] = z > mz[l] ? z : mz[l];
+        mw[l] = w > mw[l] ? w : mw[l];
+        nan_seen[l] = (z != z) | (w != w) ? 1.0f : nan_seen[l];
+      }
+    }
+    for (; j < V; ++j) {
+      const float z = from_bits<DT>(x[j]) * inv_t, w = from_bits<DT>(y[j]) * inv_t;
+      mz[0] = z > mz[0] ? z : mz[0];
+      mw[0] = w > mw[0] ? w : mw[0];
+      nan_seen[0] = (z != z) | (w != w) ? 1.0f : nan_seen[0];
+    }
+    float m = -kInf, n = -kInf;
+    bool bad = false;
+    for (int l = 0; l < kRowLanes; ++l) {
+      m = mz[l] > m ? mz[l] : m;
+      n = mw[l] > n ? mw[l] : n;
+      bad = bad || nan_seen[l] != 0.0f;
+    }
+    if (bad || m == kInf || n == kInf || m == -kInf || n == -kInf) {  // a softmax is undefined
+      kl_out[r] = kNaN, lse_out[r] = kNaN, ref_lse_out[r] = kNaN;
+      continue;
+    }
+    // pass 2: S, R and A, 16 float lanes over each 256-entry span, spans added in float64
+    double S = 0.0, R = 0.0, A = 0.0;
+    for (int64_t s0 = 0; s0 < V; s0 += kRowSpan) {
+      const int64_t s1 = s0 + kRowSpan < V ? s0 + kRowSpan : V;
+      float se[kRowLanes], sr[kRowLanes], sa[kRowLanes];
+      for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sr[l] = 0.0f, sa[l] = 0.0f;
+      int64_t k = s0;
+      for (; k + kRowLanes <= s1; k += kRowLanes) {
+        for (int l = 0; l < kRowLanes; ++l) {
+          const float u = m - from_bits<DT>(x[k + l]) * inv_t, v = n - from_bits<DT>(y[k + l]) * inv_t;
+          const float e = exp_vec(-u);
+          se[l] += e;
+          sr[l] += exp_vec(-v);
+          sa[l] += e > 0.0f ? e * (v - u) : 0.0f;
+        }
+      }
+      for (; k < s1; ++k) {
+        const float u = m - from_bits<DT>(x[k]) * inv_t, v = n - from_bits<DT>(y[k]) * inv_t;
+        const float e = exp_vec(-u);
+        se[0] += e;
+        sr[0] += exp_vec(-v);
+        sa[0] += e > 0.0f ? e * (v - u) : 0.0f;
+      }
+      for (int l = 0; l < kRowLanes; ++l) S += se[l], R += sr[l], A += sa[l];
+    }
+    const double log_s = std::log(S), log_r = std::log(R);
+    kl_out[r] = static_cast<float>(A / S + (log_r - log_s));
+    lse_out[r] = static_cast<float>(static_cast<double>(m) + log_s);
+    ref_lse_out[r] = static_cast<float>(static_cast<double>(n) + log_r);
+  }
+}
+
+template <int32_t DT>
+KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  const float* kl_in = reinterpret_cast<const float*>(a.kl);
+  const float* lse_in = reinterpret_cast<const float*>(a.lse);
+  const float* ref_lse_in = reinterpret_cast<const float*>(a.ref_lse);
+  const float* g_kl = reinterpret_cast<const float*>(a.grad_kl);
+  using Bits = BitsOf<DT>;
+  for (int64_t r = r0; r < r1; ++r) {
+    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
+                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
+    Bits* gx = a.grad_logits ? reinterpret_cast<Bits*>(a.grad_logits)
+                                   + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner) : nullptr;
+    Bits* gr = a.grad_ref ? reinterpret_cast<Bits*>(a.grad_ref)
+                                + row_start(r, a.inner, a.gr_stride_outer, a.gr_stride_inner) : nullptr;
+    const float kl = kl_in[r];
+    if (!counted[r] || !std::isfinite(kl)) {  // 0, or NaN: the gradient of an infinite or undefined KL
+      const Bits fill = to_bits<DT>(counted[r] ? kNaN : 0.0f);
+      for (int64_t j = 0; gx && j < V; ++j) gx[j] = fill;
+      for (int64_t j = 0; gr && j < V; ++j) gr[j] = fill;
+      continue;
+    }
+    const float g = g_kl[r] * inv_t, lse = lse_in[r], ref_lse = ref_lse_in[r];
+    for (int64_t j = 0; j < V; ++j) {
+      const float u = lse - from_bits<DT>(x[j]) * inv_t, v = ref_lse - from_bits<DT>(y[j]) * inv_t;
+      const float p = exp_vec(-u);
+      if (gx) gx[j] = to_bits<DT>(p > 0.0f ? g * (p * ((v - u) - kl)) : 0.0f);
+      if (gr) gr[j] = to_bits<DT>(g * (exp_vec(-v) - p));
+    }
+  }
+}
+
+}  // namespace
+
+int full_kl_forward_cpu(const FullKLArgs& a, int num_threads) {
+  return with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kDt>(a, r0, r1); });
+  });
+}
+
+int full_kl_backward_cpu(const FullKLArgs& a, int num_threads) {
+  return with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kDt>(a, r0, r1); });
+  });
+}
+
+}  // namespace kl
