@@ -12,6 +12,7 @@ from . import _extensions
 from .backends import BACKEND_NAMES, ENV_VAR
 from .kl_penalty.backends import REGISTRY as PENALTY_REGISTRY
 from .kl_reward.backends import REGISTRY
+from .full_kl.backends import REGISTRY as FULL_KL_REGISTRY
 from .token_logprobs.backends import REGISTRY as LOGPROBS_REGISTRY
 from .version import __version__
 
@@ -25,7 +26,7 @@ def info() -> dict:
     ``{"available": bool, "reason": str | None, "devices", "dtypes", "layouts", "notes"}``,
     where ``reason`` lists every cause of unavailability (``kl_reward``'s backends; those of
     ``kl_penalty_loss`` are under ``kl_penalty_loss_backends``, those of ``token_logprobs`` under
-    ``token_logprobs_backends``).
+    ``token_logprobs_backends``, those of ``full_kl`` under ``full_kl_backends``).
 
     Example::
 
@@ -44,4 +45,5 @@ def info() -> dict:
         "backends": {b.name: b.describe() for b in sorted(REGISTRY, key=lambda b: BACKEND_NAMES.index(b.name))},
         "kl_penalty_loss_backends": {b.name: b.describe() for b in PENALTY_REGISTRY},
         "token_logprobs_backends": {b.name: b.describe() for b in LOGPROBS_REGISTRY},
+        "full_kl_backends": {b.name: b.describe() for b in FULL_KL_REGISTRY},
     }

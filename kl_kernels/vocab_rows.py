@@ -14,6 +14,21 @@ from typing import Iterator
 
 import torch
 
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_logits(name: str, x) -> None:
+    """``x`` is a dense ``[*S, V]`` float tensor with ``V >= 1``, or a ``TypeError``/``ValueError`` naming
+    ``name`` and what was expected."""
+    if not isinstance(x, torch.Tensor) or x.is_nested or x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor [*S, V], got {type(x).__name__}"
+                        + (" (nested)" if isinstance(x, torch.Tensor) and x.is_nested else ""))
+    if x.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must be [*S, V] with a vocabulary V >= 1, got shape {list(x.shape)}")
+
+
 # Elements per chunk of the float32 temporaries of the torch math (z, p, ...), whatever V. On the CPU 1M
 # (4 MiB each, near the cache); on a GPU 64M (256 MiB each): a chunk's ~30 small launches cost ~0.3 ms of
 # host time, so 1M chunks made N = 8192, V = 128k take ~1,000 of them, 794 ms where eager took 63 (H200,

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import ragged
+from ..vocab_rows import LOGIT_DTYPES, check_logits
 
-LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+__all__ = ["LOGIT_DTYPES", "TokenLogprobsProblem", "build_problem"]
 
 
 @dataclass
@@ -51,13 +52,7 @@ class TokenLogprobsProblem:
 
 def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_index,
                   inplace_backward) -> TokenLogprobsProblem:
-    if not isinstance(logits, torch.Tensor) or logits.is_nested or logits.layout != torch.strided:
-        raise TypeError(f"logits must be a dense tensor [*S, V], got {type(logits).__name__}"
-                        + (" (nested)" if isinstance(logits, torch.Tensor) and logits.is_nested else ""))
-    if logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be [*S, V] with a vocabulary V >= 1, got shape {list(logits.shape)}")
+    check_logits("logits", logits)
     if not isinstance(labels, torch.Tensor) or labels.is_nested or labels.layout != torch.strided:
         raise TypeError(f"labels must be a dense integer tensor [*S], got {type(labels).__name__}")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:

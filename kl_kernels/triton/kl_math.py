@@ -70,6 +70,14 @@ def exp_bounded(y):
 
 
 @triton.jit
+def exp_row(y):
+    """e^y for any y <= 89 (-inf gives 0), the C++ exp_vec without its NaN select: the row-wise softmax
+    kernels' exp (token_logprobs, full_kl), where y = z - max <= 0."""
+    p, half, _ = _exp_reduce(y)
+    return (half * p + half) * 2.0
+
+
+@triton.jit
 def expm1(y):
     """expm1 in fp32, as ``kl::expm1_vec``: the polynomial itself where n = 0 (|y| < ln2/2, where
     e^y - 1 would cancel), e^y - 1 elsewhere; overflow gives +inf, NaN stays NaN."""

@@ -17,16 +17,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kl_math import _exp_reduce
+from .kl_math import exp_row as _exp
 
 FAR = tl.constexpr(88.0)  # lse - z beyond this has e^(z - lse) == 0 in float32: keeps 0 * inf out
-
-
-@triton.jit
-def _exp(y):
-    """e^y for any y <= 89 (-inf gives 0), the CPU kernel's exp_vec without its NaN select."""
-    p, half, _ = _exp_reduce(y)
-    return (half * p + half) * 2.0
 
 
 @triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner"))

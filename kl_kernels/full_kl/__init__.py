@@ -1,0 +1,13 @@
+"""``full_kl``: the exact ``KL(pi || pi_ref)`` over the whole vocabulary per token, from the policy's and
+the reference's logits, without an ``[N, V]`` float32 copy, with gradients to both.
+
+Files: ``api.py`` (the public function), ``problem.py`` (argument checks), ``reference.py`` (the math,
+chunked over rows, any float dtype), ``ops.py`` (the ``torch.library`` ops with fake and autograd),
+``launch.py`` (the fused CPU kernel's launcher; the kernel is ``csrc/cpu/full_kl_cpu.cpp``),
+``launch_triton.py`` (the Triton kernels' launcher; the kernels are ``kl_kernels/triton/full_kl.py``),
+``backends.py`` (which backends run it). Tests: ``tests/test_full_kl.py``; docs: ``python_api/full_kl.md``.
+"""
+
+from .api import full_kl
+
+__all__ = ["full_kl"]

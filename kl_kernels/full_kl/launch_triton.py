@@ -1,0 +1,55 @@
+"""Host launcher of the Triton ``full_kl`` kernels (``kl_kernels/triton/full_kl.py``): the launcher of
+``launch.py`` for Triton, one program per row, the same row maps."""
+
+from __future__ import annotations
+
+import torch
+
+from ..launching import resolved
+from ..vocab_rows import row_map, rows_of
+
+BLOCK = 1024  # entries of a row per step (4 per thread at 8 warps)
+
+
+def _kernels():
+    from ..triton import full_kl as k  # imported on first use: triton is optional
+
+    return k.full_kl_fwd_kernel, k.full_kl_bwd_kernel
+
+
+def forward(logits, ref_logits, counted, temperature: float):
+    fwd, _ = _kernels()
+    logits, ref_logits = resolved(logits, ref_logits)
+    x, r = rows_of(logits), rows_of(ref_logits)
+    n, dev = counted.numel(), logits.device
+    kl = torch.empty(counted.shape, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    ref_lse = torch.empty(n, dtype=torch.float32, device=dev)
+    if n:
+        inner, so, si = row_map(x)
+        _, rso, rsi = row_map(r)
+        flags = counted.contiguous().view(torch.uint8)  # the kernels read the bool mask as bytes
+        fwd[(n,)](x, r, flags, kl, lse, ref_lse, n, x.shape[-1], inner, so, si, rso, rsi, 1.0 / temperature,
+                  BLOCK=BLOCK, num_warps=8)
+    return kl, lse, ref_lse
+
+
+def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, ref_lse, grad_logits, grad_ref):
+    _, bwd = _kernels()
+    logits, ref_logits = resolved(logits, ref_logits)
+    x, r = rows_of(logits), rows_of(ref_logits)
+    n = counted.numel()
+    if not n or (grad_logits is None and grad_ref is None):
+        return
+    inner, so, si = row_map(x)
+    _, rso, rsi = row_map(r)
+    gx = None if grad_logits is None else (grad_logits if grad_logits.dim() <= 3 else grad_logits.view(-1, x.shape[-1]))
+    gr = None if grad_ref is None else (grad_ref if grad_ref.dim() <= 3 else grad_ref.view(-1, x.shape[-1]))
+    _, gso, gsi = row_map(gx) if gx is not None else (0, 0, 0)
+    _, grso, grsi = row_map(gr) if gr is not None else (0, 0, 0)
+    g = grad_kl.reshape(-1).to(torch.float32).contiguous()
+    flags = counted.contiguous().view(torch.uint8)
+    stand_in = gx if gx is not None else gr  # an absent output's pointer: never written (WANT_* off)
+    bwd[(n,)](x, r, flags, kl.reshape(-1), lse, ref_lse, g, gx if gx is not None else stand_in,
+              gr if gr is not None else stand_in, n, x.shape[-1], inner, so, si, rso, rsi, gso, gsi, grso, grsi,
+              1.0 / temperature, WANT_X=gx is not None, WANT_R=gr is not None, BLOCK=BLOCK, num_warps=8)

@@ -1,0 +1,297 @@
+"""full_kl against an independent float64 oracle (Python floats, one row at a time): values and the
+gradients to both logits, packed ``[N, V]``, padded ``[B, T, V]`` and sliced slabs (the reference in
+another layout too), every dtype, adversarial rows (huge magnitudes, -inf entries in either tensor, the
+policy's mass where the reference has none, a constant shift between the models, one-hot rows, NaN and
++inf, V = 1, V across the kernels' 256/1024 steps), mask; gradcheck, opcheck, torch.compile, argument
+checks, the backends' declarations, verl's kl_penalty="full"."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import backend_device
+from kl_kernels import BackendUnavailableError, full_kl
+from kl_kernels.full_kl import ops  # noqa: F401 - registers the torch.library ops
+from tolerances import TOLERANCES
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INF, NAN = math.inf, math.nan
+
+
+def _log_softmax(z: list) -> list | None:
+    if any(math.isnan(v) or v == INF for v in z) or all(v == -INF for v in z):
+        return None
+    top = max(z)
+    lse = top + math.log(math.fsum(math.exp(v - top) for v in z))
+    return [v - lse for v in z]
+
+
+# Below this log-probability a float32 probability is 0 in the fused kernels (their exp flushes under
+# e^-87.3; torch's own exp keeps denormals to e^-103): whether the policy's mass "where the reference has
+# none" makes the KL infinite then depends on the math dtype, so the oracle answers both ways there.
+FLOAT32_TINY_LOG_P = -87.3
+
+
+def oracle_row(x: list, r: list, temperature: float, tiny_log_p: float = -INF):
+    """(KL, d KL / d x, d KL / d r) of one row, in float64 Python math; policy probabilities with a log
+    below ``tiny_log_p`` count as 0."""
+    a, b = _log_softmax([v / temperature for v in x]), _log_softmax([v / temperature for v in r])
+    n = len(x)
+    if a is None or b is None:
+        return NAN, [NAN] * n, [NAN] * n
+    p, q = [math.exp(v) if v >= tiny_log_p else 0.0 for v in a], [math.exp(v) for v in b]
+    terms = [p[j] * (a[j] - b[j]) for j in range(n) if p[j] > 0]
+    kl = INF if any(t == INF for t in terms) else math.fsum(terms)
+    if not math.isfinite(kl):
+        return kl, [NAN] * n, [NAN] * n
+    dx = [(p[j] * ((a[j] - b[j]) - kl) if p[j] > 0 else 0.0) / temperature for j in range(n)]
+    dr = [(q[j] - p[j]) / temperature for j in range(n)]
+    return kl, dx, dr
+
+
+ROW_KINDS = ["plain"] * 6 + ["policy-neg-inf", "ref-neg-inf", "both-neg-inf", "one-hot", "shifted", "nan-policy",
+                             "nan-ref", "inf-ref", "ref-all-neg-inf"]
+
+
+@st.composite
+def cases(draw, dtypes=DTYPES):
+    dtype = draw(st.sampled_from(list(dtypes)))
+    vocab = draw(st.sampled_from([1, 2, 3, 7, 33, 64, 300, 1100]))
+    layout = draw(st.sampled_from(["packed", "padded", "sliced"]))
+    shape = (draw(st.integers(0, 6)),) if layout == "packed" else (draw(st.integers(0, 3)), draw(st.integers(0, 4)))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = draw(st.sampled_from([0.1, 3.0, 30.0] + ([3e3] if dtype != torch.float16 else [])))
+    full = shape if layout != "sliced" else (shape[0], shape[1] + 1)
+    x = torch.randn(*full, vocab, generator=g, dtype=torch.float64) * scale
+    r = x + torch.randn(*full, vocab, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.01, 1.0, scale]))
+    xf, rf = x.view(-1, vocab), r.view(-1, vocab)
+    for row in range(xf.shape[0]):
+        kind = draw(st.sampled_from(ROW_KINDS))
+        j = int(torch.randint(0, vocab, (), generator=g))
+        if kind == "policy-neg-inf" and vocab > 1:
+            xf[row, j] = -INF
+        elif kind == "ref-neg-inf":
+            rf[row, j] = -INF  # where the policy has mass: KL = +inf (or NaN if V = 1: no reference mass)
+        elif kind == "both-neg-inf" and vocab > 1:
+            xf[row, j], rf[row, j] = -INF, -INF
+        elif kind == "one-hot":
+            xf[row] = -INF
+            xf[row, j] = 1.0
+        elif kind == "shifted":  # the same distribution, logits shifted: KL = 0
+            rf[row] = xf[row] + 37.0
+        elif kind == "nan-policy":
+            xf[row, j] = NAN
+        elif kind == "nan-ref":
+            rf[row, j] = NAN
+        elif kind == "inf-ref":
+            rf[row, j] = INF
+        elif kind == "ref-all-neg-inf":
+            rf[row] = -INF
+    mask = (torch.rand(full, generator=g) < 0.8) if draw(st.booleans()) else None
+    logits, ref = x.to(dtype), r.to(dtype)
+    if layout == "sliced":  # logits[:, :-1]: [B, T, V] slabs, not an [N, V] view
+        logits, mask = logits[:, :-1], (None if mask is None else mask[:, :-1])
+        ref = ref[:, :-1] if draw(st.booleans()) else ref[:, :-1].contiguous()  # either layout
+    temperature = draw(st.sampled_from([1.0, 0.7, 2.5]))
+    return logits, ref, mask, temperature
+
+
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)]
+
+
+def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True):
+    md = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if backend in ("cpu", "triton") and logits.dtype == torch.float64:
+        backend = "torch"  # the fused kernels read fp32/bf16/fp16
+    dev = backend_device(backend)
+    logits, ref = logits.to(dev), ref.to(dev)
+    mask = None if mask is None else mask.to(dev)
+    x = logits.detach().clone().requires_grad_()
+    w = ref.detach().clone().requires_grad_(ref_grad)
+    before = (logits.detach().clone(), ref.detach().clone())
+    kl = full_kl(x, w, temperature=temperature, mask=mask, backend=backend)
+    assert kl.dtype == md and kl.shape == logits.shape[:-1]
+    g = torch.Generator().manual_seed(0)
+    up = torch.randn(kl.shape, generator=g, dtype=md)
+    leaves = [x, w] if ref_grad else [x]
+    grads = torch.autograd.grad((kl * up.to(dev)).sum(), leaves) if kl.requires_grad else [torch.zeros_like(x)] * 2
+    for t, b in zip((x, w), before):
+        assert torch.equal(t.detach().nan_to_num(), b.nan_to_num()), "an input was modified"
+    tol, gtol = TOLERANCES[md], TOLERANCES[logits.dtype]
+    vocab = logits.shape[-1]
+    rows_x = logits.detach().double().reshape(-1, vocab).tolist()
+    rows_r = ref.detach().double().reshape(-1, vocab).tolist()
+    counted = mask.reshape(-1).tolist() if mask is not None else [True] * len(rows_x)
+    got = kl.detach().reshape(-1).tolist()
+    got_g = [t.double().reshape(-1, vocab).tolist() for t in grads]
+    ups = up.reshape(-1).tolist()
+    for i, (rx, rr) in enumerate(zip(rows_x, rows_r)):
+        if not counted[i]:
+            assert got[i] == 0, f"row {i}: not counted, KL {got[i]}"
+            assert all(v == 0 for gg in got_g for v in gg[i]), f"row {i}: not counted, has a gradient"
+            continue
+        want, dx, dr = oracle_row(rx, rr, temperature)
+        mag = (max((abs(v) for v in rx + rr if math.isfinite(v)), default=0.0) / temperature + 1.0)
+        if md == torch.float32 and want == INF and got[i] != INF:
+            # the policy's mass where the reference has none is below float32's range: either answer
+            want, dx, dr = oracle_row(rx, rr, temperature, FLOAT32_TINY_LOG_P)  # values and gradients
+        if not math.isfinite(want):
+            assert got[i] == want or (math.isnan(want) and math.isnan(got[i])), f"row {i}: KL {got[i]} vs {want}"
+        else:
+            assert abs(got[i] - want) <= tol.atol + 8 * tol.rtol * mag, f"row {i}: KL {got[i]} vs {want}"
+        for what, gg, wants in zip(("d logits", "d ref_logits"), got_g, (dx, dr)):
+            for j, (a, b) in enumerate(zip(gg[i], wants)):
+                b *= ups[i]
+                if math.isnan(b):
+                    assert math.isnan(a), f"row {i} {what}[{j}]: {a} vs NaN"
+                else:
+                    bound = gtol.atol + 4 * gtol.rtol * abs(b) + 16 * tol.rtol * abs(ups[i]) * mag / temperature
+                    assert abs(a - b) <= bound, f"row {i} {what}[{j}]: {a} vs {b} (bound {bound})"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases())
+@settings(max_examples=60)
+def test_matches_the_oracle(case, backend):
+    _check(*case, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_frozen_reference_gets_no_gradient(backend):
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(4, 50, generator=g), torch.randn(4, 50, generator=g)
+    _check(x, r, None, 1.0, backend=backend, ref_grad=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1023, 1024, 1025, 3000])
+def test_kernel_row_steps(backend, vocab):
+    """The fused kernels' lanes (16), spans (256), Triton's BLOCK (1024) and their tails; slabs too."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
+    r = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
+    if vocab > 2:
+        x[0, 1, vocab // 2] = -INF
+    _check(x, r, None, 0.9, backend=backend)
+    _check(x[:, 1:], r[:, 1:], None, 1.0, backend=backend)
+
+
+def test_backends_agree_on_a_shift_invariant_row():
+    """Shifting either model's logits by a constant changes nothing (the kernels subtract each row's own
+    max before the difference): KL of a row with itself + 1000 is 0 to float32 rounding, not ~1e-4."""
+    x = torch.randn(3, 500, dtype=torch.float64)
+    for backend in ("torch", "cpu"):
+        kl = full_kl(x.float(), (x + 1000.0).float(), backend=backend)
+        want = full_kl(x, x + 1000.0, backend="torch")
+        assert (kl.double() - want).abs().max() < 2e-4, (backend, kl)
+
+
+def test_float64_gradcheck():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, False, True], [True, True, True]])
+    assert torch.autograd.gradcheck(lambda a, b: full_kl(a, b, temperature=1.3, mask=mask), (x, r))
+
+
+def test_matches_kl_div_of_log_softmax():
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(5, 40, generator=g) * 3, torch.randn(5, 40, generator=g) * 3
+    want = torch.nn.functional.kl_div(torch.log_softmax(r, -1), torch.log_softmax(x, -1), log_target=True,
+                                      reduction="none").sum(-1)
+    for backend in ("torch", "cpu"):
+        torch.testing.assert_close(full_kl(x, r, backend=backend), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["full_kl", "full_kl_cpu", pytest.param("full_kl_triton", marks=pytest.mark.triton)])
+def test_opcheck(op):
+    g = torch.Generator().manual_seed(4)
+    dev = backend_device("triton" if op.endswith("triton") else "cpu")
+    x = torch.randn(5, 11, generator=g).to(dev).requires_grad_()
+    r = torch.randn(5, 11, generator=g).to(dev).requires_grad_()
+    counted = torch.tensor([True, False, True, True, True], device=dev)
+    fwd, bwd = getattr(torch.ops.kl_kernels, f"{op}_fwd"), getattr(torch.ops.kl_kernels, f"{op}_bwd")
+    torch.library.opcheck(fwd.default, (x, r, counted, 0.9))
+    kl, lse, ref_lse = fwd(x.detach(), r.detach(), counted, 0.9)
+    for want in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(bwd.default, (torch.randn(5, device=dev), x.detach(), r.detach(), counted, 0.9, kl, lse,
+                                            ref_lse, *want))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_fullgraph(backend):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, 40, generator=g).to(backend_device(backend)).requires_grad_()
+    r = torch.randn(2, 5, 40, generator=g).to(backend_device(backend))
+
+    def f(x, r):
+        return full_kl(x, r, temperature=0.7, backend=backend).sum()
+
+    eager = f(x, r)
+    (ge,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(f, fullgraph=True)(x, r)
+    (gc,) = torch.autograd.grad(compiled, x)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(gc, ge)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(logits=[1.0]), TypeError, "logits must be a dense tensor"),
+    (dict(ref_logits=torch.zeros(3, 4, dtype=torch.int64)), TypeError, "ref_logits must be float32"),
+    (dict(ref_logits=torch.zeros(3, 5)), ValueError, r"ref_logits must have the logits' shape \[3, 4\]"),
+    (dict(ref_logits=torch.zeros(3, 4, dtype=torch.bfloat16)), TypeError, "ref_logits must have the logits' dtype"),
+    (dict(logits=torch.zeros(3, 0), ref_logits=torch.zeros(3, 0)), ValueError, "vocabulary V >= 1"),
+    (dict(mask=torch.ones(3)), TypeError, "mask must be a bool tensor"),
+    (dict(mask=torch.ones(4, dtype=torch.bool)), ValueError, r"mask must have the logits' shape without"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+    (dict(temperature=True), ValueError, "temperature must be"),
+    (dict(backend="nope"), ValueError, "backend"),
+])
+def test_bad_arguments_name_themselves(kwargs, error, match):
+    args = dict(logits=torch.zeros(3, 4), ref_logits=torch.zeros(3, 4))
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        full_kl(args.pop("logits"), args.pop("ref_logits"), **args)
+
+
+def test_the_cuda_backend_says_it_is_not_built_yet():
+    with pytest.raises(BackendUnavailableError, match="no fused CUDA kernel yet"):
+        full_kl(torch.zeros(2, 3), torch.zeros(2, 3), backend="cuda")
+
+
+def test_strided_vocabulary_goes_to_torch_under_auto_and_is_refused_by_name():
+    x = torch.randn(3, 8).t()  # [8, 3], vocabulary stride 8
+    r = torch.randn(8, 3)
+    torch.testing.assert_close(full_kl(x, r), full_kl(x.contiguous(), r, backend="cpu"))
+    with pytest.raises(BackendUnavailableError, match="logits' vocabulary dimension has stride 8"):
+        full_kl(x, r, backend="cpu")
+
+
+def test_info_lists_the_backends():
+    import kl_kernels
+
+    rows = kl_kernels.info()["full_kl_backends"]
+    assert rows["torch"]["available"] and rows["cpu"]["available"] and not rows["cuda"]["available"]
+
+
+def test_cpu_kernel_is_bitwise_deterministic_for_any_thread_count():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 5000, generator=g).requires_grad_()
+    r = torch.randn(64, 5000, generator=g).requires_grad_()
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            kl = full_kl(x, r, backend="cpu")
+            results.append((kl, *torch.autograd.grad(kl.sum(), (x, r))))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
