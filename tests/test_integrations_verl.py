@@ -42,11 +42,33 @@ def test_kl_penalty_equals_verl(mode, data):
 def test_kl_penalty_modes_verl_rejects_are_rejected_alike():
     ca = peers.verl_core_algos()
     x = torch.zeros(2, 3)
-    for mode in ("full", "k4"):
+    for mode in ("full", "k4", "full+"):
         with pytest.raises(NotImplementedError):
             ca.kl_penalty(x, x, mode)
+    for mode in ("k4", "full+"):
         with pytest.raises(NotImplementedError):
             kv.kl_penalty(x, x, mode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kl_penalty_full_is_the_exact_kl_over_the_vocabulary(dtype):
+    """verl leaves "full" unimplemented (NotImplementedError, checked above); ours takes the [B, T, V]
+    logits its code comment describes and gives the exact KL per token, gradients to both."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(2, 5, 50, generator=g) * 3).to(dtype).requires_grad_()
+    r = (torch.randn(2, 5, 50, generator=g) * 3).to(dtype).requires_grad_()
+    got = kv.kl_penalty(x, r, "full")
+    a, b = torch.log_softmax(x.double(), -1), torch.log_softmax(r.double(), -1)
+    want = (a.exp() * (a - b)).sum(-1)
+    assert got.shape == (2, 5) and got.dtype == dtype
+    close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.double(), want, **close)
+    gx, gr = torch.autograd.grad(got.float().sum(), (x, r))
+    wx, wr = torch.autograd.grad(want.sum(), (x, r))
+    torch.testing.assert_close(gx.double(), wx.double(), **close)
+    torch.testing.assert_close(gr.double(), wr.double(), **close)
+    with pytest.raises(NotImplementedError, match="kl_kernels.full_kl"):
+        kv.kl_mode("full")  # the loss and apply_kl_penalty get per-token log-probs only
 
 
 AGG_CASES = [

@@ -87,6 +87,17 @@ def test_token_logprobs_kernels_compile_within_the_budget(records):
     assert not _offenders(rows, {r["kernel"] for r in rows}, lambda r: r["regs"] > REG_BUDGET)
 
 
+def test_full_kl_kernels_compile_within_the_budget(records):
+    """full_kl's row kernels (issue 28), both dtypes, each target, the backward with and without the
+    reference's gradient: compiled, no local memory (the test above), at most REG_BUDGET registers."""
+    rows = [r for r in records if r["kernel"].startswith("full_kl_")]
+    for arch in ARCHES:
+        for kernel in ("full_kl_fwd_kernel", "full_kl_bwd_kernel"):
+            for case in ("float32-rows", "bfloat16-rows"):
+                assert any(r["kernel"] == kernel and r["arch"] == arch and r["case"] == case for r in rows)
+    assert not _offenders(rows, {r["kernel"] for r in rows}, lambda r: r["regs"] > REG_BUDGET)
+
+
 def test_occupancy_model():
     assert aot.blocks_per_sm(128, 4) == 4 and aot.blocks_per_sm(128, 8) == 2
     assert aot.blocks_per_sm(255, 4) == 2 and aot.blocks_per_sm(255, 8) == 1

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..full_kl import full_kl
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
 from ..token_logprobs import token_logprobs
@@ -46,14 +47,16 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-su
 def kl_mode(name) -> tuple[str, Optional[tuple], Optional[tuple]]:
     """verl's ``kl_penalty`` mode name -> ``(estimator, clamp_input, clamp_output)`` for kl_kernels.
     A trailing ``"+"`` (verl's straight-through: same value, k2's gradient) maps to our ``"+"``
-    estimators. ``"full"`` and unknown names raise ``NotImplementedError``,
-    as in verl."""
+    estimators. ``"full"`` (the exact KL needs the logits, which the loss and ``apply_kl_penalty`` do not
+    get: :func:`kl_penalty` computes it from logits) and unknown names raise ``NotImplementedError``, as in
+    verl."""
     if not isinstance(name, str):
         raise TypeError(f"kl_penalty must be a mode name (str), got {type(name).__name__}")
     base, plus = (name[:-1], True) if name.endswith("+") else (name, False)
     if base == "full":
         raise NotImplementedError("kl_penalty='full' (the exact KL over the vocabulary) needs the logits, not "
-                                  "per-token log-probs; verl does not implement it either")
+                                  "per-token log-probs: call kl_kernels.integrations.verl.kl_penalty(logits, "
+                                  "ref_logits, 'full') or kl_kernels.full_kl on the [..., V] logits")
     if base not in KL_MODES:
         raise NotImplementedError(f"kl_penalty mode {name!r} is not one of verl's: {', '.join(KL_MODES)} "
                                   "(each optionally with a trailing '+')")
@@ -65,7 +68,18 @@ def kl_mode(name) -> tuple[str, Optional[tuple], Optional[tuple]]:
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> torch.Tensor:
     """verl's ``kl_penalty``: the per-token KL estimate for every element (no mask), in the inputs'
-    dtype, differentiable w.r.t. both inputs. Computed by :func:`kl_kernels.kl_reward`."""
+    dtype, differentiable w.r.t. both inputs. Computed by :func:`kl_kernels.kl_reward`.
+
+    ``kl_penalty="full"``, which verl leaves unimplemented (its code notes that the inputs would then hold
+    "the logits for every token in vocabulary"), is implemented: ``logprob`` and ``ref_logprob`` are the
+    policy's and the reference's ``[..., V]`` logits (or log-probs: the softmax is the same), and the
+    result, ``[...]``, is the exact ``KL(pi || pi_ref)`` over the vocabulary per token
+    (:func:`kl_kernels.full_kl`, chunked: no ``[N, V]`` float32 copy), gradients to both."""
+    if isinstance(kl_penalty, str) and kl_penalty == "full":
+        for name, t in (("logprob", logprob), ("ref_logprob", ref_logprob)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor of logits [..., V] for kl_penalty='full'")
+        return full_kl(logprob, ref_logprob).to(logprob.dtype)
     est, clamp_in, clamp_out = kl_mode(kl_penalty)
     if not isinstance(logprob, torch.Tensor) or not isinstance(ref_logprob, torch.Tensor):
         raise TypeError("logprob and ref_logprob must be tensors")

@@ -163,6 +163,17 @@ def _child(arch: int, out_dir: str) -> list[dict]:
             _, ent, lse = T.forward(logits, labels, counted, 0.7, entropy)
             T.backward(torch.randn(6), torch.randn(6) if entropy else None, logits, labels, counted, 0.7, lse, ent,
                        torch.empty_like(logits))
+    # full_kl: one program per row of both models' logits, gradients to one side or both
+    from kl_kernels.full_kl import launch_triton as F
+
+    for dtype in (torch.float32, torch.bfloat16):
+        case["name"] = f"{str(dtype)[6:]}-rows"
+        logits, ref = torch.randn(6, 3000, generator=g).to(dtype), torch.randn(6, 3000, generator=g).to(dtype)
+        counted = torch.rand(6, generator=g) > 0.2
+        kl, lse, ref_lse = F.forward(logits, ref, counted, 0.7)
+        for want_ref in (False, True):
+            F.backward(torch.randn(6), logits, ref, counted, 0.7, kl, lse, ref_lse, torch.empty_like(logits),
+                       torch.empty_like(ref) if want_ref else None)
     return records
 
 
