@@ -14,7 +14,8 @@ Public API:
   float32 temporary, forward or backward; :func:`linear_token_logprobs` the same from hidden
   states and the LM head, without the ``[N, V]`` logits at all.
 * :func:`full_kl`: the exact KL to the reference over the whole vocabulary per token, from both
-  models' logits, chunked, with gradients to both.
+  models' logits, chunked, with gradients to both; :func:`linear_full_kl` the same from both models'
+  hidden states and LM heads, without either's ``[N, V]`` logits.
 * :mod:`kl_kernels.torchrl` (``torchrl`` extra): TorchRL drop-in KL transforms.
 * :func:`info`: which backends (torch, cpu, cuda, triton) can run here, and why not.
 
@@ -25,7 +26,7 @@ by :func:`info` and by the dispatcher.
 from . import ragged
 from ._info import info
 from .backends import BackendUnavailableError
-from .full_kl import full_kl
+from .full_kl import full_kl, linear_full_kl
 from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, KLPenaltyLossOutput,
                          ZieglerKLController, kl_penalty_loss)
 from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
@@ -35,4 +36,4 @@ from .version import __version__
 __all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
            "BackendUnavailableError", "FixedKLController", "AdaptiveKLController", "ZieglerKLController",
            "kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput",
-           "full_kl", "__version__"]
+           "full_kl", "linear_full_kl", "__version__"]

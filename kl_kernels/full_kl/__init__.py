@@ -5,9 +5,11 @@ Files: ``api.py`` (the public function), ``problem.py`` (argument checks), ``ref
 chunked over rows, any float dtype), ``ops.py`` (the ``torch.library`` ops with fake and autograd),
 ``launch.py`` (the fused CPU kernel's launcher; the kernel is ``csrc/cpu/full_kl_cpu.cpp``),
 ``launch_triton.py`` (the Triton kernels' launcher; the kernels are ``kl_kernels/triton/full_kl.py``),
-``backends.py`` (which backends run it). Tests: ``tests/test_full_kl.py``; docs: ``python_api/full_kl.md``.
+``backends.py`` (which backends run it), ``linear.py`` (``linear_full_kl``: from both models' hidden
+states and LM heads, chunked over tokens). Tests: ``tests/test_full_kl.py``; docs: ``python_api/full_kl.md``.
 """
 
 from .api import full_kl
+from .linear import linear_full_kl
 
-__all__ = ["full_kl"]
+__all__ = ["full_kl", "linear_full_kl"]

@@ -12,7 +12,6 @@ chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import torch
 
@@ -20,10 +19,9 @@ from .. import backends as _dispatch
 from . import launch, launch_triton, reference
 from .api import TokenLogprobsOutput
 from .backends import REGISTRY
-from .problem import LOGIT_DTYPES, build_problem
+from ..lm_head import check_lm_head, chunk_tokens
+from .problem import build_problem
 
-# Tokens per chunk: about 2^24 logits (64 MiB in float32), whatever V.
-CHUNK_LOGITS = 1 << 24
 
 
 def _rows(backend: str):
@@ -117,28 +115,8 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         >>> h.grad.shape, w.grad.shape
         (torch.Size([4, 8]), torch.Size([10, 8]))
     """
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
-            raise TypeError(f"{name} must be a dense tensor, got {type(t).__name__}")
-        if t.dtype not in LOGIT_DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError(f"hidden must be [*S, H], got shape {list(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"weight must be [V, H] with V >= 1 and H = hidden.shape[-1] = {hidden.shape[-1]}, got "
-                         f"{list(weight.shape)}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
-                         f"{weight.dtype}, {weight.device}")
-    vocab = weight.shape[0]
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab,)
-                             or bias.dtype != hidden.dtype or bias.device != hidden.device):
-        raise ValueError(f"bias must be None or a [{vocab}] tensor of hidden's dtype and device, got "
-                         f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}")
-    if chunk_size is None:
-        chunk_size = max(1, CHUNK_LOGITS // vocab)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be None or an int >= 1 (tokens per chunk), got {chunk_size!r}")
+    vocab = check_lm_head(hidden, weight, bias)
+    chunk_size = chunk_tokens(chunk_size, vocab)
     # labels, mask, temperature, ignore_index: token_logprobs' own checks, on a zero-stride stand-in for
     # the logits (no [N, V] memory)
     p = build_problem(hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab), labels, temperature=temperature,

@@ -1,0 +1,156 @@
+r"""``linear_full_kl``: :func:`full_kl` from both models' hidden states and LM heads, a chunk of tokens at a
+time, so neither model's logits ``[N, V]`` exist whole: peak extra memory O(chunk x V), not O(N x V).
+
+Forward, per chunk of ``C`` tokens: ``logits_c = hidden_c @ weight.T (+ bias)`` and ``ref_c = ref_hidden_c @
+ref_weight.T (+ ref_bias)`` (torch's matmul), then the row pass of :mod:`~kl_kernels.full_kl` on both; only
+``KL``, ``lse`` and the reference's ``lse`` per token are kept. Backward, per chunk: both logits recomputed,
+the policy's gradient written over the policy's logits in place by the row pass (the reference's over its
+own, when it wants one), then ``d hidden_c = d logits_c @ weight``, ``d weight += d logits_c.T @ hidden_c``
+(float32 accumulators, chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``; the same
+for the reference's tensors that require a gradient (usually none: a frozen reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import backends as _dispatch
+from ..lm_head import check_lm_head, chunk_tokens
+from . import launch, launch_triton, reference
+from .backends import REGISTRY
+from .problem import build_problem
+
+
+def _rows(backend: str):
+    """(forward, backward) of the row pass for a chunk's logits [C, V]."""
+    if backend == "cpu":
+        return launch.forward, launch.backward
+    if backend == "triton":
+        return launch_triton.forward, launch_triton.backward
+    return reference.forward, reference.backward
+
+
+def _grads_of(c0, c1, d, hidden, weight, bias, g_hidden, g_weight, g_bias):
+    if g_hidden is not None:
+        g_hidden[c0:c1] = d @ weight
+    if g_weight is not None:
+        g_weight += (d.t() @ hidden[c0:c1]).float()
+    if g_bias is not None:
+        g_bias += d.float().sum(0)
+
+
+def _buffers(ctx, offset, hidden, weight, bias):
+    want = ctx.needs_input_grad
+    return (torch.empty_like(hidden) if want[offset] else None,
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want[offset + 1] else None,
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if bias is not None and want[offset + 2] else None)
+
+
+def _out(g, like):
+    return None if g is None else g.to(like.dtype)
+
+
+class _LinearFullKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, temperature, chunk, backend):
+        fwd, _ = _rows(backend)
+        n = counted.numel()
+        md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
+        kl, lse, ref_lse = (torch.empty(n, dtype=md, device=hidden.device) for _ in range(3))
+        for c0 in range(0, n, chunk):
+            c1 = min(c0 + chunk, n)
+            logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
+            ref = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
+            kl[c0:c1], lse[c0:c1], ref_lse[c0:c1] = fwd(logits, ref, counted[c0:c1], temperature)
+        ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, kl, lse, ref_lse)
+        ctx.temperature, ctx.chunk, ctx.backend = temperature, chunk, backend
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, kl, lse, ref_lse = ctx.saved_tensors
+        _, bwd = _rows(ctx.backend)
+        n = counted.numel()
+        policy = _buffers(ctx, 0, hidden, weight, bias)
+        ref_side = _buffers(ctx, 3, ref_hidden, ref_weight, ref_bias)
+        want_policy, want_ref = any(g is not None for g in policy), any(g is not None for g in ref_side)
+        for c0 in range(0, n, ctx.chunk):
+            c1 = min(c0 + ctx.chunk, n)
+            logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
+            ref = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
+            # the gradients over the logits themselves (no second [C, V] buffer): the row pass reads each
+            # entry of both before it writes that entry
+            bwd(grad_kl[c0:c1], logits, ref, counted[c0:c1], ctx.temperature, kl[c0:c1], lse[c0:c1],
+                ref_lse[c0:c1], logits if want_policy else None, ref if want_ref else None)
+            if want_policy:
+                _grads_of(c0, c1, logits, hidden, weight, bias, *policy)
+            if want_ref:
+                _grads_of(c0, c1, ref, ref_hidden, ref_weight, ref_bias, *ref_side)
+        return (policy[0], _out(policy[1], weight), _out(policy[2], bias), ref_side[0], _out(ref_side[1], ref_weight),
+                _out(ref_side[2], ref_bias), None, None, None, None)
+
+
+def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bias=None, temperature=1.0,
+                   mask=None, chunk_size=None, backend="auto") -> torch.Tensor:
+    r"""Per token, the exact ``KL(pi || pi_ref)`` over the vocabulary (:func:`kl_kernels.full_kl`) of
+    ``pi = softmax((hidden @ weight.T + bias) / T)`` and ``pi_ref = softmax((ref_hidden @ ref_weight.T +
+    ref_bias) / T)``, both models evaluated in one pass over the tokens without materializing either's
+    ``[N, V]`` logits: tokens go ``chunk_size`` at a time (default: about 16M logits a chunk), forward and
+    backward (recomputed), so the extra memory is O(chunk x V).
+
+    Args:
+        hidden: ``[*S, H]`` the policy's final hidden states; gradients flow to it.
+        weight: ``[V, H]`` the policy's LM head, hidden's dtype and device; gradients flow.
+        ref_hidden: ``[*S, H_ref]`` the reference model's hidden states (its own width).
+        ref_weight: ``[V, H_ref]`` the reference's LM head, ref_hidden's dtype and device, hidden's dtype and
+            device too; the same vocabulary ``V``. The reference's tensors get gradients only when they
+            require them.
+        bias, ref_bias: optional ``[V]`` biases.
+        temperature, mask: as :func:`kl_kernels.full_kl`.
+        chunk_size: tokens per chunk (an int >= 1), default ``max(1, 2**24 // V)``.
+        backend: the row pass's, chosen as :func:`kl_kernels.full_kl` chooses for a chunk's logits.
+
+    Returns:
+        ``[*S]`` float32 (float64 with the torch backend on float64 inputs), 0 where ``mask`` is False.
+
+    Example::
+
+        >>> import torch
+        >>> from kl_kernels import linear_full_kl
+        >>> h, w = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+        >>> kl = linear_full_kl(h, w, h.detach(), w.detach(), chunk_size=3)  # the reference is the policy
+        >>> bool(kl.abs().max() < 1e-5)
+        True
+        >>> kl.sum().backward()
+        >>> h.grad.shape, w.grad.shape
+        (torch.Size([4, 8]), torch.Size([10, 8]))
+    """
+    vocab = check_lm_head(hidden, weight, bias)
+    ref_vocab = check_lm_head(ref_hidden, ref_weight, ref_bias, names=("ref_hidden", "ref_weight", "ref_bias"))
+    if ref_vocab != vocab:
+        raise ValueError(f"ref_weight must cover weight's vocabulary V = {vocab}, got {ref_vocab} rows")
+    if tuple(ref_hidden.shape[:-1]) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"ref_hidden must have hidden's token shape {list(hidden.shape[:-1])} (its own width), got "
+                         f"{list(ref_hidden.shape)}")
+    if ref_hidden.dtype != hidden.dtype or ref_hidden.device != hidden.device:
+        raise ValueError(f"ref_hidden must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
+                         f"{ref_hidden.dtype}, {ref_hidden.device}")
+    chunk = chunk_tokens(chunk_size, vocab)
+    # mask and temperature: full_kl's own checks, on zero-stride stand-ins for the logits (no [N, V] memory)
+    stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
+    p = build_problem(stand_in, stand_in, temperature=temperature, mask=mask)
+    # the backend: full_kl's own dispatch, asked about what the row pass will get, a chunk's fresh
+    # contiguous logits [C, V] (one row stands in)
+    row = hidden.new_empty((1, vocab))
+    chunk_rows = dataclasses.replace(p, logits=row, ref_logits=row, counted=p.counted.reshape(-1)[:0])
+    try:
+        name = _dispatch.select(REGISTRY, backend, op="full_kl", problem=chunk_rows).name
+    except _dispatch.BackendUnavailableError as exc:
+        raise _dispatch.BackendUnavailableError(f"linear_full_kl (its row pass): {exc}") from None
+    kl = _LinearFullKL.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                             ref_hidden.reshape(-1, ref_hidden.shape[-1]), ref_weight, ref_bias,
+                             p.counted.reshape(-1), p.temperature, chunk, name)
+    return kl.reshape(p.counted.shape)
