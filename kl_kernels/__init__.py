@@ -28,7 +28,7 @@ from ._info import info
 from .backends import BackendUnavailableError
 from .full_kl import full_kl, linear_full_kl
 from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, KLPenaltyLossOutput,
-                         ZieglerKLController, kl_penalty_loss)
+                         ZieglerKLController, kl_penalty_loss, linear_kl_penalty_loss)
 from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
 from .token_logprobs import TokenLogprobsOutput, linear_token_logprobs, token_logprobs
 from .version import __version__
@@ -36,4 +36,4 @@ from .version import __version__
 __all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
            "BackendUnavailableError", "FixedKLController", "AdaptiveKLController", "ZieglerKLController",
            "kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput",
-           "full_kl", "linear_full_kl", "__version__"]
+           "full_kl", "linear_full_kl", "linear_kl_penalty_loss", "__version__"]
