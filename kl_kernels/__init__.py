@@ -28,7 +28,8 @@ from ._info import info
 from .backends import BackendUnavailableError
 from .full_kl import full_kl, linear_full_kl
 from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, KLPenaltyLossOutput,
-                         ZieglerKLController, kl_penalty_loss, linear_kl_penalty_loss)
+                         ZieglerKLController, kl_penalty_loss)
+from .linear_loss import linear_kl_penalty_loss
 from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
 from .token_logprobs import TokenLogprobsOutput, linear_token_logprobs, token_logprobs
 from .version import __version__

@@ -352,15 +352,16 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
                 total = (loss.double() * full.to(device)).sum()
             exp_grads = [[g * u for g, u in zip(exp.grad_lp[b], up[b].tolist())] for b in range(case.batch)]
             exp_grads_ent = [[g * u for g, u in zip(exp.grad_ent[b], up[b].tolist())] for b in range(case.batch)]
+            exp_mags = [[m * abs(u) for m, u in zip(exp.grad_mag[b], up[b].tolist())] for b in range(case.batch)]
         else:
             total = loss
-            exp_grads, exp_grads_ent = exp.grad_lp, exp.grad_ent
-        leaves = [(built.kwargs["log_probs"], exp_grads, "log_probs")]
+            exp_grads, exp_grads_ent, exp_mags = exp.grad_lp, exp.grad_ent, exp.grad_mag
+        leaves = [(built.kwargs["log_probs"], exp_grads, "log_probs", exp_mags)]
         if case.ent is not None:
-            leaves.append((built.kwargs["entropy"], exp_grads_ent, "entropy"))
+            leaves.append((built.kwargs["entropy"], exp_grads_ent, "entropy", exp_grads_ent))
         if isinstance(total, torch.Tensor) and total.requires_grad:
             total.backward()
-        for leaf, want, name in leaves:
+        for leaf, want, name, want_mag in leaves:
             if isinstance(leaf, list):
                 got_rows, got_pads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaf], []
             else:
@@ -371,7 +372,8 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
             for b, row in enumerate(got_rows):
                 assert row.dtype == dt
                 w = torch.tensor(want[b], dtype=torch.float64)
-                mag = w.abs()
+                # the scale of the terms summed, not only of the sum (they may cancel: ratio * kl's product rule)
+                mag = torch.maximum(w.abs(), torch.tensor(want_mag[b], dtype=torch.float64).abs())
                 bound = tol.atol + tol.rtol * 4 * (mag + 1e-6) + TOLERANCES[md].rtol * 64 * mag
                 got = row.cpu().double()
                 # the oracle rounded to the gradient's dtype, overflow to inf included, is always right

@@ -40,11 +40,12 @@ class Result:
     grad_lp: list        # per sequence, per valid token: d loss / d lp
     grad_ent: list       # per sequence, per valid token: d loss / d entropy
     token_loss: list     # per sequence, per valid token: loss_t (0 where not counted)
+    grad_mag: list = None  # per sequence, per valid token: the sum of |terms| of grad_lp (its rounding scale)
 
 
 def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False, clamp_input=None,
                 clamp_output=None, lr=None, kl_times_ratio=False):
-    """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp) of one counted token. ``lr``: the log-ratio
+    """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp, |terms of dkl/dlp|) of one counted token. ``lr``: the log-ratio
     to use instead of the token's lp - old (GSPO: its sequence's), with d lr / d lp = 1 (GSPO-token)."""
     lr = s.lp[t] - s.old[t] if lr is None else lr
     lrc = min(max(lr, -LOG_RATIO_BOUND), LOG_RATIO_BOUND)
@@ -76,12 +77,14 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
     kl = _clamp(e_raw, clamp_output)
     dkl = sign * (d if estimator.endswith("+") else
                   _inside(e_raw, clamp_output) * _est_grad(x, base) * _inside(d, clamp_input))
+    dkl_mag = abs(dkl)
     if kl_times_ratio:  # ratio * kl, by the product rule (the ratio's derivative: ratio, 0 outside its clamp)
-        kl, dkl = ratio * kl, ratio * dkl + inside_lr * ratio * kl
+        # (the two products can cancel exactly, e.g. abs+ below the reference: float32 keeps ~ulp of each)
+        kl, dkl, dkl_mag = ratio * kl, ratio * dkl + inside_lr * ratio * kl, abs(ratio * dkl) + abs(ratio * kl)
     if weight_kl:
-        kl, dkl = wt * kl, wt * dkl
+        kl, dkl, dkl_mag = wt * kl, wt * dkl, abs(wt) * dkl_mag
     ent = s.ent[t] if s.ent is not None else 0.0
-    return obj, kl, ent, ratio, clipped, dobj, dkl
+    return obj, kl, ent, ratio, clipped, dobj, dkl, dkl_mag
 
 
 def oracle_weights(counts: list, aggregation: str, *, norm_length=None, global_tokens=None, global_seqs=None,
@@ -148,26 +151,27 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
     weight_ent = oracle_weights(counts, entropy_aggregation or aggregation, norm_length=norm_length,
                                 global_tokens=global_tokens, global_seqs=global_seqs, num_sequences=num_sequences)
 
-    obj_terms, kl_terms, ent_terms, grads, grads_ent, token_loss = [], [], [], [], [], []
+    obj_terms, kl_terms, ent_terms, grads, grads_ent, token_loss, mags = [], [], [], [], [], [], []
     kl_sum = ratio_sum = clip_sum = 0.0
     for b, (s, rows) in enumerate(zip(seqs, per_seq)):
         w, wk, we = weight(b), weight_kl(b), weight_ent(b)
-        g, ge, tl = [], [], []
+        g, ge, tl, gm = [], [], [], []
         for r in rows:
             if r is None:
-                g.append(0.0), ge.append(0.0), tl.append(0.0)
+                g.append(0.0), ge.append(0.0), tl.append(0.0), gm.append(0.0)
                 continue
-            obj, kl, ent, ratio, clipped, dobj, dkl = r
+            obj, kl, ent, ratio, clipped, dobj, dkl, dkl_mag = r
             obj_terms.append(w * obj)
             kl_terms.append(wk * s.beta * kl)
             ent_terms.append(-we * entropy_coef * ent)
             g.append(w * dobj + wk * s.beta * dkl)
+            gm.append(abs(w * dobj) + abs(wk * s.beta) * dkl_mag)
             ge.append(-we * entropy_coef)
             tl.append(obj + s.beta * kl - entropy_coef * ent)
             kl_sum += kl
             ratio_sum += ratio
             clip_sum += clipped
-        grads.append(g), grads_ent.append(ge), token_loss.append(tl)
+        grads.append(g), grads_ent.append(ge), token_loss.append(tl), mags.append(gm)
 
     def total(xs):
         return math.fsum(xs) if all(map(math.isfinite, xs)) else sum(xs)
@@ -176,4 +180,4 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
     n_local = sum(counts)
     denom = max(n_local, 1)  # diagnostics: over these tokens (the harness passes the union for process groups)
     return Result(lo + lk + le, lo, lk, le, kl_sum / denom, ratio_sum / denom, clip_sum / denom, n_local, grads,
-                  grads_ent, token_loss)
+                  grads_ent, token_loss, mags)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kl_kernels"
-OPS = ("kl_reward", "kl_penalty", "token_logprobs")
+OPS = ("kl_reward", "kl_penalty", "token_logprobs", "full_kl")
 IMPORT = re.compile(r"^\s*(?:from\s+(\S+)\s+import|import\s+(\S+))")
 
 

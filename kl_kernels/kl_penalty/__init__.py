@@ -4,16 +4,13 @@
   normalizes its arguments; ``reference.py`` is the torch reference (the ``"torch"`` backend);
   ``aggregate.py`` turns per-sequence sums into the loss (aggregations, data parallelism);
   ``backends.py`` declares the backends.
-* ``linear.py``: :func:`linear_kl_penalty_loss`, the same loss from hidden states and LM heads (chunked
-  log-probs, no ``[N, V]`` logits).
 * ``controllers.py``: the KL coefficient controllers (fixed, TorchRL's adaptive, Ziegler's).
 """
 
 from .aggregate import KLPenaltyLossOutput
 from .api import kl_penalty_loss
 from .controllers import AdaptiveKLController, FixedKLController, KLController, ZieglerKLController
-from .linear import linear_kl_penalty_loss
 from .problem import AGGREGATIONS
 
-__all__ = ["kl_penalty_loss", "linear_kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "AdaptiveKLController", "FixedKLController",
+__all__ = ["kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "AdaptiveKLController", "FixedKLController",
            "KLController", "ZieglerKLController"]

@@ -1,6 +1,7 @@
 r"""``linear_kl_penalty_loss``: :func:`kl_penalty_loss` from the policy's hidden states and LM head (and the
 reference's) instead of per-token log-probs, without either model's ``[N, V]`` logits (issue 28 item 4, the
-front end of Liger-Kernel's ``LigerFusedLinearGRPOLoss``).
+front end of Liger-Kernel's ``LigerFusedLinearGRPOLoss``). A composition of two ops (``token_logprobs`` and
+``kl_penalty``), so it belongs to neither: ops are siblings that never import each other.
 
 One chunked pass per model: :func:`kl_kernels.linear_token_logprobs` gives the policy's log-probs (and its
 entropy when the loss has an entropy term) a chunk of tokens at a time, the reference's under ``no_grad``;
@@ -13,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..token_logprobs import linear_token_logprobs
-from .aggregate import KLPenaltyLossOutput
-from .api import kl_penalty_loss
+from .kl_penalty import KLPenaltyLossOutput, kl_penalty_loss
+from .token_logprobs import linear_token_logprobs
 
 
 def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *, bias=None, ref_hidden=None,

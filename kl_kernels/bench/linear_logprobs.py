@@ -1,0 +1,125 @@
+"""Benchmark of the hidden-state path (issue 28 item 7): per-token log-probs and entropy from hidden states
+``[N, H]`` and an LM head ``[V, H]``, forward + backward (gradients to both), time and peak extra memory,
+each contender in a fresh process, side by side in one run:
+
+* ``eager``: ``logits = hidden @ weight.T`` whole, then ``log_softmax(logits.float() / T).gather`` and the
+  entropy, as RL trainers write it;
+* ``compile``: ``torch.compile`` of that;
+* ``linear_token_logprobs[cpu]``: the chunked path (``kl_kernels.linear_token_logprobs``: one chunk of
+  logits at a time, the fused CPU row kernel, recomputed in backward);
+* ``linear_token_logprobs[torch]``: the same with the chunked torch row math.
+
+Peak memory as in :mod:`kl_kernels.bench.token_logprobs` (resident high-water mark of one call over the
+resident size before it, after a warm-up call); the inputs' gradients are part of every contender's peak.
+Times: median of ``--repeats`` calls after the warm-up.
+
+Run: ``python -m kl_kernels.bench.linear_logprobs [--sizes N:H:V ...] [--dtype bfloat16] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import torch
+
+from .machine import describe
+from .timing import measure
+from .token_logprobs import _reset_peak, _status_mib
+
+DEFAULT_SIZES = ((2048, 512, 32768), (8192, 512, 131072))
+CONTENDERS = ("eager", "compile", "linear_token_logprobs[cpu]", "linear_token_logprobs[torch]")
+TEMPERATURE = 0.7
+
+
+def _eager(hidden, weight, labels):
+    z = (hidden @ weight.t()).float() / TEMPERATURE
+    lp = torch.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p = torch.softmax(z, -1)
+    entropy = torch.logsumexp(z, -1) - (p * z).sum(-1)
+    return lp, entropy
+
+
+def _step(name, hidden, weight, labels, fn):
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    if name.startswith("linear_token_logprobs"):
+        from kl_kernels import linear_token_logprobs
+
+        out = linear_token_logprobs(h, w, labels, temperature=TEMPERATURE, return_entropy=True,
+                                    backend=name[name.index("[") + 1:name.index("]")])
+        lp, entropy = out.log_probs, out.entropy
+    else:
+        lp, entropy = fn(h, w, labels)
+    (lp.sum() + 0.01 * entropy.sum()).backward()
+
+
+def measure_one(name: str, n: int, hid: int, vocab: int, dtype: str, repeats: int) -> dict:
+    torch.manual_seed(0)
+    hidden = torch.randn(n, hid).to(getattr(torch, dtype))
+    weight = (torch.randn(vocab, hid) / hid ** 0.5).to(getattr(torch, dtype))
+    labels = torch.randint(0, vocab, (n,))
+    fn = torch.compile(_eager) if name == "compile" else _eager
+    row = dict(contender=name, n=n, hidden=hid, vocab=vocab, dtype=dtype)
+    try:
+        _step(name, hidden, weight, labels, fn)  # warm-up (and compile)
+        _reset_peak()
+        before = _status_mib("VmRSS")
+        _step(name, hidden, weight, labels, fn)
+        peak = _status_mib("VmHWM") - before
+        timing = measure(lambda: _step(name, hidden, weight, labels, fn), torch.device("cpu"), warmup=0,
+                         repeats=repeats, budget_s=0.0)
+    except Exception as e:  # reported as a row, not a crash of the benchmark
+        return dict(row, error=f"{type(e).__name__}: {e}")
+    return dict(row, ms=timing.median_ms, min_ms=timing.min_ms, runs=timing.repeats, peak_extra_mib=round(peak, 1),
+                logits_fp32_mib=round(n * vocab * 4 / 2**20, 1))
+
+
+def _child(args, queue) -> None:
+    queue.put(measure_one(*args))
+
+
+def line(r: dict) -> str:
+    head = f"{r['contender']:<30} N={r['n']:<6} H={r['hidden']:<5} V={r['vocab']:<7} {r['dtype']}"
+    if "error" in r:
+        return f"{head}: {r['error']}"
+    return f"{head}: {r['ms']:10.1f} ms  peak +{r['peak_extra_mib']:9.1f} MiB"
+
+
+def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3) -> dict:
+    ctx = mp.get_context("spawn")
+    rows = []
+    for n, hid, vocab in sizes:
+        for name in CONTENDERS:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_child, args=((name, n, hid, vocab, dtype, repeats), queue))
+            proc.start()
+            proc.join(timeout=1800)
+            rows.append(queue.get() if not queue.empty() else dict(contender=name, n=n, hidden=hid, vocab=vocab,
+                                                                  dtype=dtype, error=f"exit code {proc.exitcode}"))
+            print(line(rows[-1]), flush=True)
+    return dict(machine=describe(torch.device("cpu")), temperature=TEMPERATURE, rows=rows)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=None, help="N:H:V triples (default: %s)" % " ".join(
+        ":".join(map(str, s)) for s in DEFAULT_SIZES))
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="folder for results.json")
+    args = parser.parse_args(argv)
+    sizes = DEFAULT_SIZES if args.sizes is None else tuple(tuple(map(int, s.split(":"))) for s in args.sizes)
+    result = run(sizes, args.dtype, args.repeats)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    main()
