@@ -43,7 +43,7 @@ import pytest
 # The pip command that makes every function below return a module (tested with Python 3.11, torch 2.13 CPU).
 # --no-deps is essential: the peers' declared dependencies would replace torch and pull in CUDA builds.
 PEER_PIP = (
-    "pip install --no-deps verl==0.9.1 openrlhf==0.11.2 trl==1.16.0 "
+    "pip install --no-deps verl==0.9.1 openrlhf==0.11.2 trl==1.16.0 liger-kernel==0.8.5 "
     "omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 pyyaml"
 )
 
@@ -268,3 +268,14 @@ def trl_grpo_module():
     """trl.trainer.grpo_trainer (trl 1.16.0): GRPOTrainer (use its _compute_loss unbound) and GRPOConfig (its
     defaults can be read with dataclasses.fields; it cannot be instantiated over the stubbed TrainingArguments)."""
     return _import("trl", "trl.trainer.grpo_trainer", _TRL_REAL, _TRL_STUBS)
+
+
+# Liger-Kernel (0.8.5): its package init imports its Triton kernels (triton is this project's test
+# dependency: real) and nothing heavy; its chunked losses run on CPU tensors with compiled=False.
+_LIGER_REAL = ("liger_kernel", "triton")
+
+
+def liger_grpo_loss():
+    """liger_kernel.chunked_loss.grpo_loss (liger-kernel 0.8.5): LigerFusedLinearGRPOLoss, the fused linear
+    GRPO loss from hidden states (chunked over the batch, gradients formed during the forward)."""
+    return _import("liger-kernel", "liger_kernel.chunked_loss.grpo_loss", _LIGER_REAL, ())

@@ -77,3 +77,53 @@ def test_bad_reference_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         linear_kl_penalty_loss(torch.zeros(2, 3, 8), torch.zeros(10, 8), torch.zeros(2, 3, dtype=torch.int64),
                                torch.zeros(2, 3), torch.zeros(2), **kwargs)
+
+
+# Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss loss types as kl_penalty_loss arguments (TRL's GRPO formulas,
+# python_api/kl_penalty_loss.md): grpo = mean over each sequence's tokens, then over all B sequences; bnpo =
+# over all counted tokens; dr_grpo = sum / (B * max_completion_length); dapo = over the counted tokens (no
+# num_items_in_batch: the batch's own).
+LIGER_TYPES = {"grpo": dict(aggregation="seq-mean-token-mean"), "bnpo": dict(aggregation="token-mean"),
+               "dr_grpo": dict(aggregation="seq-mean-token-sum-norm", norm_length=7),
+               "dapo": dict(aggregation="token-mean")}
+
+
+@pytest.mark.parametrize("loss_type", list(LIGER_TYPES))
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("with_old", [False, True])
+def test_parity_with_liger_fused_linear_grpo_loss(loss_type, beta, with_old):
+    """The same GRPO step from hidden states through Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss (its CPU
+    path, compiled=False) and through linear_kl_penalty_loss: loss and gradients to the hidden states, the
+    LM head and its bias; the reference from its own hidden states and head (k3 to it, beta)."""
+    import peers
+
+    liger = peers.liger_grpo_loss()
+    g = torch.Generator().manual_seed(7)
+    B, T, H, V, temp = 3, 7, 16, 80, 0.8
+    h = torch.randn(B, T, H, generator=g, requires_grad=True)
+    w = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
+    b = torch.randn(V, generator=g, requires_grad=True)
+    rh, rw = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    attention = torch.ones(B, T)
+    attention[1, 4:] = 0
+    attention[2, 6:] = 0
+    adv = torch.randn(B, generator=g)
+    with torch.no_grad():
+        now = torch.log_softmax((h @ w.t() + b) / temp, -1).gather(-1, ids[..., None])[..., 0]
+    old = (now + 0.3 * torch.randn(B, T, generator=g)) if with_old else None
+
+    loss_fn = liger.LigerFusedLinearGRPOLoss(beta=beta, compiled=False, use_ref_model=beta != 0.0, loss_type=loss_type,
+                                             max_completion_length=T, temperature=temp, chunk_size=2)
+    theirs = loss_fn(h, w, ids, attention, adv, bias=b, old_per_token_logps=old, ref_input=rh if beta else None,
+                     ref_weight=rw if beta else None, ref_bias=None)[0]
+    g_theirs = torch.autograd.grad(theirs, (h, w, b))
+
+    ours = linear_kl_penalty_loss(h, w, ids, old if old is not None else now, adv, bias=b, temperature=temp,
+                                  mask=attention.bool(), chunk_size=5, clip_epsilon=0.2, estimator="k3",
+                                  beta=beta, **(dict(ref_hidden=rh, ref_weight=rw) if beta else {}),
+                                  **LIGER_TYPES[loss_type]).loss
+    g_ours = torch.autograd.grad(ours, (h, w, b))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    for name, a, e in zip(("hidden", "weight", "bias"), g_ours, g_theirs):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"d {name}: {m}")

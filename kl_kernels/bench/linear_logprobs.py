@@ -9,11 +9,18 @@ each contender in a fresh process, side by side in one run:
   logits at a time, the fused CPU row kernel, recomputed in backward);
 * ``linear_token_logprobs[torch]``: the same with the chunked torch row math.
 
+With ``--task loss``: a whole GRPO loss step from hidden states (policy and reference, k3 KL with beta =
+0.04, clip 0.2, TRL's "grpo" aggregation, 8 sequences), forward + backward to the policy's hidden states and
+head: ``eager loss`` (both models' logits whole, ``log_softmax().gather``, TRL's per-token loss in torch),
+``liger`` (Liger-Kernel 0.8.5's ``LigerFusedLinearGRPOLoss``, chunked, ``compiled=False``: its CPU path),
+``linear_kl_penalty_loss[cpu]`` (ours: chunked log-probs, the fused loss).
+
 Peak memory as in :mod:`kl_kernels.bench.token_logprobs` (resident high-water mark of one call over the
 resident size before it, after a warm-up call); the inputs' gradients are part of every contender's peak.
 Times: median of ``--repeats`` calls after the warm-up.
 
-Run: ``python -m kl_kernels.bench.linear_logprobs [--sizes N:H:V ...] [--dtype bfloat16] [--out DIR]``.
+Run: ``python -m kl_kernels.bench.linear_logprobs [--task logprobs|loss] [--sizes N:H:V ...] [--dtype bfloat16]
+[--out DIR]``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from .token_logprobs import _reset_peak, _status_mib
 
 DEFAULT_SIZES = ((2048, 512, 32768), (8192, 512, 131072))
 CONTENDERS = ("eager", "compile", "linear_token_logprobs[cpu]", "linear_token_logprobs[torch]")
+LOSS_CONTENDERS = ("eager loss", "liger", "linear_kl_penalty_loss[cpu]")
+SEQUENCES = 8
 TEMPERATURE = 0.7
 
 
@@ -56,21 +65,73 @@ def _step(name, hidden, weight, labels, fn):
     (lp.sum() + 0.01 * entropy.sum()).backward()
 
 
+def _loss_inputs(n, hid, vocab, dtype):
+    b, t = SEQUENCES, n // SEQUENCES
+    f = getattr(torch, dtype)
+    return dict(hidden=torch.randn(b, t, hid).to(f), weight=(torch.randn(vocab, hid) / hid ** 0.5).to(f),
+                ref_hidden=torch.randn(b, t, hid).to(f), ref_weight=(torch.randn(vocab, hid) / hid ** 0.5).to(f),
+                labels=torch.randint(0, vocab, (b, t)), old=-torch.rand(b, t) * 5 - 5, adv=torch.randn(b),
+                mask=torch.ones(b, t))
+
+
+def _loss_step(name, x, liger_fn=None):
+    h, w = x["hidden"].detach().requires_grad_(), x["weight"].detach().requires_grad_()
+    if name == "liger":
+        loss = liger_fn(h, w, x["labels"], x["mask"], x["adv"], old_per_token_logps=x["old"], ref_input=x["ref_hidden"],
+                        ref_weight=x["ref_weight"])[0]
+    elif name.startswith("linear_kl_penalty_loss"):
+        from kl_kernels import linear_kl_penalty_loss
+
+        loss = linear_kl_penalty_loss(h, w, x["labels"], x["old"], x["adv"], ref_hidden=x["ref_hidden"],
+                                      ref_weight=x["ref_weight"], temperature=TEMPERATURE, mask=x["mask"].bool(),
+                                      beta=0.04, estimator="k3", clip_epsilon=0.2, aggregation="seq-mean-token-mean",
+                                      logprobs_backend="cpu").loss
+    else:  # TRL's per-token GRPO loss on whole logits
+        def logps(hidden, weight):
+            z = (hidden @ weight.t()).float() / TEMPERATURE
+            return torch.log_softmax(z, -1).gather(-1, x["labels"].unsqueeze(-1)).squeeze(-1)
+        lp = logps(h, w)
+        with torch.no_grad():
+            ref = logps(x["ref_hidden"], x["ref_weight"])
+        ratio = torch.exp(lp - x["old"])
+        a = x["adv"].unsqueeze(1)
+        per_token = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
+        per_token = per_token + 0.04 * (torch.exp(ref - lp) - (ref - lp) - 1)
+        m = x["mask"]
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    loss.backward()
+
+
 def measure_one(name: str, n: int, hid: int, vocab: int, dtype: str, repeats: int) -> dict:
     torch.manual_seed(0)
-    hidden = torch.randn(n, hid).to(getattr(torch, dtype))
-    weight = (torch.randn(vocab, hid) / hid ** 0.5).to(getattr(torch, dtype))
-    labels = torch.randint(0, vocab, (n,))
-    fn = torch.compile(_eager) if name == "compile" else _eager
     row = dict(contender=name, n=n, hidden=hid, vocab=vocab, dtype=dtype)
+    if name in LOSS_CONTENDERS:
+        x = _loss_inputs(n, hid, vocab, dtype)
+        liger_fn = None
+        if name == "liger":
+            try:
+                from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+            except ImportError as e:
+                return dict(row, error=f"liger-kernel not installed ({e})")
+            liger_fn = LigerFusedLinearGRPOLoss(beta=0.04, compiled=False, loss_type="grpo", temperature=TEMPERATURE)
+
+        def step():
+            _loss_step(name, x, liger_fn)
+    else:
+        hidden = torch.randn(n, hid).to(getattr(torch, dtype))
+        weight = (torch.randn(vocab, hid) / hid ** 0.5).to(getattr(torch, dtype))
+        labels = torch.randint(0, vocab, (n,))
+        fn = torch.compile(_eager) if name == "compile" else _eager
+
+        def step():
+            _step(name, hidden, weight, labels, fn)
     try:
-        _step(name, hidden, weight, labels, fn)  # warm-up (and compile)
+        step()  # warm-up (and compile)
         _reset_peak()
         before = _status_mib("VmRSS")
-        _step(name, hidden, weight, labels, fn)
+        step()
         peak = _status_mib("VmHWM") - before
-        timing = measure(lambda: _step(name, hidden, weight, labels, fn), torch.device("cpu"), warmup=0,
-                         repeats=repeats, budget_s=0.0)
+        timing = measure(step, torch.device("cpu"), warmup=0, repeats=repeats, budget_s=0.0)
     except Exception as e:  # reported as a row, not a crash of the benchmark
         return dict(row, error=f"{type(e).__name__}: {e}")
     return dict(row, ms=timing.median_ms, min_ms=timing.min_ms, runs=timing.repeats, peak_extra_mib=round(peak, 1),
@@ -88,11 +149,11 @@ def line(r: dict) -> str:
     return f"{head}: {r['ms']:10.1f} ms  peak +{r['peak_extra_mib']:9.1f} MiB"
 
 
-def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3) -> dict:
+def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3, task: str = "logprobs") -> dict:
     ctx = mp.get_context("spawn")
     rows = []
     for n, hid, vocab in sizes:
-        for name in CONTENDERS:
+        for name in (LOSS_CONTENDERS if task == "loss" else CONTENDERS):
             queue = ctx.Queue()
             proc = ctx.Process(target=_child, args=((name, n, hid, vocab, dtype, repeats), queue))
             proc.start()
@@ -109,10 +170,12 @@ def main(argv=None) -> None:
         ":".join(map(str, s)) for s in DEFAULT_SIZES))
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--task", default="logprobs", choices=["logprobs", "loss"])
     parser.add_argument("--out", default=None, help="folder for results.json")
     args = parser.parse_args(argv)
     sizes = DEFAULT_SIZES if args.sizes is None else tuple(tuple(map(int, s.split(":"))) for s in args.sizes)
-    result = run(sizes, args.dtype, args.repeats)
+    result = run(sizes, args.dtype, args.repeats, args.task)
+    result["task"] = args.task
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
