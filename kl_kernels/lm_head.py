@@ -50,3 +50,43 @@ def chunk_tokens(chunk_size, vocab: int) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size must be None or an int >= 1 (tokens per chunk), got {chunk_size!r}")
     return int(chunk_size)
+
+
+def head_grad_buffers(needs, hidden, weight, bias) -> tuple:
+    """``(d hidden, d weight, d bias)`` buffers for the flags ``needs`` (three bools): ``d hidden`` in
+    hidden's dtype, the head's in float32 accumulators (chunks add into them in a fixed order); None where
+    no gradient is wanted."""
+    return (torch.empty_like(hidden) if needs[0] else None,
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None,
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and needs[2]
+            else None)
+
+
+def add_chunk_grads(c0, c1, d_logits, hidden, weight, buffers) -> None:
+    """A chunk's share of the gradients from its logits' gradient ``d_logits [C, V]``: ``d hidden_c =
+    d_logits @ weight``, ``d weight += d_logits.T @ hidden_c``, ``d bias += sum_c d_logits``."""
+    g_hidden, g_weight, g_bias = buffers
+    if g_hidden is not None:
+        g_hidden[c0:c1] = d_logits @ weight
+    if g_weight is not None:
+        g_weight += (d_logits.t() @ hidden[c0:c1]).float()
+    if g_bias is not None:
+        g_bias += d_logits.float().sum(0)
+
+
+def head_grads_out(buffers, weight, bias) -> tuple:
+    """The buffers as autograd returns them: the head's accumulators cast to their parameters' dtypes."""
+    g_hidden, g_weight, g_bias = buffers
+    return (g_hidden, None if g_weight is None else g_weight.to(weight.dtype),
+            None if g_bias is None else g_bias.to(bias.dtype))
+
+
+def row_pass_backend(registry, backend: str, op: str, chunk_problem, caller: str) -> str:
+    """The name of the backend that runs a chunk's row pass: ``op``'s own dispatch asked about
+    ``chunk_problem`` (a chunk's fresh contiguous logits, one row standing in); a refusal names ``caller``."""
+    from . import backends as _dispatch
+
+    try:
+        return _dispatch.select(registry, backend, op=op, problem=chunk_problem).name
+    except _dispatch.BackendUnavailableError as exc:
+        raise _dispatch.BackendUnavailableError(f"{caller} (its row pass): {exc}") from None

@@ -14,6 +14,31 @@ from typing import Iterator
 
 import torch
 
+class RowsProblem:
+    """What the dispatcher reads of a problem over the rows of ``logits [*S, V]`` with a ``counted [*S]``
+    mask (``token_logprobs``', ``full_kl``'s dataclasses derive from it): its device, dtypes, token count,
+    vocabulary, and the one layout the row backends declare."""
+
+    device_free = False
+    layout = "packed"  # the backends' layout field: rows of a [*S, V] tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+    @property
+    def dtypes(self) -> set:
+        return {self.logits.dtype}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.counted.numel()
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[-1]
+
+
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -16,8 +16,8 @@ import dataclasses
 
 import torch
 
-from .. import backends as _dispatch
-from ..lm_head import check_lm_head, chunk_tokens
+from ..lm_head import (add_chunk_grads, check_lm_head, chunk_tokens, head_grad_buffers, head_grads_out,
+                       row_pass_backend)
 from . import launch, launch_triton, reference
 from .backends import REGISTRY
 from .problem import build_problem
@@ -30,27 +30,6 @@ def _rows(backend: str):
     if backend == "triton":
         return launch_triton.forward, launch_triton.backward
     return reference.forward, reference.backward
-
-
-def _grads_of(c0, c1, d, hidden, weight, bias, g_hidden, g_weight, g_bias):
-    if g_hidden is not None:
-        g_hidden[c0:c1] = d @ weight
-    if g_weight is not None:
-        g_weight += (d.t() @ hidden[c0:c1]).float()
-    if g_bias is not None:
-        g_bias += d.float().sum(0)
-
-
-def _buffers(ctx, offset, hidden, weight, bias):
-    want = ctx.needs_input_grad
-    return (torch.empty_like(hidden) if want[offset] else None,
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want[offset + 1] else None,
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if bias is not None and want[offset + 2] else None)
-
-
-def _out(g, like):
-    return None if g is None else g.to(like.dtype)
 
 
 class _LinearFullKL(torch.autograd.Function):
@@ -74,8 +53,8 @@ class _LinearFullKL(torch.autograd.Function):
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, kl, lse, ref_lse = ctx.saved_tensors
         _, bwd = _rows(ctx.backend)
         n = counted.numel()
-        policy = _buffers(ctx, 0, hidden, weight, bias)
-        ref_side = _buffers(ctx, 3, ref_hidden, ref_weight, ref_bias)
+        policy = head_grad_buffers(ctx.needs_input_grad[0:3], hidden, weight, bias)
+        ref_side = head_grad_buffers(ctx.needs_input_grad[3:6], ref_hidden, ref_weight, ref_bias)
         want_policy, want_ref = any(g is not None for g in policy), any(g is not None for g in ref_side)
         for c0 in range(0, n, ctx.chunk):
             c1 = min(c0 + ctx.chunk, n)
@@ -86,11 +65,11 @@ class _LinearFullKL(torch.autograd.Function):
             bwd(grad_kl[c0:c1], logits, ref, counted[c0:c1], ctx.temperature, kl[c0:c1], lse[c0:c1],
                 ref_lse[c0:c1], logits if want_policy else None, ref if want_ref else None)
             if want_policy:
-                _grads_of(c0, c1, logits, hidden, weight, bias, *policy)
+                add_chunk_grads(c0, c1, logits, hidden, weight, policy)
             if want_ref:
-                _grads_of(c0, c1, ref, ref_hidden, ref_weight, ref_bias, *ref_side)
-        return (policy[0], _out(policy[1], weight), _out(policy[2], bias), ref_side[0], _out(ref_side[1], ref_weight),
-                _out(ref_side[2], ref_bias), None, None, None, None)
+                add_chunk_grads(c0, c1, ref, ref_hidden, ref_weight, ref_side)
+        return (*head_grads_out(policy, weight, bias), *head_grads_out(ref_side, ref_weight, ref_bias),
+                None, None, None, None)
 
 
 def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bias=None, temperature=1.0,
@@ -146,10 +125,7 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
     # contiguous logits [C, V] (one row stands in)
     row = hidden.new_empty((1, vocab))
     chunk_rows = dataclasses.replace(p, logits=row, ref_logits=row, counted=p.counted.reshape(-1)[:0])
-    try:
-        name = _dispatch.select(REGISTRY, backend, op="full_kl", problem=chunk_rows).name
-    except _dispatch.BackendUnavailableError as exc:
-        raise _dispatch.BackendUnavailableError(f"linear_full_kl (its row pass): {exc}") from None
+    name = row_pass_backend(REGISTRY, backend, "full_kl", chunk_rows, "linear_full_kl")
     kl = _LinearFullKL.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                              ref_hidden.reshape(-1, ref_hidden.shape[-1]), ref_weight, ref_bias,
                              p.counted.reshape(-1), p.temperature, chunk, name)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..vocab_rows import check_logits
+from ..vocab_rows import RowsProblem, check_logits
 
 
 @dataclass
-class FullKLProblem:
+class FullKLProblem(RowsProblem):
     """``logits [*S, V]`` and ``ref_logits [*S, V]`` (same dtype and device), ``counted [*S]`` (bool),
     ``temperature > 0``."""
 
@@ -24,24 +24,6 @@ class FullKLProblem:
     ref_logits: torch.Tensor
     counted: torch.Tensor
     temperature: float
-    device_free = False
-    layout = "packed"  # the backends' layout field: rows of a [*S, V] tensor
-
-    @property
-    def device(self) -> torch.device:
-        return self.logits.device
-
-    @property
-    def dtypes(self) -> set:
-        return {self.logits.dtype}
-
-    @property
-    def num_tokens(self) -> int:
-        return self.counted.numel()
-
-    @property
-    def vocab(self) -> int:
-        return self.logits.shape[-1]
 
 
 def build_problem(logits, ref_logits, *, temperature, mask) -> FullKLProblem:

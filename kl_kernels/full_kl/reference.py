@@ -63,8 +63,8 @@ def backward(grad_kl: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tens
     g_all = torch.where(cnt, grad_kl.reshape(-1).to(md), 0.0)
     k_all = kl.reshape(-1)
     x_rows, r_rows = rows_of(logits), rows_of(ref_logits)
-    outs = [t if t is None else (t if t.dim() <= 3 else t.view(-1, t.shape[-1])) for t in (grad_logits, grad_ref)]
-    dest = [o if o is None or o.shape == x_rows.shape else o.view(x_rows.shape) for o in outs]
+    # the outputs (contiguous, the logits' shape) walked in the same row blocks as the logits' rows
+    dest = [None if t is None else t.view(x_rows.shape) for t in (grad_logits, grad_ref)]
     present = [d for d in dest if d is not None]
     for r0, r1, xb, rb, *targets in row_blocks(x_rows, rows_per_chunk(logits), r_rows, *present):
         z, w = xb.to(md) / temperature, rb.to(md) / temperature

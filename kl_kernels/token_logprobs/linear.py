@@ -15,11 +15,11 @@ import dataclasses
 
 import torch
 
-from .. import backends as _dispatch
 from . import launch, launch_triton, reference
 from .api import TokenLogprobsOutput
 from .backends import REGISTRY
-from ..lm_head import check_lm_head, chunk_tokens
+from ..lm_head import (add_chunk_grads, check_lm_head, chunk_tokens, head_grad_buffers, head_grads_out,
+                       row_pass_backend)
 from .problem import build_problem
 
 
@@ -59,11 +59,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, counted, lse, ent = ctx.saved_tensors
         _, bwd = _rows(ctx.backend)
         n = labels.numel()
-        g_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        g_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if bias is not None and ctx.needs_input_grad[2] else None
+        grads = head_grad_buffers(ctx.needs_input_grad, hidden, weight, bias)
         grad_ent = grad_ent if ctx.want_entropy else None
         for c0 in range(0, n, ctx.chunk):
             c1 = min(c0 + ctx.chunk, n)
@@ -72,14 +68,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             d = bwd(None if grad_lp is None else grad_lp[c0:c1], None if grad_ent is None else grad_ent[c0:c1],
                     logits, labels[c0:c1], counted[c0:c1], ctx.temperature, lse[c0:c1],
                     ent[c0:c1] if grad_ent is not None else ent, logits)
-            if g_hidden is not None:
-                g_hidden[c0:c1] = d @ weight
-            if g_weight is not None:
-                g_weight += (d.t() @ hidden[c0:c1]).float()
-            if g_bias is not None:
-                g_bias += d.float().sum(0)
-        return (g_hidden, None if g_weight is None else g_weight.to(weight.dtype),
-                None if g_bias is None else g_bias.to(bias.dtype), None, None, None, None, None, None)
+            add_chunk_grads(c0, c1, d, hidden, weight, grads)
+        return (*head_grads_out(grads, weight, bias), None, None, None, None, None, None)
 
 
 def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False, mask=None,
@@ -124,10 +114,7 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
     # The backend: token_logprobs' own dispatch, asked about what the row pass will get, a chunk's fresh
     # contiguous logits [C, V] (one row stands in)
     chunk_rows = dataclasses.replace(p, logits=hidden.new_empty((1, vocab)), labels=p.labels[:0], counted=p.counted[:0])
-    try:
-        name = _dispatch.select(REGISTRY, backend, op="token_logprobs", problem=chunk_rows).name
-    except _dispatch.BackendUnavailableError as exc:
-        raise _dispatch.BackendUnavailableError(f"linear_token_logprobs (its row pass): {exc}") from None
+    name = row_pass_backend(REGISTRY, backend, "token_logprobs", chunk_rows, "linear_token_logprobs")
     shape = p.labels.shape
     lp, ent, _ = _LinearTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                             p.labels.reshape(-1), p.counted.reshape(-1), p.temperature,

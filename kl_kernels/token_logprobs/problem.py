@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import ragged
-from ..vocab_rows import LOGIT_DTYPES, check_logits
+from ..vocab_rows import LOGIT_DTYPES, RowsProblem, check_logits
 
 __all__ = ["LOGIT_DTYPES", "TokenLogprobsProblem", "build_problem"]
 
 
 @dataclass
-class TokenLogprobsProblem:
+class TokenLogprobsProblem(RowsProblem):
     """``logits [*S, V]``, ``labels [*S]`` (int64), ``counted [*S]`` (bool: mask and not
     ``ignore_index``), ``temperature > 0``."""
 
@@ -30,24 +30,6 @@ class TokenLogprobsProblem:
     temperature: float
     return_entropy: bool
     inplace_backward: bool
-    device_free = False
-    layout = "packed"  # the backends' layout field: rows of a [*S, V] tensor
-
-    @property
-    def device(self) -> torch.device:
-        return self.logits.device
-
-    @property
-    def dtypes(self) -> set:
-        return {self.logits.dtype}
-
-    @property
-    def num_tokens(self) -> int:
-        return self.labels.numel()
-
-    @property
-    def vocab(self) -> int:
-        return self.logits.shape[-1]
 
 
 def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_index,
