@@ -5,7 +5,8 @@
   ``KL_KERNELS_BUILD_CUDA=1`` (then a missing nvcc is an error), skipped with
   ``KL_KERNELS_BUILD_CUDA=0``. Architectures come from ``KL_KERNELS_CUDA_ARCHS``
   (``;``-separated compute capabilities, default ``80;86;89;90;100;120``); PTX of the
-  newest is embedded too, so newer GPUs can JIT it.
+  newest is embedded too, so newer GPUs can JIT it. An entry ``compute_80`` embeds PTX only (no
+  machine code: the driver compiles it on first load; a build without ptxas's time).
 
 * ``kl_kernels._cuda_emu`` the same CUDA sources (``csrc/cuda/*.cu`` and ``module.cpp``) compiled
   as C++ by the host compiler against the host emulation of CUDA in ``csrc/emu`` (each CUDA thread
@@ -76,17 +77,20 @@ def _find_cuda_home(nvcc: Path) -> Path:
 
 
 def _parse_archs(spec: str) -> list[str]:
+    """``'80;90'`` -> ``['80', '90']``; ``compute_NN`` entries (PTX only) keep their prefix."""
     archs = [a.strip().replace(".", "") for a in spec.replace(",", ";").split(";") if a.strip()]
-    if not archs or not all(a.isdigit() for a in archs):
-        sys.exit(f"kl_kernels build: KL_KERNELS_CUDA_ARCHS must look like '80;90', got {spec!r}")
-    return sorted(set(archs), key=int)
+    if not archs or not all(a.removeprefix("compute_").isdigit() for a in archs):
+        sys.exit(f"kl_kernels build: KL_KERNELS_CUDA_ARCHS must look like '80;90' (or compute_90 for PTX only), "
+                 f"got {spec!r}")
+    return sorted(set(archs), key=lambda a: (int(a.removeprefix("compute_")), a))
 
 
 def _cuda_arch_flags(spec: str) -> list[str]:
     archs = _parse_archs(spec)
-    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    newest = archs[-1]
-    flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")  # PTX for future GPUs
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a.isdigit()]
+    newest = archs[-1].removeprefix("compute_")
+    ptx = {a.removeprefix("compute_") for a in archs if not a.isdigit()} | {newest}  # PTX for future GPUs
+    flags += [f"-gencode=arch=compute_{a},code=compute_{a}" for a in sorted(ptx, key=int)]
     return flags
 
 

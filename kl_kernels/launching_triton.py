@@ -3,7 +3,9 @@ the autotune configurations and the tile each program covers, the interpreter's 
 launching a tile kernel over the flat token space. No op owns this module.
 
 On a GPU the tile kernels are autotuned over ``GPU_CONFIGS`` keyed on the token count rounded up to a
-power of two (``size_bucket``), so ragged batches of similar size reuse one tuned configuration.
+power of two (``size_bucket``), so ragged batches of similar size reuse one tuned configuration. The
+forward kernels' configurations depend on the log-probs' element size (``forward_configs``): each
+thread holds 16 bytes of every flat input, one 128-bit load (4 fp32 elements, 8 bf16/fp16 ones).
 Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors) there is nothing to time: the tile
 is chosen so that a batch spans about eight tiles (16 to 1024 elements), which keeps the
 interpreter's per-program cost bounded and still makes small test batches cross tile boundaries.
@@ -15,9 +17,14 @@ import math
 
 import torch
 
-# (BLOCK, num_warps) pairs the forward/backward tile kernels are tuned over on a GPU.
+# (BLOCK, num_warps) pairs the tile kernels are tuned over on a GPU: 4 elements per thread.
 GPU_CONFIGS = ((512, 4), (1024, 8))
-MIN_BLOCK = min(b for b, _ in GPU_CONFIGS)
+# The forward kernels' pairs by the log-probs' element size in bytes: 16 bytes per thread, so a flat
+# input is read with 128-bit loads (tests/test_triton_static.py). 16-bit inputs hold 8 elements per
+# thread, which costs registers (~185-250 against ~110-128 at 4): they keep 4 or 2 warps, so at least
+# 2 blocks still fit an SM; an 8-warp block of them would fit only one.
+FORWARD_CONFIGS = {4: GPU_CONFIGS, 2: ((1024, 4), (512, 2))}
+MIN_BLOCK = min(b for cfgs in (GPU_CONFIGS, *FORWARD_CONFIGS.values()) for b, _ in cfgs)
 INTERPRETER_TILES = 8
 COMBINE_BLOCK = 128
 # The combine kernels add a row's later tiles COMBINE_CHUNK at a time (triton/tiles.py, later_tiles),
@@ -38,8 +45,23 @@ def kernel_set(fwd, combine, bwd):
     if interpreting():
         return fwd, combine, bwd
     configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in GPU_CONFIGS]
-    return (triton.autotune(configs, key=["size_bucket"])(fwd), combine,
+    fwd_configs = [triton.Config({"BLOCK": b}, num_warps=w) for cfgs in FORWARD_CONFIGS.values() for b, w in cfgs]
+    return (triton.autotune(fwd_configs, key=["size_bucket"],
+                            prune_configs_by={"early_config_prune": _by_element_size})(fwd), combine,
             triton.autotune(configs, key=["size_bucket"])(bwd))
+
+
+def forward_configs(element_size: int):
+    """The forward kernels' (BLOCK, num_warps) pairs for log-probs of this element size in bytes
+    (sizes without their own entry take the 4-byte ones)."""
+    return FORWARD_CONFIGS.get(element_size, GPU_CONFIGS)
+
+
+def _by_element_size(configs, named_args, **kwargs):
+    """Autotuner pruning: the configs of the log-probs' element size (the autotuner's cache key
+    holds every tensor argument's dtype, so each dtype is tuned on its own)."""
+    want = set(forward_configs(named_args["lp_ptr"].element_size()))
+    return [c for c in configs if (c.kwargs["BLOCK"], c.num_warps) in want]
 
 
 def tuned(kernel) -> bool:

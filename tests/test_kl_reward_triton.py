@@ -58,6 +58,25 @@ def test_row_longer_than_a_grid_dimension(layout):
     check(_long_case(70001, torch.float32), layout, device=DEVICE, backend="triton")
 
 
+@pytest.mark.parametrize("layout", ["padded_left", "padded_right"])
+@pytest.mark.parametrize("width", [1, 3, 5, 37])
+def test_padded_rows_narrower_than_a_tile(layout, width):
+    """The padded tile finds each element's row without a per-element division (triton/tiles.py,
+    frame): rows narrower than the tile take the int32 path (many rows meet in one tile), rows as wide
+    as the tile or wider (test_row_longer_than_a_grid_dimension) the one-boundary path."""
+    g = torch.Generator().manual_seed(width)
+    n_seq = 300
+    lens = torch.randint(0, width + 1, (n_seq,), generator=g).tolist()
+    lens[0] = width  # the padded width
+    lp = [-torch.rand(n, generator=g) * 4 for n in lens]
+    ref = [x + torch.randn(x.shape, generator=g) * 0.3 for x in lp]
+    mask = [torch.rand(n, generator=g) < 0.8 for n in lens]
+    case = Case(lp=lp, ref=ref, mask=mask, estimator="k3", coef_kind="per_seq",
+                coef=torch.rand(n_seq, generator=g).tolist(), reward_kind="B", placement="last",
+                reward_seq=torch.randn(n_seq, generator=g))
+    check(case, layout, device=DEVICE, backend="triton")
+
+
 @pytest.mark.parametrize("layout", [x for x in LAYOUTS if x != "nested_strided"])
 def test_empty_batch(layout):
     out = kl_reward(**to_device(build(Case(lp=[], ref=[]), layout).kwargs, DEVICE), backend="triton")

@@ -103,7 +103,8 @@ def _child(arch: int, out_dir: str) -> list[dict]:
 
     def every_config(self, *args, **kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
-        for cfg in self.configs:
+        self.nargs = dict(zip(self.arg_names, args))
+        for cfg in self.prune_configs(kwargs):  # the configs a real call of these arguments tunes over
             self.fn.run(*args, grid=None, warmup=True, **kwargs, **cfg.all_kwargs())
         self.best_config = self.configs[0]
 

@@ -56,13 +56,13 @@ def _segment(v, first):
 
 
 @triton.jit
-def _store_sums(ptr, at, stride, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, m):
-    tl.store(ptr + at * stride + 0, s_loss, mask=m)
-    tl.store(ptr + at * stride + 1, s_obj, mask=m)
-    tl.store(ptr + at * stride + 2, s_kl, mask=m)
-    tl.store(ptr + at * stride + 3, s_ent, mask=m)
-    tl.store(ptr + at * stride + 4, s_ratio, mask=m)
-    tl.store(ptr + at * stride + 5, s_clip, mask=m)
+def _put_sum(s, whole_at, slot_at, whole, head, tail):
+    """One per-sequence sum ``s`` (fp64, read at each segment's last lane): to the sequence's own
+    entry (fp32) where the tile holds the whole sequence, else to the tile's head or tail slot
+    (fp64; the tail slot is the row after the head's, 8 entries on)."""
+    tl.store(whole_at, s.to(tl.float32), mask=whole)
+    tl.store(slot_at, s, mask=head)
+    tl.store(slot_at + 8, s, mask=tail)
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -152,7 +152,6 @@ def kl_penalty_fwd_kernel(
     obj = tl.where(counted, obj, 0.0)
     kl = tl.where(counted, kl, 0.0)
     ratio = tl.where(counted, ratio, 0.0)
-    clipped = tl.where(counted & ~take, 1.0, 0.0)
     tl.store(grad_ptr + offs, grad, mask=inb)
     if TOKEN_OUT:
         tl.store(tok_ptr + offs, loss, mask=inb)
@@ -160,35 +159,38 @@ def kl_penalty_fwd_kernel(
         tl.store(tok_ptr + 2 * total + offs, beta * kl, mask=inb)
         tl.store(tok_ptr + 3 * total + offs, -entropy_coef * ent + 0.0, mask=inb)  # + 0.0: no -0
 
+    # Where each sequence's share of the tile is read and written, settled before the fp64 scans so
+    # the sequence's flat range (seq_lo, seq_hi) is not live across them (registers): the segment's
+    # first and last lanes and its place (whole / head slot / tail slot).
     idx = tl.arange(0, BLOCK)
     first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)
-    last_lane = (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32)
-    s_loss = _segment(loss, first)
-    s_obj = _segment(obj, first)
-    s_kl = _segment(kl, first)
-    s_ent = _segment(ent, first)
-    s_ratio = _segment(ratio, first)
-    s_clip = _segment(clipped, first)
+    end = inb & (idx == (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32))
+    whole = end & (seq_lo >= t0) & (seq_hi - 1 <= t_last)
+    head = end & (seq_lo <= t0)
+    tail = end & (seq_hi - 1 >= t_last)
+    # counts (integers: exact as prefix-sum differences, and no NaN to contain)
     cnt = counted.to(tl.int32)
     ccnt = tl.cumsum(cnt, 0)
     s_cnt = ccnt - tl.gather(ccnt - cnt, first, 0)
-    end = inb & (idx == last_lane)
-    whole = end & (seq_lo >= t0) & (seq_hi - 1 <= t_last)
-    tl.store(seq_loss_ptr + seq, s_loss.to(tl.float32), mask=whole)
-    tl.store(stats_ptr + seq * 5 + 0, s_obj.to(tl.float32), mask=whole)
-    tl.store(stats_ptr + seq * 5 + 1, s_kl.to(tl.float32), mask=whole)
-    tl.store(stats_ptr + seq * 5 + 2, s_ent.to(tl.float32), mask=whole)
-    tl.store(stats_ptr + seq * 5 + 3, s_ratio.to(tl.float32), mask=whole)
-    tl.store(stats_ptr + seq * 5 + 4, s_clip.to(tl.float32), mask=whole)
+    clipped = (counted & ~take).to(tl.int32)
+    cclip = tl.cumsum(clipped, 0)
+    s_clip = (cclip - tl.gather(cclip - clipped, first, 0)).to(tl.float64)
+    slot = (tl.zeros_like(seq) + 2 * pid) * 8  # slot 2*pid's row of 8 (tail: the next row)
+    # Each sum is written as soon as it is scanned, so one fp64 scan result is live at a time.
+    _put_sum(_segment(loss, first), seq_loss_ptr + seq, slot_sum_ptr + slot, whole, head, tail)
+    _put_sum(_segment(obj, first), stats_ptr + seq * 5 + 0, slot_sum_ptr + slot + 1, whole, head, tail)
+    _put_sum(_segment(kl, first), stats_ptr + seq * 5 + 1, slot_sum_ptr + slot + 2, whole, head, tail)
+    if HAS_ENT:
+        s_ent = _segment(ent, first)
+    else:
+        s_ent = tl.zeros_like(first).to(tl.float64)
+    _put_sum(s_ent, stats_ptr + seq * 5 + 2, slot_sum_ptr + slot + 3, whole, head, tail)
+    _put_sum(_segment(ratio, first), stats_ptr + seq * 5 + 3, slot_sum_ptr + slot + 4, whole, head, tail)
+    _put_sum(s_clip, stats_ptr + seq * 5 + 4, slot_sum_ptr + slot + 5, whole, head, tail)
     tl.store(count_ptr + seq, s_cnt.to(tl.int64), mask=whole)
     # Slot 2*pid: the segment holding the tile's first element; 2*pid+1: the one holding its last.
-    head = end & (seq_lo <= t0)
-    at = tl.zeros_like(seq) + 2 * pid
-    _store_sums(slot_sum_ptr, at, 8, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, head)
-    tl.store(slot_count_ptr + at, s_cnt, mask=head)
-    tail = end & (seq_hi - 1 >= t_last)
-    _store_sums(slot_sum_ptr, at + 1, 8, s_loss, s_obj, s_kl, s_ent, s_ratio, s_clip, tail)
-    tl.store(slot_count_ptr + at + 1, s_cnt, mask=tail)
+    tl.store(slot_count_ptr + 2 * pid + tl.zeros_like(first), s_cnt, mask=head)
+    tl.store(slot_count_ptr + 2 * pid + 1 + tl.zeros_like(first), s_cnt, mask=tail)
 
 
 @triton.jit(do_not_specialize=("batch", "width"))

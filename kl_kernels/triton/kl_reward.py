@@ -88,36 +88,36 @@ def kl_reward_fwd_kernel(
 
     # Each sequence's share of this tile, without atomics: a segmented scan (fp64) for the values,
     # so a NaN/inf in one sequence never reaches the next; prefix-sum differences for the counts
-    # (integers: exact), read at each segment's last element.
+    # (integers: exact), read at each segment's last element. Everything integer (counts, last
+    # counted positions, where each segment is written) is settled and stored before the fp64 scan,
+    # so the positions and the sequence's flat range are not live across it (registers).
     idx = tl.arange(0, BLOCK)
     cnt = counted.to(tl.int32)
     ccnt = tl.cumsum(cnt, 0)
     first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)      # the segment's first lane
     last_lane = (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32)
-    seg_sum = segment_sum(k, first)
     seg_count = ccnt - tl.gather(ccnt - cnt, first, 0)
     end = inb & (idx == last_lane)
     is_last_counted = counted & (tl.gather(ccnt, last_lane, 0) == ccnt)  # no counted lane after it
     whole = (seq_lo >= t0) & (seq_hi - 1 <= t_last)
-    tl.store(kl_sum_ptr + seq, seg_sum.to(tl.float32), mask=end & whole)
+    head = inb & (seq_lo <= t0)
+    tail = inb & (seq_hi - 1 >= t_last)
     tl.store(count_ptr + seq, seg_count.to(tl.int64), mask=end & whole)
     tl.store(last_ptr + seq, tl.zeros_like(pos) - 1, mask=end & whole & (seg_count == 0))
     tl.store(last_ptr + seq, pos, mask=is_last_counted & whole)
     # Slot 2*pid: the segment holding the tile's first element; 2*pid+1: the one holding its last.
-    head = inb & (seq_lo <= t0)
-    tail = inb & (seq_hi - 1 >= t_last)
-    _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, 2 * pid, head, end, is_last_counted, seg_sum,
-                seg_count, pos)
-    _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, 2 * pid + 1, tail, end, is_last_counted, seg_sum,
-                seg_count, pos)
+    _store_slot_counts(slot_count_ptr, slot_last_ptr, 2 * pid, head, end, is_last_counted, seg_count, pos)
+    _store_slot_counts(slot_count_ptr, slot_last_ptr, 2 * pid + 1, tail, end, is_last_counted, seg_count, pos)
+    seg_sum = segment_sum(k, first)
+    tl.store(kl_sum_ptr + seq, seg_sum.to(tl.float32), mask=end & whole)
+    tl.store(slot_sum_ptr + 2 * pid + tl.zeros_like(seq), seg_sum, mask=head & end)
+    tl.store(slot_sum_ptr + 2 * pid + 1 + tl.zeros_like(seq), seg_sum, mask=tail & end)
 
 
 @triton.jit
-def _store_slot(slot_sum_ptr, slot_count_ptr, slot_last_ptr, slot, member, end, is_last_counted, seg_sum, seg_count,
-                pos):
-    """Write one boundary segment's (sum, count, last counted position) to ``slot``."""
+def _store_slot_counts(slot_count_ptr, slot_last_ptr, slot, member, end, is_last_counted, seg_count, pos):
+    """Write one boundary segment's count and last counted position to ``slot``."""
     at = tl.zeros_like(pos) + slot
-    tl.store(slot_sum_ptr + at, seg_sum, mask=member & end)
     tl.store(slot_count_ptr + at, seg_count, mask=member & end)
     tl.store(slot_last_ptr + at, tl.zeros_like(pos) - 1, mask=member & end & (seg_count == 0))
     tl.store(slot_last_ptr + at, pos, mask=member & is_last_counted)

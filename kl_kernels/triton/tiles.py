@@ -67,8 +67,21 @@ def frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, 
         pos = offs - seq_lo
         valid = inb
     else:
-        seq = offs // width
-        col = offs - seq * width
+        # No per-element int64 division (a software routine on NVIDIA GPUs, and the padded tile's
+        # biggest register cost): one scalar division for the tile's first element, then each lane's
+        # offset from that row start, rel < width + BLOCK, steps over at most one row boundary when
+        # width >= BLOCK, and fits int32 when width < BLOCK.
+        seq0 = t0 // width
+        rel = (t0 - seq0 * width) + tl.arange(0, offs.shape[0])
+        if width >= offs.shape[0]:
+            step = (rel >= width).to(tl.int64)
+            seq = seq0 + step
+            col = rel - step * width
+        else:
+            rel32 = rel.to(tl.int32)
+            q = rel32 // width.to(tl.int32)
+            seq = seq0 + q.to(tl.int64)
+            col = (rel32 - q * width.to(tl.int32)).to(tl.int64)
         seq_lo = seq * width
         seq_hi = seq_lo + width
         if HAS_LENGTHS:
