@@ -25,7 +25,7 @@ import triton.language as tl
 from .. import codes
 
 from .kl_math import clamp, exp_bounded, inside, kl_grad, kl_value, segment_sum
-from .tiles import coef_of, combine_rows, frame, later_tiles
+from .tiles import coef_of, combine_rows, frame, later_tiles, segment_places
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
 # clipped; 8 for the combine's power-of-two 2-D block).
@@ -162,12 +162,8 @@ def kl_penalty_fwd_kernel(
     # Where each sequence's share of the tile is read and written, settled before the fp64 scans so
     # the sequence's flat range (seq_lo, seq_hi) is not live across them (registers): the segment's
     # first and last lanes and its place (whole / head slot / tail slot).
-    idx = tl.arange(0, BLOCK)
-    first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)
-    end = inb & (idx == (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32))
-    whole = end & (seq_lo >= t0) & (seq_hi - 1 <= t_last)
-    head = end & (seq_lo <= t0)
-    tail = end & (seq_hi - 1 >= t_last)
+    first, _, end, whole, head, tail = segment_places(seq_lo, seq_hi, t0, t_last, inb)
+    whole, head, tail = end & whole, end & head, end & tail
     # counts (integers: exact as prefix-sum differences, and no NaN to contain)
     cnt = counted.to(tl.int32)
     ccnt = tl.cumsum(cnt, 0)

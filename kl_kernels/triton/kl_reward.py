@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .kl_math import kl_grad, kl_value, segment_sum
-from .tiles import coef_of, combine_rows, frame, later_tiles
+from .tiles import coef_of, combine_rows, frame, later_tiles, segment_places
 
 # Runtime integers that change from batch to batch: no specialization on their values.
 _SIZES = ("total", "batch", "width", "lp_s0", "ref_s0", "mask_s0", "rw_s0")
@@ -91,17 +91,11 @@ def kl_reward_fwd_kernel(
     # (integers: exact), read at each segment's last element. Everything integer (counts, last
     # counted positions, where each segment is written) is settled and stored before the fp64 scan,
     # so the positions and the sequence's flat range are not live across it (registers).
-    idx = tl.arange(0, BLOCK)
+    first, last_lane, end, whole, head, tail = segment_places(seq_lo, seq_hi, t0, t_last, inb)
     cnt = counted.to(tl.int32)
     ccnt = tl.cumsum(cnt, 0)
-    first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)      # the segment's first lane
-    last_lane = (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32)
     seg_count = ccnt - tl.gather(ccnt - cnt, first, 0)
-    end = inb & (idx == last_lane)
     is_last_counted = counted & (tl.gather(ccnt, last_lane, 0) == ccnt)  # no counted lane after it
-    whole = (seq_lo >= t0) & (seq_hi - 1 <= t_last)
-    head = inb & (seq_lo <= t0)
-    tail = inb & (seq_hi - 1 >= t_last)
     tl.store(count_ptr + seq, seg_count.to(tl.int64), mask=end & whole)
     tl.store(last_ptr + seq, tl.zeros_like(pos) - 1, mask=end & whole & (seg_count == 0))
     tl.store(last_ptr + seq, pos, mask=is_last_counted & whole)

@@ -106,6 +106,22 @@ def frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, 
 
 
 @triton.jit
+def segment_places(seq_lo, seq_hi, t0, t_last, inb):
+    """Where each lane's segment (its sequence's share of the tile) starts, ends and is written:
+    (first lane, last lane, end = this lane is the segment's last, whole = the tile holds the whole
+    sequence, head = the segment holds the tile's first element, tail = its last). whole, head and
+    tail are per lane (every lane of the segment), not only at ``end``."""
+    idx = tl.arange(0, seq_lo.shape[0])
+    first = (tl.maximum(seq_lo, t0) - t0).to(tl.int32)
+    last_lane = (tl.minimum(seq_hi - 1, t_last) - t0).to(tl.int32)
+    end = inb & (idx == last_lane)
+    whole = (seq_lo >= t0) & (seq_hi - 1 <= t_last)
+    head = inb & (seq_lo <= t0)
+    tail = inb & (seq_hi - 1 >= t_last)
+    return first, last_lane, end, whole, head, tail
+
+
+@triton.jit
 def coef_of(coef_ptr, coef_scalar, seq, inb, COEF_MODE: tl.constexpr):
     if COEF_MODE == 0:
         return coef_scalar
