@@ -19,6 +19,10 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/oracle.py, batches.py, tolerances.py
 
+# The xdist scheduler that keeps each module of pyproject's one_worker_modules on one worker (its
+# docstring says why xdist's own xdist_group marks are not enough); hooks are found by name here.
+from xdist_once import pytest_addoption, pytest_xdist_make_scheduler  # noqa: E402,F401
+
 # Bounded example counts keep CI short; KL_KERNELS_HYPOTHESIS=thorough explores more locally.
 settings.register_profile("ci", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -17,7 +17,7 @@ from adversarial.catalogue import build_catalogue
 from adversarial.pool import run_calls
 
 CALLS = build_catalogue()
-pytestmark = pytest.mark.xdist_group("adversarial")  # the sweep (a module fixture) runs once, not once per worker
+# the sweep (a module fixture) runs once, on one xdist worker: pyproject.toml one_worker_modules
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import CUDA_EMULATED, REPO
+from conftest import CUDA_EMULATED, REPO, cuda_emulated_reason
 from kl_kernels import kl_penalty_loss
 
 FUSED = ["cpu", CUDA_EMULATED]
@@ -363,38 +363,48 @@ def _free_port():
         return s.getsockname()[1]
 
 
+# One process group of 2 ranks runs every (aggregation, backend) case in turn, in the same order on
+# both ranks (so their collectives pair up): starting 2 processes per case cost ~9 s a case.
 WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from kl_kernels import kl_penalty_loss
-    rank, world, backend, agg = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, world, cases = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    data = torch.load(sys.argv[5])
+    data = torch.load(sys.argv[4])
     mine = data["shards"][rank]
-    lp = mine["log_probs"].clone().requires_grad_()
-    kw = {k: v for k, v in mine.items() if k != "log_probs"}
-    if agg == "token-mean-n":  # the explicit global count instead of the process group
-        out = kl_penalty_loss(lp, **kw, aggregation="token-mean", num_global_tokens=data["n_global"], backend=backend)
-    elif agg == "split":  # each term its own weights, B the non-empty sequences of both ranks
-        out = kl_penalty_loss(lp, **kw, aggregation="seq-mean-token-mean", kl_aggregation="token-mean",
-                              num_sequences="nonempty", process_group=dist.group.WORLD, backend=backend)
-    else:
-        out = kl_penalty_loss(lp, **kw, aggregation=agg, process_group=dist.group.WORLD, backend=backend)
-    out.loss.backward()
-    total = out.loss.detach().clone()
-    dist.all_reduce(total)
-    torch.save(dict(loss_sum=total, grad=lp.grad, kl_mean=out.kl_mean, num_tokens=out.num_tokens),
-               os.path.join(sys.argv[6], f"rank{rank}.pt"))
+    for case in cases:
+        agg, backend = case.split("/")
+        lp = mine["log_probs"].clone().requires_grad_()
+        kw = {k: v for k, v in mine.items() if k != "log_probs"}
+        if agg == "token-mean-n":  # the explicit global count instead of the process group
+            out = kl_penalty_loss(lp, **kw, aggregation="token-mean", num_global_tokens=data["n_global"][case],
+                                  backend=backend)
+        elif agg == "split":  # each term its own weights, B the non-empty sequences of both ranks
+            out = kl_penalty_loss(lp, **kw, aggregation="seq-mean-token-mean", kl_aggregation="token-mean",
+                                  num_sequences="nonempty", process_group=dist.group.WORLD, backend=backend)
+        else:
+            out = kl_penalty_loss(lp, **kw, aggregation=agg, process_group=dist.group.WORLD, backend=backend)
+        out.loss.backward()
+        total = out.loss.detach().clone()
+        dist.all_reduce(total)
+        torch.save(dict(loss_sum=total, grad=lp.grad, kl_mean=out.kl_mean, num_tokens=out.num_tokens),
+                   os.path.join(sys.argv[5], f"rank{rank}-{agg}-{backend}.pt"))
     dist.destroy_process_group()
 """)
 
+DP_AGGREGATIONS = ["token-mean", "token-mean-n", "seq-mean-token-mean", "seq-mean-token-sum", "split"]
+DP_BACKENDS = ["torch"] + FUSED
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch"] + FUSED)
-@pytest.mark.parametrize("aggregation", ["token-mean", "token-mean-n", "seq-mean-token-mean", "seq-mean-token-sum",
-                                         "split"])
-def test_two_ranks_equal_the_union(aggregation, backend, tmp_path):
-    """2 processes on gloo: the ranks' losses sum to the loss of the union batch, each rank's gradient
-    is the union's gradient on its tokens, and process-group diagnostics are the union's."""
+
+def _backend_runs(backend: str) -> bool:
+    from kl_kernels.kl_reward.backends import REGISTRY
+
+    if backend == "cuda-emulated":
+        return cuda_emulated_reason() is None
+    return not next(b for b in REGISTRY if b.name == backend).unavailable_reasons()
+
+
+def _dp_shards():
     g = torch.Generator().manual_seed(7)
     T = 23
     lengths = [[23, 5, 0], [1, 17]]  # different sizes and token counts on the two ranks
@@ -405,6 +415,11 @@ def test_two_ranks_equal_the_union(aggregation, backend, tmp_path):
         shards.append(dict(log_probs=lp, old_log_probs=lp + torch.randn(B, T, generator=g) * 0.2,
                            advantages=torch.randn(B, generator=g), mask=torch.rand(B, T, generator=g) < 0.7,
                            lengths=torch.tensor(lens), beta=0.1, estimator="k3", clip_epsilon=0.2))
+    return shards
+
+
+def _dp_union_loss(shards, aggregation, backend):
+    """The loss of the union batch in one process, and the log-probs whose gradient it filled."""
     union = {k: (torch.cat([s[k] for s in shards]) if isinstance(shards[0][k], torch.Tensor) else shards[0][k])
              for k in shards[0]}
     lp_u = union.pop("log_probs").clone().requires_grad_()
@@ -415,19 +430,42 @@ def test_two_ranks_equal_the_union(aggregation, backend, tmp_path):
         agg = "token-mean" if aggregation == "token-mean-n" else aggregation
         want = kl_penalty_loss(lp_u, **union, aggregation=agg, backend=backend)
     want.loss.backward()
-    n_global = int(want.num_tokens)
+    return want, lp_u
 
-    path = tmp_path / "data.pt"
-    torch.save(dict(shards=shards, n_global=n_global), path)
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every case run once by 2 processes on gloo; the runnable backends only (the others' tests skip)."""
+    out = tmp_path_factory.mktemp("ranks")
+    shards = _dp_shards()
+    names = [b.values[0] if hasattr(b, "values") else b for b in DP_BACKENDS]
+    cases = [f"{agg}/{b}" for b in names if _backend_runs(b) for agg in DP_AGGREGATIONS]
+    n_global = {c: int(_dp_union_loss(shards, *c.split("/"))[0].num_tokens) for c in cases}
+    torch.save(dict(shards=shards, n_global=n_global), out / "data.pt")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "2", backend, aggregation, str(path),
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "2", ",".join(cases), str(out / "data.pt"),
+                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
+    logs = []
     for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, out.decode()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+        log, _ = p.communicate(timeout=600)
+        logs.append((p.returncode, log.decode()))
+    return out, shards, logs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", DP_BACKENDS)
+@pytest.mark.parametrize("aggregation", DP_AGGREGATIONS)
+def test_two_ranks_equal_the_union(aggregation, backend, two_rank_runs):
+    """2 processes on gloo: the ranks' losses sum to the loss of the union batch, each rank's gradient
+    is the union's gradient on its tokens, and process-group diagnostics are the union's."""
+    out, shards, logs = two_rank_runs
+    for code, log in logs:
+        assert code == 0, log
+    want, lp_u = _dp_union_loss(shards, aggregation, backend)
+    n_global = int(want.num_tokens)
+    ranks = [torch.load(out / f"rank{r}-{aggregation}-{backend}.pt") for r in range(2)]
     torch.testing.assert_close(ranks[0]["loss_sum"], want.loss.detach(), rtol=1e-6, atol=1e-7)
     grad = torch.cat([r["grad"] for r in ranks])
     torch.testing.assert_close(grad, lp_u.grad, rtol=1e-6, atol=1e-8)

@@ -18,6 +18,8 @@ Triton here is the CPU kernel's float32 result (the same inputs, upcast exactly)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -110,16 +112,42 @@ def test_kl_reward_token_math_is_bitwise_the_cpu_kernels(estimator, clamps, dtyp
     _same_bits(want[1], got[1], "d kl / d log_probs")
 
 
-@pytest.mark.parametrize("options", [{}, {"dual_clip": 1.5, "weights": True}, {"weights": True, "weight_kl": True},
-                                     {"clamp_input": (-10.0, 10.0), "clamp_output": (-5.0, 5.0)},
-                                     {"importance_sampling_level": "sequence", "dual_clip": 1.5},
-                                     {"kl_times_ratio": True, "weights": True, "weight_kl": True}],
-                         ids=["plain", "dual-clip-weights", "weights-on-kl", "kl-clamps", "gspo", "kl-times-ratio"])
-@pytest.mark.parametrize("with_ref", [True, False], ids=["ref", "old"])
-@pytest.mark.parametrize("clip", [None, 0.2], ids=["no-clip", "clip"])
-@pytest.mark.parametrize("estimator", ESTIMATORS)
+PPO_OPTIONS = {"plain": {}, "dual-clip-weights": {"dual_clip": 1.5, "weights": True},
+               "weights-on-kl": {"weights": True, "weight_kl": True},
+               "kl-clamps": {"clamp_input": (-10.0, 10.0), "clamp_output": (-5.0, 5.0)},
+               "gspo": {"importance_sampling_level": "sequence", "dual_clip": 1.5},
+               "kl-times-ratio": {"kl_times_ratio": True, "weights": True, "weight_kl": True}}
+
+
+def _ppo_cases():
+    """Every estimator with every option set, and every pair of any two of (estimator, option set, clip or
+    not, ref or old) at least once: 48 cases that cover all pairs of the full 192-case product (the clip
+    and ref choices run through all four combinations per estimator and both values per option set).
+    Each case is seconds of Triton's interpreter (its scans run per element in Python), so the full product
+    costs ~15 minutes of CI; KL_KERNELS_HYPOTHESIS=thorough runs all of it."""
+    full = os.environ.get("KL_KERNELS_HYPOTHESIS") == "thorough"
+    for i, estimator in enumerate(ESTIMATORS):
+        for j, (name, options) in enumerate(PPO_OPTIONS.items()):
+            for clip in (None, 0.2):
+                for with_ref in (True, False):
+                    if full or ((clip is not None) == bool((i + j) % 2) and with_ref == bool((i + j // 2) % 2)):
+                        yield pytest.param(estimator, clip, with_ref, options,
+                                           id=f"{estimator}-{'clip' if clip else 'no-clip'}-{'ref' if with_ref else 'old'}-{name}")
+
+
+def test_the_ppo_cases_cover_every_pair():
+    cases = [p.values for p in _ppo_cases()]
+    axes = [ESTIMATORS, [None, 0.2], [True, False], list(PPO_OPTIONS.values())]
+    for a in range(4):
+        for b in range(a + 1, 4):
+            for x in axes[a]:
+                for y in axes[b]:
+                    assert any(c[a] == x and c[b] == y for c in cases), (a, b, x, y)
+
+
+@pytest.mark.parametrize("estimator,clip,with_ref,options", list(_ppo_cases()))
 def test_ppo_token_math_is_bitwise_the_cpu_kernels(estimator, clip, with_ref, options):
-    lp, other = _log_ratios(n_per_scale=800, seed=1)
+    lp, other = _log_ratios(n_per_scale=300, seed=1)  # 1,811 tokens: two tiles
     g = torch.Generator().manual_seed(2)
     old = lp + torch.randn(lp.numel(), generator=g) * 0.5  # ratios around 1, some far (the 20 clamp)
     old[::97] = lp[::97] + 30.0

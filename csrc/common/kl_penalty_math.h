@@ -43,6 +43,11 @@ struct PPOToken {
 // use_bias_correction_kl): kl = w_kl * ratio * est(d), d/dlp = w_kl * (ratio * sign * est'(d) + [|lr| <= 20]
 // ratio * est(d)). Bit masks, not selects (see above); with kl_ratio = 0 the plain term's exact bits. KR = false
 // compiles it out (the CPU's common loop: with it, read at run time, GCC no longer vectorized the loop, 5x slower).
+// EST = kEstimatorAtRunTime: the estimator and straight-through flag are read from p at run time (kl_value /
+// kl_grad of kl_math.h, the same expressions; ST and CL are then ignored): the CUDA loss forward, where
+// specializing on them made 8x the kernels (160 instantiations of the tile kernel; nvcc ~4 minutes of CI).
+constexpr int32_t kEstimatorAtRunTime = -1;
+
 template <int32_t EST, bool ST, bool CL = true, bool KR = true>
 KL_HD PPOToken ppo_token(float lp, float lr_raw, float other, float sign, float adv, float beta, float clip_lo,
                          float clip_hi, float clip_c, float w_obj, float w_kl, const EstimatorParams& p,
@@ -58,7 +63,10 @@ KL_HD PPOToken ppo_token(float lp, float lr_raw, float other, float sign, float 
   const float w = take ? 1.0f : inside(ratio, 1, clip_lo, 1, clip_hi);
   const float d = sign * (lp - other);
   float dk, kl;
-  if constexpr (CL) {  // the KL with its clamps (kl_math.h)
+  if constexpr (EST == kEstimatorAtRunTime) {
+    dk = kl_grad(d, p);
+    kl = kl_value(d, p);
+  } else if constexpr (CL) {  // the KL with its clamps (kl_math.h)
     dk = kl_grad_of<EST, ST>(d, p);
     kl = kl_value_of<EST>(d, p);
   } else {

@@ -59,7 +59,9 @@ __device__ __forceinline__ float read(uintptr_t base, int64_t s0, int64_t s1, co
   return load<T>(reinterpret_cast<const void*>(base), e.seq * s0 + e.col * s1);
 }
 
-template <int32_t DT, int32_t AT, int32_t EST, bool ST, bool VEC>
+// The estimator and its straight-through flag are read at run time (g.est), as in kl_reward's kernels: a
+// uniform branch per token, where template parameters made 8x the instantiations of this kernel.
+template <int32_t DT, int32_t AT, bool VEC>
 __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArgs a, uintptr_t ws) {
   __shared__ double prefix[kCudaTile];  // segmented inclusive sums of one of the six values (fp64)
   __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       const float wk = a.weight_kl ? wo : 1.0f;
       // the log-ratio: per token, or the sequence's (GSPO: seq_lr, read like a per-sequence advantage)
       const float lr = a.seq_lr ? reinterpret_cast<const float*>(a.seq_lr)[seq] : lpv[j] - oldv[j];
-      const PPOToken t = ppo_token<EST, ST>(lpv[j], lr, other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
+      const PPOToken t = ppo_token<kEstimatorAtRunTime, false>(lpv[j], lr, other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
                                             wo, wk, g.est, a.kl_ratio ? ~0u : 0u);
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
@@ -359,14 +361,14 @@ bool vectorizable_forward(const KLPenaltyArgs& a) {
   return ok;
 }
 
-template <int32_t DT, int32_t AT, int32_t EST, bool ST>
+template <int32_t DT, int32_t AT>
 int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
   const int64_t tiles = penalty_tiles(a);
   if (tiles > 0) {
     const dim3 grid(static_cast<unsigned>(tiles));
     const cudaError_t err = vectorizable_forward(a)
-                                ? launch(penalty_forward_tile<DT, AT, EST, ST, true>, grid, kThreads, 0, stream, a, ws)
-                                : launch(penalty_forward_tile<DT, AT, EST, ST, false>, grid, kThreads, 0, stream, a, ws);
+                                ? launch(penalty_forward_tile<DT, AT, true>, grid, kThreads, 0, stream, a, ws)
+                                : launch(penalty_forward_tile<DT, AT, false>, grid, kThreads, 0, stream, a, ws);
     if (int s = launch_status(err)) return s;
   }
   if (a.g.batch > 0) {
@@ -377,20 +379,6 @@ int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
   }
   if (a.result) return launch_status(launch(penalty_totals, 1, kThreads, 0, stream, a));
   return 0;
-}
-
-// The estimator and straight-through flag as template parameters (branch-free per-token math).
-template <int32_t DT, int32_t AT>
-int forward_estimator(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
-  const bool st = a.g.est.straight_through != 0;
-  switch (a.g.est.estimator) {
-    case kK1: return st ? forward_typed<DT, AT, kK1, true>(a, ws, stream) : forward_typed<DT, AT, kK1, false>(a, ws, stream);
-    case kAbs: return st ? forward_typed<DT, AT, kAbs, true>(a, ws, stream) : forward_typed<DT, AT, kAbs, false>(a, ws, stream);
-    // k2+ differs from k2 only under the KL's clamps (its gradient is the unclamped d), but it does there
-    case kK2: return st ? forward_typed<DT, AT, kK2, true>(a, ws, stream) : forward_typed<DT, AT, kK2, false>(a, ws, stream);
-    case kK3: return st ? forward_typed<DT, AT, kK3, true>(a, ws, stream) : forward_typed<DT, AT, kK3, false>(a, ws, stream);
-    default: return 1;
-  }
 }
 
 }  // namespace
@@ -404,8 +392,10 @@ int kl_penalty_forward_cuda(const KLPenaltyArgs& a, uintptr_t workspace, uintptr
   // The tile kernel keeps sequence indices relative to its first one in 32 bits (registers):
   // 2^31 sequences would take 16 GB of offsets alone; refused rather than wrapped.
   if (penalty_tiles(a) > 0x7fffffff || a.g.batch > 0x7fffffff) return 2;
+  const int32_t est = a.g.est.estimator;
+  if (est != kK1 && est != kAbs && est != kK2 && est != kK3) return 1;
   return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
-    return forward_estimator<decltype(dt)::value, decltype(at)::value>(a, workspace,
+    return forward_typed<decltype(dt)::value, decltype(at)::value>(a, workspace,
                                                                       reinterpret_cast<cudaStream_t>(stream));
   });
 }
