@@ -23,6 +23,13 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/oracle.py, batches.py, t
 # docstring says why xdist's own xdist_group marks are not enough); hooks are found by name here.
 from xdist_once import pytest_addoption, pytest_xdist_make_scheduler  # noqa: E402,F401
 
+# Triton's interpreter scans with a combine function of ours element by element in Python: most of the
+# suite's time until tests/triton_interpreter.py vectorized it (the same combine function, in log2(n) steps).
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()
+
 # Bounded example counts keep CI short; KL_KERNELS_HYPOTHESIS=thorough explores more locally.
 settings.register_profile("ci", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
