@@ -34,7 +34,11 @@ def _log_softmax(z: list) -> list | None:
 # Below this log-probability a float32 probability is 0 in the fused kernels (their exp flushes under
 # e^-87.3; torch's own exp keeps denormals to e^-103): whether the policy's mass "where the reference has
 # none" makes the KL infinite then depends on the math dtype, so the oracle answers both ways there.
-FLOAT32_TINY_LOG_P = -87.3
+# The kernels' e^y (kl_math.h exp_reduce: 2^n as 2 * 2^(n-1), with 2^(n-1) = 0 at n = -126) is 0 for
+# y < -125.5 ln 2 (e^y < 2.0e-38: the bottom of float32's normal range). It was -87.3 here (exp's input
+# clamp), which called a policy probability of e^-87.05 = 1.5e-38 "in range": a kernel flushing it
+# looked wrong (test_a_probability_the_kernels_flush_counts_as_zero).
+FLOAT32_TINY_LOG_P = -125.5 * math.log(2.0)
 
 
 def oracle_row(x: list, r: list, temperature: float, tiny_log_p: float = -INF):
@@ -159,6 +163,20 @@ def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True):
 @settings(max_examples=60)
 def test_matches_the_oracle(case, backend):
     _check(*case, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_probability_the_kernels_flush_counts_as_zero(backend):
+    """The policy puts e^-87.05 = 1.5e-38 where the reference has none (-inf): a float32 normal number,
+    but below what the kernels' exp represents (2.0e-38). torch's exp keeps it (KL = +inf), the kernels
+    flush it (KL finite: the KL of the other entries); _check accepts both and, for a finite answer,
+    compares it with the oracle that drops probabilities below FLOAT32_TINY_LOG_P. Hypothesis found it
+    when that bound was -87.3 (the cpu kernel's finite KL was judged against +inf)."""
+    x = torch.tensor([[62.0, 62.0 - 87.05, 20.0, -3.0, 30.0]])  # the others add < 1e-13 to the softmax sum
+    r = torch.tensor([[61.5, -INF, 21.0, -2.0, 29.0]])
+    _check(x, r, None, 1.0, backend=backend)
+    kl = full_kl(x.to(backend_device(backend)), r.to(backend_device(backend)), backend=backend)
+    assert kl.item() == INF or 0 < kl.item() < 1, kl
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
