@@ -142,8 +142,9 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       const float wk = a.weight_kl ? wo : 1.0f;
       // the log-ratio: per token, or the sequence's (GSPO: seq_lr, read like a per-sequence advantage)
       const float lr = a.seq_lr ? reinterpret_cast<const float*>(a.seq_lr)[seq] : lpv[j] - oldv[j];
-      const PPOToken t = ppo_token<kEstimatorAtRunTime, false>(lpv[j], lr, other, sign, adv, beta, a.clip_lo, a.clip_hi, a.clip_c,
-                                            wo, wk, g.est, a.kl_ratio ? ~0u : 0u);
+      const PPOToken t = ppo_token<kEstimatorAtRunTime, false>(lpv[j], lr, other, sign, adv, beta, a.clip_lo,
+                                                               a.clip_hi, a.clip_c, wo, wk, g.est,
+                                                               a.kl_ratio ? ~0u : 0u);
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
     }
@@ -396,7 +397,7 @@ int kl_penalty_forward_cuda(const KLPenaltyArgs& a, uintptr_t workspace, uintptr
   if (est != kK1 && est != kAbs && est != kK2 && est != kK3) return 1;
   return with_dtypes(a.g.dtype, a.aux_dtype, [&](auto dt, auto at) {
     return forward_typed<decltype(dt)::value, decltype(at)::value>(a, workspace,
-                                                                      reinterpret_cast<cudaStream_t>(stream));
+                                                                  reinterpret_cast<cudaStream_t>(stream));
   });
 }
 
