@@ -82,15 +82,6 @@ def install() -> bool:
     return True
 
 
-def uninstall() -> None:
-    global _original
-    if _original is not None:
-        from triton.runtime import interpreter
-
-        interpreter.ScanOps.generic_scan = _original
-        _original = None
-
-
 def original_scan():
     """The interpreter's own generic scan (patched or not)."""
     from triton.runtime import interpreter
