@@ -108,3 +108,31 @@ def test_multi_value_reversed_and_2d_scans_are_the_interpreters(reverse, axis):
     fast, slow = _both(run)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
+
+
+def test_the_builtin_walk_patches_what_the_interpreters_walk_patches():
+    """The cached walk (install()) patches the same members, in the same order, as the interpreter's
+    inspect.getmembers walk: from a clean language, and nothing when an enclosing launch has patched it."""
+    from triton.runtime import interpreter
+
+    assert interpreter._patch_builtin is not triton_interpreter.original_patch_builtin()
+
+    def patched_names(walk, pkg, inside_a_launch):
+        outer = interpreter._LangPatchScope()
+        if inside_a_launch:
+            triton_interpreter.original_patch_builtin()(pkg, interpreter.interpreter_builder, outer)
+        scope = interpreter._LangPatchScope()
+        try:
+            walk(pkg, interpreter.interpreter_builder, scope)
+            return [name for _, name, _ in scope._changes]
+        finally:
+            scope.restore()
+            outer.restore()
+
+    for pkg in triton_interpreter._packages():
+        for inside in (False, True):
+            fast = patched_names(interpreter._patch_builtin, pkg, inside)
+            slow = patched_names(triton_interpreter.original_patch_builtin(), pkg, inside)
+            assert fast == slow, (pkg, inside)
+            assert bool(fast) is not inside, (pkg, inside, fast)  # every package has builtins to patch
+        assert all(tl.core.is_builtin(getattr(pkg, n)) for n in triton_interpreter.builtin_names(pkg))  # restored

@@ -2,7 +2,9 @@
 
 ``kl_kernels.triton.aot`` compiles every kernel through the real launchers and every autotune
 config (fp32 and bf16 inputs, packed and padded) in child processes without TRITON_INTERPRET and
-with a fresh Triton cache, then reads cuobjdump's resource usage and SASS.
+with a fresh Triton cache, then reads cuobjdump's resource usage, every kernel's PTX load widths and
+the SASS of the forward kernels (whose 128-bit loads are checked; disassembly was half the gate's
+CPU time when every kernel was read; ``python -m kl_kernels.triton.aot`` reads every kernel's SASS).
 
 Budget: every tile kernel keeps at least 2 blocks per H100 SM at every config it is tuned over, so
 one block's prefix-scan / barrier phase overlaps another's loads: registers <= 65536 / (2 x threads
@@ -36,7 +38,7 @@ REG_BUDGET = 128  # at 4 elements per thread; every config: at least 2 blocks pe
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    return aot.compile_all(ARCHES, str(tmp_path_factory.mktemp("aot")))
+    return aot.compile_all(ARCHES, str(tmp_path_factory.mktemp("aot")), sass_kernels=FWD)
 
 
 def test_every_kernel_and_config_compiles_for_each_target(records):
@@ -84,6 +86,19 @@ def test_forward_register_budget(records):
 
 def test_forward_kernels_issue_128_bit_loads(records):
     assert not _offenders(records, FWD, lambda r: not r["loads"].get("128"))
+
+
+def test_sass_is_read_for_the_forward_kernels_and_agrees_with_the_ptx(records):
+    """The SASS of every forward kernel is read; where it is, its 128-bit loads are the PTX's v4 loads
+    (ptxas keeps Triton's vector widths), which the table shows for the kernels not disassembled."""
+    assert all(r["loads"] is not None for r in records if r["kernel"] in FWD)
+    assert all(r["loads"] is None for r in records if r["kernel"] not in FWD)
+    disagree = [(r["kernel"], r["arch"], r["case"], r["loads"], r["ptx_loads"]) for r in records
+                if r["loads"] is not None and bool(r["loads"].get("128")) != bool(r["ptx_loads"].get("128"))]
+    assert not disagree
+    assert aot.ptx_global_loads("@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];\n"
+                                "ld.global.L1::evict_last.b16 %rs1, [%rd2];\n ld.global.v2.b32 {%r5, %r6}, [%rd3];") \
+        == {"128": 1, "16": 1, "64": 1}
 
 
 def test_token_logprobs_kernels_compile_within_the_budget(records):

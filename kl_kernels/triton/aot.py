@@ -8,8 +8,11 @@ and the autotuner compile every config instead of benchmarking, then calls the p
 launchers (``kl_kernels.<op>.launch_triton.forward/backward``) on small CPU tensors, so each
 kernel is compiled with the signature, alignment attributes and constexprs a real call produces.
 For each compiled kernel it reports ``cuobjdump -res-usage`` (registers, stack, local memory,
-static shared memory), the kernel's dynamic shared memory and the SASS global-load widths
-(``cuobjdump -sass``); ptxas and cuobjdump are the ones shipped in the Triton wheel.
+static shared memory), the kernel's dynamic shared memory, the PTX global-load widths (``ld.global``,
+read from the PTX in memory) and, for the kernels asked for (all by default), the SASS global-load
+widths (``cuobjdump -sass``: ~0.8 s of CPU per kernel, most of a compile's cost here, so the test gate
+disassembles only the kernels whose load widths it checks); ptxas and cuobjdump are the ones shipped
+in the Triton wheel.
 
 Coverage: every autotune config for fp32 and bf16 inputs, packed and padded, forward and
 backward of both ops, plus the combine kernels and the loss's totals kernel.
@@ -55,6 +58,19 @@ def global_loads(cubin_path: str) -> dict:
     return counts
 
 
+def ptx_global_loads(ptx: str) -> dict:
+    """Count of PTX global loads by width in bits (``ld.global.v4.b32`` -> 128, ``ld.global.b16`` -> 16),
+    keyed as ``global_loads`` keys SASS widths ("128", "64", "32", then "16"/"8")."""
+    counts: dict[str, int] = {}
+    for op in re.findall(r"\bld\.global((?:\.[\w:]+)*)", ptx):
+        parts = op.split(".")
+        vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+        bits = next((int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p)), 32)
+        width = str(vec * bits)
+        counts[width] = counts.get(width, 0) + 1
+    return counts
+
+
 def blocks_per_sm(regs: int, num_warps: int) -> int:
     """H100 blocks per SM allowed by registers (allocation granularity 256 per warp) and threads."""
     per_warp = -(-max(regs, 1) * 32 // 256) * 256
@@ -65,7 +81,7 @@ def blocks_per_sm(regs: int, num_warps: int) -> int:
 # --------------------------------------------------------------------------- the child process
 
 
-def _child(arch: int, out_dir: str) -> list[dict]:
+def _child(arch: int, out_dir: str, sass_kernels: frozenset | None = None) -> list[dict]:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "the compile child runs without TRITON_INTERPRET"
     import torch
     from triton.backends.compiler import GPUTarget
@@ -98,7 +114,9 @@ def _child(arch: int, out_dir: str) -> list[dict]:
             f.write(k.asm["cubin"])
         records.append(dict(kernel=self.__name__, arch=arch, case=case["name"], BLOCK=kwargs.get("BLOCK"),
                             num_warps=k.metadata.num_warps, dyn_smem=k.metadata.shared, cubin=path,
-                            **res_usage(path), loads=global_loads(path)))
+                            **res_usage(path), ptx_loads=ptx_global_loads(k.asm["ptx"]),
+                            loads=global_loads(path) if sass_kernels is None or self.__name__ in sass_kernels
+                            else None))
         return k
 
     def every_config(self, *args, **kwargs):
@@ -181,8 +199,9 @@ def _child(arch: int, out_dir: str) -> list[dict]:
 # --------------------------------------------------------------------------- the parent
 
 
-def compile_all(arches=(80, 90), out_dir: str | None = None) -> list[dict]:
-    """Compile in one child process per architecture (in parallel); returns the records."""
+def compile_all(arches=(80, 90), out_dir: str | None = None, sass_kernels=None) -> list[dict]:
+    """Compile in one child process per architecture (in parallel); returns the records. SASS load
+    widths (``loads``) for the kernels named in ``sass_kernels`` (None: every kernel), else None."""
     out_dir = out_dir or tempfile.mkdtemp(prefix="kl_triton_aot_")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = []
@@ -190,8 +209,9 @@ def compile_all(arches=(80, 90), out_dir: str | None = None) -> list[dict]:
         d = os.path.join(out_dir, f"sm{arch}")
         os.makedirs(d, exist_ok=True)
         e = dict(env, TRITON_CACHE_DIR=os.path.join(d, "cache"))
+        only = [] if sass_kernels is None else ["--sass-only", ",".join(sorted(sass_kernels))]
         procs.append((arch, d, subprocess.Popen([sys.executable, "-m", "kl_kernels.triton.aot", "--child", str(arch),
-                                                 d], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 d, *only], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                 text=True)))
     records = []
     for arch, d, p in procs:
@@ -201,6 +221,12 @@ def compile_all(arches=(80, 90), out_dir: str | None = None) -> list[dict]:
         with open(os.path.join(d, "records.json")) as f:
             records += json.load(f)
     return records
+
+
+def _wide(r: dict) -> str:
+    if r.get("loads") is not None:
+        return "yes" if r["loads"].get("128") else "no"
+    return ("yes" if r["ptx_loads"].get("128") else "no") + " (PTX)"
 
 
 def table(records: list[dict]) -> str:
@@ -216,19 +242,20 @@ def table(records: list[dict]) -> str:
         r = rows[key]
         lines.append(f"| {r['kernel']} | {r['arch']} | {r['BLOCK'] or '-'} | {r['num_warps']} | {key[4]} | {r['regs']} "
                      f"| {r['local'] + r['stack']} | {r['dyn_smem'] + r['static_smem']} "
-                     f"| {'yes' if r['loads'].get('128') else 'no'} | {blocks_per_sm(r['regs'], r['num_warps'])} |")
+                     f"| {_wide(r)} | {blocks_per_sm(r['regs'], r['num_warps'])} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", nargs=2, metavar=("ARCH", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--sass-only", help=argparse.SUPPRESS)
     ap.add_argument("--arch", type=int, action="append")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.child:
         arch, d = int(args.child[0]), args.child[1]
-        recs = _child(arch, d)
+        recs = _child(arch, d, frozenset(args.sass_only.split(",")) if args.sass_only else None)
         with open(os.path.join(d, "records.json"), "w") as f:
             json.dump(recs, f)
         return 0
