@@ -281,12 +281,7 @@ def test_tile_search_over_thousands_of_sequences():
     torch.testing.assert_close(got.kl_mean, want.kl_mean, rtol=1e-5, atol=1e-6)
 
 
-def test_long_rows_are_summed_by_the_block():
-    """Rows spanning more than 16 tiles (kLongSpan, csrc/cuda/tiles.cuh) are finished by the whole block
-    of the combine kernel (strided partial sums, then a fixed tree) rather than one thread's walk:
-    several such rows in one block of 256 sequences (adjacent, at thread 255) and in the grid-stride's
-    second block, next to rows of exactly 16 and 17 later tiles and short and empty ones; a NaN in one
-    long row stays in it. Both ops, against the torch backend, and bitwise the same on a second run."""
+def _long_rows():
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(0, 9, (300,), generator=g)
     for row, n in ((5, 40_000), (6, 2048 * 17 + 3), (100, 2048 * 16 + 1), (255, 70_001), (290, 36_000)):
@@ -299,19 +294,33 @@ def test_long_rows_are_summed_by_the_block():
     ref[int(offsets[255]) + 50_000] = float("nan")  # a counted token of the 70,001-token row
     mask[int(offsets[255]) + 50_000] = True
     score, coef = torch.randn(lengths.numel(), generator=g), torch.rand(lengths.numel(), generator=g)
-    for placement in ("last", "last_valid"):
-        runs = [kl_reward(lp, ref, score, coef=coef, mask=mask, offsets=offsets, estimator="k3",
-                          reward_placement=placement, backend=b) for b in (EMU, EMU, "torch")]
-        for name in ("kl", "reward", "kl_sum", "count"):
-            torch.testing.assert_close(getattr(runs[0], name), getattr(runs[2], name), rtol=1e-5, atol=1e-6,
-                                       equal_nan=True, msg=f"{placement} {name}")
-            assert torch.equal(getattr(runs[0], name).nan_to_num(7.0), getattr(runs[1], name).nan_to_num(7.0))
-        assert runs[0].kl_sum[255].isnan() and runs[0].kl_sum[torch.arange(300) != 255].isfinite().all()
+    return lp, ref, adv, mask, offsets, score, coef
+
+
+# (one test per op and aggregation: the slowest emulated calls, which xdist then runs side by side)
+@pytest.mark.parametrize("op", ["kl_reward", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_long_rows_are_summed_by_the_block(op):
+    """Rows spanning more than 16 tiles (kLongSpan, csrc/cuda/tiles.cuh) are finished by the whole block
+    of the combine kernel (strided partial sums, then a fixed tree) rather than one thread's walk:
+    several such rows in one block of 256 sequences (adjacent, at thread 255) and in the grid-stride's
+    second block, next to rows of exactly 16 and 17 later tiles and short and empty ones; a NaN in one
+    long row stays in it. Both ops (the loss in two aggregations) against the torch backend, and bitwise
+    the same on a second run."""
+    lp, ref, adv, mask, offsets, score, coef = _long_rows()
+    if op == "kl_reward":
+        for placement in ("last", "last_valid"):
+            runs = [kl_reward(lp, ref, score, coef=coef, mask=mask, offsets=offsets, estimator="k3",
+                              reward_placement=placement, backend=b) for b in (EMU, EMU, "torch")]
+            for name in ("kl", "reward", "kl_sum", "count"):
+                torch.testing.assert_close(getattr(runs[0], name), getattr(runs[2], name), rtol=1e-5, atol=1e-6,
+                                           equal_nan=True, msg=f"{placement} {name}")
+                assert torch.equal(getattr(runs[0], name).nan_to_num(7.0), getattr(runs[1], name).nan_to_num(7.0))
+            assert runs[0].kl_sum[255].isnan() and runs[0].kl_sum[torch.arange(300) != 255].isfinite().all()
+        return
     clean = ref.nan_to_num(-1.0)  # the loss: per-sequence sums feed every aggregate (a NaN would take them all)
-    for agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        runs = [kl_penalty_loss(lp, lp + 0.01, adv, ref_log_probs=clean, beta=0.1, mask=mask, offsets=offsets,
-                                aggregation=agg, backend=b) for b in (EMU, EMU, "torch")]
-        for name in ("loss", "loss_kl", "kl_mean", "ratio_mean", "clip_fraction", "num_tokens"):
-            got, again, want = (getattr(r, name) for r in runs)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{agg} {name}")
-            assert torch.equal(got, again)
+    runs = [kl_penalty_loss(lp, lp + 0.01, adv, ref_log_probs=clean, beta=0.1, mask=mask, offsets=offsets,
+                            aggregation=op, backend=b) for b in (EMU, EMU, "torch")]
+    for name in ("loss", "loss_kl", "kl_mean", "ratio_mean", "clip_fraction", "num_tokens"):
+        got, again, want = (getattr(r, name) for r in runs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{op} {name}")
+        assert torch.equal(got, again)

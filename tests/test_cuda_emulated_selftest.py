@@ -84,38 +84,45 @@ def test_launch_limits(emu, grid_x, grid_y, block_x, block_y, block_z, smem, err
         assert emu.emu_get_last_error() == 0
 
 
-def _abort_run(variant):
-    code = f"from kl_kernels import _cuda_emu as m; m.emu_scan({variant}, [1.0] * 256); print('returned')"
+def _load(emu) -> str:
+    """Python code that loads this very extension file as ``m``, without importing kl_kernels (and torch:
+    the extension links neither), so a subprocess starts in a fraction of a second, also under ASan."""
+    return ("import importlib.util as u; s = u.spec_from_file_location('kl_kernels._cuda_emu', "
+            f"{emu.__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); ")
+
+
+def _abort_run(emu, variant):
+    code = _load(emu) + f"m.emu_scan({variant}, [1.0] * 256); print('returned')"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=REPO / "tests", env={**os.environ, "PYTHONFAULTHANDLER": ""})
 
 
-def test_divergent_barrier_aborts_with_a_message():
+def test_divergent_barrier_aborts_with_a_message(emu):
     """Thread 0 skips the __syncthreads the other 255 wait at: a hang on a GPU, a report and an abort here."""
-    proc = _abort_run(DIVERGENT_BARRIER)
+    proc = _abort_run(emu, DIVERGENT_BARRIER)
     assert proc.returncode != 0 and "returned" not in proc.stdout
     assert "kl_emu: deadlock" in proc.stderr and "255 of 256 threads at __syncthreads, 1 exited" in proc.stderr, \
         proc.stderr[-2000:]
 
 
-def test_divergent_shuffle_aborts_with_a_message():
-    proc = _abort_run(DIVERGENT_SHUFFLE)
+def test_divergent_shuffle_aborts_with_a_message(emu):
+    proc = _abort_run(emu, DIVERGENT_SHUFFLE)
     assert proc.returncode != 0 and "returned" not in proc.stdout
     assert "kl_emu: deadlock" in proc.stderr and "16 of 32 lanes at a shuffle" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_partial_shuffle_mask_is_refused():
-    proc = _abort_run(PARTIAL_MASK)
+def test_partial_shuffle_mask_is_refused(emu):
+    proc = _abort_run(emu, PARTIAL_MASK)
     assert proc.returncode != 0 and "only full warps with the full mask are emulated" in proc.stderr, \
         proc.stderr[-2000:]
 
 
-def test_schedules_are_reproducible_and_selectable():
+def test_schedules_are_reproducible_and_selectable(emu):
     """KL_EMU_SCHEDULE picks the order of threads between barriers and KL_EMU_SEED the random one's
     seed: the missing barrier shows under the random and the reverse order; the same seed gives the
     same (wrong) results."""
-    code = ("from kl_kernels import _cuda_emu as m; import itertools; v = [float(i % 7) for i in range(256)]; "
-            "out = m.emu_scan(1, v)[1]; print(out == list(itertools.accumulate(v)), hash(tuple(out)))")
+    code = _load(emu) + ("import itertools; v = [float(i % 7) for i in range(256)]; "
+                         "out = m.emu_scan(1, v)[1]; print(out == list(itertools.accumulate(v)), hash(tuple(out)))")
 
     def run(**env):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
