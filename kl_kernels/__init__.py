@@ -31,10 +31,11 @@ from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, 
                          ZieglerKLController, kl_penalty_loss)
 from .linear_loss import linear_kl_penalty_loss
 from .kl_reward import ESTIMATORS, PLACEMENTS, KLRewardOutput, kl_reward
-from .token_logprobs import TokenLogprobsOutput, linear_token_logprobs, token_logprobs
+from .token_logprobs import (LinearTokenLogprobsOutput, TokenLogprobsOutput, linear_token_logprobs,
+                             token_logprobs)
 from .version import __version__
 
 __all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
            "BackendUnavailableError", "FixedKLController", "AdaptiveKLController", "ZieglerKLController",
            "kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput",
-           "full_kl", "linear_full_kl", "linear_kl_penalty_loss", "__version__"]
+           "LinearTokenLogprobsOutput", "full_kl", "linear_full_kl", "linear_kl_penalty_loss", "__version__"]

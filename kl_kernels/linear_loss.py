@@ -3,16 +3,15 @@ reference's) instead of per-token log-probs, without either model's ``[N, V]`` l
 front end of Liger-Kernel's ``LigerFusedLinearGRPOLoss``). A composition of two ops (``token_logprobs`` and
 ``kl_penalty``), so it belongs to neither: ops are siblings that never import each other.
 
-One chunked pass per model: :func:`kl_kernels.linear_token_logprobs` gives the policy's log-probs (and its
-entropy when the loss has an entropy term) a chunk of tokens at a time, the reference's under ``no_grad``;
+One chunked pass over the tokens: :func:`kl_kernels.linear_token_logprobs` gives the policy's log-probs (and
+its entropy when the loss has an entropy term) a chunk of tokens at a time, and the reference's (without
+gradients) from the same chunks;
 the fused loss runs on those ``[*S]`` tensors; in backward the loss's gradient to the log-probs flows into
 ``linear_token_logprobs``' chunked backward (logits recomputed per chunk, their gradient written over
 them, then ``d hidden`` and ``d weight``). Peak extra memory: one chunk of logits, O(chunk x V).
 """
 
 from __future__ import annotations
-
-import torch
 
 from .kl_penalty import KLPenaltyLossOutput, kl_penalty_loss
 from .token_logprobs import linear_token_logprobs
@@ -59,21 +58,16 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
         >>> h.grad.shape, head.grad.shape
         (torch.Size([2, 5, 16]), torch.Size([40, 16]))
     """
-    if (ref_hidden is None) != (ref_weight is None):
-        raise ValueError("ref_hidden and ref_weight come together (the reference's hidden states and LM head), got "
-                         + ("ref_hidden only" if ref_weight is None else "ref_weight only"))
-    if ref_bias is not None and ref_weight is None:
-        raise ValueError("ref_bias needs ref_hidden and ref_weight")
     if ref_hidden is not None and loss_kwargs.get("ref_log_probs") is not None:
         raise ValueError("pass the reference either as ref_hidden/ref_weight or as ref_log_probs, not both")
     want_entropy = loss_kwargs.get("entropy_coef", 0.0) not in (0, 0.0) and loss_kwargs.get("entropy") is None
     common = dict(temperature=temperature, mask=mask, ignore_index=ignore_index, chunk_size=chunk_size,
                   backend=logprobs_backend)
-    policy = linear_token_logprobs(hidden, weight, labels, bias=bias, return_entropy=want_entropy, **common)
+    # (the reference pair's rules, lm_head.check_ref_head, are linear_token_logprobs' own)
+    policy = linear_token_logprobs(hidden, weight, labels, bias=bias, return_entropy=want_entropy,
+                                   ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias, **common)
     if ref_hidden is not None:
-        with torch.no_grad():
-            ref = linear_token_logprobs(ref_hidden, ref_weight, labels, bias=ref_bias, **common)
-        loss_kwargs["ref_log_probs"] = ref.log_probs
+        loss_kwargs["ref_log_probs"] = policy.ref_log_probs
     if want_entropy:
         loss_kwargs["entropy"] = policy.entropy
     counted = labels != ignore_index

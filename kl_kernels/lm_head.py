@@ -1,5 +1,6 @@
 """Hidden states and an LM head, shared by the ops that compute logits chunk by chunk instead of whole
-(``linear_token_logprobs``, ``linear_full_kl``): the argument rules and the default chunk size.
+(``linear_token_logprobs``, ``linear_full_kl``, ``linear_kl_penalty_loss``): the argument rules (the
+policy's head, the reference's next to it) and the default chunk size.
 
 A chunk of ``C`` tokens has logits ``hidden_c @ weight.T (+ bias)`` (torch's matmul: MKL/oneDNN on the CPU,
 cuBLAS on a GPU), ``C x V`` of them, which a row pass consumes before the next chunk is formed: the extra
@@ -41,6 +42,33 @@ def check_lm_head(hidden, weight, bias, *, names=("hidden", "weight", "bias")) -
         raise ValueError(f"{b_name} must be None or a [{vocab}] tensor of {h_name}'s dtype and device, got "
                          f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}")
     return vocab
+
+
+def check_ref_head(hidden, vocab: int, ref_hidden, ref_weight, ref_bias, *, required: bool) -> bool:
+    """The reference model's ``ref_hidden [*S, H_ref]``, ``ref_weight [V, H_ref]`` and optional ``ref_bias
+    [V]`` next to the policy's ``hidden`` (vocabulary ``vocab``): they come together (``ref_bias`` only with
+    them), with hidden's token shape, dtype and device and the same vocabulary (their own width ``H_ref``).
+    Returns whether a reference is given (``required``: it must be), or raises a ``TypeError``/``ValueError``
+    naming the argument."""
+    if (ref_hidden is None) != (ref_weight is None):
+        raise ValueError("ref_hidden and ref_weight come together (the reference's hidden states and LM head), got "
+                         + ("ref_hidden only" if ref_weight is None else "ref_weight only"))
+    if ref_hidden is None:
+        if required:
+            raise TypeError("ref_hidden and ref_weight are required (the reference's hidden states and LM head)")
+        if ref_bias is not None:
+            raise ValueError("ref_bias needs ref_hidden and ref_weight")
+        return False
+    ref_vocab = check_lm_head(ref_hidden, ref_weight, ref_bias, names=("ref_hidden", "ref_weight", "ref_bias"))
+    if ref_vocab != vocab:
+        raise ValueError(f"ref_weight must cover weight's vocabulary V = {vocab}, got {ref_vocab} rows")
+    if tuple(ref_hidden.shape[:-1]) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"ref_hidden must have hidden's token shape {list(hidden.shape[:-1])} (its own width), got "
+                         f"{list(ref_hidden.shape)}")
+    if ref_hidden.dtype != hidden.dtype or ref_hidden.device != hidden.device:
+        raise ValueError(f"ref_hidden must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
+                         f"{ref_hidden.dtype}, {ref_hidden.device}")
+    return True
 
 
 def chunk_tokens(chunk_size, vocab: int) -> int:

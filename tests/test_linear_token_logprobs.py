@@ -98,6 +98,20 @@ def test_padded_shape_and_chunks_agree():
     (dict(chunk_size=0), ValueError, "chunk_size must be None or an int >= 1"),
     (dict(labels=torch.tensor([0, 10, 1])), ValueError, r"labels must be in \[0, 10\)"),
     (dict(hidden=torch.zeros(3, 8, dtype=torch.int32)), TypeError, "hidden must be float32"),
+    # the reference model's pair (lm_head.check_ref_head)
+    (dict(ref_hidden=torch.zeros(3, 5)), ValueError, "ref_hidden and ref_weight come together"),
+    (dict(ref_weight=torch.zeros(10, 5)), ValueError, "ref_hidden and ref_weight come together"),
+    (dict(ref_bias=torch.zeros(10)), ValueError, "ref_bias needs ref_hidden and ref_weight"),
+    (dict(ref_hidden=torch.zeros(3, 5), ref_weight=torch.zeros(9, 5)), ValueError,
+     "ref_weight must cover weight's vocabulary V = 10"),
+    (dict(ref_hidden=torch.zeros(4, 5), ref_weight=torch.zeros(10, 5)), ValueError,
+     r"ref_hidden must have hidden's token shape \[3\]"),
+    (dict(ref_hidden=torch.zeros(3, 5), ref_weight=torch.zeros(10, 4)), ValueError,
+     r"ref_weight must be \[V, H\] .* ref_hidden.shape\[-1\] = 5"),
+    (dict(ref_hidden=torch.zeros(3, 5, dtype=torch.float64), ref_weight=torch.zeros(10, 5, dtype=torch.float64)),
+     ValueError, "ref_hidden must have hidden's dtype and device"),
+    (dict(ref_hidden=torch.zeros(3, 5), ref_weight=torch.zeros(10, 5), ref_bias=torch.zeros(9)), ValueError,
+     "ref_bias must be None or a"),
 ])
 def test_bad_arguments_name_themselves(kwargs, error, match):
     args = dict(hidden=torch.zeros(3, 8), weight=torch.zeros(10, 8), labels=torch.tensor([0, 1, 9]))
@@ -110,3 +124,50 @@ def test_cpu_backend_refuses_float64_by_name():
     h, w = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)
     with pytest.raises(BackendUnavailableError, match="(?s)linear_token_logprobs .*backend 'cpu' cannot run.*float64"):
         linear_token_logprobs(h, w, torch.tensor([0, 1]), backend="cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reference_in_the_same_loop_is_a_separate_calls(backend, dtype):
+    """ref_hidden/ref_weight: the reference's log-probs come out of the policy's chunk loop exactly as a
+    separate call gives them (bit for bit), without gradients (to its tensors either, though they require
+    them), and the policy's outputs and gradients are those of a call without a reference."""
+    g = torch.Generator().manual_seed(11)
+    dev = backend_device(backend)
+    n, hid, ref_hid, vocab = 13, 8, 5, 37
+    h = torch.randn(n, hid, generator=g).to(dtype).to(dev).requires_grad_()
+    w = (torch.randn(vocab, hid, generator=g) * 0.5).to(dtype).to(dev).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dtype).to(dev).requires_grad_()
+    rh = torch.randn(n, ref_hid, generator=g).to(dtype).to(dev).requires_grad_()
+    rw = (torch.randn(vocab, ref_hid, generator=g) * 0.5).to(dtype).to(dev).requires_grad_()
+    rb = torch.randn(vocab, generator=g).to(dtype).to(dev)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[3] = -100
+    y, mask = y.to(dev), (torch.rand(n, generator=g) < 0.8).to(dev)
+    common = dict(temperature=0.7, mask=mask, chunk_size=4, backend=backend)
+    both = linear_token_logprobs(h, w, y, bias=b, return_entropy=True, ref_hidden=rh, ref_weight=rw, ref_bias=rb,
+                                 **common)
+    assert type(both).__name__ == "LinearTokenLogprobsOutput" and both._fields[-1] == "ref_log_probs"
+    alone = linear_token_logprobs(h, w, y, bias=b, return_entropy=True, **common)
+    with torch.no_grad():
+        ref = linear_token_logprobs(rh, rw, y, bias=rb, **common)
+    assert torch.equal(both.ref_log_probs, ref.log_probs) and not both.ref_log_probs.requires_grad
+    assert torch.equal(both.log_probs, alone.log_probs) and torch.equal(both.entropy, alone.entropy)
+    assert both.ref_log_probs.abs().sum() > 0 and not torch.equal(both.ref_log_probs, both.log_probs)
+    up = torch.randn(n, generator=g).to(dev)
+    got = torch.autograd.grad((both.log_probs * up).sum() + both.entropy.sum(), [h, w, b], retain_graph=True)
+    want = torch.autograd.grad((alone.log_probs * up).sum() + alone.entropy.sum(), [h, w, b])
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    ((both.log_probs - both.ref_log_probs).sum()).backward()
+    assert rh.grad is None and rw.grad is None  # a frozen reference: nothing flows to it
+
+
+def test_the_reference_keeps_the_padded_shape():
+    g = torch.Generator().manual_seed(3)
+    h, rh = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 6, generator=g)
+    w, rw = torch.randn(30, 8, generator=g), torch.randn(30, 6, generator=g)
+    y = torch.randint(0, 30, (2, 5), generator=g)
+    out = linear_token_logprobs(h, w, y, ref_hidden=rh, ref_weight=rw, chunk_size=3)
+    assert out.ref_log_probs.shape == (2, 5) and out.entropy is None
+    torch.testing.assert_close(out.ref_log_probs, linear_token_logprobs(rh, rw, y).log_probs)

@@ -45,7 +45,8 @@ def test_example_scripts_run(script):
                                     pytest.param("kl_kernels.torchrl.transforms", marks=pytest.mark.torchrl),
                                     pytest.param("kl_kernels.torchrl.ppo", marks=pytest.mark.torchrl),
                                     "kl_kernels.kl_penalty.controllers",
-                                    "kl_kernels.kl_penalty.api"])
+                                    "kl_kernels.kl_penalty.api", "kl_kernels.token_logprobs.linear",
+                                    "kl_kernels.full_kl.linear", "kl_kernels.linear_loss"])
 def test_docstring_examples(module):
     mod = __import__(module, fromlist=["_"])
     result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)

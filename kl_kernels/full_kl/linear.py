@@ -16,8 +16,8 @@ import dataclasses
 
 import torch
 
-from ..lm_head import (add_chunk_grads, check_lm_head, chunk_tokens, head_grad_buffers, head_grads_out,
-                       row_pass_backend)
+from ..lm_head import (add_chunk_grads, check_lm_head, check_ref_head, chunk_tokens, head_grad_buffers,
+                       head_grads_out, row_pass_backend)
 from . import launch, launch_triton, reference
 from .backends import REGISTRY
 from .problem import build_problem
@@ -108,15 +108,7 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
         (torch.Size([4, 8]), torch.Size([10, 8]))
     """
     vocab = check_lm_head(hidden, weight, bias)
-    ref_vocab = check_lm_head(ref_hidden, ref_weight, ref_bias, names=("ref_hidden", "ref_weight", "ref_bias"))
-    if ref_vocab != vocab:
-        raise ValueError(f"ref_weight must cover weight's vocabulary V = {vocab}, got {ref_vocab} rows")
-    if tuple(ref_hidden.shape[:-1]) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"ref_hidden must have hidden's token shape {list(hidden.shape[:-1])} (its own width), got "
-                         f"{list(ref_hidden.shape)}")
-    if ref_hidden.dtype != hidden.dtype or ref_hidden.device != hidden.device:
-        raise ValueError(f"ref_hidden must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
-                         f"{ref_hidden.dtype}, {ref_hidden.device}")
+    check_ref_head(hidden, vocab, ref_hidden, ref_weight, ref_bias, required=True)
     chunk = chunk_tokens(chunk_size, vocab)
     # mask and temperature: full_kl's own checks, on zero-stride stand-ins for the logits (no [N, V] memory)
     stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)

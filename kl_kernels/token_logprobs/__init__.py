@@ -6,11 +6,12 @@ autograd), ``launch.py`` (the fused CPU kernel's launcher; the kernel is
 ``csrc/cpu/token_logprobs_cpu.cpp``), ``launch_triton.py`` (the Triton kernels' launcher; the kernels are
 ``kl_kernels/triton/token_logprobs.py``), ``backends.py`` (which backends run it: the fused CPU kernel, the
 chunked torch math, Triton when named; the CUDA kernel of issue 28 is declared and says it is not built yet),
-``linear.py`` (``linear_token_logprobs``: from hidden states and the LM head, chunked over tokens). Tests:
+``linear.py`` (``linear_token_logprobs``: from hidden states and the LM head, chunked over tokens, the
+reference model's in the same loop when given). Tests:
 ``tests/test_token_logprobs.py``; benchmark: ``kl_kernels/bench/token_logprobs.py``.
 """
 
-from .api import TokenLogprobsOutput, token_logprobs
+from .api import LinearTokenLogprobsOutput, TokenLogprobsOutput, token_logprobs
 from .linear import linear_token_logprobs
 
-__all__ = ["token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput"]
+__all__ = ["token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput", "LinearTokenLogprobsOutput"]

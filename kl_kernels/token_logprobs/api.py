@@ -19,6 +19,16 @@ class TokenLogprobsOutput(NamedTuple):
     entropy: torch.Tensor | None
 
 
+class LinearTokenLogprobsOutput(NamedTuple):
+    """Result of :func:`kl_kernels.linear_token_logprobs` given a reference model: the policy's
+    ``log_probs`` and ``entropy`` as in :class:`TokenLogprobsOutput`, and the reference's
+    ``ref_log_probs [*S]`` (same dtype, 0 at non-counted tokens, no gradient)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    ref_log_probs: torch.Tensor
+
+
 def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mask=None, ignore_index=-100,
                    inplace_backward=False, backend="auto") -> TokenLogprobsOutput:
     r"""Per-token ``log softmax(logits / T)[label]`` (and the entropy of ``softmax(logits / T)``),

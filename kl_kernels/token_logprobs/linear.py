@@ -7,6 +7,11 @@ kernel, or the chunked torch math); only ``lse`` and the entropy per token are k
 the logits are recomputed, their gradient written over them in place by the row pass, then
 ``d hidden_c = d logits_c @ weight`` and ``d weight += d logits_c.T @ hidden_c`` (float32 accumulators,
 chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``.
+
+With a reference model (``ref_hidden``, ``ref_weight``): each chunk's reference logits are formed right
+after the policy's and go through the same row pass, so one loop over the tokens gives both models'
+log-probs (the reference's without gradients: a frozen model), and a KL to the reference needs no second
+call over the tokens.
 """
 
 from __future__ import annotations
@@ -16,12 +21,11 @@ import dataclasses
 import torch
 
 from . import launch, launch_triton, reference
-from .api import TokenLogprobsOutput
+from .api import LinearTokenLogprobsOutput, TokenLogprobsOutput
 from .backends import REGISTRY
-from ..lm_head import (add_chunk_grads, check_lm_head, chunk_tokens, head_grad_buffers, head_grads_out,
-                       row_pass_backend)
+from ..lm_head import (add_chunk_grads, check_lm_head, check_ref_head, chunk_tokens, head_grad_buffers,
+                       head_grads_out, row_pass_backend)
 from .problem import build_problem
-
 
 
 def _rows(backend: str):
@@ -35,13 +39,16 @@ def _rows(backend: str):
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, chunk, backend):
+    def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, chunk, backend,
+                ref_hidden=None, ref_weight=None, ref_bias=None):
+        # (the reference's tensors come detached: its log-probs get no gradient)
         fwd, _ = _rows(backend)
         n = labels.numel()
         md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
         lp = torch.empty(n, dtype=md, device=hidden.device)
         ent = torch.empty(n if want_entropy else 0, dtype=md, device=hidden.device)
         lse = torch.empty(n, dtype=md, device=hidden.device)
+        ref_lp = torch.empty(n if ref_hidden is not None else 0, dtype=md, device=hidden.device)
         for c0 in range(0, n, chunk):
             c1 = min(c0 + chunk, n)
             logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
@@ -49,13 +56,18 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             lp[c0:c1], lse[c0:c1] = lp_c, lse_c
             if want_entropy:
                 ent[c0:c1] = ent_c
+            if ref_hidden is not None:  # the same chunk of tokens under the reference, while it is at hand
+                del logits
+                ref_logits = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
+                ref_lp[c0:c1] = fwd(ref_logits, labels[c0:c1], counted[c0:c1], temperature, False)[0]
+                del ref_logits
         ctx.save_for_backward(hidden, weight, bias, labels, counted, lse, ent)
         ctx.temperature, ctx.want_entropy, ctx.chunk, ctx.backend = temperature, want_entropy, chunk, backend
-        ctx.mark_non_differentiable(lse)
-        return lp, ent, lse
+        ctx.mark_non_differentiable(lse, ref_lp)
+        return lp, ent, lse, ref_lp
 
     @staticmethod
-    def backward(ctx, grad_lp, grad_ent, _grad_lse):
+    def backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_ref_lp):
         hidden, weight, bias, labels, counted, lse, ent = ctx.saved_tensors
         _, bwd = _rows(ctx.backend)
         n = labels.numel()
@@ -69,11 +81,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                     logits, labels[c0:c1], counted[c0:c1], ctx.temperature, lse[c0:c1],
                     ent[c0:c1] if grad_ent is not None else ent, logits)
             add_chunk_grads(c0, c1, d, hidden, weight, grads)
-        return (*head_grads_out(grads, weight, bias), None, None, None, None, None, None)
+        return (*head_grads_out(grads, weight, bias), None, None, None, None, None, None, None, None, None)
 
 
 def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False, mask=None,
-                          ignore_index=-100, chunk_size=None, backend="auto") -> TokenLogprobsOutput:
+                          ignore_index=-100, chunk_size=None, backend="auto", ref_hidden=None, ref_weight=None,
+                          ref_bias=None):
     r"""Per-token log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``,
     without materializing the ``[N, V]`` logits: tokens go ``chunk_size`` at a time (default: about
     16M logits a chunk), forward and backward (recomputed), so the extra memory is O(chunk x V).
@@ -88,10 +101,17 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         backend: the row pass's, chosen as :func:`kl_kernels.token_logprobs` chooses for a chunk's
             logits: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, Triton on a
             GPU after its self-check, else the chunked torch math), ``"cpu"``, ``"triton"`` or ``"torch"``.
+        ref_hidden, ref_weight, ref_bias: optional, the reference model's hidden states ``[*S, H_ref]``
+            (its own width), LM head ``[V, H_ref]`` (the same vocabulary) and bias ``[V]``, hidden's dtype
+            and device: its log-probs of the same labels, temperature and mask come out of the same chunk
+            loop (each chunk's reference logits right after the policy's), without gradients (a frozen
+            reference: its tensors get none, whatever they require).
 
     Returns:
         :class:`~kl_kernels.token_logprobs.TokenLogprobsOutput` ``(log_probs, entropy)``, ``[*S]``,
-        float32 (float64 with the torch backend on float64 inputs), 0 at non-counted tokens.
+        float32 (float64 with the torch backend on float64 inputs), 0 at non-counted tokens; with a
+        reference, :class:`~kl_kernels.token_logprobs.LinearTokenLogprobsOutput` ``(log_probs, entropy,
+        ref_log_probs)``, the reference's as a separate call would give them, bit for bit.
 
     Example::
 
@@ -104,8 +124,13 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         >>> out.log_probs.sum().backward()
         >>> h.grad.shape, w.grad.shape
         (torch.Size([4, 8]), torch.Size([10, 8]))
+        >>> both = linear_token_logprobs(h, w, torch.tensor([1, 2, 3, -100]), ref_hidden=h.detach(),
+        ...                              ref_weight=w.detach() * 0.9)  # a KL to the reference: k1 here
+        >>> (both.log_probs - both.ref_log_probs).shape, both.ref_log_probs.requires_grad
+        (torch.Size([4]), False)
     """
     vocab = check_lm_head(hidden, weight, bias)
+    with_ref = check_ref_head(hidden, vocab, ref_hidden, ref_weight, ref_bias, required=False)
     chunk_size = chunk_tokens(chunk_size, vocab)
     # labels, mask, temperature, ignore_index: token_logprobs' own checks, on a zero-stride stand-in for
     # the logits (no [N, V] memory)
@@ -116,7 +141,12 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
     chunk_rows = dataclasses.replace(p, logits=hidden.new_empty((1, vocab)), labels=p.labels[:0], counted=p.counted[:0])
     name = row_pass_backend(REGISTRY, backend, "token_logprobs", chunk_rows, "linear_token_logprobs")
     shape = p.labels.shape
-    lp, ent, _ = _LinearTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                            p.labels.reshape(-1), p.counted.reshape(-1), p.temperature,
-                                            return_entropy, int(chunk_size), name)
-    return TokenLogprobsOutput(lp.reshape(shape), ent.reshape(shape) if return_entropy else None)
+    ref = (ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(),
+           None if ref_bias is None else ref_bias.detach()) if with_ref else ()
+    lp, ent, _, ref_lp = _LinearTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                                    p.labels.reshape(-1), p.counted.reshape(-1), p.temperature,
+                                                    return_entropy, int(chunk_size), name, *ref)
+    ent = ent.reshape(shape) if return_entropy else None
+    if with_ref:
+        return LinearTokenLogprobsOutput(lp.reshape(shape), ent, ref_lp.reshape(shape))
+    return TokenLogprobsOutput(lp.reshape(shape), ent)
