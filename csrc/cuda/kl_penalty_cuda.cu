@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
 // threads. Deterministic; float64 throughout, as the torch aggregation's sums of the same
 // per-sequence values.
 __global__ void __launch_bounds__(kThreads) penalty_totals(KLPenaltyArgs a) {
-  static_assert((kThreads & (kThreads - 1)) == 0, "the tree halves kThreads");
+  // (the tree halves kThreads, a power of two: tiles.cuh asserts it)
   __shared__ double part[kAggSums][kThreads];
   const float* seq_loss = reinterpret_cast<const float*>(a.seq_loss);
   const float* stats = reinterpret_cast<const float*>(a.stats);
