@@ -268,7 +268,9 @@ def _extensions() -> list[Extension]:
             sources=sorted(str(p.relative_to(ROOT)) for pattern in ("*.cu", "*.cpp")
                            for p in (ROOT / "csrc" / "cuda").glob(pattern)),
             include_dirs=[*common_includes, str(cuda_home / "include")],
-            depends=headers,
+            # the .cu files too: nvcc compiles them outside ext.sources, so setuptools' up-to-date check of
+            # the linked module would not see an edited kernel otherwise
+            depends=headers + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu")),
             library_dirs=[str(lib_dirs[0])],
             # Static runtime: importing the module needs neither libcudart nor a driver.
             libraries=["cudart_static", "dl", "rt", "pthread"],
@@ -283,13 +285,16 @@ def _extensions() -> list[Extension]:
         exts.append(cuda_ext)
     if _cuda_emu_requested():
         # The emulation's headers come first: <cuda_runtime.h> is csrc/emu/cuda_runtime.h here.
+        emu_sources = sorted(str(p.relative_to(ROOT)) for d, pattern in (("cuda", "*.cu"), ("emu", "*.cu"),
+                                                                         ("emu", "*.cpp"))
+                             for p in (ROOT / "csrc" / d).glob(pattern)) + ["csrc/cuda/module.cpp"]
         emu_ext = Extension(
             "kl_kernels._cuda_emu",
-            sources=sorted(str(p.relative_to(ROOT)) for d, pattern in (("cuda", "*.cu"), ("emu", "*.cu"),
-                                                                      ("emu", "*.cpp"))
-                           for p in (ROOT / "csrc" / d).glob(pattern)) + ["csrc/cuda/module.cpp"],
+            sources=emu_sources,
             include_dirs=[str(ROOT / "csrc" / "emu"), *common_includes],
-            depends=headers + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu")),
+            # every source too: they are compiled outside ext.sources (_emulated_compile), so setuptools'
+            # up-to-date check of the linked module would not see an edited one otherwise
+            depends=headers + emu_sources,
             libraries=["dl"],  # dladdr (the emulation's diagnostics)
             define_macros=[("KL_CUDA_MODULE", "_cuda_emu"), ("KL_KERNELS_CUDA_ARCHS", '"emulated"')],
             # -O2 -g: a test instrument; its stack traces (sanitizers, deadlock reports) should be readable.

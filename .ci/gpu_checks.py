@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-from kl_kernels import kl_penalty_loss, kl_reward, selfcheck, token_logprobs
+from kl_kernels import full_kl, kl_penalty_loss, kl_reward, selfcheck, token_logprobs
 
 import os
 
@@ -111,8 +111,15 @@ def logprobs_call(x, y, backend, inplace=False):
     return out, grad
 
 
-# token_logprobs' fused GPU backend (the cuda one is not built yet)
-LOGPROBS_BACKENDS = tuple(b for b in BACKENDS if b == "triton") or ("torch",)
+def full_kl_call(x, r, backend):
+    """full_kl forward + backward to both logits: (kl, grad logits, grad ref_logits)."""
+    leaf, ref = x.detach().clone().requires_grad_(True), r.detach().clone().requires_grad_(True)
+    kl = full_kl(leaf, ref, temperature=0.7, backend=backend)
+    return (kl, *torch.autograd.grad(kl.nan_to_num(0, 0, 0).sum(), (leaf, ref)))
+
+
+# the row ops' fused GPU backends
+LOGPROBS_BACKENDS = tuple(b for b in BACKENDS if b in ("cuda", "triton")) or ("torch",)
 
 
 def selfchecks():
@@ -163,6 +170,16 @@ def nosync():
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             report(f"nosync token_logprobs fwd+bwd {backend}{' inplace' if inplace else ''}", logprobs)
+        def fullkl(backend=backend):
+            (x, _), (r, _) = logits_batch(seed=7), logits_batch(seed=8)
+            full_kl_call(x, r, backend)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                full_kl_call(x, r, backend)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        report(f"nosync full_kl fwd+bwd {backend}", fullkl)
 
 
 def race():
@@ -258,6 +275,29 @@ def graph():
             torch.testing.assert_close(out.entropy, want.entropy, equal_nan=True)
             torch.testing.assert_close(grad, want_grad, equal_nan=True)
         report(f"graph token_logprobs fwd+bwd {backend}", logprobs)
+
+        def fullkl(backend=backend):
+            (x, _), (r, _), (x2, _) = logits_batch(seed=9), logits_batch(seed=10), logits_batch(seed=11)
+            static = x.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    full_kl_call(static, r, backend)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                leaf = static.detach().requires_grad_(True)
+                kl = full_kl(leaf, r, temperature=0.7, backend=backend)
+                (grad,) = torch.autograd.grad(kl.nan_to_num(0, 0, 0).sum(), leaf)
+            static.copy_(x2)
+            g.replay()
+            torch.cuda.synchronize()
+            want, want_grad, _ = full_kl_call(x2, r, backend)
+            torch.testing.assert_close(kl, want, equal_nan=True)
+            torch.testing.assert_close(grad, want_grad, equal_nan=True)
+        report(f"graph full_kl fwd+bwd {backend}", fullkl)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,11 @@ def cmd_check(include_named_only: bool = False) -> int:
     from . import selfcheck
     from .kl_penalty.backends import REGISTRY as PENALTY_REGISTRY
     from .kl_reward.backends import REGISTRY
+    from .full_kl.backends import REGISTRY as FULL_KL_REGISTRY
     from .token_logprobs.backends import REGISTRY as LOGPROBS_REGISTRY
     failed = 0
     for op, registry in (("kl_reward", REGISTRY), ("kl_penalty_loss", PENALTY_REGISTRY),
-                         ("token_logprobs", LOGPROBS_REGISTRY)):
+                         ("token_logprobs", LOGPROBS_REGISTRY), ("full_kl", FULL_KL_REGISTRY)):
         for b in registry:
             if b.name == "torch":
                 continue

@@ -31,6 +31,11 @@ COEF_MODE_CODES = {"scalar": 0, "tensor0d": 1, "per_sequence": 2}    # enum Coef
 # |lp - old| bound of the PPO ratio: exp(20) ~ 4.9e8 keeps ratio * advantage finite in float32.
 LOG_RATIO_BOUND = 20.0
 
+# The row ops (token_logprobs, full_kl): lse - z beyond this has e^(z - lse) == 0 in float32 (the kernels'
+# exp flushes below e^-87.3), so clamping it there keeps 0 * inf (a -inf logit) out of the terms weighted by a
+# probability (the entropy's p (lse - z)). csrc/common/row_math.h and the Triton row kernels read it.
+ROW_FAR = 88.0
+
 _ENUMS = (
     ("Estimator", {"kK1": 0, "kAbs": 1, "kK2": 2, "kK3": 3}),
     ("Placement", {"kNoReward": 0, "kToken": 1, "kSequence": 2, "kLast": 3, "kLastValid": 4}),
@@ -57,7 +62,8 @@ def header() -> str:
     for enum, members in _ENUMS:
         body = ", ".join(f"{name} = {code}" for name, code in members.items())
         lines.append(f"enum {enum} : int32_t {{ {body} }};")
-    lines += ["", f"constexpr float kLogRatioBound = {LOG_RATIO_BOUND!r}f;", "",
+    lines += ["", f"constexpr float kLogRatioBound = {LOG_RATIO_BOUND!r}f;",
+              f"constexpr float kRowFar = {ROW_FAR!r}f;  // the row ops' bound on lse - z (row_math.h)", "",
               "// Estimator names as callers pass them: (name, base estimator, straight-through).",
               "struct EstimatorName {", "  const char* name;", "  int32_t code, straight_through;", "};",
               "constexpr EstimatorName kEstimatorNames[] = {"]

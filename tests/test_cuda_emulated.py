@@ -194,6 +194,58 @@ def test_the_backend_runs_the_emulated_kernels():
     assert out.count.tolist() == [2500, 500]
 
 
+def test_row_kernel_outputs_are_poisoned_before_the_kernels():
+    """The row kernels' emulated entry points (token_logprobs, full_kl) poison their outputs too: seen through
+    a dtype code the kernels refuse (1), so nothing overwrites the poison; the gradient rows of a slab layout
+    are poisoned row by row (the slab's gap keeps its value), and inplace_backward's target, the logits, not."""
+    from kl_kernels.full_kl import launch as fkl_launch
+    from kl_kernels.token_logprobs import launch as tlp_launch
+
+    emu = _emu()
+    x, r = torch.randn(2, 4, 6), torch.randn(2, 4, 6)
+    labels, counted = torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.bool)
+    a, _keep = tlp_launch._args(emu, x[:, :-1], labels, counted, 1.0)
+    outs = [torch.zeros(6) for _ in range(3)]
+    a.log_probs, a.lse, a.entropy = (t.data_ptr() for t in outs)
+    a.dtype = 7  # poisoned as a 2-byte dtype: the gradients below are bf16
+    assert emu.token_logprobs_forward(a, 0) == 1
+    assert all(t.isnan().all() for t in outs)
+    grad = torch.zeros(2, 4, 6, dtype=torch.bfloat16)
+    a.grad_logits, a.g_stride_outer, a.g_stride_inner = grad.data_ptr(), grad.stride(0), grad.stride(1)
+    assert emu.token_logprobs_backward(a, 0) == 1
+    assert grad[:, :-1].isnan().all() and (grad[:, -1] == 0).all()
+    a.grad_logits = a.logits  # inplace_backward: the logits are read, not poisoned
+    before = x.clone()
+    assert emu.token_logprobs_backward(a, 0) == 1 and torch.equal(x, before)
+
+    f, _keep = fkl_launch._args(emu, x, r, torch.ones(2, 4, dtype=torch.bool), 1.0)
+    outs = [torch.zeros(8) for _ in range(3)]
+    f.kl, f.lse, f.ref_lse = (t.data_ptr() for t in outs)
+    f.dtype = 7
+    assert emu.full_kl_forward(f, 0) == 1 and all(t.isnan().all() for t in outs)
+    gx, gr = torch.zeros(2, 4, 6, dtype=torch.bfloat16), torch.zeros(2, 4, 6, dtype=torch.bfloat16)
+    f.grad_logits, f.g_stride_outer, f.g_stride_inner = gx.data_ptr(), gx.stride(0), gx.stride(1)
+    f.grad_ref, f.gr_stride_outer, f.gr_stride_inner = gr.data_ptr(), gr.stride(0), gr.stride(1)
+    assert emu.full_kl_backward(f, 0) == 1 and gx.isnan().all() and gr.isnan().all()
+
+
+def test_row_kernels_take_several_rows_per_block():
+    """The emulated row launches cap their grid at 3 blocks (csrc/cuda/rows.cuh), so a batch of 10 rows runs
+    the grid-stride loop: each block takes 3-4 rows, reusing its shared memory after the barriers."""
+    from kl_kernels import full_kl, token_logprobs
+
+    emu = _emu()
+    x = torch.randn(10, 300)
+    before = emu.emu_counters()
+    out = token_logprobs(x, torch.arange(10), return_entropy=True, backend=EMU)
+    after = emu.emu_counters()
+    assert after["launches"] == before["launches"] + 1 and after["blocks"] == before["blocks"] + 3
+    want = token_logprobs(x, torch.arange(10), return_entropy=True, backend="cpu")
+    torch.testing.assert_close(out.log_probs, want.log_probs)
+    torch.testing.assert_close(out.entropy, want.entropy)
+    torch.testing.assert_close(full_kl(x, x.flip(0), backend=EMU), full_kl(x, x.flip(0), backend="cpu"))
+
+
 # ------------------------------------------------------------------ edge geometries (also the ASan lane's)
 
 EDGE_LENGTHS = [[0], [1], [0, 1, 0], [3, 5, 2049, 7], [4097, 1]]  # empty, one token, rows over 2-3 tiles

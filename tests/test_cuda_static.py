@@ -23,7 +23,9 @@ from kl_kernels.bench import gpu_model
 ARCHES = {f"sm_{a.strip().replace('.', '')}" for a in os.environ.get("KL_KERNELS_CUDA_ARCHS", "80;90").split(";")
           if a.strip()}
 FAMILIES = {"forward_tile", "combine", "backward_tile", "penalty_forward_tile", "penalty_combine",
-            "penalty_totals", "penalty_backward_tile", "offsets_valid", "lengths_valid"}
+            "penalty_totals", "penalty_backward_tile", "offsets_valid", "lengths_valid",
+            "token_logprobs_forward_kernel", "token_logprobs_backward_kernel", "full_kl_forward_kernel",
+            "full_kl_backward_kernel"}
 
 
 @pytest.fixture(scope="module")

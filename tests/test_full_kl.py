@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import backend_device
+from conftest import CUDA_EMULATED, backend_device
 from kl_kernels import BackendUnavailableError, full_kl
 from kl_kernels.full_kl import ops  # noqa: F401 - registers the torch.library ops
 from tolerances import TOLERANCES
@@ -105,12 +105,13 @@ def cases(draw, dtypes=DTYPES):
     return logits, ref, mask, temperature
 
 
-BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)]
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CUDA_EMULATED,
+            pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True):
     md = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    if backend in ("cpu", "triton") and logits.dtype == torch.float64:
+    if backend in ("cpu", "triton", "cuda-emulated", "cuda") and logits.dtype == torch.float64:
         backend = "torch"  # the fused kernels read fp32/bf16/fp16
     dev = backend_device(backend)
     logits, ref = logits.to(dev), ref.to(dev)
@@ -187,9 +188,10 @@ def test_a_frozen_reference_gets_no_gradient(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1023, 1024, 1025, 3000])
+@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1023, 1024, 1025, 2047, 2048, 2049, 3000])
 def test_kernel_row_steps(backend, vocab):
-    """The fused kernels' lanes (16), spans (256), Triton's BLOCK (1024) and their tails; slabs too."""
+    """The fused kernels' lanes (16), spans (256), Triton's BLOCK (1024), the CUDA kernel's threads (256) and
+    float runs (2048 = 256 x 8), and their tails; slabs too."""
     g = torch.Generator().manual_seed(vocab)
     x = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
     r = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
@@ -226,7 +228,8 @@ def test_matches_kl_div_of_log_softmax():
         torch.testing.assert_close(full_kl(x, r, backend=backend), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("op", ["full_kl", "full_kl_cpu", pytest.param("full_kl_triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("op", ["full_kl", "full_kl_cpu", pytest.param("full_kl_triton", marks=pytest.mark.triton),
+                                pytest.param("full_kl_cuda_emu", marks=pytest.mark.cuda_emulated)])
 def test_opcheck(op):
     g = torch.Generator().manual_seed(4)
     dev = backend_device("triton" if op.endswith("triton") else "cpu")
@@ -278,8 +281,8 @@ def test_bad_arguments_name_themselves(kwargs, error, match):
         full_kl(args.pop("logits"), args.pop("ref_logits"), **args)
 
 
-def test_the_cuda_backend_says_it_is_not_built_yet():
-    with pytest.raises(BackendUnavailableError, match="no fused CUDA kernel yet"):
+def test_the_cuda_backend_on_cpu_tensors_says_why():
+    with pytest.raises(BackendUnavailableError, match="inputs are on cpu, cuda runs on"):
         full_kl(torch.zeros(2, 3), torch.zeros(2, 3), backend="cuda")
 
 
@@ -295,7 +298,9 @@ def test_info_lists_the_backends():
     import kl_kernels
 
     rows = kl_kernels.info()["full_kl_backends"]
-    assert rows["torch"]["available"] and rows["cpu"]["available"] and not rows["cuda"]["available"]
+    assert rows["torch"]["available"] and rows["cpu"]["available"]
+    assert list(rows) == ["cuda", "triton", "cpu", "cuda-emulated", "torch"]
+    assert rows["cuda"]["available"] or rows["cuda"]["reason"]  # an unavailable backend says why
 
 
 def test_cpu_kernel_is_bitwise_deterministic_for_any_thread_count():

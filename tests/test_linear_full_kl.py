@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import backend_device
+from conftest import CUDA_EMULATED, backend_device
 from kl_kernels import BackendUnavailableError, linear_full_kl
 
 
@@ -19,7 +19,7 @@ def _want(h, w, b, rh, rw, rb, counted, temperature):
     return torch.where(counted, (a.exp() * (a - c)).sum(-1), 0.0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CUDA_EMULATED])
 @given(n=st.integers(0, 11), hid=st.sampled_from([1, 8, 33]), ref_hid=st.sampled_from([4, 8]),
        vocab=st.sampled_from([1, 7, 50, 300]), chunk=st.sampled_from([1, 4, 100, None]), with_bias=st.booleans(),
        ref_grad=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -102,5 +102,5 @@ def test_row_backend_refusals_name_the_op():
     h, w = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)
     with pytest.raises(BackendUnavailableError, match="(?s)linear_full_kl .*backend 'cpu' cannot run.*float64"):
         linear_full_kl(h, w, h, w, backend="cpu")
-    with pytest.raises(BackendUnavailableError, match="no fused CUDA kernel yet"):
+    with pytest.raises(BackendUnavailableError, match="(?s)linear_full_kl .*backend 'cuda' cannot run.*inputs are on cpu"):
         linear_full_kl(h.float(), w.float(), h.float(), w.float(), backend="cuda")

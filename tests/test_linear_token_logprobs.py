@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import backend_device
+from conftest import CUDA_EMULATED, backend_device
 from kl_kernels import BackendUnavailableError, linear_token_logprobs
 
 
@@ -22,7 +22,7 @@ def _want(h, w, b, y, counted, temperature, entropy):
     return lp, ent
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CUDA_EMULATED])
 @given(n=st.integers(0, 13), hid=st.sampled_from([1, 8, 33]), vocab=st.sampled_from([1, 7, 50]),
        chunk=st.sampled_from([1, 4, 100, None]), with_bias=st.booleans(), entropy=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), temperature=st.sampled_from([1.0, 0.6]),
@@ -126,7 +126,7 @@ def test_cpu_backend_refuses_float64_by_name():
         linear_token_logprobs(h, w, torch.tensor([0, 1]), backend="cpu")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CUDA_EMULATED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_reference_in_the_same_loop_is_a_separate_calls(backend, dtype):
     """ref_hidden/ref_weight: the reference's log-probs come out of the policy's chunk loop exactly as a

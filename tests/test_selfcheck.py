@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kl_kernels import kl_penalty_loss, kl_reward, selfcheck, token_logprobs
+from kl_kernels.full_kl import backends as full_kl_backends
 from kl_kernels.kl_penalty import backends as loss_backends
 from kl_kernels.token_logprobs import backends as logprobs_backends
 from kl_kernels.kl_reward import backends as reward_backends
@@ -145,6 +146,26 @@ def test_auto_takes_the_token_logprobs_row_that_passed(monkeypatch):
     assert len(calls) > 16  # the check's cases, then the call itself
 
 
+@pytest.mark.parametrize("broken", ["kl", "grad logits", "grad ref_logits"])
+def test_the_full_kl_check_catches_a_broken_row_kernel(monkeypatch, broken):
+    """full_kl's check (its cuda and triton rows are checked on a GPU before "auto" takes them): a cpu row
+    off by a little in the value, or in one side's gradient only, fails it, naming what differs."""
+    cpu = next(b for b in full_kl_backends.REGISTRY if b.name == "cpu")
+
+    def wrong(problem):
+        kl = cpu.run(problem)
+        if broken == "kl":
+            return kl + 1e-3 * (kl != 0)
+        side = (problem.logits if broken == "grad logits" else problem.ref_logits).float().nan_to_num(0, 0, 0)
+        extra = side.mean(-1)
+        return kl + (extra - extra.detach())  # the same values, another gradient on that side
+
+    rows = _with_cpu_row(full_kl_backends.REGISTRY, self_check_devices=CPU, run=wrong)
+    _install(monkeypatch, full_kl_backends, "kl_kernels.full_kl.api", rows)
+    failures = selfcheck.run("full_kl", "cpu", "cpu")
+    assert failures and all(f" {broken}: " in f for f in failures), failures[:3]
+
+
 @pytest.mark.triton
 def test_the_token_logprobs_check_passes_for_triton():
     """What "auto" runs on a GPU before it takes the Triton row kernels (here, their interpreter)."""
@@ -156,8 +177,8 @@ def test_the_token_logprobs_check_passes_for_triton():
 def test_every_backend_here_passes():
     """What `kl-kernels info --check` runs: every available fused backend on this machine."""
     names = {b.name for b in reward_backends.REGISTRY if not b.unavailable_reasons() and "cpu" in b.devices}
-    for op in ("kl_reward", "kl_penalty_loss", "token_logprobs"):
-        for name in sorted(names - {"torch", "triton"} - ({"cuda-emulated"} if op == "token_logprobs" else set())):  # the interpreter is checked by its own tests
+    for op in ("kl_reward", "kl_penalty_loss", "token_logprobs", "full_kl"):
+        for name in sorted(names - {"torch", "triton"}):  # the interpreter is checked by its own tests
             assert selfcheck.run(op, name, "cpu") == [], (op, name)
 
 
@@ -172,4 +193,5 @@ def test_info_check_command():
     assert any(line.split()[:2] == ["kl_reward", "cpu"] and line.endswith("passed") for line in lines), proc.stdout
     assert any(line.split()[:2] == ["kl_penalty_loss", "cpu"] and line.endswith("passed") for line in lines)
     assert any(line.split()[:2] == ["token_logprobs", "cpu"] and line.endswith("passed") for line in lines)
+    assert any(line.split()[:2] == ["full_kl", "cpu"] and line.endswith("passed") for line in lines)
     assert not any(line.split()[1:2] == ["cuda-emulated"] for line in lines), proc.stdout

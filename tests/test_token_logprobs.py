@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kl_kernels import BackendUnavailableError, token_logprobs, vocab_rows
 from kl_kernels.token_logprobs import ops  # noqa: F401 - registers the torch.library ops
-from conftest import backend_device
+from conftest import CUDA_EMULATED, backend_device
 from tolerances import TOLERANCES
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -74,12 +74,13 @@ def cases(draw, dtypes=DTYPES):
     return logits, labels, mask, temperature
 
 
-BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)]
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CUDA_EMULATED,
+            pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto"):
     md = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    if backend in ("cpu", "triton") and logits.dtype == torch.float64:
+    if backend in ("cpu", "triton", "cuda-emulated", "cuda") and logits.dtype == torch.float64:
         backend = "torch"  # the fused kernels read fp32/bf16/fp16
     dev = backend_device(backend)  # Triton on the GPU where there is one
     logits, labels = logits.to(dev), labels.to(dev)
@@ -224,7 +225,8 @@ def test_gradcheck_float64():
 
 
 @pytest.mark.parametrize("op", ["token_logprobs", "token_logprobs_cpu",
-                                pytest.param("token_logprobs_triton", marks=pytest.mark.triton)])
+                                pytest.param("token_logprobs_triton", marks=pytest.mark.triton),
+                                pytest.param("token_logprobs_cuda_emu", marks=pytest.mark.cuda_emulated)])
 @pytest.mark.parametrize("want_entropy", [False, True])
 def test_opcheck(want_entropy, op):
     g = torch.Generator().manual_seed(3)
@@ -313,17 +315,32 @@ def test_out_of_range_labels_that_do_not_count_are_fine():
     torch.testing.assert_close(out.log_probs, torch.tensor([-math.log(4), 0.0, 0.0]))
 
 
-@pytest.mark.parametrize("backend", ["cuda"])
-def test_fused_backends_say_they_are_not_built_yet(backend):
-    with pytest.raises(BackendUnavailableError, match="no fused .* kernel yet"):
-        token_logprobs(torch.zeros(2, 3), torch.tensor([0, 1]), backend=backend)
+def test_the_cuda_backend_on_cpu_tensors_says_why():
+    with pytest.raises(BackendUnavailableError, match="inputs are on cpu, cuda runs on"):
+        token_logprobs(torch.zeros(2, 3), torch.tensor([0, 1]), backend="cuda")
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 2047, 2048, 2049, 5000])
+def test_cuda_kernel_row_steps(dtype, vocab):
+    """The CUDA kernel's threads (256 per row), float runs (2048 = 256 x 8) and their tails, under emulation;
+    more rows than the emulated launch's blocks (each block takes several rows); a slab layout too."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(3, 5, vocab, generator=g) * 4).to(dtype)
+    x[0, 1, vocab // 2] = -math.inf
+    y = torch.randint(0, vocab, (3, 5), generator=g)
+    _check(x, y, None, 0.9, backend="cuda-emulated")
+    _check(x[:, 1:], y[:, 1:], None, 1.0, backend="cuda-emulated")
 
 
 def test_info_lists_the_backends():
     import kl_kernels
 
     rows = kl_kernels.info()["token_logprobs_backends"]
-    assert rows["torch"]["available"] and rows["cpu"]["available"] and not rows["cuda"]["available"]
+    assert rows["torch"]["available"] and rows["cpu"]["available"]
+    assert list(rows) == ["cuda", "triton", "cpu", "cuda-emulated", "torch"]
+    assert rows["cuda"]["available"] or rows["cuda"]["reason"]  # an unavailable backend says why
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,6 +7,7 @@
 
 #include "common/kl_penalty_args.h"
 #include "common/kl_reward_args.h"
+#include "common/row_args.h"
 
 namespace kl {
 
@@ -55,6 +56,32 @@ inline void bind_penalty_args(pybind11::module_& m) {
   KL_FIELD(agg_entropy_coef); KL_FIELD(g_loss); KL_FIELD(seq_lr);
   KL_FIELD(kl_ratio);
 #undef KL_FIELD
+}
+
+// TokenLogprobsArgs and FullKLArgs (common/row_args.h), for the row kernels of _C and _cuda.
+inline void bind_row_args(pybind11::module_& m) {
+  namespace py = pybind11;
+  {
+    py::class_<TokenLogprobsArgs> c(m, "TokenLogprobsArgs", py::module_local());
+    c.def(py::init<>());
+#define KL_FIELD(name) c.def_readwrite(#name, &TokenLogprobsArgs::name)
+    KL_FIELD(logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner); KL_FIELD(stride_outer);
+    KL_FIELD(stride_inner); KL_FIELD(labels); KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(log_probs);
+    KL_FIELD(lse); KL_FIELD(entropy); KL_FIELD(grad_lp); KL_FIELD(grad_entropy); KL_FIELD(grad_logits);
+    KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner);
+#undef KL_FIELD
+  }
+  {
+    py::class_<FullKLArgs> c(m, "FullKLArgs", py::module_local());
+    c.def(py::init<>());
+#define KL_FIELD(name) c.def_readwrite(#name, &FullKLArgs::name)
+    KL_FIELD(logits); KL_FIELD(ref_logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner);
+    KL_FIELD(stride_outer); KL_FIELD(stride_inner); KL_FIELD(ref_stride_outer); KL_FIELD(ref_stride_inner);
+    KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(kl); KL_FIELD(lse); KL_FIELD(ref_lse); KL_FIELD(grad_kl);
+    KL_FIELD(grad_logits); KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner); KL_FIELD(grad_ref);
+    KL_FIELD(gr_stride_outer); KL_FIELD(gr_stride_inner);
+#undef KL_FIELD
+  }
 }
 
 }  // namespace kl

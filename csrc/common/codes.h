@@ -14,6 +14,7 @@ enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum CoefMode : int32_t { kCoefScalar = 0, kCoefTensor0d = 1, kCoefPerSeq = 2 };
 
 constexpr float kLogRatioBound = 20.0f;
+constexpr float kRowFar = 88.0f;  // the row ops' bound on lse - z (row_math.h)
 
 // Estimator names as callers pass them: (name, base estimator, straight-through).
 struct EstimatorName {

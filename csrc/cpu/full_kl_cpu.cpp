@@ -1,20 +1,10 @@
-// Fused CPU full_kl: per counted row, the policy's logits x and the reference's r (V entries each),
-// z = x / T, w = r / T,
-//
-//   forward:  m = max z, n = max w;  u_j = m - z_j >= 0, v_j = n - w_j >= 0 (inf at a -inf logit)
-//             S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)   (a term is 0 where e^-u_j is)
-//             KL = A / S + log R - log S;  lse = m + log S;  ref_lse = n + log R
-//   backward: p_j = e^(z_j - lse), q_j = e^(w_j - ref_lse)
-//             d x_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T       (0 where p_j is)
-//             d r_j = g (q_j - p_j) / T
-//
-// the formulas of kl_kernels/full_kl/reference.py (tests/test_full_kl.py holds both to a float64 oracle).
-// Subtracting each row's own max before the difference (v_j - u_j, not z_j - w_j) keeps a constant shift
-// between the two models' logits, which cancels in the KL, out of the float32 arithmetic. A counted row
-// with a NaN or +inf in either tensor, or only -inf in either, gives NaN; the policy putting mass where
-// the reference has none (w_j = -inf, p_j > 0) gives KL = +inf; a row whose KL is not finite has NaN
-// gradients. Sums: 16 float lanes over 256 entries, then float64, in a fixed order: deterministic for any
-// thread count. The forward reads each row twice while it sits in cache; no [N, V] temporary.
+// Fused CPU full_kl: per counted row, the policy's logits x and the reference's r, the formulas of
+// common/row_math.h (shared with cuda/full_kl_cuda.cu). Subtracting each row's own max before the difference
+// (v_j - u_j, not z_j - w_j) keeps a constant shift between the two models' logits, which cancels in the KL,
+// out of the float32 arithmetic. The policy putting mass where the reference has none (w_j = -inf, p_j > 0)
+// gives KL = +inf; a row whose KL is not finite has NaN gradients. Sums: 16 float lanes over 256 entries,
+// then float64, in a fixed order: deterministic for any thread count. The forward reads each row twice while
+// it sits in cache; no [N, V] temporary.
 #include "cpu/full_kl_cpu.h"
 
 #include <cmath>
@@ -73,7 +63,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
       n = mw[l] > n ? mw[l] : n;
       bad = bad || nan_seen[l] != 0.0f;
     }
-    if (bad || m == kInf || n == kInf || m == -kInf || n == -kInf) {  // a softmax is undefined
+    if (row_undefined(bad, m) || row_undefined(bad, n)) {  // a softmax is undefined
       kl_out[r] = kNaN, lse_out[r] = kNaN, ref_lse_out[r] = kNaN;
       continue;
     }
@@ -86,26 +76,26 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
       int64_t k = s0;
       for (; k + kRowLanes <= s1; k += kRowLanes) {
         for (int l = 0; l < kRowLanes; ++l) {
-          const float u = m - from_bits<DT>(x[k + l]) * inv_t, v = n - from_bits<DT>(y[k + l]) * inv_t;
-          const float e = exp_vec(-u);
+          float e, q, t;
+          full_kl_terms(m - from_bits<DT>(x[k + l]) * inv_t, n - from_bits<DT>(y[k + l]) * inv_t, e, q, t);
           se[l] += e;
-          sr[l] += exp_vec(-v);
-          sa[l] += e > 0.0f ? e * (v - u) : 0.0f;
+          sr[l] += q;
+          sa[l] += t;
         }
       }
       for (; k < s1; ++k) {
-        const float u = m - from_bits<DT>(x[k]) * inv_t, v = n - from_bits<DT>(y[k]) * inv_t;
-        const float e = exp_vec(-u);
+        float e, q, t;
+        full_kl_terms(m - from_bits<DT>(x[k]) * inv_t, n - from_bits<DT>(y[k]) * inv_t, e, q, t);
         se[0] += e;
-        sr[0] += exp_vec(-v);
-        sa[0] += e > 0.0f ? e * (v - u) : 0.0f;
+        sr[0] += q;
+        sa[0] += t;
       }
       for (int l = 0; l < kRowLanes; ++l) S += se[l], R += sr[l], A += sa[l];
     }
     const double log_s = std::log(S), log_r = std::log(R);
-    kl_out[r] = static_cast<float>(A / S + (log_r - log_s));
-    lse_out[r] = static_cast<float>(static_cast<double>(m) + log_s);
-    ref_lse_out[r] = static_cast<float>(static_cast<double>(n) + log_r);
+    kl_out[r] = full_kl_value(S, A, log_s, log_r);
+    lse_out[r] = logprob_lse(m, log_s);
+    ref_lse_out[r] = logprob_lse(n, log_r);
   }
 }
 
@@ -137,9 +127,8 @@ KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
     const float g = g_kl[r] * inv_t, lse = lse_in[r], ref_lse = ref_lse_in[r];
     for (int64_t j = 0; j < V; ++j) {
       const float u = lse - from_bits<DT>(x[j]) * inv_t, v = ref_lse - from_bits<DT>(y[j]) * inv_t;
-      const float p = exp_vec(-u);
-      if (gx) gx[j] = to_bits<DT>(p > 0.0f ? g * (p * ((v - u) - kl)) : 0.0f);
-      if (gr) gr[j] = to_bits<DT>(g * (exp_vec(-v) - p));
+      if (gx) gx[j] = to_bits<DT>(full_kl_grad_policy(g, u, v, kl));
+      if (gr) gr[j] = to_bits<DT>(full_kl_grad_ref(g, u, v));
     }
   }
 }

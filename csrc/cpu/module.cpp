@@ -156,33 +156,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads"), py::call_guard<py::gil_scoped_release>(),
         "GSPO's pre-pass on the CPU: args.seq_lr[b] = mean of lp - old over sequence b's counted tokens; 0 or an "
         "error code.");
-  {
-    py::class_<kl::TokenLogprobsArgs> c(m, "TokenLogprobsArgs", py::module_local());
-    c.def(py::init<>());
-#define KL_FIELD(name) c.def_readwrite(#name, &kl::TokenLogprobsArgs::name)
-    KL_FIELD(logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner); KL_FIELD(stride_outer);
-    KL_FIELD(stride_inner); KL_FIELD(labels); KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(log_probs);
-    KL_FIELD(lse); KL_FIELD(entropy); KL_FIELD(grad_lp); KL_FIELD(grad_entropy); KL_FIELD(grad_logits);
-    KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner);
-#undef KL_FIELD
-  }
+  kl::bind_row_args(m);
   m.def("token_logprobs_forward", &kl::token_logprobs_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused token_logprobs forward on the CPU (log-probs, lse, entropy per row); 0 or an error code.");
   m.def("token_logprobs_backward", &kl::token_logprobs_backward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused token_logprobs backward on the CPU (the logits' gradient, in place allowed); 0 or an error code.");
-  {
-    py::class_<kl::FullKLArgs> c(m, "FullKLArgs", py::module_local());
-    c.def(py::init<>());
-#define KL_FIELD(name) c.def_readwrite(#name, &kl::FullKLArgs::name)
-    KL_FIELD(logits); KL_FIELD(ref_logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner);
-    KL_FIELD(stride_outer); KL_FIELD(stride_inner); KL_FIELD(ref_stride_outer); KL_FIELD(ref_stride_inner);
-    KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(kl); KL_FIELD(lse); KL_FIELD(ref_lse); KL_FIELD(grad_kl);
-    KL_FIELD(grad_logits); KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner); KL_FIELD(grad_ref);
-    KL_FIELD(gr_stride_outer); KL_FIELD(gr_stride_inner);
-#undef KL_FIELD
-  }
   m.def("full_kl_forward", &kl::full_kl_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused full_kl forward on the CPU (KL over the vocabulary, lse, ref_lse per row); 0 or an error code.");

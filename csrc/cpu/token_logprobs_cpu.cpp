@@ -1,14 +1,7 @@
-// Fused CPU token_logprobs: per counted row of the logits (V entries, z = x / T),
-//
-//   forward:  m = max z;  S = sum_j e^(z_j - m);  W = sum_j e^(z_j - m) (m - z_j)   (every term >= 0)
-//             lse = m + log S;  log_prob = z_y - lse;  entropy = W / S + log S   (= sum_j p_j (lse - z_j))
-//   backward: p_j = e^(z_j - lse);  d x_j = (g_lp (1[j = y] - p_j) + g_H p_j ((lse - z_j) - entropy)) / T
-//
-// the formulas of kl_kernels/token_logprobs/reference.py (tests/test_token_logprobs.py holds both to a
-// float64 oracle). The forward reads a row twice (its max, then the sums), while it sits in the core's
-// cache (V = 152k bf16 is 304 KB): the logits cross the memory bus once. Sums: 16 float lanes over 256
+// Fused CPU token_logprobs: per counted row of the logits, the formulas of common/row_math.h (shared with
+// cuda/token_logprobs_cuda.cu). The forward reads a row twice (its max, then the sums), while it sits in the
+// core's cache (V = 152k bf16 is 304 KB): the logits cross the memory bus once. Sums: 16 float lanes over 256
 // entries, then float64, in a fixed order: deterministic for any thread count. No [N, V] temporary.
-// A counted row with a NaN or +inf logit, or only -inf ones, gives NaN; -inf entries are probability 0.
 #include "cpu/token_logprobs_cpu.h"
 
 #include <cmath>
@@ -61,9 +54,8 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
     float m = -kInf;
     bool bad = false;
     for (int l = 0; l < kRowLanes; ++l) m = mx[l] > m ? mx[l] : m, bad = bad || nan_seen[l] != 0.0f;
-    bad = bad || m == kInf;
     const int64_t y = labels[r];
-    if (bad || m == -kInf || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
+    if (row_undefined(bad, m) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
       const float nan = std::numeric_limits<float>::quiet_NaN();
       lp_out[r] = nan;
       lse_out[r] = nan;
@@ -79,25 +71,25 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
       int64_t k = s0;
       for (; k + kRowLanes <= s1; k += kRowLanes) {
         for (int l = 0; l < kRowLanes; ++l) {
-          const float d = m - from_bits<DT>(row[k + l]) * inv_t;  // >= 0 (inf at -inf)
-          const float e = exp_vec(-d);
+          float e, w;
+          logprob_terms(m - from_bits<DT>(row[k + l]) * inv_t, e, w);  // d >= 0 (inf at -inf)
           se[l] += e;
-          sw[l] += e * (d <= kRowFar ? d : kRowFar);
+          sw[l] += w;
         }
       }
       for (; k < s1; ++k) {
-        const float d = m - from_bits<DT>(row[k]) * inv_t;
-        const float e = exp_vec(-d);
+        float e, w;
+        logprob_terms(m - from_bits<DT>(row[k]) * inv_t, e, w);
         se[0] += e;
-        sw[0] += e * (d <= kRowFar ? d : kRowFar);
+        sw[0] += w;
       }
       for (int l = 0; l < kRowLanes; ++l) S += se[l], W += sw[l];
     }
     const double log_s = std::log(S);
-    const float lse = static_cast<float>(static_cast<double>(m) + log_s);
+    const float lse = logprob_lse(m, log_s);
     lse_out[r] = lse;
     lp_out[r] = from_bits<DT>(row[y]) * inv_t - lse;
-    if (ent_out) ent_out[r] = static_cast<float>(W / S + log_s);
+    if (ent_out) ent_out[r] = logprob_entropy(S, W, log_s);
   }
 }
 
@@ -128,16 +120,9 @@ KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t
     // the label's logit, read before the loop: with inplace_backward `out` is `row`
     const float zy = in_vocab ? from_bits<DT>(row[y]) * inv_t : std::numeric_limits<float>::quiet_NaN();
     for (int64_t j = 0; j < V; ++j) {
-      const float d = lse - from_bits<DT>(row[j]) * inv_t;  // lse - z_j
-      const float p = exp_vec(-d);
-      const float g = -gl * p + gh * (p * ((d <= kRowFar ? d : kRowFar) - h));
-      out[j] = to_bits<DT>(g * inv_t);
+      out[j] = to_bits<DT>(logprob_grad(lse - from_bits<DT>(row[j]) * inv_t, gl, gh, h) * inv_t);
     }
-    if (in_vocab) {
-      const float d = lse - zy;
-      const float p = exp_vec(-d);
-      out[y] = to_bits<DT>((gl * (1.0f - p) + gh * (p * ((d <= kRowFar ? d : kRowFar) - h))) * inv_t);
-    }
+    if (in_vocab) out[y] = to_bits<DT>(logprob_grad_label(lse - zy, gl, gh, h) * inv_t);
   }
 }
 

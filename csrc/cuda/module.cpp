@@ -15,10 +15,12 @@
 
 #include "common/bind_args.h"
 #include "common/build_info.h"
+#include "cuda/full_kl_cuda.h"
 #include "cuda/kl_penalty_cuda.h"
 #include "cuda/kl_reward_cuda.h"
 #include "cuda/probe.h"
 #include "cuda/ragged_checks.h"
+#include "cuda/token_logprobs_cuda.h"
 #if defined(KL_CUDA_EMULATED)
 #include "emu/bind.h"
 #endif
@@ -56,6 +58,10 @@ py::dict probe(bool launch) {
   kernels.append("kl_reward_backward");
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
+  kernels.append("token_logprobs_forward");
+  kernels.append("token_logprobs_backward");
+  kernels.append("full_kl_forward");
+  kernels.append("full_kl_backward");
   kernels.append("offsets_valid");
   kernels.append("lengths_valid");
   info["kernels"] = kernels;
@@ -70,6 +76,7 @@ PYBIND11_MODULE(KL_CUDA_MODULE, m) {
         "CUDA build and runtime facts; with launch=True, runs one tiny kernel on device 0.");
   kl::bind_args(m);
   kl::bind_penalty_args(m);
+  kl::bind_row_args(m);
   m.attr("KL_REWARD_TILE") = kl::kCudaTile;
   m.def("kl_reward_workspace_bytes", &kl::kl_reward_cuda_workspace_bytes, py::arg("args"),
         "Bytes of device scratch kl_reward_forward needs for these arguments.");
@@ -89,6 +96,22 @@ PYBIND11_MODULE(KL_CUDA_MODULE, m) {
   m.def("kl_penalty_backward", &kl::kl_penalty_backward_cuda, py::arg("args"), py::arg("stream"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_penalty_loss backward, enqueued on `stream`; same return codes as the forward.");
+  m.def("token_logprobs_forward", &kl::token_logprobs_forward_cuda, py::arg("args"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused token_logprobs forward (log-probs, lse, entropy per row), enqueued on `stream`; no host sync. "
+        "Returns 0, 1 (unsupported dtype) or 1000 + a cudaError_t.");
+  m.def("token_logprobs_backward", &kl::token_logprobs_backward_cuda, py::arg("args"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused token_logprobs backward (the logits' gradient, in place allowed), enqueued on `stream`; same "
+        "return codes as the forward.");
+  m.def("full_kl_forward", &kl::full_kl_forward_cuda, py::arg("args"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused full_kl forward (KL over the vocabulary, lse, ref_lse per row), enqueued on `stream`; no host "
+        "sync. Returns 0, 1 (unsupported dtype) or 1000 + a cudaError_t.");
+  m.def("full_kl_backward", &kl::full_kl_backward_cuda, py::arg("args"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused full_kl backward (the gradients to both logits), enqueued on `stream`; same return codes as the "
+        "forward.");
   m.def("offsets_valid", &kl::kl_offsets_valid_cuda, py::arg("offsets"), py::arg("batch"), py::arg("total"),
         py::arg("ok"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
         "Enqueue the value check of offsets [B + 1] (int64): *ok (int32) = 1 when they start at 0, never decrease "

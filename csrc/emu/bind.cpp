@@ -11,8 +11,12 @@
 
 #include "common/kl_penalty_args.h"
 #include "common/kl_reward_args.h"
+#include "common/row_args.h"
+#include "common/row_math.h"
+#include "cuda/full_kl_cuda.h"
 #include "cuda/kl_penalty_cuda.h"
 #include "cuda/kl_reward_cuda.h"
+#include "cuda/token_logprobs_cuda.h"
 #include "emu/selftest.h"
 
 namespace py = pybind11;
@@ -69,6 +73,44 @@ int penalty_backward(const kl::KLPenaltyArgs& a, uintptr_t stream) {
   return kl::kl_penalty_backward_cuda(a, stream);
 }
 
+// The V elements of each of `rows` rows of a row-kernel output (the row map of common/row_args.h):
+// only the rows' own elements, so that a slab layout's gaps stay as they were.
+void poison_rows(uintptr_t p, int32_t dtype, int64_t rows, int64_t vocab, int64_t inner, int64_t so, int64_t si) {
+  if (p == 0) return;
+  const int64_t eb = element_bytes(dtype);
+  for (int64_t r = 0; r < rows; ++r) poison(p + kl::row_start(r, inner, so, si) * eb, vocab * eb);
+}
+
+int logprobs_forward(const kl::TokenLogprobsArgs& a, uintptr_t stream) {
+  poison(a.log_probs, a.rows * 4);
+  poison(a.lse, a.rows * 4);
+  poison(a.entropy, a.rows * 4);
+  return kl::token_logprobs_forward_cuda(a, stream);
+}
+
+int logprobs_backward(const kl::TokenLogprobsArgs& a, uintptr_t stream) {
+  // (inplace_backward writes the gradient over the logits it reads: those are not poisoned)
+  if (a.grad_logits != a.logits)
+    poison_rows(a.grad_logits, a.dtype, a.rows, a.vocab, a.inner, a.g_stride_outer, a.g_stride_inner);
+  return kl::token_logprobs_backward_cuda(a, stream);
+}
+
+int full_kl_forward(const kl::FullKLArgs& a, uintptr_t stream) {
+  poison(a.kl, a.rows * 4);
+  poison(a.lse, a.rows * 4);
+  poison(a.ref_lse, a.rows * 4);
+  return kl::full_kl_forward_cuda(a, stream);
+}
+
+int full_kl_backward(const kl::FullKLArgs& a, uintptr_t stream) {
+  // (linear_full_kl writes the gradients over the chunk's logits they are computed from: those not)
+  auto input = [&](uintptr_t p) { return p == a.logits || p == a.ref_logits; };
+  if (!input(a.grad_logits))
+    poison_rows(a.grad_logits, a.dtype, a.rows, a.vocab, a.inner, a.g_stride_outer, a.g_stride_inner);
+  if (!input(a.grad_ref)) poison_rows(a.grad_ref, a.dtype, a.rows, a.vocab, a.inner, a.gr_stride_outer, a.gr_stride_inner);
+  return kl::full_kl_backward_cuda(a, stream);
+}
+
 template <typename F, typename... Extra>
 void replace(py::module_& m, const char* name, F f, Extra&&... extra) {
   // m.def would add an overload behind the original entry point; this replaces it.
@@ -87,6 +129,15 @@ void bind(py::module_& m) {
           py::call_guard<py::gil_scoped_release>(), (std::string("Fused kl_penalty_loss forward") + poisoned).c_str());
   replace(m, "kl_penalty_backward", &penalty_backward, py::arg("args"), py::arg("stream"),
           py::call_guard<py::gil_scoped_release>(), (std::string("Fused kl_penalty_loss backward") + poisoned).c_str());
+  replace(m, "token_logprobs_forward", &logprobs_forward, py::arg("args"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>(), (std::string("Fused token_logprobs forward") + poisoned).c_str());
+  replace(m, "token_logprobs_backward", &logprobs_backward, py::arg("args"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>(),
+          (std::string("Fused token_logprobs backward") + poisoned + "; not the logits under inplace_backward").c_str());
+  replace(m, "full_kl_forward", &full_kl_forward, py::arg("args"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>(), (std::string("Fused full_kl forward") + poisoned).c_str());
+  replace(m, "full_kl_backward", &full_kl_backward, py::arg("args"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>(), (std::string("Fused full_kl backward") + poisoned + "; not gradients written over their logits").c_str());
   m.attr("EMULATED") = true;
 
   m.def("emu_counters", [] {

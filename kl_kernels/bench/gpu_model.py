@@ -82,7 +82,8 @@ class Usage:
 
 
 _FAMILY = re.compile(r"(penalty_forward_tile|penalty_combine|penalty_totals|penalty_backward_tile|forward_tile|combine|"
-                     r"backward_tile|offsets_valid|lengths_valid)"
+                     r"backward_tile|offsets_valid|lengths_valid|token_logprobs_forward_kernel|"
+                     r"token_logprobs_backward_kernel|full_kl_forward_kernel|full_kl_backward_kernel)"
                      r"(I.*)?E")
 
 
@@ -188,6 +189,65 @@ LAUNCHES = {"kl_reward forward (forward_tile)": 2, "kl_reward backward (backward
             "kl_penalty_loss forward (penalty_forward_tile)": 3, "kl_penalty_loss backward (penalty_backward_tile)": 1}
 
 
+def _row_constants():
+    text = (REPO / "csrc" / "cuda" / "rows.cuh").read_text()
+    threads = int(re.search(r"constexpr int kRowThreads = (\d+);", text).group(1))
+    chunk = int(re.search(r"constexpr int kRowChunk = (\d+);", text).group(1))
+    return threads, chunk
+
+
+# The row kernels (token_logprobs, full_kl) at the size the GPU bench measured Triton's at (H200,
+# bench/results/gpu-h200-2026-11-27): N = 8192 rows, V = 131,072, bf16 logits. Per row: (kernel family,
+# rows of V read per pass, passes, rows of V written).
+ROW_SIZE = dict(rows=8192, vocab=131072, e=2)
+ROW_KERNELS = {
+    "token_logprobs forward": ("token_logprobs_forward_kernel", 1, 2, 0),
+    "token_logprobs backward": ("token_logprobs_backward_kernel", 1, 1, 1),
+    "full_kl forward": ("full_kl_forward_kernel", 2, 2, 0),
+    "full_kl backward (both gradients)": ("full_kl_backward_kernel", 2, 1, 2),
+}
+L2_BYTES = {"sm_90": 50 * 1024 * 1024, "sm_80": 40 * 1024 * 1024}
+
+
+def row_kernel_lines(worst: dict) -> list[str]:
+    """The row kernels' section of the page: bytes per call, whether a row's second pass can come from L2,
+    and the predicted time against a same-bytes copy (sm_90)."""
+    threads, chunk = _row_constants()
+    n, v, e = ROW_SIZE["rows"], ROW_SIZE["vocab"], ROW_SIZE["e"]
+    lines = ["", "## The row kernels (token_logprobs, full_kl) on an H100 (sm_90)", "",
+             f"One block of {threads} threads per row, rows in a grid-stride loop; the forwards read each row twice "
+             f"(its max, then the sums: the CPU kernel's algorithm and Triton's); every pass loads {chunk} entries "
+             "per thread and row before it uses them. Size: the GPU bench's, N = 8,192 rows, V = 131,072, bf16 logits. The second pass comes "
+             "from L2 only when the rows of all resident blocks fit there; at this V they do not (resident blocks x "
+             "row bytes, below), so the model counts both passes at HBM. Efficiency: bytes in flight per SM "
+             f"(blocks x {threads} threads x {chunk} loads x streams x 2 B) over 14 KB, capped at 1.", "",
+             "| kernel | blocks/SM | rows in flight x row bytes | in L2? | MB moved | efficiency | "
+             "predicted us | copy us | fraction of copy |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    copy_bw = ARCH["sm_90"]["copy_tbs"] * 1e12
+    for what, (kernel, streams, passes, writes) in ROW_KERNELS.items():
+        blocks = worst.get(("sm_90", kernel))
+        if blocks is None:
+            continue
+        row_bytes = v * e * streams
+        in_flight_rows = blocks * ARCH["sm_90"]["sms"]
+        fits = in_flight_rows * row_bytes <= L2_BYTES["sm_90"]
+        pass_bytes = n * row_bytes
+        efficiency = bandwidth_efficiency(blocks, threads, streams, e, per=chunk)
+        write_bytes = n * v * e * writes
+        us = (pass_bytes * (passes if not fits else 1) + write_bytes) / efficiency / copy_bw * 1e6 + LAUNCH_US
+        moved = pass_bytes * (passes if not fits else 1) + write_bytes
+        copy_us = (pass_bytes + write_bytes) / copy_bw * 1e6 + LAUNCH_US  # each byte once: the floor
+        lines.append(f"| {what} | {blocks} | {in_flight_rows:,} x {row_bytes // 1024} KB | {'yes' if fits else 'no'} | "
+                     f"{moved / 1e6:.0f} | {efficiency:.2f} | {us:.0f} | {copy_us:.0f} | {copy_us / us:.0%} |")
+    lines += ["", "The forwards' second read is what separates them from the copy floor here (the backwards read and "
+              "write each byte once). Triton's token_logprobs kernels, the same two-pass algorithm, measured "
+              "5.2 ms forward + backward at this size on an H200 (29 % of its copy floor, "
+              "`bench/results/gpu-h200-2026-11-27/`). What would move them: a one-pass forward (an online max "
+              "with the sums rescaled as it grows, merged across threads in a fixed order), and 128-bit loads "
+              "on rows known to be 16-byte aligned."]
+    return lines
+
+
 def _batch_facts():
     from .batches import SIZES, make_batch
     out = {}
@@ -249,6 +309,7 @@ def page(so_path: str, tool: str) -> str:
                 copy_us = stream_us + LAUNCH_US  # a same-bytes copy is one kernel launch too
                 lines.append(f"| {what} | {dtype} | {per_token} | {blocks} | {eff:.2f} | {fill:.2f} | {size} | "
                              f"{f['tokens']:,} | {us:.1f} | {copy_us:.1f} | {copy_us / us:.0%} |")
+    lines += row_kernel_lines(worst)
     lines += ["", "## What the figures say, and what would move them", "",
               "* Measured once on a GPU (an H200, `bench/results/gpu-h200-2026-11-26/`): the whole call, not the "
               "kernels, sets the time today. `kl_reward[cuda]` took 0.45-0.51 ms per call at both sizes (8-9% of "

@@ -3,7 +3,8 @@ the reference's logits, without an ``[N, V]`` float32 copy, with gradients to bo
 
 Files: ``api.py`` (the public function), ``problem.py`` (argument checks), ``reference.py`` (the math,
 chunked over rows, any float dtype), ``ops.py`` (the ``torch.library`` ops with fake and autograd),
-``launch.py`` (the fused CPU kernel's launcher; the kernel is ``csrc/cpu/full_kl_cpu.cpp``),
+``launch.py`` (the fused C++ kernels' launcher; the kernels are ``csrc/cpu/full_kl_cpu.cpp`` and
+``csrc/cuda/full_kl_cuda.cu``, their shared math ``csrc/common/row_math.h``),
 ``launch_triton.py`` (the Triton kernels' launcher; the kernels are ``kl_kernels/triton/full_kl.py``),
 ``backends.py`` (which backends run it), ``linear.py`` (``linear_full_kl``: from both models' hidden
 states and LM heads, chunked over tokens). Tests: ``tests/test_full_kl.py``; docs: ``python_api/full_kl.md``.

@@ -24,9 +24,11 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, temperature: floa
             flow too when it requires them (usually it is frozen and does not).
         temperature: ``T > 0``, applied to both (default 1.0).
         mask: optional bool ``[*S]``: tokens where it is False give 0 and no gradient.
-        backend: ``"auto"`` (the fused CPU kernel for CPU tensors of fp32/bf16/fp16, else the chunked torch
-            math), ``"cpu"``, ``"triton"`` (only when named: not yet run on a GPU), ``"torch"``; the
-            ``KL_KERNELS_BACKEND`` environment variable overrides ``"auto"``.
+        backend: ``"auto"`` (the fused CPU kernel for CPU tensors of fp32/bf16/fp16; on a GPU the fused
+            ``"cuda"`` kernel, else ``"triton"``, each once it has passed its first-use self-check there;
+            else the chunked torch math), ``"cpu"``, ``"cuda"``, ``"triton"``, ``"torch"``, or
+            ``"cuda-emulated"`` (the CUDA kernel on CPU tensors: tests); the ``KL_KERNELS_BACKEND``
+            environment variable overrides ``"auto"``.
 
     Returns:
         ``[*S]`` float32 (float64 for float64 logits), ``>= 0`` up to rounding.

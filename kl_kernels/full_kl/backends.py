@@ -3,12 +3,18 @@
 =========  =========  ========================  ============================================
 backend    devices    dtypes                    status in this version
 =========  =========  ========================  ============================================
-cuda       cuda       fp32, bf16, fp16          not built yet (issue 28): says so when named
+cuda       cuda       fp32, bf16, fp16          fused CUDA C++ kernel (``_cuda``, ``csrc/cuda/full_kl_cuda.cu``),
+                                                one block per row: compiled for sm_80/sm_90 and run in
+                                                emulation in CI, not yet on a GPU; "auto" after its
+                                                first-use self-check (kl_kernels/selfcheck.py)
 triton     cuda       fp32, bf16, fp16          Triton kernels (``kl_kernels/triton/full_kl.py``), one program
                                                 per row: compiled for sm_80/sm_90 and run in Triton's
-                                                interpreter in CI, not yet on a GPU: only when named
+                                                interpreter in CI, not yet on a GPU; "auto" after its
+                                                first-use self-check
 cpu        cpu        fp32, bf16, fp16          fused multi-threaded C++ kernel (``_C``,
                                                 ``csrc/cpu/full_kl_cpu.cpp``): a row at a time
+cuda-      cpu        fp32, bf16, fp16          the CUDA kernel under host emulation (``_cuda_emu``), on CPU
+emulated                                        tensors, only when named (tests)
 torch      cpu, cuda  fp32, bf16, fp16, fp64    chunked torch math (reference.py): no [N, V]
                                                 float32 temporary, backward recomputed per chunk
 =========  =========  ========================  ============================================
@@ -16,18 +22,15 @@ torch      cpu, cuda  fp32, bf16, fp16, fp64    chunked torch math (reference.py
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..backends import HALF_AND_SINGLE, Backend, _extension_reasons, _triton_reasons
+from ..backends import GPU_SELF_CHECK, HALF_AND_SINGLE, Backend, _cuda_reasons, _extension_reasons, _triton_reasons
 from ..triton import interpreting
-from .ops import run_cpu, run_torch, run_triton
+from .ops import run_fused, run_torch, run_triton
 
 _ROWS = frozenset({"packed"})
-
-
-def _not_built() -> list[str]:
-    return ["full_kl has no fused CUDA kernel yet (issue 28); backend='torch' (or 'auto') runs it chunked, "
-            "without an [N, V] float32 temporary"]
 
 
 def _vocabulary_contiguous(problem) -> list[str]:
@@ -39,18 +42,23 @@ def _vocabulary_contiguous(problem) -> list[str]:
     return reasons
 
 
-def _never(problem):  # an unavailable row is never chosen
-    raise AssertionError("unreachable: the backend is declared unavailable")
-
-
 REGISTRY: list[Backend] = [
-    Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, _not_built, _never, notes="not built yet"),
+    Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, functools.partial(_cuda_reasons, "full_kl_forward"),
+            run_fused, requires=_vocabulary_contiguous, self_check_devices=GPU_SELF_CHECK,
+            notes="fused CUDA C++ kernel, one block per row (auto: after its first-use self-check)"),
     Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, _ROWS,
-            _triton_reasons, run_triton, requires=_vocabulary_contiguous, auto_devices=frozenset(),
-            notes="Triton kernels, one program per row (only when named: not yet run on a GPU)"),
+            _triton_reasons, run_triton, requires=_vocabulary_contiguous, auto_devices=frozenset({"cuda"}),
+            self_check_devices=GPU_SELF_CHECK,
+            notes="Triton kernels, one program per row" + (" (interpreter: CPU tensors on request)" if interpreting()
+                                                          else " (auto: after its first-use self-check)")),
     Backend("cpu", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS,
-            lambda: _extension_reasons("_C", "full_kl_forward"), run_cpu, requires=_vocabulary_contiguous,
+            lambda: _extension_reasons("_C", "full_kl_forward"), run_fused, requires=_vocabulary_contiguous,
             notes="fused multi-threaded C++ kernel"),
+    # The CUDA kernel on CPU tensors, for tests: "auto" never takes it (no auto device).
+    Backend("cuda-emulated", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS,
+            functools.partial(_extension_reasons, "_cuda_emu", "full_kl_forward"),
+            functools.partial(run_fused, emulated=True), requires=_vocabulary_contiguous, auto_devices=frozenset(),
+            notes="the CUDA kernel under a host emulation of CUDA (CPU tensors; a test instrument, slow)"),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, _ROWS, lambda: [], run_torch,
             notes="chunked torch math (float64-capable)"),
 ]

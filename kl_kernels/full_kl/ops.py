@@ -1,7 +1,7 @@
 """``full_kl``'s ``torch.library`` ops: forward and backward of each backend (the chunked torch math, the
-fused CPU kernel, the Triton kernels), with fake implementations and autograd, so
-``torch.compile(fullgraph=True)`` traces one opaque op each. ``temperature`` is a schema argument:
-changing it never recompiles a kernel."""
+fused CPU kernel, the CUDA kernel, the same under host emulation, the Triton kernels), with fake
+implementations and autograd, so ``torch.compile(fullgraph=True)`` traces one opaque op each.
+``temperature`` is a schema argument: changing it never recompiles a kernel."""
 
 from __future__ import annotations
 
@@ -63,7 +63,12 @@ def _register(name: str, forward, backward, device_types=None):
 
 
 full_kl_fwd, full_kl_bwd = _register("full_kl", reference.forward, reference.backward)
+# The fused C++ kernels: the CPU one (_C), the CUDA one (_cuda), and the CUDA one under host emulation on CPU
+# tensors (_cuda_emu: the cuda-emulated backend).
 full_kl_cpu_fwd, full_kl_cpu_bwd = _register("full_kl_cpu", launch.forward, launch.backward, device_types="cpu")
+full_kl_cuda_fwd, full_kl_cuda_bwd = _register("full_kl_cuda", launch.forward, launch.backward, device_types="cuda")
+full_kl_cuda_emu_fwd, full_kl_cuda_emu_bwd = _register("full_kl_cuda_emu", launch.emulated.forward,
+                                                       launch.emulated.backward, device_types="cpu")
 full_kl_triton_fwd, full_kl_triton_bwd = _register("full_kl_triton", launch_triton.forward, launch_triton.backward)
 
 
@@ -72,9 +77,11 @@ def run_torch(p: FullKLProblem) -> Tensor:
     return full_kl_fwd(p.logits, p.ref_logits, p.counted, p.temperature)[0]
 
 
-def run_cpu(p: FullKLProblem) -> Tensor:
-    """The fused CPU backend: ``kl [*S]``, float32."""
-    return full_kl_cpu_fwd(p.logits, p.ref_logits, p.counted, p.temperature)[0]
+def run_fused(p: FullKLProblem, emulated: bool = False) -> Tensor:
+    """The fused C++ backends (cpu on CPU tensors, cuda on CUDA ones; ``emulated``: the CUDA kernel on CPU
+    tensors): ``kl [*S]``, float32."""
+    op = full_kl_cuda_emu_fwd if emulated else full_kl_cpu_fwd if p.logits.device.type == "cpu" else full_kl_cuda_fwd
+    return op(p.logits, p.ref_logits, p.counted, p.temperature)[0]
 
 
 def run_triton(p: FullKLProblem) -> Tensor:

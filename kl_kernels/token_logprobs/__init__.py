@@ -2,12 +2,12 @@
 
 Files: ``api.py`` (the public function), ``problem.py`` (argument checks), ``reference.py`` (the
 math, chunked over rows, any float dtype), ``ops.py`` (the ``torch.library`` ops with fake and
-autograd), ``launch.py`` (the fused CPU kernel's launcher; the kernel is
-``csrc/cpu/token_logprobs_cpu.cpp``), ``launch_triton.py`` (the Triton kernels' launcher; the kernels are
-``kl_kernels/triton/token_logprobs.py``), ``backends.py`` (which backends run it: the fused CPU kernel, the
-chunked torch math, Triton when named; the CUDA kernel of issue 28 is declared and says it is not built yet),
-``linear.py`` (``linear_token_logprobs``: from hidden states and the LM head, chunked over tokens, the
-reference model's in the same loop when given). Tests:
+autograd), ``launch.py`` (the fused C++ kernels' launcher; the kernels are
+``csrc/cpu/token_logprobs_cpu.cpp`` and ``csrc/cuda/token_logprobs_cuda.cu``, their shared math
+``csrc/common/row_math.h``), ``launch_triton.py`` (the Triton kernels' launcher; the kernels are
+``kl_kernels/triton/token_logprobs.py``), ``backends.py`` (which backends run it: the fused CPU and
+CUDA kernels, Triton, the chunked torch math), ``linear.py`` (``linear_token_logprobs``: from hidden
+states and the LM head, chunked over tokens, the reference model's in the same loop when given). Tests:
 ``tests/test_token_logprobs.py``; benchmark: ``kl_kernels/bench/token_logprobs.py``.
 """
 

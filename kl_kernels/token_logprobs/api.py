@@ -60,8 +60,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
             overwritten (any later use of them reads gradients; autograd raises if another node
             saved them); if ``logits`` is a leaf its ``.grad`` aliases it; eager calls only.
         backend: ``"auto"`` (default; ``KL_KERNELS_BACKEND`` overrides): the fused ``"cpu"`` kernel
-            for CPU tensors, else ``"torch"`` (the chunked math); the fused ``"cuda"`` and
-            ``"triton"`` kernels are not built yet and say so.
+            for CPU tensors; on a GPU the fused ``"cuda"`` kernel, else ``"triton"``, each once it has
+            passed its first-use self-check there; else ``"torch"`` (the chunked math).
+            ``"cuda-emulated"`` runs the CUDA kernel on CPU tensors (tests).
 
     Returns:
         :class:`TokenLogprobsOutput` ``(log_probs, entropy)``: ``[*S]`` float32 (float64 for

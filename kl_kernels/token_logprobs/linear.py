@@ -30,8 +30,10 @@ from .problem import build_problem
 
 def _rows(backend: str):
     """(forward, backward) of the row pass for a chunk's logits [C, V]."""
-    if backend == "cpu":
+    if backend in ("cpu", "cuda"):  # the launcher picks _C or _cuda by the logits' device
         return launch.forward, launch.backward
+    if backend == "cuda-emulated":
+        return launch.emulated.forward, launch.emulated.backward
     if backend == "triton":
         return launch_triton.forward, launch_triton.backward
     return reference.forward, reference.backward

@@ -11,7 +11,8 @@ with z = x / T and w = r / T (as x * (1 / T)), the sums per BLOCK-wide step in f
 float64, in a fixed order: deterministic. NaN/+inf in either row, or a row of only -inf, gives NaN; a row
 whose KL is not finite has NaN gradients. Row r of each tensor starts at (r // inner) * stride_outer +
 (r % inner) * stride_inner elements with that tensor's strides. Compiled for sm_80/sm_90 and run under the
-interpreter in CI; not yet run on a GPU: the ``triton`` backend of ``full_kl`` runs only when named.
+interpreter in CI; not yet run on a GPU: "auto" takes them on a GPU only after the first-use self-check
+(``kl_kernels/selfcheck.py``), after the fused CUDA kernel.
 """
 
 from __future__ import annotations

@@ -17,9 +17,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import codes
 from .kl_math import exp_row as _exp
 
-FAR = tl.constexpr(88.0)  # lse - z beyond this has e^(z - lse) == 0 in float32: keeps 0 * inf out
+# lse - z beyond this has e^(z - lse) == 0 in float32: keeps 0 * inf out (the one table: kl_kernels/codes.py,
+# which csrc/common/codes.h's kRowFar is generated from)
+FAR = tl.constexpr(codes.ROW_FAR)
 
 
 @triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner"))

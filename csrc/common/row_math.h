@@ -1,0 +1,95 @@
+// Math of the row-wise ops over a vocabulary (token_logprobs, full_kl), shared verbatim by the CPU kernels
+// (cpu/token_logprobs_cpu.cpp, cpu/full_kl_cpu.cpp) and the CUDA ones (cuda/token_logprobs_cuda.cu,
+// cuda/full_kl_cuda.cu): where a row starts, each entry's terms of the row sums, how a row's sums become its
+// outputs, and each entry's gradient. The backends differ only in how they walk a row and in the order they
+// add its terms (each in a fixed order: deterministic). The formulas are those of
+// kl_kernels/token_logprobs/reference.py and kl_kernels/full_kl/reference.py (tests hold every backend to a
+// float64 oracle).
+//
+// token_logprobs, z = x / T, m = max z, d_j = m - z_j >= 0 (inf at a -inf logit):
+//   S = sum_j e^-d_j;  W = sum_j e^-d_j min(d_j, far)       lse = m + log S;  log_prob = z_y - lse
+//   entropy = W / S + log S  (= sum_j p_j (lse - z_j));      d x_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, far) - entropy)) / T
+// full_kl, w = r / T, n = max w, u_j = m - z_j, v_j = n - w_j:
+//   S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)  (0 where e^-u_j is)
+//   KL = A / S + log R - log S;  lse = m + log S;  ref_lse = n + log R
+//   d x_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T  (0 where p_j is);  d r_j = g (q_j - p_j) / T
+// A counted row with a NaN or +inf logit, or only -inf ones (in either tensor for full_kl), gives NaN.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/codes.h"
+#include "common/kl_math.h"  // KL_HD, exp_vec
+
+namespace kl {
+
+// kRowFar (common/codes.h, from kl_kernels/codes.py): lse - z beyond it has e^(z - lse) == 0 in float32
+// (exp_vec flushes below e^-87.3); clamping there keeps 0 * inf (a -inf logit) out of the terms weighted by a
+// probability.
+KL_HD float row_far(float d) { return d <= kRowFar ? d : kRowFar; }
+
+// Element where row r starts (common/row_args.h).
+KL_HD int64_t row_start(int64_t r, int64_t inner, int64_t so, int64_t si) { return (r / inner) * so + (r % inner) * si; }
+
+// Whether a counted row's softmax is undefined: a NaN seen, or the max +inf or -inf (only -inf logits).
+KL_HD bool row_undefined(bool nan_seen, float m) { return nan_seen || !(m > -INFINITY && m < INFINITY); }
+
+// ---------------------------------------------------------------------------------- token_logprobs
+
+// One entry's terms of S and W, d = m - z_j.
+KL_HD void logprob_terms(float d, float& e, float& w) {
+  e = exp_vec(-d);
+  w = e * row_far(d);
+}
+
+// The row's lse and entropy from m, S, W (float64 sums).
+KL_HD float logprob_lse(float m, double log_s) { return static_cast<float>(static_cast<double>(m) + log_s); }
+KL_HD float logprob_entropy(double S, double W, double log_s) { return static_cast<float>(W / S + log_s); }
+
+// d x_j * T for an entry j that is not the label, d = lse - z_j; h the row's entropy (0 when g_H is).
+KL_HD float logprob_grad(float d, float g_lp, float g_h, float h) {
+  const float p = exp_vec(-d);
+  return -g_lp * p + g_h * (p * (row_far(d) - h));
+}
+
+// d x_y * T for the label's entry.
+KL_HD float logprob_grad_label(float d, float g_lp, float g_h, float h) {
+  const float p = exp_vec(-d);
+  return g_lp * (1.0f - p) + g_h * (p * (row_far(d) - h));
+}
+
+// ---------------------------------------------------------------------------------- full_kl
+
+// One entry's terms of S, R and A, u = m - z_j, v = n - w_j.
+KL_HD void full_kl_terms(float u, float v, float& e, float& q, float& a) {
+  e = exp_vec(-u);
+  q = exp_vec(-v);
+  a = e > 0.0f ? e * (v - u) : 0.0f;
+}
+
+// The row's KL from S, R, A (float64 sums) and their logs.
+KL_HD float full_kl_value(double S, double A, double log_s, double log_r) {
+  return static_cast<float>(A / S + (log_r - log_s));
+}
+
+// d x_j and d r_j of one entry, g = g_KL / T, u = lse - z_j, v = ref_lse - w_j.
+KL_HD float full_kl_grad_policy(float g, float u, float v, float kl) {
+  const float p = exp_vec(-u);
+  return p > 0.0f ? g * (p * ((v - u) - kl)) : 0.0f;
+}
+KL_HD float full_kl_grad_ref(float g, float u, float v) { return g * (exp_vec(-v) - exp_vec(-u)); }
+
+// fn(std::integral_constant<int32_t, DT>{}) for a logits dtype code DT of kFloat32, kBFloat16, kFloat16;
+// 0, or 1 for any other code (the kernels' "unsupported dtype"). Host code.
+template <class Fn>
+inline int with_logits_dtype(int32_t dtype, Fn&& fn) {
+  switch (dtype) {
+    case kFloat32: fn(std::integral_constant<int32_t, kFloat32>{}); return 0;
+    case kBFloat16: fn(std::integral_constant<int32_t, kBFloat16>{}); return 0;
+    case kFloat16: fn(std::integral_constant<int32_t, kFloat16>{}); return 0;
+    default: return 1;
+  }
+}
+
+}  // namespace kl

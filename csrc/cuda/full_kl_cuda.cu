@@ -1,0 +1,165 @@
+// Fused CUDA full_kl: per counted row, the policy's logits x and the reference's r, the formulas of
+// common/row_math.h (shared with the CPU kernel, cpu/full_kl_cpu.cpp). One block of kRowThreads threads per
+// row (cuda/rows.cuh), thread t reading entries t, t + 256, ... of both rows (coalesced), kRowChunk of each
+// per step, loaded before they are used (that many loads in flight per thread and row):
+//   forward:  both maxima and a NaN flag (block max), then S, R and A (each thread adds kRowChunk entries
+//             in float, then into float64; the block sums them in a fixed order), then thread 0 writes the
+//             row's KL, lse and ref_lse. Each row is read twice; no [N, V] temporary.
+//   backward: every entry's gradients to both logits (those wanted); a row whose KL is not finite gets NaN.
+// Deterministic (no atomics), no host synchronization, int64 indexing, any number of rows.
+#include "cuda/full_kl_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/codes.h"
+#include "common/kl_math.h"
+#include "common/row_math.h"
+#include "cuda/launch.cuh"
+#include "cuda/rows.cuh"
+
+namespace kl {
+namespace {
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs a) {
+  __shared__ float max_sm[3][kRowWarps];
+  __shared__ double sum_sm[3][kRowWarps];
+  using Bits = BitsOf<DT>;
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  float* kl_out = reinterpret_cast<float*>(a.kl);
+  float* lse_out = reinterpret_cast<float*>(a.lse);
+  float* ref_lse_out = reinterpret_cast<float*>(a.ref_lse);
+  const int64_t t = threadIdx.x;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
+    if (!counted[r]) {
+      if (t == 0) kl_out[r] = 0.0f, lse_out[r] = 0.0f, ref_lse_out[r] = 0.0f;
+      continue;
+    }
+    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
+                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
+    float mx[3] = {-INFINITY, -INFINITY, 0.0f};  // both maxima, and 1 where a NaN was seen in either row
+    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {  // 2 x kRowChunk independent loads in flight
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        if (j < V) {
+          const float z = from_bits<DT>(x[j]) * inv_t, w = from_bits<DT>(y[j]) * inv_t;
+          mx[0] = z > mx[0] ? z : mx[0];
+          mx[1] = w > mx[1] ? w : mx[1];
+          mx[2] = (z != z) | (w != w) ? 1.0f : mx[2];
+        }
+      }
+    }
+    block_max(mx, max_sm);
+    const float m = mx[0], n = mx[1];
+    if (row_undefined(mx[2] != 0.0f, m) || row_undefined(false, n)) {  // a softmax is undefined
+      if (t == 0) kl_out[r] = NAN, lse_out[r] = NAN, ref_lse_out[r] = NAN;
+      continue;
+    }
+    double sums[3] = {0.0, 0.0, 0.0};  // S, R, A
+    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      float se = 0.0f, sr = 0.0f, sa = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        if (j < V) {
+          float e, q, d;
+          full_kl_terms(m - from_bits<DT>(x[j]) * inv_t, n - from_bits<DT>(y[j]) * inv_t, e, q, d);
+          se += e;
+          sr += q;
+          sa += d;
+        }
+      }
+      sums[0] += se;
+      sums[1] += sr;
+      sums[2] += sa;
+    }
+    block_sum(sums, sum_sm);
+    if (t == 0) {
+      const double log_s = log(sums[0]), log_r = log(sums[1]);
+      kl_out[r] = full_kl_value(sums[0], sums[2], log_s, log_r);
+      lse_out[r] = logprob_lse(m, log_s);
+      ref_lse_out[r] = logprob_lse(n, log_r);
+    }
+  }
+}
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArgs a) {
+  using Bits = BitsOf<DT>;
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  const float* kl_in = reinterpret_cast<const float*>(a.kl);
+  const float* lse_in = reinterpret_cast<const float*>(a.lse);
+  const float* ref_lse_in = reinterpret_cast<const float*>(a.ref_lse);
+  const float* g_kl = reinterpret_cast<const float*>(a.grad_kl);
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
+                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
+    Bits* gx = a.grad_logits ? reinterpret_cast<Bits*>(a.grad_logits)
+                                   + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner) : nullptr;
+    Bits* gr = a.grad_ref ? reinterpret_cast<Bits*>(a.grad_ref)
+                                + row_start(r, a.inner, a.gr_stride_outer, a.gr_stride_inner) : nullptr;
+    const float kl = kl_in[r];
+    if (!counted[r] || !(kl > -INFINITY && kl < INFINITY)) {  // 0, or NaN: the gradient of an infinite or undefined KL
+      const Bits fill = to_bits<DT>(counted[r] ? NAN : 0.0f);
+      for (int64_t j = threadIdx.x; j < V; j += kRowThreads) {
+        if (gx) gx[j] = fill;
+        if (gr) gr[j] = fill;
+      }
+      continue;
+    }
+    const float g = g_kl[r] * inv_t, lse = lse_in[r], ref_lse = ref_lse_in[r];
+    for (int64_t j0 = threadIdx.x; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      float u[kRowChunk], v[kRowChunk];
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {  // all loads first: 2 x kRowChunk in flight
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        u[c] = j < V ? lse - from_bits<DT>(x[j]) * inv_t : 0.0f;
+        v[c] = j < V ? ref_lse - from_bits<DT>(y[j]) * inv_t : 0.0f;
+      }
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        if (j < V) {
+          if (gx) gx[j] = to_bits<DT>(full_kl_grad_policy(g, u[c], v[c], kl));
+          if (gr) gr[j] = to_bits<DT>(full_kl_grad_ref(g, u[c], v[c]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int full_kl_forward_cuda(const FullKLArgs& a, uintptr_t stream) {
+  if (a.rows <= 0) return 0;
+  int status = 0;
+  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    status = launch_status(launch(full_kl_forward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
+                                  reinterpret_cast<cudaStream_t>(stream), a));
+  });
+  return bad ? 1 : status;
+}
+
+int full_kl_backward_cuda(const FullKLArgs& a, uintptr_t stream) {
+  if (a.rows <= 0) return 0;
+  int status = 0;
+  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    status = launch_status(launch(full_kl_backward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
+                                  reinterpret_cast<cudaStream_t>(stream), a));
+  });
+  return bad ? 1 : status;
+}
+
+}  // namespace kl

@@ -1,0 +1,164 @@
+// Fused CUDA token_logprobs: per counted row of the logits, the formulas of common/row_math.h (shared with
+// the CPU kernel, cpu/token_logprobs_cpu.cpp). One block of kRowThreads threads per row (cuda/rows.cuh),
+// thread t reading entries t, t + 256, ... (each warp a contiguous 32-entry run: coalesced), kRowChunk of
+// them per step, loaded before they are used (that many loads in flight per thread):
+//   forward:  the row's max and NaN flag (block max), then S and W (each thread adds kRowChunk entries in
+//             float, then into float64; the block sums them in a fixed order), then thread 0 writes the
+//             row's log-prob, lse and entropy. The row is read twice; no [N, V] temporary.
+//   backward: every entry's gradient, each written by the thread that read it: with inplace_backward the
+//             gradient overwrites the logits, and the label's entry is read before it is written.
+// Deterministic (no atomics), no host synchronization, int64 indexing, any number of rows.
+#include "cuda/token_logprobs_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/codes.h"
+#include "common/kl_math.h"
+#include "common/row_math.h"
+#include "cuda/launch.cuh"
+#include "cuda/rows.cuh"
+
+namespace kl {
+namespace {
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(TokenLogprobsArgs a) {
+  __shared__ float max_sm[2][kRowWarps];
+  __shared__ double sum_sm[2][kRowWarps];
+  using Bits = BitsOf<DT>;
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  float* lp_out = reinterpret_cast<float*>(a.log_probs);
+  float* lse_out = reinterpret_cast<float*>(a.lse);
+  float* ent_out = reinterpret_cast<float*>(a.entropy);
+  const int64_t t = threadIdx.x;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
+    if (!counted[r]) {
+      if (t == 0) {
+        lp_out[r] = 0.0f, lse_out[r] = 0.0f;
+        if (ent_out) ent_out[r] = 0.0f;
+      }
+      continue;
+    }
+    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    float mx[2] = {-INFINITY, 0.0f};  // the max, and 1 where a NaN was seen
+    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {  // kRowChunk independent loads in flight
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        if (j < V) {
+          const float z = from_bits<DT>(row[j]) * inv_t;
+          mx[0] = z > mx[0] ? z : mx[0];
+          mx[1] = z != z ? 1.0f : mx[1];
+        }
+      }
+    }
+    block_max(mx, max_sm);
+    const float m = mx[0];
+    const int64_t y = labels[r];
+    if (row_undefined(mx[1] != 0.0f, m) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
+      if (t == 0) {
+        lp_out[r] = NAN, lse_out[r] = NAN;
+        if (ent_out) ent_out[r] = NAN;
+      }
+      continue;
+    }
+    double sums[2] = {0.0, 0.0};  // S, W
+    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      float se = 0.0f, sw = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        if (j < V) {
+          float e, w;
+          logprob_terms(m - from_bits<DT>(row[j]) * inv_t, e, w);
+          se += e;
+          sw += w;
+        }
+      }
+      sums[0] += se;
+      sums[1] += sw;
+    }
+    block_sum(sums, sum_sm);
+    if (t == 0) {
+      const double log_s = log(sums[0]);
+      const float lse = logprob_lse(m, log_s);
+      lse_out[r] = lse;
+      lp_out[r] = from_bits<DT>(row[y]) * inv_t - lse;
+      if (ent_out) ent_out[r] = logprob_entropy(sums[0], sums[1], log_s);
+    }
+  }
+}
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(TokenLogprobsArgs a) {
+  using Bits = BitsOf<DT>;
+  const int64_t V = a.vocab;
+  const float inv_t = a.inv_temperature;
+  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
+  const bool* counted = reinterpret_cast<const bool*>(a.counted);
+  const float* lse_in = reinterpret_cast<const float*>(a.lse);
+  const float* ent_in = reinterpret_cast<const float*>(a.entropy);
+  const float* g_lp = reinterpret_cast<const float*>(a.grad_lp);
+  const float* g_ent = reinterpret_cast<const float*>(a.grad_entropy);
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    Bits* out = reinterpret_cast<Bits*>(a.grad_logits) + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner);
+    if (!counted[r]) {
+      for (int64_t j = threadIdx.x; j < V; j += kRowThreads) out[j] = to_bits<DT>(0.0f);
+      continue;
+    }
+    const float gl = g_lp ? g_lp[r] : 0.0f;
+    const float gh = g_ent ? g_ent[r] : 0.0f;
+    const float lse = lse_in[r];
+    const float h = g_ent ? ent_in[r] : 0.0f;
+    const int64_t y = labels[r];  // out of [0, V) (never, past Python's checks): no entry is the label
+    for (int64_t j0 = threadIdx.x; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      float z[kRowChunk];
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {  // all loads first: kRowChunk in flight (and read before written)
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        z[c] = j < V ? from_bits<DT>(row[j]) * inv_t : 0.0f;
+      }
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {
+        const int64_t j = j0 + int64_t{c} * kRowThreads;
+        if (j < V) {
+          const float d = lse - z[c];  // lse - z_j
+          out[j] = to_bits<DT>((j == y ? logprob_grad_label(d, gl, gh, h) : logprob_grad(d, gl, gh, h)) * inv_t);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int token_logprobs_forward_cuda(const TokenLogprobsArgs& a, uintptr_t stream) {
+  if (a.rows <= 0) return 0;
+  int status = 0;
+  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    status = launch_status(launch(token_logprobs_forward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
+                                  reinterpret_cast<cudaStream_t>(stream), a));
+  });
+  return bad ? 1 : status;
+}
+
+int token_logprobs_backward_cuda(const TokenLogprobsArgs& a, uintptr_t stream) {
+  if (a.rows <= 0) return 0;
+  int status = 0;
+  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
+    constexpr int32_t kDt = decltype(dt)::value;
+    status = launch_status(launch(token_logprobs_backward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
+                                  reinterpret_cast<cudaStream_t>(stream), a));
+  });
+  return bad ? 1 : status;
+}
+
+}  // namespace kl
