@@ -20,7 +20,8 @@
 #include <type_traits>
 
 #include "common/codes.h"
-#include "common/kl_math.h"  // KL_HD, exp_vec
+#include "common/kl_math.h"  // KL_HD, exp_vec, BitsOf
+#include "common/row_args.h"
 
 namespace kl {
 
@@ -31,6 +32,27 @@ KL_HD float row_far(float d) { return d <= kRowFar ? d : kRowFar; }
 
 // Element where row r starts (common/row_args.h).
 KL_HD int64_t row_start(int64_t r, int64_t inner, int64_t so, int64_t si) { return (r / inner) * so + (r % inner) * si; }
+
+// Row r of each tensor of the row kernels' arguments, as elements of logits dtype DT (nullptr for a
+// gradient that is not wanted).
+template <int32_t DT, class Args>
+KL_HD const BitsOf<DT>* logits_row(const Args& a, int64_t r) {
+  return reinterpret_cast<const BitsOf<DT>*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+}
+template <int32_t DT>
+KL_HD const BitsOf<DT>* ref_logits_row(const FullKLArgs& a, int64_t r) {
+  return reinterpret_cast<const BitsOf<DT>*>(a.ref_logits) + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
+}
+template <int32_t DT, class Args>
+KL_HD BitsOf<DT>* grad_logits_row(const Args& a, int64_t r) {
+  return a.grad_logits ? reinterpret_cast<BitsOf<DT>*>(a.grad_logits) + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner)
+                       : nullptr;
+}
+template <int32_t DT>
+KL_HD BitsOf<DT>* grad_ref_row(const FullKLArgs& a, int64_t r) {
+  return a.grad_ref ? reinterpret_cast<BitsOf<DT>*>(a.grad_ref) + row_start(r, a.inner, a.gr_stride_outer, a.gr_stride_inner)
+                    : nullptr;
+}
 
 // Whether a counted row's softmax is undefined: a NaN seen, or the max +inf or -inf (only -inf logits).
 KL_HD bool row_undefined(bool nan_seen, float m) { return nan_seen || !(m > -INFINITY && m < INFINITY); }

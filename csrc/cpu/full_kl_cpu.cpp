@@ -35,9 +35,8 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
       kl_out[r] = 0.0f, lse_out[r] = 0.0f, ref_lse_out[r] = 0.0f;
       continue;
     }
-    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
-    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
-                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
+    const Bits* x = logits_row<DT>(a, r);
+    const Bits* y = ref_logits_row<DT>(a, r);
     // pass 1: both maxima (a +inf shows there) and whether a NaN is in either row
     float mz[kRowLanes], mw[kRowLanes], nan_seen[kRowLanes];
     for (int l = 0; l < kRowLanes; ++l) mz[l] = -kInf, mw[l] = -kInf, nan_seen[l] = 0.0f;
@@ -110,13 +109,10 @@ KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
   const float* g_kl = reinterpret_cast<const float*>(a.grad_kl);
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
-    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
-    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
-                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
-    Bits* gx = a.grad_logits ? reinterpret_cast<Bits*>(a.grad_logits)
-                                   + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner) : nullptr;
-    Bits* gr = a.grad_ref ? reinterpret_cast<Bits*>(a.grad_ref)
-                                + row_start(r, a.inner, a.gr_stride_outer, a.gr_stride_inner) : nullptr;
+    const Bits* x = logits_row<DT>(a, r);
+    const Bits* y = ref_logits_row<DT>(a, r);
+    Bits* gx = grad_logits_row<DT>(a, r);
+    Bits* gr = grad_ref_row<DT>(a, r);
     const float kl = kl_in[r];
     if (!counted[r] || !std::isfinite(kl)) {  // 0, or NaN: the gradient of an infinite or undefined KL
       const Bits fill = to_bits<DT>(counted[r] ? kNaN : 0.0f);

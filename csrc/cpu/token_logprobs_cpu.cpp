@@ -34,7 +34,7 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
       if (ent_out) ent_out[r] = 0.0f;
       continue;
     }
-    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    const Bits* row = logits_row<DT>(a, r);
     // pass 1: the max (a +inf shows there), and whether a NaN is there (selects: both vectorize)
     float mx[kRowLanes], nan_seen[kRowLanes];
     for (int l = 0; l < kRowLanes; ++l) mx[l] = -kInf, nan_seen[l] = 0.0f;
@@ -105,8 +105,8 @@ KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t
   const float* g_ent = reinterpret_cast<const float*>(a.grad_entropy);
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
-    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
-    Bits* out = reinterpret_cast<Bits*>(a.grad_logits) + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner);
+    const Bits* row = logits_row<DT>(a, r);
+    Bits* out = grad_logits_row<DT>(a, r);
     if (!counted[r]) {
       for (int64_t j = 0; j < V; ++j) out[j] = to_bits<DT>(0.0f);
       continue;

@@ -40,9 +40,8 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
       if (t == 0) kl_out[r] = 0.0f, lse_out[r] = 0.0f, ref_lse_out[r] = 0.0f;
       continue;
     }
-    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
-    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
-                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
+    const Bits* x = logits_row<DT>(a, r);
+    const Bits* y = ref_logits_row<DT>(a, r);
     float mx[3] = {-INFINITY, -INFINITY, 0.0f};  // both maxima, and 1 where a NaN was seen in either row
     for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
 #pragma unroll
@@ -101,13 +100,10 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArg
   const float* ref_lse_in = reinterpret_cast<const float*>(a.ref_lse);
   const float* g_kl = reinterpret_cast<const float*>(a.grad_kl);
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    const Bits* x = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
-    const Bits* y = reinterpret_cast<const Bits*>(a.ref_logits)
-                    + row_start(r, a.inner, a.ref_stride_outer, a.ref_stride_inner);
-    Bits* gx = a.grad_logits ? reinterpret_cast<Bits*>(a.grad_logits)
-                                   + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner) : nullptr;
-    Bits* gr = a.grad_ref ? reinterpret_cast<Bits*>(a.grad_ref)
-                                + row_start(r, a.inner, a.gr_stride_outer, a.gr_stride_inner) : nullptr;
+    const Bits* x = logits_row<DT>(a, r);
+    const Bits* y = ref_logits_row<DT>(a, r);
+    Bits* gx = grad_logits_row<DT>(a, r);
+    Bits* gr = grad_ref_row<DT>(a, r);
     const float kl = kl_in[r];
     if (!counted[r] || !(kl > -INFINITY && kl < INFINITY)) {  // 0, or NaN: the gradient of an infinite or undefined KL
       const Bits fill = to_bits<DT>(counted[r] ? NAN : 0.0f);
@@ -141,25 +137,11 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArg
 }  // namespace
 
 int full_kl_forward_cuda(const FullKLArgs& a, uintptr_t stream) {
-  if (a.rows <= 0) return 0;
-  int status = 0;
-  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
-    constexpr int32_t kDt = decltype(dt)::value;
-    status = launch_status(launch(full_kl_forward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
-                                  reinterpret_cast<cudaStream_t>(stream), a));
-  });
-  return bad ? 1 : status;
+  return launch_rows(a, stream, [](auto dt) { return full_kl_forward_kernel<decltype(dt)::value>; });
 }
 
 int full_kl_backward_cuda(const FullKLArgs& a, uintptr_t stream) {
-  if (a.rows <= 0) return 0;
-  int status = 0;
-  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
-    constexpr int32_t kDt = decltype(dt)::value;
-    status = launch_status(launch(full_kl_backward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
-                                  reinterpret_cast<cudaStream_t>(stream), a));
-  });
-  return bad ? 1 : status;
+  return launch_rows(a, stream, [](auto dt) { return full_kl_backward_kernel<decltype(dt)::value>; });
 }
 
 }  // namespace kl

@@ -8,6 +8,9 @@
 
 #include <cstdint>
 
+#include "common/row_math.h"  // with_logits_dtype
+#include "cuda/launch.cuh"
+
 namespace kl {
 namespace {
 
@@ -27,6 +30,20 @@ constexpr int64_t kMaxRowBlocks = 65536;
 #endif
 
 inline unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(rows < kMaxRowBlocks ? rows : kMaxRowBlocks); }
+
+// Launch kernel_of(dt), the row kernel instantiated for the logits dtype (dt: a std::integral_constant of
+// its code), over a.rows rows on `stream`: 0 (nothing to launch without rows), 1 for an unsupported dtype,
+// else the launch's status (launch.cuh).
+template <class Args, class KernelOf>
+int launch_rows(const Args& a, uintptr_t stream, KernelOf kernel_of) {
+  if (a.rows <= 0) return 0;
+  int status = 0;
+  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
+    status = launch_status(launch(kernel_of(dt), row_blocks(a.rows), kRowThreads, 0,
+                                  reinterpret_cast<cudaStream_t>(stream), a));
+  });
+  return bad ? 1 : status;
+}
 
 // The block-wide max of each of v[0..K) (NaN never enters: a comparison with NaN keeps the old value),
 // returned to every thread. `sm` is shared [K][kRowWarps]; ends with a barrier, so it can be reused.

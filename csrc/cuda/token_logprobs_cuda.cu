@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
       }
       continue;
     }
-    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
+    const Bits* row = logits_row<DT>(a, r);
     float mx[2] = {-INFINITY, 0.0f};  // the max, and 1 where a NaN was seen
     for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
 #pragma unroll
@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(To
   const float* g_lp = reinterpret_cast<const float*>(a.grad_lp);
   const float* g_ent = reinterpret_cast<const float*>(a.grad_entropy);
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    const Bits* row = reinterpret_cast<const Bits*>(a.logits) + row_start(r, a.inner, a.stride_outer, a.stride_inner);
-    Bits* out = reinterpret_cast<Bits*>(a.grad_logits) + row_start(r, a.inner, a.g_stride_outer, a.g_stride_inner);
+    const Bits* row = logits_row<DT>(a, r);
+    Bits* out = grad_logits_row<DT>(a, r);
     if (!counted[r]) {
       for (int64_t j = threadIdx.x; j < V; j += kRowThreads) out[j] = to_bits<DT>(0.0f);
       continue;
@@ -140,25 +140,11 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(To
 }  // namespace
 
 int token_logprobs_forward_cuda(const TokenLogprobsArgs& a, uintptr_t stream) {
-  if (a.rows <= 0) return 0;
-  int status = 0;
-  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
-    constexpr int32_t kDt = decltype(dt)::value;
-    status = launch_status(launch(token_logprobs_forward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
-                                  reinterpret_cast<cudaStream_t>(stream), a));
-  });
-  return bad ? 1 : status;
+  return launch_rows(a, stream, [](auto dt) { return token_logprobs_forward_kernel<decltype(dt)::value>; });
 }
 
 int token_logprobs_backward_cuda(const TokenLogprobsArgs& a, uintptr_t stream) {
-  if (a.rows <= 0) return 0;
-  int status = 0;
-  const int bad = with_logits_dtype(a.dtype, [&](auto dt) {
-    constexpr int32_t kDt = decltype(dt)::value;
-    status = launch_status(launch(token_logprobs_backward_kernel<kDt>, row_blocks(a.rows), kRowThreads, 0,
-                                  reinterpret_cast<cudaStream_t>(stream), a));
-  });
-  return bad ? 1 : status;
+  return launch_rows(a, stream, [](auto dt) { return token_logprobs_backward_kernel<decltype(dt)::value>; });
 }
 
 }  // namespace kl
