@@ -54,6 +54,9 @@ KL_HD BitsOf<DT>* grad_ref_row(const FullKLArgs& a, int64_t r) {
                     : nullptr;
 }
 
+template <class Args>
+KL_HD bool row_counted(const Args& a, int64_t r) { return reinterpret_cast<const bool*>(a.counted)[r]; }
+
 // Whether a counted row's softmax is undefined: a NaN seen, or the max +inf or -inf (only -inf logits).
 KL_HD bool row_undefined(bool nan_seen, float m) { return nan_seen || !(m > -INFINITY && m < INFINITY); }
 
@@ -68,6 +71,28 @@ KL_HD void logprob_terms(float d, float& e, float& w) {
 // The row's lse and entropy from m, S, W (float64 sums).
 KL_HD float logprob_lse(float m, double log_s) { return static_cast<float>(static_cast<double>(m) + log_s); }
 KL_HD float logprob_entropy(double S, double W, double log_s) { return static_cast<float>(W / S + log_s); }
+
+// A row's forward outputs (entropy where wanted). A row that is not counted gives 0 everywhere, an undefined
+// one NaN (row_store_all).
+KL_HD void logprob_store(const TokenLogprobsArgs& a, int64_t r, float lp, float lse, float entropy) {
+  reinterpret_cast<float*>(a.log_probs)[r] = lp;
+  reinterpret_cast<float*>(a.lse)[r] = lse;
+  if (a.entropy) reinterpret_cast<float*>(a.entropy)[r] = entropy;
+}
+KL_HD void row_store_all(const TokenLogprobsArgs& a, int64_t r, float v) { logprob_store(a, r, v, v, v); }
+KL_HD int64_t row_label(const TokenLogprobsArgs& a, int64_t r) { return reinterpret_cast<const int64_t*>(a.labels)[r]; }
+
+// What the backward reads of a row besides its logits: the incoming gradients (0 where none reaches that
+// output), the forward's lse, and its entropy (read only when a gradient reaches it, else 0).
+struct LogprobGradRow {
+  float g_lp, g_h, lse, h;
+};
+KL_HD LogprobGradRow logprob_grad_row(const TokenLogprobsArgs& a, int64_t r) {
+  const float* g_lp = reinterpret_cast<const float*>(a.grad_lp);
+  const float* g_h = reinterpret_cast<const float*>(a.grad_entropy);
+  return {g_lp ? g_lp[r] : 0.0f, g_h ? g_h[r] : 0.0f, reinterpret_cast<const float*>(a.lse)[r],
+          g_h ? reinterpret_cast<const float*>(a.entropy)[r] : 0.0f};
+}
 
 // d x_j * T for an entry j that is not the label, d = lse - z_j; h the row's entropy (0 when g_H is).
 KL_HD float logprob_grad(float d, float g_lp, float g_h, float h) {
@@ -94,6 +119,25 @@ KL_HD void full_kl_terms(float u, float v, float& e, float& q, float& a) {
 KL_HD float full_kl_value(double S, double A, double log_s, double log_r) {
   return static_cast<float>(A / S + (log_r - log_s));
 }
+
+// A row's forward outputs; not counted: 0 everywhere, undefined: NaN (row_store_all).
+KL_HD void full_kl_store(const FullKLArgs& a, int64_t r, float kl, float lse, float ref_lse) {
+  reinterpret_cast<float*>(a.kl)[r] = kl;
+  reinterpret_cast<float*>(a.lse)[r] = lse;
+  reinterpret_cast<float*>(a.ref_lse)[r] = ref_lse;
+}
+KL_HD void row_store_all(const FullKLArgs& a, int64_t r, float v) { full_kl_store(a, r, v, v, v); }
+
+// What the backward reads of a row besides its logits: g = d loss / d KL over T, the forward's KL and lse's.
+// A counted row whose KL is not finite has NaN gradients (full_kl_grad_defined false), a row not counted 0.
+struct FullKLGradRow {
+  float g, kl, lse, ref_lse;
+};
+KL_HD FullKLGradRow full_kl_grad_row(const FullKLArgs& a, int64_t r) {
+  return {reinterpret_cast<const float*>(a.grad_kl)[r] * a.inv_temperature, reinterpret_cast<const float*>(a.kl)[r],
+          reinterpret_cast<const float*>(a.lse)[r], reinterpret_cast<const float*>(a.ref_lse)[r]};
+}
+KL_HD bool full_kl_grad_defined(float kl) { return kl > -INFINITY && kl < INFINITY; }
 
 // d x_j and d r_j of one entry, g = g_KL / T, u = lse - z_j, v = ref_lse - w_j.
 KL_HD float full_kl_grad_policy(float g, float u, float v, float kl) {

@@ -25,14 +25,10 @@ template <int32_t DT>
 KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  float* kl_out = reinterpret_cast<float*>(a.kl);
-  float* lse_out = reinterpret_cast<float*>(a.lse);
-  float* ref_lse_out = reinterpret_cast<float*>(a.ref_lse);
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
-    if (!counted[r]) {
-      kl_out[r] = 0.0f, lse_out[r] = 0.0f, ref_lse_out[r] = 0.0f;
+    if (!row_counted(a, r)) {
+      row_store_all(a, r, 0.0f);
       continue;
     }
     const Bits* x = logits_row<DT>(a, r);
@@ -63,7 +59,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
       bad = bad || nan_seen[l] != 0.0f;
     }
     if (row_undefined(bad, m) || row_undefined(bad, n)) {  // a softmax is undefined
-      kl_out[r] = kNaN, lse_out[r] = kNaN, ref_lse_out[r] = kNaN;
+      row_store_all(a, r, kNaN);
       continue;
     }
     // pass 2: S, R and A, 16 float lanes over each 256-entry span, spans added in float64
@@ -92,9 +88,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
       for (int l = 0; l < kRowLanes; ++l) S += se[l], R += sr[l], A += sa[l];
     }
     const double log_s = std::log(S), log_r = std::log(R);
-    kl_out[r] = full_kl_value(S, A, log_s, log_r);
-    lse_out[r] = logprob_lse(m, log_s);
-    ref_lse_out[r] = logprob_lse(n, log_r);
+    full_kl_store(a, r, full_kl_value(S, A, log_s, log_r), logprob_lse(m, log_s), logprob_lse(n, log_r));
   }
 }
 
@@ -102,25 +96,21 @@ template <int32_t DT>
 KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  const float* kl_in = reinterpret_cast<const float*>(a.kl);
-  const float* lse_in = reinterpret_cast<const float*>(a.lse);
-  const float* ref_lse_in = reinterpret_cast<const float*>(a.ref_lse);
-  const float* g_kl = reinterpret_cast<const float*>(a.grad_kl);
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
     const Bits* x = logits_row<DT>(a, r);
     const Bits* y = ref_logits_row<DT>(a, r);
     Bits* gx = grad_logits_row<DT>(a, r);
     Bits* gr = grad_ref_row<DT>(a, r);
-    const float kl = kl_in[r];
-    if (!counted[r] || !std::isfinite(kl)) {  // 0, or NaN: the gradient of an infinite or undefined KL
-      const Bits fill = to_bits<DT>(counted[r] ? kNaN : 0.0f);
+    const bool counted = row_counted(a, r);
+    const FullKLGradRow in = full_kl_grad_row(a, r);
+    if (!counted || !full_kl_grad_defined(in.kl)) {  // 0, or NaN: the gradient of an infinite or undefined KL
+      const Bits fill = to_bits<DT>(counted ? kNaN : 0.0f);
       for (int64_t j = 0; gx && j < V; ++j) gx[j] = fill;
       for (int64_t j = 0; gr && j < V; ++j) gr[j] = fill;
       continue;
     }
-    const float g = g_kl[r] * inv_t, lse = lse_in[r], ref_lse = ref_lse_in[r];
+    const float g = in.g, kl = in.kl, lse = in.lse, ref_lse = in.ref_lse;
     for (int64_t j = 0; j < V; ++j) {
       const float u = lse - from_bits<DT>(x[j]) * inv_t, v = ref_lse - from_bits<DT>(y[j]) * inv_t;
       if (gx) gx[j] = to_bits<DT>(full_kl_grad_policy(g, u, v, kl));

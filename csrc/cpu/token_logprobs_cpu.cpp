@@ -21,17 +21,10 @@ template <int32_t DT>
 KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  float* lp_out = reinterpret_cast<float*>(a.log_probs);
-  float* lse_out = reinterpret_cast<float*>(a.lse);
-  float* ent_out = reinterpret_cast<float*>(a.entropy);
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
-    if (!counted[r]) {
-      lp_out[r] = 0.0f;
-      lse_out[r] = 0.0f;
-      if (ent_out) ent_out[r] = 0.0f;
+    if (!row_counted(a, r)) {
+      row_store_all(a, r, 0.0f);
       continue;
     }
     const Bits* row = logits_row<DT>(a, r);
@@ -54,12 +47,9 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
     float m = -kInf;
     bool bad = false;
     for (int l = 0; l < kRowLanes; ++l) m = mx[l] > m ? mx[l] : m, bad = bad || nan_seen[l] != 0.0f;
-    const int64_t y = labels[r];
+    const int64_t y = row_label(a, r);
     if (row_undefined(bad, m) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
-      const float nan = std::numeric_limits<float>::quiet_NaN();
-      lp_out[r] = nan;
-      lse_out[r] = nan;
-      if (ent_out) ent_out[r] = nan;
+      row_store_all(a, r, std::numeric_limits<float>::quiet_NaN());
       continue;
     }
     // pass 2: S and W, 16 float lanes over each 256-entry span, spans added in float64
@@ -87,9 +77,7 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
     }
     const double log_s = std::log(S);
     const float lse = logprob_lse(m, log_s);
-    lse_out[r] = lse;
-    lp_out[r] = from_bits<DT>(row[y]) * inv_t - lse;
-    if (ent_out) ent_out[r] = logprob_entropy(S, W, log_s);
+    logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(S, W, log_s));
   }
 }
 
@@ -97,25 +85,17 @@ template <int32_t DT>
 KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  const float* lse_in = reinterpret_cast<const float*>(a.lse);
-  const float* ent_in = reinterpret_cast<const float*>(a.entropy);
-  const float* g_lp = reinterpret_cast<const float*>(a.grad_lp);
-  const float* g_ent = reinterpret_cast<const float*>(a.grad_entropy);
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
     const Bits* row = logits_row<DT>(a, r);
     Bits* out = grad_logits_row<DT>(a, r);
-    if (!counted[r]) {
+    if (!row_counted(a, r)) {
       for (int64_t j = 0; j < V; ++j) out[j] = to_bits<DT>(0.0f);
       continue;
     }
-    const float gl = g_lp ? g_lp[r] : 0.0f;
-    const float gh = g_ent ? g_ent[r] : 0.0f;
-    const float lse = lse_in[r];
-    const float h = g_ent ? ent_in[r] : 0.0f;
-    const int64_t y = labels[r];
+    const LogprobGradRow in = logprob_grad_row(a, r);
+    const float gl = in.g_lp, gh = in.g_h, lse = in.lse, h = in.h;
+    const int64_t y = row_label(a, r);
     const bool in_vocab = y >= 0 && y < V;
     // the label's logit, read before the loop: with inplace_backward `out` is `row`
     const float zy = in_vocab ? from_bits<DT>(row[y]) * inv_t : std::numeric_limits<float>::quiet_NaN();

@@ -30,14 +30,10 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  float* kl_out = reinterpret_cast<float*>(a.kl);
-  float* lse_out = reinterpret_cast<float*>(a.lse);
-  float* ref_lse_out = reinterpret_cast<float*>(a.ref_lse);
   const int64_t t = threadIdx.x;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
-    if (!counted[r]) {
-      if (t == 0) kl_out[r] = 0.0f, lse_out[r] = 0.0f, ref_lse_out[r] = 0.0f;
+    if (!row_counted(a, r)) {
+      if (t == 0) row_store_all(a, r, 0.0f);
       continue;
     }
     const Bits* x = logits_row<DT>(a, r);
@@ -58,7 +54,7 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
     block_max(mx, max_sm);
     const float m = mx[0], n = mx[1];
     if (row_undefined(mx[2] != 0.0f, m) || row_undefined(false, n)) {  // a softmax is undefined
-      if (t == 0) kl_out[r] = NAN, lse_out[r] = NAN, ref_lse_out[r] = NAN;
+      if (t == 0) row_store_all(a, r, NAN);
       continue;
     }
     double sums[3] = {0.0, 0.0, 0.0};  // S, R, A
@@ -82,9 +78,7 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
     block_sum(sums, sum_sm);
     if (t == 0) {
       const double log_s = log(sums[0]), log_r = log(sums[1]);
-      kl_out[r] = full_kl_value(sums[0], sums[2], log_s, log_r);
-      lse_out[r] = logprob_lse(m, log_s);
-      ref_lse_out[r] = logprob_lse(n, log_r);
+      full_kl_store(a, r, full_kl_value(sums[0], sums[2], log_s, log_r), logprob_lse(m, log_s), logprob_lse(n, log_r));
     }
   }
 }
@@ -94,26 +88,22 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArg
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  const float* kl_in = reinterpret_cast<const float*>(a.kl);
-  const float* lse_in = reinterpret_cast<const float*>(a.lse);
-  const float* ref_lse_in = reinterpret_cast<const float*>(a.ref_lse);
-  const float* g_kl = reinterpret_cast<const float*>(a.grad_kl);
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const Bits* x = logits_row<DT>(a, r);
     const Bits* y = ref_logits_row<DT>(a, r);
     Bits* gx = grad_logits_row<DT>(a, r);
     Bits* gr = grad_ref_row<DT>(a, r);
-    const float kl = kl_in[r];
-    if (!counted[r] || !(kl > -INFINITY && kl < INFINITY)) {  // 0, or NaN: the gradient of an infinite or undefined KL
-      const Bits fill = to_bits<DT>(counted[r] ? NAN : 0.0f);
+    const bool counted = row_counted(a, r);
+    const FullKLGradRow in = full_kl_grad_row(a, r);
+    if (!counted || !full_kl_grad_defined(in.kl)) {  // 0, or NaN: the gradient of an infinite or undefined KL
+      const Bits fill = to_bits<DT>(counted ? NAN : 0.0f);
       for (int64_t j = threadIdx.x; j < V; j += kRowThreads) {
         if (gx) gx[j] = fill;
         if (gr) gr[j] = fill;
       }
       continue;
     }
-    const float g = g_kl[r] * inv_t, lse = lse_in[r], ref_lse = ref_lse_in[r];
+    const float g = in.g, kl = in.kl, lse = in.lse, ref_lse = in.ref_lse;
     for (int64_t j0 = threadIdx.x; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
       float u[kRowChunk], v[kRowChunk];
 #pragma unroll

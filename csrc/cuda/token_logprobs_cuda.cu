@@ -31,18 +31,10 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  float* lp_out = reinterpret_cast<float*>(a.log_probs);
-  float* lse_out = reinterpret_cast<float*>(a.lse);
-  float* ent_out = reinterpret_cast<float*>(a.entropy);
   const int64_t t = threadIdx.x;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
-    if (!counted[r]) {
-      if (t == 0) {
-        lp_out[r] = 0.0f, lse_out[r] = 0.0f;
-        if (ent_out) ent_out[r] = 0.0f;
-      }
+    if (!row_counted(a, r)) {
+      if (t == 0) row_store_all(a, r, 0.0f);
       continue;
     }
     const Bits* row = logits_row<DT>(a, r);
@@ -60,12 +52,9 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
     }
     block_max(mx, max_sm);
     const float m = mx[0];
-    const int64_t y = labels[r];
+    const int64_t y = row_label(a, r);
     if (row_undefined(mx[1] != 0.0f, m) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
-      if (t == 0) {
-        lp_out[r] = NAN, lse_out[r] = NAN;
-        if (ent_out) ent_out[r] = NAN;
-      }
+      if (t == 0) row_store_all(a, r, NAN);
       continue;
     }
     double sums[2] = {0.0, 0.0};  // S, W
@@ -88,9 +77,7 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
     if (t == 0) {
       const double log_s = log(sums[0]);
       const float lse = logprob_lse(m, log_s);
-      lse_out[r] = lse;
-      lp_out[r] = from_bits<DT>(row[y]) * inv_t - lse;
-      if (ent_out) ent_out[r] = logprob_entropy(sums[0], sums[1], log_s);
+      logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(sums[0], sums[1], log_s));
     }
   }
 }
@@ -100,24 +87,16 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(To
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const int64_t* labels = reinterpret_cast<const int64_t*>(a.labels);
-  const bool* counted = reinterpret_cast<const bool*>(a.counted);
-  const float* lse_in = reinterpret_cast<const float*>(a.lse);
-  const float* ent_in = reinterpret_cast<const float*>(a.entropy);
-  const float* g_lp = reinterpret_cast<const float*>(a.grad_lp);
-  const float* g_ent = reinterpret_cast<const float*>(a.grad_entropy);
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const Bits* row = logits_row<DT>(a, r);
     Bits* out = grad_logits_row<DT>(a, r);
-    if (!counted[r]) {
+    if (!row_counted(a, r)) {
       for (int64_t j = threadIdx.x; j < V; j += kRowThreads) out[j] = to_bits<DT>(0.0f);
       continue;
     }
-    const float gl = g_lp ? g_lp[r] : 0.0f;
-    const float gh = g_ent ? g_ent[r] : 0.0f;
-    const float lse = lse_in[r];
-    const float h = g_ent ? ent_in[r] : 0.0f;
-    const int64_t y = labels[r];  // out of [0, V) (never, past Python's checks): no entry is the label
+    const LogprobGradRow in = logprob_grad_row(a, r);
+    const float gl = in.g_lp, gh = in.g_h, lse = in.lse, h = in.h;
+    const int64_t y = row_label(a, r);  // out of [0, V) (never, past Python's checks): no entry is the label
     for (int64_t j0 = threadIdx.x; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
       float z[kRowChunk];
 #pragma unroll

@@ -4,9 +4,10 @@ Protocol: one call name per line on stdin; one JSON line per call on stdout
 (``{"name", "verdict": "pass" | "fail", "detail"}``), written only once the call is judged, so a
 call that crashes this process (or hangs) is the one the parent was waiting for.
 
-A call is run through ``backend="auto"``, ``"cpu"``, ``"torch"`` and every other registered backend
-that is available here (``triton`` in its interpreter on the CPU, the emulated CUDA backend when built;
-``KL_ADVERSARIAL_BACKENDS`` names them); see ``catalogue.py`` for what each
+A call is run through ``backend="auto"``, ``"cpu"``, ``"torch"`` (``KL_ADVERSARIAL_BASE`` may name fewer:
+the sanitizer lane leaves out ``torch``, which runs no code of ours that ``auto`` does not) and every other
+registered backend that is available here (``triton`` in its interpreter on the CPU, the emulated CUDA
+backend when built; ``KL_ADVERSARIAL_BACKENDS`` names them); see ``catalogue.py`` for what each
 expectation requires. A backend named explicitly may decline a valid call (BackendUnavailableError,
 e.g. float64 on ``cpu``) but must then say why.
 """
@@ -39,7 +40,7 @@ def _backends(op: str) -> list[str]:
         from kl_kernels.kl_reward.backends import REGISTRY
     else:
         from kl_kernels.kl_penalty.backends import REGISTRY
-    names = ["auto", "cpu", "torch"]
+    names = [n for n in os.environ.get("KL_ADVERSARIAL_BASE", "auto,cpu,torch").split(",") if n]
     extra = os.environ.get("KL_ADVERSARIAL_BACKENDS", "triton,cuda-emulated").split(",")
     for b in REGISTRY:
         if b.name in extra and not b.unavailable_reasons():
