@@ -132,53 +132,54 @@ def selfchecks():
             report(f"selfcheck {op} {backend}", one)
 
 
+def without_sync(warm_up, call):
+    """``warm_up()`` (first-use compiles and caches may synchronize legitimately), then ``call()`` with
+    torch's sync debug mode raising on any host synchronization."""
+    warm_up()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def warm_up_on_a_side_stream(call):
+    """``call()`` twice on a side stream before a capture, as torch's CUDA-graph notes ask for autograd."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
 def nosync():
     for backend in BACKENDS:
         for name, x in (("packed", packed()), ("padded", padded()), ("list", as_list(packed()))):
             def fwd(x=x, backend=backend):
-                reward_call(x, backend)  # warm-up: first-use compiles and caches may sync legitimately
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    for estimator in ("k1", "k2", "k3"):
-                        reward_call(x, backend, estimator=estimator)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+                without_sync(lambda: reward_call(x, backend),
+                             lambda: [reward_call(x, backend, estimator=e) for e in ("k1", "k2", "k3")])
             report(f"nosync kl_reward {backend} {name}", fwd)
         x = packed()
         for options in (False, True):
             def loss(x=x, backend=backend, options=options):
                 lp = x["lp"].clone().requires_grad_(True)
-                loss_call(x, backend, lp, options).loss.backward()
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out = loss_call(x, backend, lp, options)
-                    out.loss.backward()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+                step = lambda: loss_call(x, backend, lp, options).loss.backward()  # noqa: E731
+                without_sync(step, step)
             report(f"nosync kl_penalty_loss fwd+bwd {backend}{' all options' if options else ''}", loss)
     for backend in LOGPROBS_BACKENDS:
         for inplace in (False, True):
             def logprobs(backend=backend, inplace=inplace):
                 x, y = logits_batch()
-                logprobs_call(x, y, backend, inplace)
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    logprobs_call(x, y, backend, inplace)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+                step = lambda: logprobs_call(x, y, backend, inplace)  # noqa: E731
+                without_sync(step, step)
             report(f"nosync token_logprobs fwd+bwd {backend}{' inplace' if inplace else ''}", logprobs)
         def fullkl(backend=backend):
             (x, _), (r, _) = logits_batch(seed=7), logits_batch(seed=8)
-            full_kl_call(x, r, backend)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                full_kl_call(x, r, backend)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            step = lambda: full_kl_call(x, r, backend)  # noqa: E731
+            without_sync(step, step)
         report(f"nosync full_kl fwd+bwd {backend}", fullkl)
 
 
@@ -228,14 +229,11 @@ def graph():
                 y["lp"].uniform_(-3.0, 0.0)
                 y["adv"].normal_()
                 static = {k: v.clone() for k, v in x.items()}
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        lp = static["lp"].detach().requires_grad_(True)
-                        torch.autograd.grad(loss_call(static, backend, lp, options).loss, lp)
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
+
+                def step():
+                    lp = static["lp"].detach().requires_grad_(True)
+                    torch.autograd.grad(loss_call(static, backend, lp, options).loss, lp)
+                warm_up_on_a_side_stream(step)
                 g = torch.cuda.CUDAGraph()
                 lp = static["lp"].detach().requires_grad_(True)  # the same storage as static["lp"]
                 with torch.cuda.graph(g):
@@ -255,13 +253,7 @@ def graph():
         def logprobs(backend=backend):
             (x, y), (x2, _) = logits_batch(seed=5), logits_batch(seed=6)
             static = x.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    logprobs_call(static, y, backend)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
+            warm_up_on_a_side_stream(lambda: logprobs_call(static, y, backend))
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 leaf = static.detach().requires_grad_(True)
@@ -279,13 +271,7 @@ def graph():
         def fullkl(backend=backend):
             (x, _), (r, _), (x2, _) = logits_batch(seed=9), logits_batch(seed=10), logits_batch(seed=11)
             static = x.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    full_kl_call(static, r, backend)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
+            warm_up_on_a_side_stream(lambda: full_kl_call(static, r, backend))
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 leaf = static.detach().requires_grad_(True)
