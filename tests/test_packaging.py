@@ -73,16 +73,18 @@ def test_wheel_with_cuda_then_without(tmp_path):
     extension.
 
     Compile time is not what is checked here, so the copy starts with this checkout's own up-to-date
-    ``_C`` in build/ (setuptools skips an extension newer than its sources; CI's install compiled it
-    from the same files), and ``_cuda`` is built as PTX only for one target (``compute_80``: no ptxas,
-    ~1 minute instead of ~3; CI's install compiles machine code for sm_80 and sm_90)."""
+    ``_C`` and ``_cuda`` in build/ (setuptools skips an extension newer than its sources; CI's install
+    compiled them from the same files, for sm_80 and sm_90). Without a ``_cuda`` here (a checkout built
+    without CUDA), ``_cuda`` is built as PTX only for one target (``compute_80``: no ptxas, ~1 minute
+    instead of ~3)."""
     src = _clean_copy(tmp_path / "src")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     build_lib = src / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}" / "kl_kernels"
-    built_c = REPO / "kl_kernels" / f"_C{suffix}"
-    if built_c.exists():
-        build_lib.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(built_c, build_lib / f"_C{suffix}")  # a fresh mtime: newer than the copied sources
+    for name in ("_C", "_cuda"):
+        built = REPO / "kl_kernels" / f"{name}{suffix}"
+        if built.exists():
+            build_lib.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(built, build_lib / f"{name}{suffix}")  # a fresh mtime: newer than the copied sources
     if shutil.which("nvcc") is not None or os.environ.get("CUDA_HOME"):
         names = _wheel_names(tmp_path / "cuda", {"KL_KERNELS_BUILD_CUDA": "1", "KL_KERNELS_CUDA_ARCHS": "compute_80",
                                                  "KL_KERNELS_BUILD_CUDA_EMU": "0"}, src)

@@ -153,7 +153,11 @@ def run_split(p: KLPenaltyProblem, impl, *, kind: str, offsets, num_global_token
     n_tok = _token_count(num_global_tokens, n_tokens)
     agg_policy, agg_kl, agg_entropy = _aggregations(p)
     run = replace(p)
-    if agg_kl != agg_policy:
+    kl_sums = None
+    if p.kl_values is not None:  # estimator="full": the KL term is summed here, the kernels run without it
+        kl_sums = per_sequence_sum(p, p.kl_values, seq)
+        run.kl_values, run.beta, run.weight_kl = None, 0.0, False
+    elif agg_kl != agg_policy:
         ratio = _weight(p, agg_kl, count, n_tok, n_seqs) / _weight(p, agg_policy, count, n_tok, n_seqs)
         beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
         # float32 as the kernels read it (float64 for the float64 reference: no rounding of beta there)
@@ -164,8 +168,20 @@ def run_split(p: KLPenaltyProblem, impl, *, kind: str, offsets, num_global_token
         entropy_sums = per_sequence_sum(p, ent, seq)
         run.entropy, run.entropy_coef = None, 0.0
     raw = impl.run(run)
+    if kl_sums is not None and raw.token_out is not None:  # "none": each token's own KL term
+        penalty = _per_token_beta(p, seq) * p.kl_values
+        loss, obj, _, ent = raw.token_out.unbind(0)
+        raw = raw._replace(token_out=torch.stack([loss + penalty.to(loss.dtype), obj,
+                                                  penalty.detach().to(loss.dtype), ent]))
     return aggregate(p, raw, kind=kind, offsets=offsets, num_global_tokens=num_global_tokens,
-                     process_group=process_group, entropy_sums=entropy_sums)
+                     process_group=process_group, entropy_sums=entropy_sums, kl_sums=kl_sums)
+
+
+def _per_token_beta(p: KLPenaltyProblem, seq):
+    """``beta_b`` at each token (a float, or a tensor broadcasting against the tokens)."""
+    if not isinstance(p.beta, torch.Tensor) or p.beta.dim() == 0:
+        return p.beta
+    return p.beta.unsqueeze(1) if p.layout == "padded" else p.beta[seq]
 
 
 def on_host(p: KLPenaltyProblem, process_group) -> bool:
@@ -232,10 +248,10 @@ def _aggregate_on_host(p: KLPenaltyProblem, raw: RawLoss, num_global_tokens) -> 
 
 
 def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_global_tokens=None,
-              process_group=None, entropy_sums=None) -> KLPenaltyLossOutput:
+              process_group=None, entropy_sums=None, kl_sums=None) -> KLPenaltyLossOutput:
     """Apply the aggregations to a backend's per-sequence sums (see the module doc).
     ``entropy_sums``: :func:`run_split`'s per-sequence entropy sums (differentiable), when the
-    backend ran without the entropy term."""
+    backend ran without the entropy term; ``kl_sums`` the same for the KL term (``estimator="full"``)."""
     if on_host(p, process_group):
         return _aggregate_on_host(p, raw, num_global_tokens)
     md = raw.seq_loss.dtype
@@ -244,6 +260,8 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
     # and they also run under a fake CUDA mode on a CPU-only torch, tests/test_no_host_sync.py.)
     col = raw.stats.detach().to(torch.float64).sum(0)  # objective, kl, entropy, ratio, clipped totals
     _, col_kl, _, col_ratio, col_clip = col.unbind()
+    if kl_sums is not None:
+        col_kl = kl_sums.detach().sum()
     n_tokens = raw.count.sum().to(torch.float64)
     n_seqs = _sequence_count(p, raw.count)
     if process_group is not None:  # one all-reduce of every count and total
@@ -267,7 +285,12 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
     loss = (w * raw.seq_loss.to(torch.float64)).sum()
     part_objective = (w * stats.select(1, 0)).sum()
     beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
-    kl_part = (w_kl * beta * stats.select(1, 1)).sum()
+    if kl_sums is None:
+        kl_part = (w_kl * beta * stats.select(1, 1)).sum()
+    else:  # the KL term, summed apart (run_split)
+        term = (w_kl * beta * kl_sums).sum()
+        loss = loss + term
+        kl_part = term.detach()
     if entropy_sums is None:
         loss_ent = (w * stats.select(1, 2)).sum() * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
     else:  # the entropy term, summed apart with its own weights (run_split)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from .. import backends as _dispatch
+import torch
+
 from .. import ragged
+from .. import full_estimator
+from ..reference_math import final_mask, token_frame
 from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host, run_split
 from .backends import REGISTRY
 from .ops import run_fused_aggregated, run_fused_on_device
@@ -16,7 +20,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                     norm_length=None, backend="auto", out=None, dual_clip=None, weights=None,
                     weight_kl=False, clamp_input=None, clamp_output=None,
                     importance_sampling_level="token", kl_times_ratio=False, kl_aggregation=None,
-                    entropy_aggregation=None, num_sequences=None) -> KLPenaltyLossOutput:
+                    entropy_aggregation=None, num_sequences=None, logits=None, ref_logits=None,
+                    temperature=1.0) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
@@ -33,7 +38,9 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                  times ratio_t, differentiated, with kl_times_ratio=True)
         loss_t  = obj_t + beta_b * kl_t - entropy_coef * entropy_t
 
-    ``w_t`` is the token's weight (``weights``; 1 without).
+    ``w_t`` is the token's weight (``weights``; 1 without). With ``estimator="full"``, ``kl_t`` is the
+    exact ``KL(pi || pi_ref)`` over the vocabulary from the two models' logits (:func:`kl_kernels.full_kl`),
+    with gradient to ``logits``.
 
     and ``loss`` aggregates ``loss_t`` over counted tokens (see ``aggregation``). ``est`` is one of
     :data:`kl_kernels.ESTIMATORS` (``"k3"``: ``expm1(-d) + d``; ``"+"`` variants use k2's
@@ -58,6 +65,16 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         clip_epsilon: ``None`` (no clip, TorchRL's ``KLPENPPOLoss``), ``eps`` or ``(eps_low,
             eps_high)`` (asymmetric, DAPO's clip-higher).
         entropy: optional per-token entropy (log-probs' layout); gradients flow to it.
+        logits, ref_logits: ``estimator="full"`` only (and then required): the policy's and the
+            reference's logits, the log-probs' shape plus the vocabulary (``[N, V]`` packed, ``[B, T, V]``
+            padded; not lists or nested tensors, which would be copied into ``[N, V]`` to pack), same
+            dtype and device. ``kl_t = KL(softmax(logits_t / T) || softmax(ref_logits_t / T))``, fused
+            (no ``[N, V]`` float32 copy), computed for counted tokens only, gradient to ``logits`` (and to
+            ``ref_logits`` if it requires it). ``ref_log_probs``, ``clamp_input`` and ``kl_times_ratio``
+            have no meaning then and raise; ``clamp_output``, ``weight_kl``, ``kl_aggregation`` and
+            every aggregation apply as for the sampled estimators. The KL term is summed apart from the
+            kernel's other terms (as a differently aggregated term is).
+        temperature: ``T`` of ``estimator="full"`` (default 1.0; other values need ``"full"``).
         entropy_coef: weight of the entropy bonus (the loss subtracts ``entropy_coef * entropy``).
         dual_clip: ``None`` (default) or ``c > 1``: dual-clip PPO (Ye et al. 2020; verl's
             ``clip_ratio_c``, default 3.0 there): where ``A_t < 0`` the objective is at most
@@ -153,19 +170,32 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         >>> lp.grad[0]  # left padding: no gradient at column 0
         tensor([ 0.0000, -0.2410, -0.2200])
     """
+    temperature = full_estimator.check_temperature(temperature, estimator)
+    full = estimator == full_estimator.FULL
+    if full:
+        full_estimator.check_unused(estimator, ref_log_probs=ref_log_probs, clamp_input=clamp_input,
+                                    kl_times_ratio=kl_times_ratio)
+        if logits is None or ref_logits is None:
+            raise ValueError("estimator='full' needs logits= and ref_logits= (the two models' logits [..., V])")
+        full_estimator.check_logits("logits", logits)
+        full_estimator.check_logits("ref_logits", ref_logits)
+    else:
+        full_estimator.check_unused(estimator, logits=logits, ref_logits=ref_logits)
     # A list/tuple subclass is read once, here, so that every backend sees the same items.
     log_probs, old_log_probs, advantages, ref_log_probs, mask, entropy, weights = (
         ragged.plain_sequence(x, name) for x, name in (
             (log_probs, "log_probs"), (old_log_probs, "old_log_probs"), (advantages, "advantages"),
             (ref_log_probs, "ref_log_probs"), (mask, "mask"), (entropy, "entropy"), (weights, "weights")))
     problem, kind, offsets_of_kind = build_problem(
-        log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator=estimator, mask=mask,
+        log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator="k1" if full else estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
         weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output,
         importance_sampling_level=importance_sampling_level, kl_times_ratio=kl_times_ratio,
         kl_aggregation=kl_aggregation, entropy_aggregation=entropy_aggregation, num_sequences=num_sequences,
         process_group=process_group)
+    if full:
+        problem.kl_values = _full_kl_term(problem, kind, logits, ref_logits, temperature, backend)
     num_global_tokens = _num_global_tokens(num_global_tokens, problem, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if problem.split_terms:
@@ -179,3 +209,23 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
     raw = impl.run(problem)
     return aggregate(problem, raw, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
                      process_group=process_group)
+
+
+def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend):
+    """``estimator="full"``'s ``kl_t`` per token in the problem's layout: the exact KL of counted tokens
+    (the others are never computed: NaN there stays out of the gradients), then ``clamp_output`` and
+    (``weight_kl``) the weights, as the kernels apply them to a sampled estimate."""
+    if kind not in ("packed", "padded"):
+        raise TypeError("logits: estimator='full' takes dense logits with dense log-probs, packed [N, V] with "
+                        f"offsets or padded [B, T, V]; log_probs is a {kind.replace('_', ' ')} batch (its logits "
+                        "would be copied into [N, V] to pack them)")
+    full_estimator.check_logits("logits", logits, problem.log_probs.shape)
+    full_estimator.check_logits("ref_logits", ref_logits, problem.log_probs.shape)
+    counted = final_mask(problem, *token_frame(problem)[:3])
+    kl = full_estimator.per_token(logits, ref_logits, counted, temperature=temperature, backend=backend)
+    if problem.clamp_output is not None:
+        lo, hi = problem.clamp_output
+        kl = kl.clamp(min=lo, max=hi)
+    if problem.weight_kl:
+        kl = torch.where(counted, kl * problem.weights.to(kl.dtype), torch.zeros((), dtype=kl.dtype, device=kl.device))
+    return kl

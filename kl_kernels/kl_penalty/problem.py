@@ -79,12 +79,17 @@ class KLPenaltyProblem(NativeLayout):
     kl_aggregation: str | None = None
     entropy_aggregation: str | None = None
     num_sequences: object = None
+    # estimator="full": the KL term's per-token values, this layout, 0 at non-counted tokens, already
+    # clamped and weighted (api.py computes them from the logits); differentiable. The kernels then run
+    # without a KL term and run_split adds this one.
+    kl_values: torch.Tensor | None = None
 
     @property
     def split_terms(self) -> bool:
-        """Whether the terms are not all weighed alike, or B is not the batch's: then the call takes
-        :func:`kl_kernels.kl_penalty.aggregate.run_split` (counts before the kernel)."""
-        return (self.kl_aggregation not in (None, self.aggregation)
+        """Whether the terms are not all weighed alike, B is not the batch's, or the KL term comes
+        from the logits: then the call takes :func:`kl_kernels.kl_penalty.aggregate.run_split`
+        (counts before the kernel)."""
+        return (self.kl_values is not None or self.kl_aggregation not in (None, self.aggregation)
                 or self.entropy_aggregation not in (None, self.aggregation) or self.num_sequences is not None)
 
     prompt_lens = None  # the loss has no prompt region: the mask says which tokens count

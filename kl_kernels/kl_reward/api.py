@@ -9,6 +9,8 @@ import torch
 
 from .. import backends as _dispatch
 from .. import ragged
+from .. import full_estimator
+from ..reference_math import final_mask, token_frame
 from . import fast
 from .backends import REGISTRY
 from .ops import run_fused_list
@@ -18,7 +20,8 @@ from .problem import KLRewardOutput, RawOutputs, build_problem, widened
 def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None,
               offsets=None, lengths=None, padding_side="left", prompt_lens=None,
               reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False,
-              detach=True, mask_nan=False, backend="auto", out=None, kl_dtype=None) -> KLRewardOutput:
+              detach=True, mask_nan=False, backend="auto", out=None, kl_dtype=None,
+              temperature=1.0) -> KLRewardOutput:
     r"""Assistant-masked, ragged-batch KL estimate and KL-penalized reward, in one call.
 
     Per token ``t`` of sequence ``b``, with ``d = log_probs - ref_log_probs`` (math in float32,
@@ -30,7 +33,10 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
     where ``m_t`` is the final mask (valid, in ``mask``, past ``prompt_lens[b]``) and ``est`` is
     ``"k1"`` ``d``, ``"abs"`` ``|d|``, ``"k2"`` ``d^2/2`` or ``"k3"`` ``expm1(-d) + d``.
     ``"k1+"``, ``"abs+"``, ``"k3+"`` give the estimator's value with the gradient of k2
-    (straight-through, as verl). Masked and padding tokens have ``kl`` exactly 0.
+    (straight-through, as verl). ``"full"`` is the exact ``KL(pi || pi_ref)`` over the vocabulary
+    (:func:`kl_kernels.full_kl`): then ``log_probs`` and ``ref_log_probs`` are the two models' logits
+    ``[..., V]`` (verl's convention for its ``"full"`` mode). Masked and padding tokens have ``kl``
+    exactly 0.
 
     Layouts (read from the inputs; outputs come back in the same layout):
 
@@ -50,7 +56,14 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
             ``[B]``, ``[B, 1]`` or ``[B, 1, 1]``.
         coef: KL coefficient: float, 0-dim tensor or per-sequence ``[B]`` tensor (tensors are read
             on their device: no host sync).
-        estimator: ``"k1"`` (default), ``"abs"``, ``"k2"``, ``"k3"``, ``"k1+"``, ``"abs+"``, ``"k3+"``.
+        estimator: ``"k1"`` (default), ``"abs"``, ``"k2"``, ``"k3"``, ``"k1+"``, ``"abs+"``, ``"k3+"``,
+            or ``"full"``: the exact KL from the logits. Then ``log_probs`` is the policy's logits and
+            ``ref_log_probs`` the reference's, ``[N, V]`` packed (with ``offsets``) or ``[B, T, V]``
+            padded, same shape, dtype and device (fp32/bf16/fp16/fp64); ``kl`` is float32 (float64
+            for float64 logits; ``kl_dtype`` may widen it), gradients (``detach=False``) flow to the
+            logits, fused, with no ``[N, V]`` float32 copy. ``clamp_input``, ``mask_nan`` and
+            ``return_ref`` have no meaning for it (there is no log-ratio) and raise; lists and nested
+            tensors of logits raise too (packing them would copy ``[N, V]``).
         mask: assistant mask, bool, same layout; ``None`` counts every valid token.
         offsets: packed layout only.
         lengths: padded layout only; ints or int tensor ``[B]``, ``0 <= lengths <= T``.
@@ -91,6 +104,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
             neither each other nor the inputs. Packed and padded layouts only, and no autograd
             (``detach=True`` or no input requiring grad). The fused ``cpu`` and ``cuda`` kernels
             write into them; the other backends copy. The result holds these very tensors.
+        temperature: ``estimator="full"`` only: both models' logits are divided by it (default 1.0).
 
     Returns:
         :class:`KLRewardOutput` ``(kl, reward, ref_log_probs, kl_sum, count)``: ``kl`` in the
@@ -127,7 +141,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
                       return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, out=out,
-                      kl_dtype=kl_dtype)
+                      kl_dtype=kl_dtype, temperature=temperature)
 
 
 def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_log_probs, reward=None, *, coef=1.0,
@@ -148,7 +162,14 @@ def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_lo
 def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
                lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
                clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
-               store=None, out=None, kl_dtype=None) -> KLRewardOutput:
+               store=None, out=None, kl_dtype=None, temperature=1.0) -> KLRewardOutput:
+    temperature = full_estimator.check_temperature(temperature, estimator)
+    if estimator == full_estimator.FULL:
+        return _full(log_probs, ref_log_probs, reward, coef=coef, mask=mask, offsets=offsets, lengths=lengths,
+                     padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
+                     clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach,
+                     mask_nan=mask_nan, backend=backend, store=store, out=out, kl_dtype=kl_dtype,
+                     temperature=temperature)
     # A list/tuple subclass is read once, here, so that every lane and backend sees the same items.
     log_probs = ragged.plain_sequence(log_probs, "log_probs")
     ref_log_probs = ragged.plain_sequence(ref_log_probs, "ref_log_probs")
@@ -199,6 +220,33 @@ def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1",
     result = layout.restore(_into(problem.out, raw))
     # the caller's own tensors (not views of them, e.g. a reward with its trailing dim restored)
     return KLRewardOutput(*(r if o is None else o for o, r in zip(out, result)))
+
+
+def _full(logits, ref_logits, reward, *, coef, mask, offsets, lengths, padding_side, prompt_lens, reward_placement,
+          clamp_input, clamp_output, return_ref, detach, mask_nan, backend, store, out, kl_dtype,
+          temperature) -> KLRewardOutput:
+    """``estimator="full"``: the exact KL per counted token from the logits (full_kl), then the same
+    call with ``k1`` of ``d = KL - 0`` (exactly ``KL``; gradient 1 to it): masks, ``clamp_output``,
+    ``coef``, the reward and its placement as for every estimator."""
+    full_estimator.check_unused(full_estimator.FULL, clamp_input=clamp_input, mask_nan=mask_nan,
+                                return_ref=return_ref)
+    full_estimator.check_logits("log_probs", logits)
+    full_estimator.check_logits("ref_log_probs", ref_logits)
+    # Which tokens count (every argument checked here, before any kernel runs), on a placeholder of
+    # the tokens' shape: the KL of the others is never computed, so NaN there stays out of the
+    # gradients too.
+    tokens = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    problem, _ = build_problem(
+        tokens, tokens, reward, coef=coef, estimator="k1", mask=mask, offsets=offsets, lengths=lengths,
+        padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement, clamp_input=None,
+        clamp_output=clamp_output, return_ref=False, detach=detach, mask_nan=False, out=None)
+    counted = final_mask(problem, *token_frame(problem)[:3]).reshape(tokens.shape)
+    with torch.no_grad() if detach else nullcontext():
+        kl = full_estimator.per_token(logits, ref_logits, counted, temperature=temperature, backend=backend)
+    return _kl_reward(kl, torch.zeros_like(kl), reward, coef=coef, estimator="k1", mask=mask, offsets=offsets,
+                      lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
+                      reward_placement=reward_placement, clamp_output=clamp_output, detach=detach, backend=backend,
+                      store=store, out=out, kl_dtype=kl_dtype)
 
 
 def _into(out: RawOutputs, raw: RawOutputs) -> RawOutputs:

@@ -1,0 +1,75 @@
+"""The exact KL as a per-token estimator: ``estimator="full"`` of :func:`kl_kernels.kl_reward` and
+:func:`kl_kernels.kl_penalty_loss`.
+
+The sampled estimators (k1, k2, k3, ...) see one log-prob per token; ``"full"`` sees both models'
+logits over the vocabulary and takes, per counted token, ``KL(pi || pi_ref)`` from :func:`full_kl`
+(fused, no ``[N, V]`` float32 copy, gradients to the logits). The ops then treat that value as they
+treat a sampled estimate: masked, clamped by ``clamp_output``, times ``coef`` / ``beta``, aggregated.
+
+A shared module (it belongs to neither op; both call it, and it calls the ``full_kl`` op's public
+function). The rules that belong to ``"full"`` alone are written here, once, for both ops: which layouts take
+logits (dense ones: packed ``[N, V]`` with ``offsets``, padded ``[B, T, V]``; a list or nested batch
+of ``[n_b, V]`` rows would need an ``[N, V]`` copy to pack, which is what this path avoids), which
+options have no meaning for it (``clamp_input``: there is no log-ratio to clamp), and the
+temperature.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .full_kl import full_kl
+
+FULL = "full"
+
+
+def check_temperature(temperature, estimator: str) -> float:
+    """``temperature``: a finite number > 0, and other than 1 only with ``estimator="full"`` (the
+    sampled estimators read log-probs the caller already computed at its temperature)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if estimator != FULL and temperature != 1.0:
+        raise ValueError(f"temperature applies to estimator='full' (it divides the logits); got temperature="
+                         f"{temperature} with estimator={estimator!r}, whose log-probs carry their own temperature")
+    return float(temperature)
+
+
+def check_logits(name: str, x, token_shape: tuple | None = None) -> torch.Tensor:
+    """``x`` is a dense floating tensor ``[*token_shape, V]`` (``token_shape`` the log-probs' shape
+    when known)."""
+    if isinstance(x, (list, tuple)) or (isinstance(x, torch.Tensor) and x.is_nested):
+        raise TypeError(f"{name}: estimator='full' takes dense logits, packed [N, V] with offsets or padded "
+                        f"[B, T, V] (a list or nested batch would be copied into [N, V] to pack it), got "
+                        f"{'a nested tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of logits [..., V] for estimator='full', got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"{name} must be logits [N, V] (packed) or [B, T, V] (padded) for estimator='full', got "
+                         f"shape {list(x.shape)}")
+    if token_shape is not None and tuple(x.shape[:-1]) != tuple(token_shape):
+        raise ValueError(f"{name} must have the log-probs' shape {list(token_shape)} plus the vocabulary, "
+                         f"[{', '.join(map(str, token_shape))}, V], got {list(x.shape)}")
+    return x
+
+
+def check_unused(estimator: str, **given) -> None:
+    """Options that have no meaning for ``estimator``: ``full``'s logits with another estimator, a
+    log-ratio clamp (or the like) with ``"full"``."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            if estimator == FULL:
+                raise ValueError(f"{name} has no meaning for estimator='full' (the exact KL reads logits, not a "
+                                 f"log-ratio): leave it unset")
+            raise ValueError(f"{name} is read by estimator='full' only, got estimator={estimator!r}")
+
+
+def per_token(logits: torch.Tensor, ref_logits: torch.Tensor, counted: torch.Tensor, *, temperature: float,
+              backend: str) -> torch.Tensor:
+    """``KL(pi || pi_ref)`` per token, 0 (and no gradient) where ``counted`` is False: ``[*S]``
+    float32 (float64 for float64 logits). ``backend`` is the op's: every name an op takes is also
+    one of :func:`full_kl`'s."""
+    return full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend)
