@@ -148,6 +148,8 @@ def cmd_bench(args) -> int:
     paths = report.write(earlier + rows, facts, copy_gbs, Path(args.out))
     if not args.no_token_logprobs:
         paths.append(_bench_token_logprobs(args, device, facts, say))
+        if device.type == "cpu":
+            paths += _bench_hidden_states(args, say)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -168,6 +170,35 @@ def _bench_token_logprobs(args, device, facts, say) -> Path:
     path = Path(args.out) / "token_logprobs.json"
     path.write_text(json.dumps(dict(machine=facts, temperature=tlp.TEMPERATURE, rows=rows), indent=1))
     return path
+
+
+def _bench_hidden_states(args, say) -> list:
+    """The hidden-state path (``kl_kernels.bench.linear_logprobs``): ``linear_token_logprobs`` against
+    eager ``(hidden @ weight.T).log_softmax().gather`` + entropy and its torch.compile, and a GRPO loss step
+    (``linear_kl_penalty_loss``) against eager and Liger-Kernel's ``LigerFusedLinearGRPOLoss``: time and
+    peak extra memory, each contender in its own process, one size. Not with ``--quick``: each contender
+    starts a process and its eager step takes seconds (``python -m kl_kernels.bench.linear_logprobs``
+    runs it alone, at any size)."""
+    from .bench import linear_logprobs
+
+    if args.quick:
+        print("\nhidden-state path: not with --quick (python -m kl_kernels.bench.linear_logprobs runs it)")
+        return []
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
+    if dtype == "float16":
+        print("\nhidden-state path: float32 or bfloat16 only (Liger's CPU path and ours' bench); skipped for fp16")
+        return []
+    paths = []
+    for task, size in (("logprobs", (2048, 512, 32768)), ("loss", (2048, 512, 32768))):
+        say(f"hidden-state path ({task}): N={size[0]}, H={size[1]}, V={size[2]}, {dtype}, forward + backward, "
+            "each contender in its own process")
+        print(f"\nhidden-state path, {task} (time, peak extra memory of one step, each in its own process):")
+        result = linear_logprobs.run([size], dtype, repeats=3, task=task)
+        result["task"] = task
+        path = Path(args.out) / f"hidden_states_{task}.json"
+        path.write_text(json.dumps(result, indent=1))
+        paths.append(path)
+    return paths
 
 
 def main(argv=None) -> int:
@@ -199,7 +230,8 @@ def main(argv=None) -> int:
     p_bench.add_argument("--system-malloc", action="store_true", help="the same as --malloc default")
     p_bench.add_argument("--out", default="kl_kernels_bench", help="folder for results.json/.csv/.png")
     p_bench.add_argument("--no-token-logprobs", action="store_true",
-                         help="skip the token_logprobs rows (log-probs from logits, kl_kernels.bench.token_logprobs)")
+                         help="skip the token_logprobs rows (log-probs from logits, kl_kernels.bench.token_logprobs) "
+                              "and the hidden-state path's (kl_kernels.bench.linear_logprobs; CPU, not with --quick)")
     p_bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -162,3 +162,30 @@ def test_per_sample_floor_writes_only_its_own_containers():
     # the floor stored one view per sample, of the sample's length, under both output keys
     assert [o["kl_penalty"].shape for o in out.tensordicts] == [lp.shape for lp in lps]
     assert [o["reward"].shape for o in out.tensordicts] == [(*lp.shape, 1) for lp in lps]
+
+
+def test_bench_runs_the_hidden_state_path_on_the_cpu_but_not_with_quick(tmp_path, monkeypatch):
+    """``kl-kernels bench`` (not ``--quick``) times the hidden-state path, both tasks (log-probs; the GRPO
+    loss step against Liger), each contender in its own process (kl_kernels.bench.linear_logprobs.run,
+    stubbed here: the tiny bench above covers the rest of the command), and writes each task's JSON."""
+    import argparse
+
+    from kl_kernels import cli
+    from kl_kernels.bench import linear_logprobs
+
+    calls = []
+
+    def fake_run(sizes, dtype, repeats, task):
+        calls.append((tuple(sizes), dtype, task))
+        return dict(machine={}, rows=[dict(contender=c, ms=1.0) for c in (
+            linear_logprobs.LOSS_CONTENDERS if task == "loss" else linear_logprobs.CONTENDERS)])
+
+    monkeypatch.setattr(linear_logprobs, "run", fake_run)
+    args = argparse.Namespace(quick=True, dtype="fp32", out=str(tmp_path))
+    assert cli._bench_hidden_states(args, print) == [] and calls == []
+    args.quick = False
+    paths = cli._bench_hidden_states(args, print)
+    assert [task for _, _, task in calls] == ["logprobs", "loss"] and all(d == "float32" for _, d, _ in calls)
+    assert [p.name for p in paths] == ["hidden_states_logprobs.json", "hidden_states_loss.json"]
+    loss = json.loads(paths[1].read_text())
+    assert loss["task"] == "loss" and {r["contender"] for r in loss["rows"]} >= {"liger", "linear_kl_penalty_loss[cpu]"}
