@@ -13,13 +13,25 @@ them, then ``d hidden`` and ``d weight``). Peak extra memory: one chunk of logit
 
 from __future__ import annotations
 
+import inspect
+
+import torch
+
 from .kl_penalty import KLPenaltyLossOutput, kl_penalty_loss
+from .kl_penalty import problem as loss_problem
+from .reference_math import final_mask, token_frame
 from .token_logprobs import linear_token_logprobs
+from .token_logprobs.linear import linear_loss_one_pass, prepare
+
+_LOSS_ARGS = inspect.signature(kl_penalty_loss)
+_PROBLEM_ARGS = set(inspect.signature(loss_problem.build_problem).parameters) - {"log_probs", "old_log_probs",
+                                                                               "advantages"}
 
 
 def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *, bias=None, ref_hidden=None,
                            ref_weight=None, ref_bias=None, temperature=1.0, mask=None, ignore_index=-100,
-                           chunk_size=None, logprobs_backend="auto", **loss_kwargs) -> KLPenaltyLossOutput:
+                           chunk_size=None, logprobs_backend="auto", one_pass=None,
+                           **loss_kwargs) -> KLPenaltyLossOutput:
     r"""The PPO/GRPO policy loss with a KL penalty, :func:`kl_kernels.kl_penalty_loss`, from hidden states:
     the log-probs of ``labels`` under ``softmax((hidden @ weight.T + bias) / T)`` are computed chunk by
     chunk (:func:`kl_kernels.linear_token_logprobs`), so the ``[N, V]`` logits never exist.
@@ -38,6 +50,17 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
         ignore_index: labels that do not count (default -100).
         chunk_size: tokens per chunk of logits (default about 16M logits a chunk).
         logprobs_backend: the row pass's backend (``linear_token_logprobs``' ``backend``).
+        one_pass: ``None`` (default: when the loss allows it), ``True`` (raise if it does not) or ``False``.
+            One pass (Liger-Kernel's scheme): each chunk's logits are formed once, and the loss's gradient
+            to its tokens, known chunk by chunk, goes into ``d hidden`` and ``d weight`` at once; three
+            matmuls of the policy's head per chunk instead of four (the two-pass route forms the logits
+            again in backward). The gradients wait in memory for backward (``d hidden [N, H]`` and the
+            head's in float32: what the two-pass backward allocates too). It needs a loss whose gradient to
+            a token is known from that token and counts known beforehand: not GSPO
+            (``importance_sampling_level="sequence"``: a sequence's mean first), not ``aggregation="none"``
+            or a ``kl_aggregation``/``entropy_aggregation`` of its own, not ``process_group``, ``out``, a
+            caller's ``entropy=`` (its gradient would flow to the caller's tensor) or ``estimator="full"``.
+            Same values and gradients as two passes, up to the order of float64 sums.
         **loss_kwargs: every other argument of :func:`kl_kernels.kl_penalty_loss` (``beta``, ``estimator``,
             ``clip_epsilon``, ``aggregation``, ``offsets``/``lengths``, ``entropy_coef``, ``backend``, ...).
             With ``entropy_coef != 0`` and no ``entropy=``, the policy's entropy comes from the same pass.
@@ -60,7 +83,18 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
     """
     if ref_hidden is not None and loss_kwargs.get("ref_log_probs") is not None:
         raise ValueError("pass the reference either as ref_hidden/ref_weight or as ref_log_probs, not both")
+    if one_pass not in (None, True, False):
+        raise TypeError(f"one_pass must be None, True or False, got {one_pass!r}")
     want_entropy = loss_kwargs.get("entropy_coef", 0.0) not in (0, 0.0) and loss_kwargs.get("entropy") is None
+    if one_pass is not False:
+        args = _loss_arguments(old_log_probs, advantages, loss_kwargs)
+        blockers = _one_pass_blockers(args)
+        if not blockers:
+            return _one_pass(hidden, weight, labels, args, bias=bias, ref_hidden=ref_hidden, ref_weight=ref_weight,
+                             ref_bias=ref_bias, temperature=temperature, mask=mask, ignore_index=ignore_index,
+                             chunk_size=chunk_size, logprobs_backend=logprobs_backend, want_entropy=want_entropy)
+        if one_pass:
+            raise ValueError("one_pass=True: this loss needs two passes: " + "; ".join(blockers))
     common = dict(temperature=temperature, mask=mask, ignore_index=ignore_index, chunk_size=chunk_size,
                   backend=logprobs_backend)
     # (the reference pair's rules, lm_head.check_ref_head, are linear_token_logprobs' own)
@@ -74,3 +108,108 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
     if mask is not None:
         counted = counted & mask
     return kl_penalty_loss(policy.log_probs, old_log_probs, advantages, mask=counted, **loss_kwargs)
+
+
+def _loss_arguments(old_log_probs, advantages, loss_kwargs) -> dict:
+    """Every argument of :func:`kl_penalty_loss` for this call, its defaults filled in (a misspelt one is
+    kl_penalty_loss' own TypeError)."""
+    bound = _LOSS_ARGS.bind(None, old_log_probs, advantages, **loss_kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _one_pass_blockers(args: dict) -> list:
+    """Why a loss's gradient to a token is not known from that chunk's tokens alone (empty: it is)."""
+    reasons = []
+    if args["importance_sampling_level"] != "token":
+        reasons.append("importance_sampling_level='sequence' (GSPO) needs each sequence's mean log-ratio first")
+    if args["aggregation"] == "none":
+        reasons.append("aggregation='none' returns per-token losses, each with its own gradient")
+    for name in ("kl_aggregation", "entropy_aggregation"):
+        if args[name] not in (None, args["aggregation"]):
+            reasons.append(f"{name} weighs its term apart")
+    for name, why in (("process_group", "the ranks' diagnostics are all-reduced after the kernels"),
+                      ("out", "the fused kernels' gradient buffer is for the two-pass route"),
+                      ("entropy", "a caller's entropy tensor takes its gradient through autograd")):
+        if args[name] is not None:
+            reasons.append(f"{name}: {why}")
+    if args["estimator"] == "full":
+        reasons.append("estimator='full' reads logits, not log-probs")
+    return reasons
+
+
+def _one_pass(hidden, weight, labels, args, *, bias, ref_hidden, ref_weight, ref_bias, temperature, mask, ignore_index,
+              chunk_size, logprobs_backend, want_entropy) -> KLPenaltyLossOutput:
+    """The loss in one pass (``linear_loss_one_pass``): each chunk's share is ``sum_t W_t loss_t`` of
+    ``kl_penalty_loss``' per-token losses (``aggregation="none"``, every token its own sequence), ``W_t`` the
+    weight of token t's sequence in the aggregation: the gradient to each token's log-prob of the batch's
+    ``kl_penalty_loss`` with advantages -1 at ratio 1 (the op's own weights, counts and options, no formula
+    restated here)."""
+    rows = prepare(hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=want_entropy, mask=mask,
+                   ignore_index=ignore_index, chunk_size=chunk_size, backend=logprobs_backend, ref_hidden=ref_hidden,
+                   ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_kl_penalty_loss")
+    old, advantages = args["old_log_probs"], args["advantages"]
+    counted = labels != ignore_index
+    if mask is not None:
+        counted = counted & mask
+    args = dict(args, mask=counted)
+    # kl_penalty_loss' checks of every loss argument (old_log_probs standing in for the log-probs), before
+    # any matmul; the problem gives the native layout ([N] packed or [B, T] padded) and its token frame
+    p, kind, _ = loss_problem.build_problem(old, old, advantages,
+                                            **{k: v for k, v in args.items() if k in _PROBLEM_ARGS})
+    if tuple(p.log_probs.shape) != tuple(rows.shape):
+        raise ValueError(f"old_log_probs must have the token shape of hidden {list(rows.shape)} (the loss' layout), "
+                         f"got {list(p.log_probs.shape)}")
+    valid, pos, per_seq, _ = token_frame(p)
+    shape = p.log_probs.shape
+
+    def per_token(x):  # a per-sequence [B] vector at every token, flat
+        return per_seq(x).expand(shape).reshape(-1)
+
+    m = final_mask(p, valid, pos, per_seq).reshape(-1)
+    adv = per_token(p.advantages.reshape(-1)) if p.adv_per_seq else p.advantages.reshape(-1)
+    beta = p.beta
+    if isinstance(beta, torch.Tensor) and beta.dim() == 1:
+        beta = per_token(beta)
+    flat_old = p.old_log_probs.reshape(-1)
+    flat_ref = None if p.ref_log_probs is None else p.ref_log_probs.reshape(-1)
+    flat_w = None if p.weights is None else p.weights.reshape(-1)
+    w_tok = _token_weights(old, args).reshape(-1)
+    per_token_args = {k: args[k] for k in ("estimator", "clip_epsilon", "dual_clip", "weight_kl", "clamp_input",
+                                           "clamp_output", "kl_times_ratio", "entropy_coef", "backend")}
+
+    def chunk_loss(c0, c1, lp, ent, ref_lp, extras):
+        beta_c = beta[c0:c1] if isinstance(beta, torch.Tensor) and beta.dim() == 1 else beta
+        ref = ref_lp if ref_lp is not None else (None if flat_ref is None else flat_ref[c0:c1])
+        out = kl_penalty_loss(lp, flat_old[c0:c1], adv[c0:c1], offsets=torch.arange(c1 - c0 + 1, device=lp.device),
+                              mask=m[c0:c1], beta=beta_c, ref_log_probs=ref, entropy=ent, aggregation="none",
+                              weights=None if flat_w is None else flat_w[c0:c1], **per_token_args)
+        w = w_tok[c0:c1].to(torch.float64)
+        parts = torch.stack([(t.to(torch.float64) * w).sum() for t in (out.loss_objective, out.loss_kl,
+                                                                          out.loss_entropy)])
+        n = out.num_tokens.to(torch.float64)
+        extras.append((parts, torch.stack([out.kl_mean, out.ratio_mean, out.clip_fraction]).to(torch.float64) * n,
+                       out.num_tokens, out.loss.dtype))
+        return (out.loss.to(torch.float64) * w).sum()
+
+    loss, extras = linear_loss_one_pass(rows, want_entropy, chunk_loss)
+    md = extras[0][3] if extras else torch.float32
+    parts = sum((e[0] for e in extras), torch.zeros(3, dtype=torch.float64, device=hidden.device))
+    diag = sum((e[1] for e in extras), torch.zeros(3, dtype=torch.float64, device=hidden.device))
+    count = sum((e[2] for e in extras), torch.zeros((), dtype=torch.int64, device=hidden.device))
+    means = diag / count.clamp_min(1).to(torch.float64)
+    return KLPenaltyLossOutput(loss.to(md), *parts.to(md).unbind(), *means.to(md).unbind(), count)
+
+
+def _token_weights(old, args) -> torch.Tensor:
+    """``W_t``: each counted token's weight in the loss' aggregation (its sequence's ``w_b``), 0 elsewhere:
+    the gradient to the log-probs of ``kl_penalty_loss`` at ratio 1 with advantages -1 (``pg_t = ratio_t``),
+    no clip, KL or entropy term, so that the op's own aggregation code says it."""
+    probe = torch.zeros(old.shape, dtype=torch.float32, device=old.device, requires_grad=True)
+    layout = {k: args[k] for k in ("mask", "offsets", "lengths", "padding_side", "aggregation", "norm_length",
+                                   "num_global_tokens", "num_sequences", "backend")}
+    with torch.enable_grad():
+        out = kl_penalty_loss(probe, probe.detach(), torch.full(old.shape, -1.0, device=old.device), beta=0.0,
+                              **layout)
+        (w,) = torch.autograd.grad(out.loss, [probe])
+    return w

@@ -5,9 +5,14 @@ argument checks."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from conftest import CUDA_EMULATED
 from kl_kernels import kl_penalty_loss, linear_kl_penalty_loss
 
 
@@ -23,7 +28,8 @@ def _materialized(h, w, b, labels, counted, temperature):
 @pytest.mark.parametrize("ref_from", ["hidden", "log_probs", None])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_the_loss_on_materialized_logits(layout, ref_from, entropy_coef, with_bias):
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_matches_the_loss_on_materialized_logits(layout, ref_from, entropy_coef, with_bias, one_pass):
     g = torch.Generator().manual_seed(hash((layout, ref_from, entropy_coef, with_bias)) % 2**31)
     shape = (3, 7) if layout == "padded" else (17,)
     H, H_ref, V, T = 12, 9, 60, 0.8
@@ -50,7 +56,7 @@ def test_matches_the_loss_on_materialized_logits(layout, ref_from, entropy_coef,
     else:
         ref_args, kwargs["beta"] = {}, 0.0
     got = linear_kl_penalty_loss(h, w, labels, old, adv, bias=b, temperature=T, mask=mask, chunk_size=4,
-                                 **ref_args, **kwargs)
+                                 one_pass=one_pass, **ref_args, **kwargs)
     leaves = [t for t in (h, w, b) if t is not None]
     grads = torch.autograd.grad(got.loss, leaves)
 
@@ -127,3 +133,141 @@ def test_parity_with_liger_fused_linear_grpo_loss(loss_type, beta, with_old):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     for name, a, e in zip(("hidden", "weight", "bias"), g_ours, g_theirs):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"d {name}: {m}")
+
+
+ONE_PASS_AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                         "token-sum-norm", "sum"]
+
+
+@st.composite
+def loss_calls(draw):
+    """A loss from hidden states with options drawn from everything one pass takes."""
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    layout = draw(st.sampled_from(["padded", "packed"]))
+    lens = draw(st.lists(st.integers(0, 6), min_size=1, max_size=4))
+    batch = len(lens)
+    shape = (batch, max(max(lens), 1)) if layout == "padded" else (sum(lens),)
+    H, V = 8, draw(st.sampled_from([1, 7, 40]))
+    labels = torch.randint(0, V, shape, generator=g)
+    labels[torch.rand(shape, generator=g) < 0.1] = -100
+    kw = dict(beta=draw(st.sampled_from([0.0, 0.05, "per-sequence"])),
+              estimator=draw(st.sampled_from(["k1", "k2", "k3", "k3+", "abs"])),
+              clip_epsilon=draw(st.sampled_from([None, 0.2, (0.2, 0.28)])),
+              dual_clip=draw(st.sampled_from([None, 3.0])),
+              aggregation=draw(st.sampled_from(ONE_PASS_AGGREGATIONS)),
+              entropy_coef=draw(st.sampled_from([0.0, 0.01])),
+              kl_times_ratio=draw(st.booleans()),
+              clamp_output=draw(st.sampled_from([None, (-10.0, 10.0)])))
+    if kw["beta"] == "per-sequence":
+        kw["beta"] = torch.rand(batch, generator=g) * 0.1
+    if layout == "packed":
+        kw["offsets"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        if "norm" in kw["aggregation"]:
+            kw["norm_length"] = 6.0
+        adv = torch.randn(batch, 1, generator=g) if draw(st.booleans()) else torch.randn(shape, generator=g)
+    else:
+        kw["lengths"] = torch.tensor(lens)
+        kw["padding_side"] = draw(st.sampled_from(["left", "right"]))
+        adv = torch.randn(batch, generator=g) if draw(st.booleans()) else torch.randn(shape, generator=g)
+    if draw(st.booleans()):
+        kw["weights"] = torch.rand(shape, generator=g) + 0.5
+        kw["weight_kl"] = draw(st.booleans())
+    if kw["aggregation"] == "token-mean" and draw(st.booleans()):
+        kw["num_global_tokens"] = 50
+    if kw["aggregation"].startswith("seq-mean") and draw(st.booleans()):
+        kw["num_sequences"] = "nonempty"
+    ref = draw(st.sampled_from(["hidden", "log_probs", None]))
+    if ref == "hidden":
+        kw.update(ref_hidden=torch.randn(*shape, 5, generator=g), ref_weight=torch.randn(V, 5, generator=g))
+    elif ref == "log_probs":
+        kw["ref_log_probs"] = -torch.rand(shape, generator=g) * 3
+    tensors = dict(hidden=torch.randn(*shape, H, generator=g), weight=torch.randn(V, H, generator=g) * 0.5,
+                   bias=torch.randn(V, generator=g) if draw(st.booleans()) else None, labels=labels,
+                   old=-torch.rand(shape, generator=g) * 3, adv=adv,
+                   mask=(torch.rand(shape, generator=g) < 0.9) if draw(st.booleans()) else None)
+    return tensors, kw, draw(st.sampled_from([1, 3, 64])), draw(st.sampled_from([1.0, 0.7]))
+
+
+def _run(tensors, kw, chunk, temperature, one_pass, backend):
+    h = tensors["hidden"].clone().requires_grad_()
+    w = tensors["weight"].clone().requires_grad_()
+    b = None if tensors["bias"] is None else tensors["bias"].clone().requires_grad_()
+    out = linear_kl_penalty_loss(h, w, tensors["labels"], tensors["old"], tensors["adv"], bias=b, mask=tensors["mask"],
+                                 temperature=temperature, chunk_size=chunk, one_pass=one_pass,
+                                 logprobs_backend=backend, backend=backend, **kw)
+    leaves = [t for t in (h, w, b) if t is not None]
+    return out, torch.autograd.grad(out.loss, leaves)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", CUDA_EMULATED])
+@given(call=loss_calls())
+@settings(max_examples=30, deadline=None)
+def test_one_pass_equals_two_passes(call, backend):
+    """One pass (the loss's gradient into d hidden / d weight chunk by chunk, three matmuls per chunk) and
+    two passes (log-probs, the loss, the logits again in backward): the loss, every part and diagnostic,
+    and the gradients to hidden, weight and bias agree (up to float64 summation order), over layouts,
+    aggregations, coefficients, estimators, clips, weights, references, entropy, kl_times_ratio and chunk
+    sizes down to one token (chunks that count no token included)."""
+    tensors, kw, chunk, temperature = call
+    before = {k: None if v is None else v.clone() for k, v in tensors.items()}
+    one, g_one = _run(tensors, kw, chunk, temperature, True, backend)
+    two, g_two = _run(tensors, kw, chunk, temperature, False, backend)
+    for name, a, e in zip(one._fields, one, two):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    for name, a, e in zip(("hidden", "weight", "bias"), g_one, g_two):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"d {name}: {m}")
+    for k, v in tensors.items():
+        assert v is None or torch.equal(v, before[k]), f"{k} was modified"
+
+
+def test_one_pass_forms_each_chunks_logits_once(monkeypatch):
+    """Three products with the policy's head per chunk (the logits, d hidden, d weight) and one with the
+    reference's, against four and one in two passes: counted at torch's linear and matmul."""
+    linear_mod = importlib.import_module("kl_kernels.token_logprobs.linear")
+
+    calls = {"linear": 0}
+    real = torch.nn.functional.linear
+
+    def counting(*args, **kwargs):
+        calls["linear"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear_mod.torch.nn.functional, "linear", counting)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 6, 8, generator=g, requires_grad=True), torch.randn(30, 8, generator=g, requires_grad=True)
+    args = (h, w, torch.randint(0, 30, (2, 6), generator=g), -torch.rand(2, 6, generator=g), torch.randn(2, generator=g))
+    ref = dict(ref_hidden=h.detach() * 0.5, ref_weight=w.detach(), beta=0.1, chunk_size=4)
+    for one_pass, logits_per_chunk in ((True, 2), (False, 3)):  # 12 tokens: 3 chunks
+        calls["linear"] = 0
+        linear_kl_penalty_loss(*args, one_pass=one_pass, **ref).loss.backward()
+        assert calls["linear"] == 3 * logits_per_chunk, (one_pass, calls)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(importance_sampling_level="sequence"), "GSPO"),
+    (dict(aggregation="none"), "aggregation='none'"),
+    (dict(aggregation="seq-mean-token-mean", kl_aggregation="token-mean"), "kl_aggregation weighs its term apart"),
+    (dict(entropy=torch.zeros(2, 3), entropy_coef=0.1), "entropy: a caller's entropy tensor"),
+    (dict(out=torch.zeros(2, 3)), "out: "),
+])
+def test_one_pass_says_why_it_cannot_run_and_auto_takes_two(kwargs, reason):
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(2, 3, 4, generator=g), torch.randn(9, 4, generator=g), torch.randint(0, 9, (2, 3), generator=g),
+            -torch.rand(2, 3, generator=g), torch.randn(2, generator=g))
+    with pytest.raises(ValueError, match="one_pass=True: this loss needs two passes: .*" + reason):
+        linear_kl_penalty_loss(*args, one_pass=True, **kwargs)
+    auto = linear_kl_penalty_loss(*args, **kwargs)
+    two = linear_kl_penalty_loss(*args, one_pass=False, **kwargs)
+    torch.testing.assert_close(auto.loss, two.loss, rtol=0, atol=0)
+
+
+def test_one_pass_checks_the_loss_arguments_before_any_matmul(monkeypatch):
+    linear_mod = importlib.import_module("kl_kernels.token_logprobs.linear")
+
+    monkeypatch.setattr(linear_mod.torch.nn.functional, "linear", lambda *a, **k: pytest.fail("a matmul ran"))
+    with pytest.raises(ValueError, match="clip_epsilon"):
+        linear_kl_penalty_loss(torch.zeros(2, 3, 4), torch.zeros(9, 4), torch.zeros(2, 3, dtype=torch.int64),
+                               torch.zeros(2, 3), torch.zeros(2), clip_epsilon=-0.1)
+    with pytest.raises(TypeError, match="one_pass"):
+        linear_kl_penalty_loss(torch.zeros(2, 3, 4), torch.zeros(9, 4), torch.zeros(2, 3, dtype=torch.int64),
+                               torch.zeros(2, 3), torch.zeros(2), one_pass="yes")

@@ -13,7 +13,9 @@ With ``--task loss``: a whole GRPO loss step from hidden states (policy and refe
 0.04, clip 0.2, TRL's "grpo" aggregation, 8 sequences), forward + backward to the policy's hidden states and
 head: ``eager loss`` (both models' logits whole, ``log_softmax().gather``, TRL's per-token loss in torch),
 ``liger`` (Liger-Kernel 0.8.5's ``LigerFusedLinearGRPOLoss``, chunked, ``compiled=False``: its CPU path),
-``linear_kl_penalty_loss[cpu]`` (ours: chunked log-probs, the fused loss).
+``linear_kl_penalty_loss[cpu]`` (ours: one pass, each chunk's logits formed once and the loss's gradient
+taken into ``d hidden``/``d weight`` at once, as Liger does) and ``linear_kl_penalty_loss[cpu] two passes``
+(``one_pass=False``: chunked log-probs, the fused loss, the logits formed again in backward).
 
 Peak memory as in :mod:`kl_kernels.bench.token_logprobs` (resident high-water mark of one call over the
 resident size before it, after a warm-up call); the inputs' gradients are part of every contender's peak.
@@ -39,7 +41,7 @@ from .token_logprobs import _reset_peak, _status_mib
 
 DEFAULT_SIZES = ((2048, 512, 32768), (8192, 512, 131072))
 CONTENDERS = ("eager", "compile", "linear_token_logprobs[cpu]", "linear_token_logprobs[torch]")
-LOSS_CONTENDERS = ("eager loss", "liger", "linear_kl_penalty_loss[cpu]")
+LOSS_CONTENDERS = ("eager loss", "liger", "linear_kl_penalty_loss[cpu]", "linear_kl_penalty_loss[cpu] two passes")
 SEQUENCES = 8
 TEMPERATURE = 0.7
 
@@ -85,7 +87,7 @@ def _loss_step(name, x, liger_fn=None):
         loss = linear_kl_penalty_loss(h, w, x["labels"], x["old"], x["adv"], ref_hidden=x["ref_hidden"],
                                       ref_weight=x["ref_weight"], temperature=TEMPERATURE, mask=x["mask"].bool(),
                                       beta=0.04, estimator="k3", clip_epsilon=0.2, aggregation="seq-mean-token-mean",
-                                      logprobs_backend="cpu").loss
+                                      logprobs_backend="cpu", one_pass=not name.endswith("two passes")).loss
     else:  # TRL's per-token GRPO loss on whole logits
         def logps(hidden, weight):
             z = (hidden @ weight.t()).float() / TEMPERATURE

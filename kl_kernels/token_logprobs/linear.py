@@ -17,6 +17,7 @@ call over the tokens.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +29,7 @@ from ..lm_head import (add_chunk_grads, check_lm_head, check_ref_head, chunk_tok
 from .problem import build_problem
 
 
-def _rows(backend: str):
+def row_pass(backend: str):
     """(forward, backward) of the row pass for a chunk's logits [C, V]."""
     if backend in ("cpu", "cuda"):  # the launcher picks _C or _cuda by the logits' device
         return launch.forward, launch.backward
@@ -44,7 +45,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, chunk, backend,
                 ref_hidden=None, ref_weight=None, ref_bias=None):
         # (the reference's tensors come detached: its log-probs get no gradient)
-        fwd, _ = _rows(backend)
+        fwd, _ = row_pass(backend)
         n = labels.numel()
         md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
         lp = torch.empty(n, dtype=md, device=hidden.device)
@@ -71,7 +72,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_ref_lp):
         hidden, weight, bias, labels, counted, lse, ent = ctx.saved_tensors
-        _, bwd = _rows(ctx.backend)
+        _, bwd = row_pass(ctx.backend)
         n = labels.numel()
         grads = head_grad_buffers(ctx.needs_input_grad, hidden, weight, bias)
         grad_ent = grad_ent if ctx.want_entropy else None
@@ -131,6 +132,37 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         >>> (both.log_probs - both.ref_log_probs).shape, both.ref_log_probs.requires_grad
         (torch.Size([4]), False)
     """
+    r = prepare(hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy, mask=mask,
+                ignore_index=ignore_index, chunk_size=chunk_size, backend=backend, ref_hidden=ref_hidden,
+                ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_token_logprobs")
+    lp, ent, _, ref_lp = _LinearTokenLogprobs.apply(r.hidden, r.weight, r.bias, r.labels, r.counted, r.temperature,
+                                                    return_entropy, r.chunk, r.backend, *r.ref)
+    ent = ent.reshape(r.shape) if return_entropy else None
+    if r.ref:
+        return LinearTokenLogprobsOutput(lp.reshape(r.shape), ent, ref_lp.reshape(r.shape))
+    return TokenLogprobsOutput(lp.reshape(r.shape), ent)
+
+
+class LinearRows(NamedTuple):
+    """A chunk loop's checked inputs: ``hidden [N, H]`` (flattened), the head, ``labels``/``counted`` ``[N]``,
+    the temperature, tokens per chunk, the row pass's backend name, the reference ``(ref_hidden [N, H_ref],
+    ref_weight, ref_bias)`` detached (or ``()``) and the token shape ``S``."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    labels: torch.Tensor
+    counted: torch.Tensor
+    temperature: float
+    chunk: int
+    backend: str
+    ref: tuple
+    shape: torch.Size
+
+
+def prepare(hidden, weight, labels, *, bias, temperature, return_entropy, mask, ignore_index, chunk_size, backend,
+            ref_hidden, ref_weight, ref_bias, caller: str) -> LinearRows:
+    """Every check of :func:`linear_token_logprobs`' arguments, and the row pass's backend."""
     vocab = check_lm_head(hidden, weight, bias)
     with_ref = check_ref_head(hidden, vocab, ref_hidden, ref_weight, ref_bias, required=False)
     chunk_size = chunk_tokens(chunk_size, vocab)
@@ -141,14 +173,76 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
     # The backend: token_logprobs' own dispatch, asked about what the row pass will get, a chunk's fresh
     # contiguous logits [C, V] (one row stands in)
     chunk_rows = dataclasses.replace(p, logits=hidden.new_empty((1, vocab)), labels=p.labels[:0], counted=p.counted[:0])
-    name = row_pass_backend(REGISTRY, backend, "token_logprobs", chunk_rows, "linear_token_logprobs")
-    shape = p.labels.shape
+    name = row_pass_backend(REGISTRY, backend, "token_logprobs", chunk_rows, caller)
     ref = (ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(),
            None if ref_bias is None else ref_bias.detach()) if with_ref else ()
-    lp, ent, _, ref_lp = _LinearTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                                    p.labels.reshape(-1), p.counted.reshape(-1), p.temperature,
-                                                    return_entropy, int(chunk_size), name, *ref)
-    ent = ent.reshape(shape) if return_entropy else None
-    if with_ref:
-        return LinearTokenLogprobsOutput(lp.reshape(shape), ent, ref_lp.reshape(shape))
-    return TokenLogprobsOutput(lp.reshape(shape), ent)
+    return LinearRows(hidden.reshape(-1, hidden.shape[-1]), weight, bias, p.labels.reshape(-1), p.counted.reshape(-1),
+                      p.temperature, int(chunk_size), name, ref, p.labels.shape)
+
+
+def linear_loss_one_pass(rows: LinearRows, want_entropy: bool, chunk_loss):
+    """A scalar loss of the per-token log-probs (and entropy) of ``rows`` whose gradient to them is known
+    chunk by chunk, in **one** pass over the tokens (Liger-Kernel's scheme): per chunk, the logits are
+    formed once (and the reference's, before them), the row pass gives the log-probs, ``chunk_loss(c0, c1,
+    log_probs_c, entropy_c, ref_log_probs_c)`` the chunk's share of the loss (a 0-d tensor differentiable
+    in ``log_probs_c`` and ``entropy_c``, leaves handed to it), its gradient goes into the logits in place
+    and from there into ``d hidden``, ``d weight`` and ``d bias`` right away. Three matmuls of the policy's
+    head per chunk (forward, ``d hidden``, ``d weight``) where the two-pass route takes four (the logits
+    again in backward); the gradients wait in memory (``d hidden`` ``[N, H]``, the head's in float32) for
+    backward, which scales them by the incoming gradient.
+
+    Returns ``(loss, shares)``: the loss (0-d float64 sum of the chunks' shares, cast to float32, with
+    autograd to ``hidden``, ``weight`` and ``bias``) and the list of what each ``chunk_loss`` call left in
+    its ``extras`` (see :class:`_OnePass`)."""
+    extras = []
+    loss = _OnePass.apply(rows.hidden, rows.weight, rows.bias, rows, want_entropy, chunk_loss, extras)
+    return loss, extras
+
+
+class _OnePass(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, want_entropy, chunk_loss, extras):
+        fwd, bwd = row_pass(rows.backend)
+        needs = ctx.needs_input_grad[:3]
+        grads = head_grad_buffers(needs, hidden, weight, bias)
+        differentiate = any(needs)
+        n, total = rows.labels.numel(), torch.zeros((), dtype=torch.float64, device=hidden.device)
+        no_entropy = torch.empty(0, dtype=torch.float32, device=hidden.device)
+        for c0 in range(0, n, rows.chunk):
+            c1 = min(c0 + rows.chunk, n)
+            labels, counted = rows.labels[c0:c1], rows.counted[c0:c1]
+            ref_lp = None
+            if rows.ref:
+                ref_hidden, ref_weight, ref_bias = rows.ref
+                ref_logits = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
+                ref_lp = fwd(ref_logits, labels, counted, rows.temperature, False)[0]
+                del ref_logits
+            logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
+            lp, ent, lse = fwd(logits, labels, counted, rows.temperature, want_entropy)
+            leaves = [lp.detach().requires_grad_(differentiate)]
+            if want_entropy:
+                leaves.append(ent.detach().requires_grad_(differentiate))
+            with torch.enable_grad():
+                share = chunk_loss(c0, c1, leaves[0], leaves[1] if want_entropy else None, ref_lp, extras)
+                if differentiate and share.requires_grad:
+                    g = torch.autograd.grad(share, leaves, allow_unused=True)
+                else:
+                    g = (None, None)
+            total += share.detach().to(torch.float64)
+            if differentiate and any(x is not None for x in g):
+                g_lp, g_ent = g[0], (g[1] if want_entropy else None)
+                d = bwd(g_lp, g_ent, logits, labels, counted, rows.temperature, lse,
+                        ent if g_ent is not None else no_entropy, logits)
+                add_chunk_grads(c0, c1, d, hidden, weight, grads)
+            elif differentiate:  # this chunk's loss does not depend on its tokens (all masked out)
+                if grads[0] is not None:
+                    grads[0][c0:c1] = 0
+            del logits
+        ctx.grads = head_grads_out(grads, weight, bias)
+        return total.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = tuple(None if g is None else g * grad.to(g.dtype) for g in ctx.grads)
+        ctx.grads = None
+        return (*out, None, None, None, None)
