@@ -3,12 +3,19 @@ reference's) instead of per-token log-probs, without either model's ``[N, V]`` l
 front end of Liger-Kernel's ``LigerFusedLinearGRPOLoss``). A composition of two ops (``token_logprobs`` and
 ``kl_penalty``), so it belongs to neither: ops are siblings that never import each other.
 
-One chunked pass over the tokens: :func:`kl_kernels.linear_token_logprobs` gives the policy's log-probs (and
-its entropy when the loss has an entropy term) a chunk of tokens at a time, and the reference's (without
-gradients) from the same chunks;
-the fused loss runs on those ``[*S]`` tensors; in backward the loss's gradient to the log-probs flows into
-``linear_token_logprobs``' chunked backward (logits recomputed per chunk, their gradient written over
-them, then ``d hidden`` and ``d weight``). Peak extra memory: one chunk of logits, O(chunk x V).
+One pass (the default, where the loss allows it: ``one_pass``): per chunk of tokens, the reference's logits
+and the policy's are formed once, the row pass gives their log-probs (and the policy's entropy), the
+chunk's share of the loss is :func:`kl_penalty_loss` of those tokens (per token, each weighed by its
+sequence's aggregation weight), and its gradient goes through the logits into ``d hidden`` and ``d weight``
+at once (``token_logprobs.linear.linear_loss_one_pass``); backward only scales them.
+
+Two passes (GSPO and the other losses whose per-token gradient needs the whole batch first):
+:func:`kl_kernels.linear_token_logprobs` gives the policy's log-probs (and entropy) and the reference's a
+chunk of tokens at a time; the fused loss runs on those ``[*S]`` tensors; in backward the loss's gradient to
+the log-probs flows into ``linear_token_logprobs``' chunked backward (logits recomputed per chunk, their
+gradient written over them, then ``d hidden`` and ``d weight``).
+
+Peak extra memory either way: one chunk of logits, O(chunk x V), plus the gradients' buffers.
 """
 
 from __future__ import annotations

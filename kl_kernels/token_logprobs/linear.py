@@ -184,16 +184,18 @@ def linear_loss_one_pass(rows: LinearRows, want_entropy: bool, chunk_loss):
     """A scalar loss of the per-token log-probs (and entropy) of ``rows`` whose gradient to them is known
     chunk by chunk, in **one** pass over the tokens (Liger-Kernel's scheme): per chunk, the logits are
     formed once (and the reference's, before them), the row pass gives the log-probs, ``chunk_loss(c0, c1,
-    log_probs_c, entropy_c, ref_log_probs_c)`` the chunk's share of the loss (a 0-d tensor differentiable
-    in ``log_probs_c`` and ``entropy_c``, leaves handed to it), its gradient goes into the logits in place
+    log_probs_c, entropy_c, ref_log_probs_c, extras)`` the chunk's share of the loss (a 0-d tensor
+    differentiable in ``log_probs_c`` and ``entropy_c``, leaves handed to it; ``entropy_c`` is None without
+    ``want_entropy``, ``ref_log_probs_c`` without a reference; ``extras`` a list it may append its
+    diagnostics to), its gradient goes into the logits in place
     and from there into ``d hidden``, ``d weight`` and ``d bias`` right away. Three matmuls of the policy's
     head per chunk (forward, ``d hidden``, ``d weight``) where the two-pass route takes four (the logits
     again in backward); the gradients wait in memory (``d hidden`` ``[N, H]``, the head's in float32) for
     backward, which scales them by the incoming gradient.
 
-    Returns ``(loss, shares)``: the loss (0-d float64 sum of the chunks' shares, cast to float32, with
-    autograd to ``hidden``, ``weight`` and ``bias``) and the list of what each ``chunk_loss`` call left in
-    its ``extras`` (see :class:`_OnePass`)."""
+    Returns ``(loss, extras)``: the loss (the chunks' shares summed in float64, cast to float32, with
+    autograd to ``hidden``, ``weight`` and ``bias``) and what the ``chunk_loss`` calls appended to
+    ``extras``."""
     extras = []
     loss = _OnePass.apply(rows.hidden, rows.weight, rows.bias, rows, want_entropy, chunk_loss, extras)
     return loss, extras
