@@ -156,17 +156,22 @@ def cmd_bench(args) -> int:
 
 def _bench_token_logprobs(args, device, facts, say) -> Path:
     """token_logprobs (log-probs and entropy from logits, forward + backward) against eager
-    ``log_softmax().gather`` and its torch.compile: time and peak extra memory, one size
-    (``python -m kl_kernels.bench.token_logprobs`` runs more, each contender in its own process)."""
+    ``log_softmax().gather`` and its torch.compile: time and peak extra memory, one size. On the CPU
+    without ``--quick`` each contender runs in its own process (clean peaks); ``--quick`` and a GPU
+    run them here (``python -m kl_kernels.bench.token_logprobs`` runs more sizes)."""
     from .bench import token_logprobs as tlp
 
     size = (256, 8192) if args.quick else (2048, 32768)
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
     say(f"token_logprobs: N={size[0]}, V={size[1]}, {dtype} logits, forward + backward (time, peak extra memory)")
-    print("\ntoken_logprobs vs log_softmax().gather + entropy (peaks in this process; see "
-          "python -m kl_kernels.bench.token_logprobs for clean ones):")
-    # --quick: no torch.compile contender here (its compile alone takes longer than the rest)
-    rows = tlp.run_here([size], dtype, device, with_compile=not (args.no_compile or args.quick), progress=print)
+    own_process = device.type == "cpu" and not args.quick and not args.no_compile
+    print("\ntoken_logprobs vs log_softmax().gather + entropy (" + (
+        "each contender in its own process):" if own_process else
+        "peaks in this process; see python -m kl_kernels.bench.token_logprobs for clean ones):"))
+    if own_process:
+        rows = tlp.run([size], dtype)["rows"]
+    else:  # --quick: no torch.compile contender here (its compile alone takes longer than the rest)
+        rows = tlp.run_here([size], dtype, device, with_compile=not (args.no_compile or args.quick), progress=print)
     path = Path(args.out) / "token_logprobs.json"
     path.write_text(json.dumps(dict(machine=facts, temperature=tlp.TEMPERATURE, rows=rows), indent=1))
     return path

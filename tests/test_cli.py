@@ -189,3 +189,23 @@ def test_bench_runs_the_hidden_state_path_on_the_cpu_but_not_with_quick(tmp_path
     assert [p.name for p in paths] == ["hidden_states_logprobs.json", "hidden_states_loss.json"]
     loss = json.loads(paths[1].read_text())
     assert loss["task"] == "loss" and {r["contender"] for r in loss["rows"]} >= {"liger", "linear_kl_penalty_loss[cpu]"}
+
+
+def test_bench_times_token_logprobs_in_own_processes_without_quick(tmp_path, monkeypatch):
+    """Without --quick, on the CPU, the token_logprobs contenders each run in their own process
+    (kl_kernels.bench.token_logprobs.run, stubbed here), so their peaks are clean (issue 28 item 7)."""
+    import argparse
+
+    import torch
+
+    from kl_kernels import cli
+    from kl_kernels.bench import token_logprobs as tlp
+
+    seen = []
+    monkeypatch.setattr(tlp, "run", lambda sizes, dtype: seen.append(("own", sizes)) or dict(rows=[]))
+    monkeypatch.setattr(tlp, "run_here", lambda sizes, *a, **k: seen.append(("here", sizes)) or [])
+    args = argparse.Namespace(quick=False, no_compile=False, dtype="bf16", out=str(tmp_path))
+    cli._bench_token_logprobs(args, torch.device("cpu"), {}, print)
+    args.quick = True
+    cli._bench_token_logprobs(args, torch.device("cpu"), {}, print)
+    assert seen == [("own", [(2048, 32768)]), ("here", [(256, 8192)])]
