@@ -129,11 +129,14 @@ INLINE_BUDGETS = ["--param=inline-unit-growth=400", "--param=large-function-grow
 SOURCE_FLAGS = {"kl_penalty_cpu.cpp": INLINE_BUDGETS, "kl_penalty_cpu_kr.cpp": INLINE_BUDGETS}
 
 
-def _clang() -> bool:
-    """Whether the C++ compiler setuptools will call is clang."""
+def _clang(compiler) -> bool:
+    """Whether ``compiler`` (setuptools' compiler object) calls clang for C++ sources: its own command
+    (``compiler_so_cxx``, or ``compiler_so`` on setuptools without it), else the environment's."""
     import sysconfig
 
-    cc = os.environ.get("CXX") or os.environ.get("CC") or sysconfig.get_config_var("CXX") or "c++"
+    command = getattr(compiler, "compiler_so_cxx", None) or getattr(compiler, "compiler_so", None)
+    cc = (command[0] if command else None) or os.environ.get("CXX") or os.environ.get("CC") or \
+        sysconfig.get_config_var("CXX") or "c++"
     try:
         out = subprocess.run([*shlex.split(cc)[:1], "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -148,7 +151,7 @@ def _compile_sources_in_parallel(compiler) -> None:
     if getattr(compiler, "_kl_parallel", False):
         return
     serial = compiler.compile
-    per_source = {} if _clang() else SOURCE_FLAGS
+    per_source = {} if _clang(compiler) else SOURCE_FLAGS
 
     def one(src, args, kwargs):
         extra = per_source.get(Path(src).name)

@@ -144,3 +144,26 @@ def test_ci_installs_the_peers_the_harness_names():
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     want = peers.PEER_PIP.replace("pip install --no-deps ", "")
     assert f"pip install -q --no-deps {want}" in ci
+
+
+def test_clang_is_asked_of_the_compiler_object(tmp_path, monkeypatch):
+    """The inlining budgets (GCC --params) are left out for clang: the question goes to the compiler setuptools
+    will call (its compiler_so_cxx, else compiler_so), not to an environment variable it may not read."""
+    clang_like = tmp_path / "fake-clang++"
+    clang_like.write_text("#!/bin/sh\necho 'clang version 19.0.0'\n")
+    clang_like.chmod(0o755)
+    gcc_like = tmp_path / "fake-g++"
+    gcc_like.write_text("#!/bin/sh\necho 'g++ (GCC) 13.2.0'\n")
+    gcc_like.chmod(0o755)
+    clang = _setup_function("_clang")
+    monkeypatch.setenv("CXX", str(gcc_like))
+
+    class Compiler:
+        compiler_so = [str(clang_like), "-fPIC"]
+
+    assert clang(Compiler()) is True
+    Compiler.compiler_so_cxx = [str(gcc_like), "-fPIC"]
+    assert clang(Compiler()) is False
+    assert clang(object()) is False  # no command on the object: the environment's (g++ here)
+    monkeypatch.setenv("CXX", str(clang_like))
+    assert clang(object()) is True
