@@ -100,7 +100,7 @@ def _device_batch(b, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(b=batches())
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 def test_kl_reward_matches_the_oracle(b, backend):
     dev_b = _device_batch(b, backend)
     logits = dev_b["logits"].clone().requires_grad_()
@@ -158,7 +158,7 @@ AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(b=batches(), aggregation=st.sampled_from(AGGREGATIONS), weight_kl=st.booleans(),
        clamp_output=st.sampled_from([None, (None, 1.0)]), kl_aggregation=st.sampled_from([None, "token-mean"]))
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 def test_kl_penalty_loss_adds_the_exact_kl_term(b, backend, aggregation, weight_kl, clamp_output, kl_aggregation):
     """loss(full) = loss without a KL term + beta * aggregate(kl_t) (kl_t the oracle's, clamped and
     weighted), and its gradient to the logits is the KL term's, through counted tokens only."""

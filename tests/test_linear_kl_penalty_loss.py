@@ -201,7 +201,7 @@ def _run(tensors, kw, chunk, temperature, one_pass, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", CUDA_EMULATED])
 @given(call=loss_calls())
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 def test_one_pass_equals_two_passes(call, backend):
     """One pass (the loss's gradient into d hidden / d weight chunk by chunk, three matmuls per chunk) and
     two passes (log-probs, the loss, the logits again in backward): the loss, every part and diagnostic,
