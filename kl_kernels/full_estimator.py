@@ -38,9 +38,9 @@ def check_temperature(temperature, estimator: str) -> float:
     return float(temperature)
 
 
-def check_logits(name: str, x, token_shape: tuple | None = None) -> torch.Tensor:
+def check_logits(name: str, x, token_shape: tuple | None = None, device: torch.device | None = None) -> torch.Tensor:
     """``x`` is a dense floating tensor ``[*token_shape, V]`` (``token_shape`` the log-probs' shape
-    when known)."""
+    when known) on ``device`` (theirs, when known)."""
     if isinstance(x, (list, tuple)) or (isinstance(x, torch.Tensor) and x.is_nested):
         raise TypeError(f"{name}: estimator='full' takes dense logits, packed [N, V] with offsets or padded "
                         f"[B, T, V] (a list or nested batch would be copied into [N, V] to pack it), got "
@@ -53,6 +53,8 @@ def check_logits(name: str, x, token_shape: tuple | None = None) -> torch.Tensor
     if token_shape is not None and tuple(x.shape[:-1]) != tuple(token_shape):
         raise ValueError(f"{name} must have the log-probs' shape {list(token_shape)} plus the vocabulary, "
                          f"[{', '.join(map(str, token_shape))}, V], got {list(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be on the log-probs' device {device}, got {x.device}")
     return x
 
 

@@ -156,6 +156,8 @@ def _one_pass(hidden, weight, labels, args, *, bias, ref_hidden, ref_weight, ref
                    ignore_index=ignore_index, chunk_size=chunk_size, backend=logprobs_backend, ref_hidden=ref_hidden,
                    ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_kl_penalty_loss")
     old, advantages = args["old_log_probs"], args["advantages"]
+    if isinstance(old, torch.Tensor) and old.device != rows.hidden.device:
+        raise ValueError(f"old_log_probs must be on hidden's device {rows.hidden.device}, got {old.device}")
     counted = labels != ignore_index
     if mask is not None:
         counted = counted & mask

@@ -308,6 +308,8 @@ def test_prompt_lens_and_out_buffers():
                                   ref_logits=r[:, :-1]), ValueError, r"logits must have the log-probs' shape \[2, 3\]"),
     (lambda x, r: kl_penalty_loss(list(x[..., 0]), list(x[..., 0]), torch.ones(2), estimator="full", logits=x,
                                   ref_logits=r), TypeError, "list batch"),
+    (lambda x, r: kl_penalty_loss(x[..., 0], x[..., 0], torch.ones(2), estimator="full", logits=x.to("meta"),
+                                  ref_logits=r.to("meta")), ValueError, "logits must be on the log-probs' device"),
 ])
 def test_bad_arguments_name_themselves(call, error, match):
     x, r = torch.randn(2, 3, 5), torch.randn(2, 3, 5)

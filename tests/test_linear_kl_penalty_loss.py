@@ -268,6 +268,9 @@ def test_one_pass_checks_the_loss_arguments_before_any_matmul(monkeypatch):
     with pytest.raises(ValueError, match="clip_epsilon"):
         linear_kl_penalty_loss(torch.zeros(2, 3, 4), torch.zeros(9, 4), torch.zeros(2, 3, dtype=torch.int64),
                                torch.zeros(2, 3), torch.zeros(2), clip_epsilon=-0.1)
+    with pytest.raises(ValueError, match="old_log_probs must be on hidden's device"):
+        linear_kl_penalty_loss(torch.zeros(2, 3, 4), torch.zeros(9, 4), torch.zeros(2, 3, dtype=torch.int64),
+                               torch.zeros(2, 3, device="meta"), torch.zeros(2, device="meta"))
     with pytest.raises(TypeError, match="one_pass"):
         linear_kl_penalty_loss(torch.zeros(2, 3, 4), torch.zeros(9, 4), torch.zeros(2, 3, dtype=torch.int64),
                                torch.zeros(2, 3), torch.zeros(2), one_pass="yes")

@@ -219,8 +219,8 @@ def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend):
         raise TypeError("logits: estimator='full' takes dense logits with dense log-probs, packed [N, V] with "
                         f"offsets or padded [B, T, V]; log_probs is a {kind.replace('_', ' ')} batch (its logits "
                         "would be copied into [N, V] to pack them)")
-    full_estimator.check_logits("logits", logits, problem.log_probs.shape)
-    full_estimator.check_logits("ref_logits", ref_logits, problem.log_probs.shape)
+    full_estimator.check_logits("logits", logits, problem.log_probs.shape, problem.device)
+    full_estimator.check_logits("ref_logits", ref_logits, problem.log_probs.shape, problem.device)
     counted = final_mask(problem, *token_frame(problem)[:3])
     kl = full_estimator.per_token(logits, ref_logits, counted, temperature=temperature, backend=backend)
     if problem.clamp_output is not None:
