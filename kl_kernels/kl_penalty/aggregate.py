@@ -169,19 +169,14 @@ def run_split(p: KLPenaltyProblem, impl, *, kind: str, offsets, num_global_token
         run.entropy, run.entropy_coef = None, 0.0
     raw = impl.run(run)
     if kl_sums is not None and raw.token_out is not None:  # "none": each token's own KL term
-        penalty = _per_token_beta(p, seq) * p.kl_values
+        beta = per_seq(p.beta) if isinstance(p.beta, torch.Tensor) and p.beta.dim() == 1 else p.beta
+        penalty = beta * p.kl_values
         loss, obj, _, ent = raw.token_out.unbind(0)
         raw = raw._replace(token_out=torch.stack([loss + penalty.to(loss.dtype), obj,
                                                   penalty.detach().to(loss.dtype), ent]))
     return aggregate(p, raw, kind=kind, offsets=offsets, num_global_tokens=num_global_tokens,
                      process_group=process_group, entropy_sums=entropy_sums, kl_sums=kl_sums)
 
-
-def _per_token_beta(p: KLPenaltyProblem, seq):
-    """``beta_b`` at each token (a float, or a tensor broadcasting against the tokens)."""
-    if not isinstance(p.beta, torch.Tensor) or p.beta.dim() == 0:
-        return p.beta
-    return p.beta.unsqueeze(1) if p.layout == "padded" else p.beta[seq]
 
 
 def on_host(p: KLPenaltyProblem, process_group) -> bool:
