@@ -93,11 +93,15 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
     if one_pass not in (None, True, False):
         raise TypeError(f"one_pass must be None, True or False, got {one_pass!r}")
     want_entropy = loss_kwargs.get("entropy_coef", 0.0) not in (0, 0.0) and loss_kwargs.get("entropy") is None
+    counted = labels != ignore_index  # the loss counts the tokens the log-probs count
+    if mask is not None:
+        counted = counted & mask
     if one_pass is not False:
         args = _loss_arguments(old_log_probs, advantages, loss_kwargs)
         blockers = _one_pass_blockers(args)
         if not blockers:
-            return _one_pass(hidden, weight, labels, args, bias=bias, ref_hidden=ref_hidden, ref_weight=ref_weight,
+            return _one_pass(hidden, weight, labels, counted, args, bias=bias, ref_hidden=ref_hidden,
+                             ref_weight=ref_weight,
                              ref_bias=ref_bias, temperature=temperature, mask=mask, ignore_index=ignore_index,
                              chunk_size=chunk_size, logprobs_backend=logprobs_backend, want_entropy=want_entropy)
         if one_pass:
@@ -111,9 +115,6 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
         loss_kwargs["ref_log_probs"] = policy.ref_log_probs
     if want_entropy:
         loss_kwargs["entropy"] = policy.entropy
-    counted = labels != ignore_index
-    if mask is not None:
-        counted = counted & mask
     return kl_penalty_loss(policy.log_probs, old_log_probs, advantages, mask=counted, **loss_kwargs)
 
 
@@ -145,7 +146,8 @@ def _one_pass_blockers(args: dict) -> list:
     return reasons
 
 
-def _one_pass(hidden, weight, labels, args, *, bias, ref_hidden, ref_weight, ref_bias, temperature, mask, ignore_index,
+def _one_pass(hidden, weight, labels, counted, args, *, bias, ref_hidden, ref_weight, ref_bias, temperature, mask,
+              ignore_index,
               chunk_size, logprobs_backend, want_entropy) -> KLPenaltyLossOutput:
     """The loss in one pass (``linear_loss_one_pass``): each chunk's share is ``sum_t W_t loss_t`` of
     ``kl_penalty_loss``' per-token losses (``aggregation="none"``, every token its own sequence), ``W_t`` the
@@ -158,9 +160,6 @@ def _one_pass(hidden, weight, labels, args, *, bias, ref_hidden, ref_weight, ref
     old, advantages = args["old_log_probs"], args["advantages"]
     if isinstance(old, torch.Tensor) and old.device != rows.hidden.device:
         raise ValueError(f"old_log_probs must be on hidden's device {rows.hidden.device}, got {old.device}")
-    counted = labels != ignore_index
-    if mask is not None:
-        counted = counted & mask
     args = dict(args, mask=counted)
     # kl_penalty_loss' checks of every loss argument (old_log_probs standing in for the log-probs), before
     # any matmul; the problem gives the native layout ([N] packed or [B, T] padded) and its token frame

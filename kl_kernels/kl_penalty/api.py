@@ -187,7 +187,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             (log_probs, "log_probs"), (old_log_probs, "old_log_probs"), (advantages, "advantages"),
             (ref_log_probs, "ref_log_probs"), (mask, "mask"), (entropy, "entropy"), (weights, "weights")))
     problem, kind, offsets_of_kind = build_problem(
-        log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta, estimator="k1" if full else estimator, mask=mask,
+        log_probs, old_log_probs, advantages, ref_log_probs=ref_log_probs, beta=beta,
+        estimator="k1" if full else estimator, mask=mask,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
         weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output,
