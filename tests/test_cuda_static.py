@@ -93,3 +93,24 @@ def test_vector_variants_issue_128_bit_loads(sass, family):
     assert not bad, f"vector variants without LDG.E.128: {bad}"
     scalar = {k for k in sass if k[1] == family and not k[2].endswith(VECTOR_VARIANT[family])}
     assert scalar, f"{family}: the scalar (strided/misaligned) variant is missing"
+
+
+# The row forwards read each entry of a row once (one pass with an online max, csrc/common/row_math.h): per
+# step as many 16-bit loads (a bf16 row's entries: nothing else is 16 bits wide) as the backward, which reads
+# each entry once by construction; token_logprobs' forward reads the label's entry once more. The two-pass
+# forwards issued twice the backward's (a max pass, then a sums pass).
+LABEL_READS = {"token_logprobs": 1, "full_kl": 0}
+
+
+@pytest.mark.parametrize("op", sorted(LABEL_READS))
+def test_row_forwards_read_each_entry_once(sass, op):
+    bf16 = "ILi1E"  # the logits dtype code kBFloat16 (common/codes.h) as the template argument
+    seen = set()
+    for (arch, family, variant), ops in sass.items():
+        if family != f"{op}_forward_kernel" or not variant.startswith(bf16):
+            continue
+        back = sass[(arch, f"{op}_backward_kernel", variant)]
+        assert back["LDG.E.U16"] > 0, (arch, "the backward's loads of the row were not found")
+        assert ops["LDG.E.U16"] == back["LDG.E.U16"] + LABEL_READS[op], (arch, ops, back)
+        seen.add(arch)
+    assert seen >= ARCHES, f"bf16 {op} forward missing for {sorted(ARCHES - seen)}"

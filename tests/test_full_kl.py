@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import row_batches
 from conftest import CUDA_EMULATED, backend_device
 from kl_kernels import BackendUnavailableError, full_kl
 from kl_kernels.full_kl import ops  # noqa: F401 - registers the torch.library ops
@@ -199,6 +200,19 @@ def test_kernel_row_steps(backend, vocab):
         x[0, 1, vocab // 2] = -INF
     _check(x, r, None, 0.9, backend=backend)
     _check(x[:, 1:], r[:, 1:], None, 1.0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=pytest.mark.triton), CUDA_EMULATED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [300, 2500, 5000])
+def test_one_pass_rows_whose_maxima_move(backend, dtype, vocab):
+    """The forward reads both rows once, moving S, R and A onto running maxima (csrc/common/row_math.h):
+    each kind of tests/row_batches.py for the policy against each for the reference (either moving alone,
+    both at once, in opposite directions), against the oracle (KL and both gradients)."""
+    rows, ref_rows = row_batches.moving_max_rows(vocab, seed=vocab), row_batches.moving_max_rows(vocab, seed=vocab + 1)
+    x = torch.cat([rows] * 4)  # each kind against four others and itself
+    r = torch.cat([ref_rows.roll(shift, 0) for shift in (0, 1, 3, 6)])
+    _check(x.to(dtype), r.to(dtype), None, 1.0, backend=backend)
 
 
 def test_backends_agree_on_a_shift_invariant_row():

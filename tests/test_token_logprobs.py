@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kl_kernels import BackendUnavailableError, token_logprobs, vocab_rows
 from kl_kernels.token_logprobs import ops  # noqa: F401 - registers the torch.library ops
+import row_batches
 from conftest import CUDA_EMULATED, backend_device
 from tolerances import TOLERANCES
 
@@ -181,6 +182,23 @@ def test_fused_kernel_row_loops(backend, dtype, vocab):
     y = torch.randint(0, vocab, (3, 5), generator=g)
     _check(x, y, None, 0.9, backend=backend)
     _check(x[:, 1:], y[:, 1:], None, 1.0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=pytest.mark.triton), CUDA_EMULATED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [300, 2500, 5000])
+def test_one_pass_rows_whose_max_moves(backend, dtype, vocab):
+    """The forward reads each row once, moving its sums onto a running max (csrc/common/row_math.h):
+    rows whose max rises at every run, past the far bound, from -inf, -1e30 or -FLT_MAX, only at the end,
+    or never (tests/row_batches.py), labels at both ends, against the oracle (values and gradients). Runs:
+    the CPU kernel's 1024-entry runs, Triton's 1024-entry steps, a CUDA thread's 8 entries 256 apart."""
+    x = row_batches.moving_max_rows(vocab, seed=vocab).to(dtype)
+    n = x.shape[0]
+    y = torch.tensor([vocab - 1 if i % 2 else 0 for i in range(n)])
+    _check(x, y, None, 1.0, backend=backend)
+    # reversed (the max first), T > 1 (x / T: -FLT_MAX stays finite)
+    _check(x.flip(-1), torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1)), None, 1.25,
+           backend=backend)
 
 
 def test_cpu_kernel_is_bitwise_deterministic_for_any_thread_count():

@@ -1,10 +1,10 @@
 // Math of the row-wise ops over a vocabulary (token_logprobs, full_kl), shared verbatim by the CPU kernels
 // (cpu/token_logprobs_cpu.cpp, cpu/full_kl_cpu.cpp) and the CUDA ones (cuda/token_logprobs_cuda.cu,
-// cuda/full_kl_cuda.cu): where a row starts, each entry's terms of the row sums, how a row's sums become its
-// outputs, and each entry's gradient. The backends differ only in how they walk a row and in the order they
-// add its terms (each in a fixed order: deterministic). The formulas are those of
-// kl_kernels/token_logprobs/reference.py and kl_kernels/full_kl/reference.py (tests hold every backend to a
-// float64 oracle).
+// cuda/full_kl_cuda.cu): where a row starts, each entry's terms of the row sums, how the sums follow a
+// running max (one pass), how a row's sums become its outputs, and each entry's gradient. The backends differ
+// only in how they walk a row and in the order they add its terms (each in a fixed order: deterministic).
+// The formulas are those of kl_kernels/token_logprobs/reference.py and kl_kernels/full_kl/reference.py
+// (tests hold every backend to a float64 oracle).
 //
 // token_logprobs, z = x / T, m = max z, d_j = m - z_j >= 0 (inf at a -inf logit):
 //   S = sum_j e^-d_j;  W = sum_j e^-d_j min(d_j, far)       lse = m + log S;  log_prob = z_y - lse
@@ -14,8 +14,19 @@
 //   KL = A / S + log R - log S;  lse = m + log S;  ref_lse = n + log R
 //   d x_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T  (0 where p_j is);  d r_j = g (q_j - p_j) / T
 // A counted row with a NaN or +inf logit, or only -inf ones (in either tensor for full_kl), gives NaN.
+//
+// One pass (online max and sums): the forward reads each row once. Its entries come in runs (a CPU kernel's
+// 1024-entry run, a CUDA thread's kRowChunk-entry step, a Triton program's BLOCK-wide step): a run's max is
+// merged into the running max first, the sums so far are moved onto the new max (*_rebase: a sum against m
+// becomes one against m' = m + delta by S' = e^-delta S, W' = e^-delta (W + delta S), A' = e^-delta_m (A +
+// (delta_n - delta_m) S)), then the run's terms are taken against it. A CUDA block's threads each keep such
+// a running state and rebase it onto the block's max before the block sums. The factor is float64 and 0
+// beyond kRowFar, where every moved term is below float32's exp flush (as a term d > 87.3 is 0 in the
+// two-pass sum), which also keeps inf * 0 out.
 #pragma once
 
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -60,7 +71,44 @@ KL_HD bool row_counted(const Args& a, int64_t r) { return reinterpret_cast<const
 // Whether a counted row's softmax is undefined: a NaN seen, or the max +inf or -inf (only -inf logits).
 KL_HD bool row_undefined(bool nan_seen, float m) { return nan_seen || !(m > -INFINITY && m < INFINITY); }
 
+// ---------------------------------------------------------------------------------- one pass
+
+// The value terms are taken against for a running max m: m itself, or -FLT_MAX while m is -inf (no entry
+// above -inf yet), so that a -inf entry's term is e^-inf = 0, not e^-(-inf - -inf) = NaN; the rebase onto
+// the first finite max then multiplies those zero sums by e^-(m + FLT_MAX) = 0.
+KL_HD float row_floor(float m) { return m >= -FLT_MAX ? m : -FLT_MAX; }
+
+// Moving a sum taken against running max `from` onto `to` >= from: the shift delta = floor(to) - floor(from)
+// (float64: exact, and finite even from -FLT_MAX to FLT_MAX) and the factor e^-delta (0 beyond kRowFar).
+struct RowShift {
+  double delta, factor;
+};
+KL_HD RowShift row_shift(float from, float to) {
+  const double delta = static_cast<double>(row_floor(to)) - static_cast<double>(row_floor(from));
+  return {delta, delta > kRowFar ? 0.0 : exp(-delta)};
+}
+
 // ---------------------------------------------------------------------------------- token_logprobs
+
+// token_logprobs' running state: the max so far m (-inf before any entry above -inf), S and W against
+// row_floor(m).
+struct LogprobSums {
+  float m;
+  double S, W;
+};
+KL_HD LogprobSums logprob_sums_start() { return {-INFINITY, 0.0, 0.0}; }
+
+// Merge a run's max into s (moving S and W onto the new max); returns the value to take the run's terms
+// against (d = returned - z_j >= 0). A NaN run_max (never: the runs' maxima skip NaN) changes nothing.
+KL_HD float logprob_rebase(LogprobSums& s, float run_max) {
+  if (run_max > s.m) {
+    const RowShift k = row_shift(s.m, run_max);
+    s.W = k.factor == 0.0 ? 0.0 : k.factor * (s.W + k.delta * s.S);
+    s.S = k.factor * s.S;
+    s.m = run_max;
+  }
+  return row_floor(s.m);
+}
 
 // One entry's terms of S and W, d = m - z_j.
 KL_HD void logprob_terms(float d, float& e, float& w) {
@@ -107,6 +155,31 @@ KL_HD float logprob_grad_label(float d, float g_lp, float g_h, float h) {
 }
 
 // ---------------------------------------------------------------------------------- full_kl
+
+// full_kl's running state: both maxima so far (m the policy's, n the reference's), S, R and A against
+// row_floor(m) and row_floor(n).
+struct FullKLSums {
+  float m, n;
+  double S, R, A;
+};
+KL_HD FullKLSums full_kl_sums_start() { return {-INFINITY, -INFINITY, 0.0, 0.0, 0.0}; }
+
+// Merge a run's maxima into s (moving S, R and A onto the new maxima); the values to take the run's terms
+// against come back in fm, fn (u = fm - z_j, v = fn - w_j).
+KL_HD void full_kl_rebase(FullKLSums& s, float run_m, float run_n, float& fm, float& fn) {
+  const bool up_m = run_m > s.m, up_n = run_n > s.n;
+  if (up_m || up_n) {
+    const RowShift km = up_m ? row_shift(s.m, run_m) : RowShift{0.0, 1.0};
+    const RowShift kn = up_n ? row_shift(s.n, run_n) : RowShift{0.0, 1.0};
+    s.A = km.factor == 0.0 ? 0.0 : km.factor * (s.A + (kn.delta - km.delta) * s.S);
+    s.S = km.factor * s.S;
+    s.R = kn.factor * s.R;
+    s.m = up_m ? run_m : s.m;
+    s.n = up_n ? run_n : s.n;
+  }
+  fm = row_floor(s.m);
+  fn = row_floor(s.n);
+}
 
 // One entry's terms of S, R and A, u = m - z_j, v = n - w_j.
 KL_HD void full_kl_terms(float u, float v, float& e, float& q, float& a) {

@@ -2,9 +2,10 @@
 // common/row_math.h (shared with cuda/full_kl_cuda.cu). Subtracting each row's own max before the difference
 // (v_j - u_j, not z_j - w_j) keeps a constant shift between the two models' logits, which cancels in the KL,
 // out of the float32 arithmetic. The policy putting mass where the reference has none (w_j = -inf, p_j > 0)
-// gives KL = +inf; a row whose KL is not finite has NaN gradients. Sums: 16 float lanes over 256 entries,
-// then float64, in a fixed order: deterministic for any thread count. The forward reads each row twice while
-// it sits in cache; no [N, V] temporary.
+// gives KL = +inf; a row whose KL is not finite has NaN gradients. The forward reads each row once (online
+// maxima and sums, row_math.h: per 1024-entry run its maxima, then its terms while it sits in L1). Sums: 16
+// float lanes over 256 entries, then float64, in a fixed order: deterministic for any thread count. No
+// [N, V] temporary.
 #include "cpu/full_kl_cpu.h"
 
 #include <cmath>
@@ -33,62 +34,66 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
     }
     const Bits* x = logits_row<DT>(a, r);
     const Bits* y = ref_logits_row<DT>(a, r);
-    // pass 1: both maxima (a +inf shows there) and whether a NaN is in either row
-    float mz[kRowLanes], mw[kRowLanes], nan_seen[kRowLanes];
-    for (int l = 0; l < kRowLanes; ++l) mz[l] = -kInf, mw[l] = -kInf, nan_seen[l] = 0.0f;
-    int64_t j = 0;
-    for (; j + kRowLanes <= V; j += kRowLanes) {
-      for (int l = 0; l < kRowLanes; ++l) {
-        const float z = from_bits<DT>(x[j + l]) * inv_t, w = from_bits<DT>(y[j + l]) * inv_t;
-        mz[l] = z > mz[l] ? z : mz[l];
-        mw[l] = w > mw[l] ? w : mw[l];
-        nan_seen[l] = (z != z) | (w != w) ? 1.0f : nan_seen[l];
+    // one pass: per 1024-entry run (vocab_rows.h: kRowRun) both maxima (a +inf shows there) and a NaN flag
+    // for either row, the sums moved onto the running maxima (row_math.h), then the run's terms of S, R and A
+    // while it sits in L1; 16 float lanes over 256-entry spans, spans added in float64
+    FullKLSums sums = full_kl_sums_start();
+    float nan_seen[kRowLanes];
+    for (int l = 0; l < kRowLanes; ++l) nan_seen[l] = 0.0f;
+    for (int64_t s0 = 0; s0 < V; s0 += kRowRun) {
+      const int64_t s1 = s0 + kRowRun < V ? s0 + kRowRun : V;
+      float mz[kRowLanes], mw[kRowLanes];
+      for (int l = 0; l < kRowLanes; ++l) mz[l] = -kInf, mw[l] = -kInf;
+      int64_t j = s0;
+      for (; j + kRowLanes <= s1; j += kRowLanes) {
+        for (int l = 0; l < kRowLanes; ++l) {
+          const float z = from_bits<DT>(x[j + l]) * inv_t, w = from_bits<DT>(y[j + l]) * inv_t;
+          mz[l] = z > mz[l] ? z : mz[l];
+          mw[l] = w > mw[l] ? w : mw[l];
+          nan_seen[l] = (z != z) | (w != w) ? 1.0f : nan_seen[l];
+        }
+      }
+      for (; j < s1; ++j) {
+        const float z = from_bits<DT>(x[j]) * inv_t, w = from_bits<DT>(y[j]) * inv_t;
+        mz[0] = z > mz[0] ? z : mz[0];
+        mw[0] = w > mw[0] ? w : mw[0];
+        nan_seen[0] = (z != z) | (w != w) ? 1.0f : nan_seen[0];
+      }
+      float m, n;
+      full_kl_rebase(sums, lanes_max(mz), lanes_max(mw), m, n);
+      for (int64_t q0 = s0; q0 < s1; q0 += kRowSpan) {
+        const int64_t q1 = q0 + kRowSpan < s1 ? q0 + kRowSpan : s1;
+        float se[kRowLanes], sr[kRowLanes], sa[kRowLanes];
+        for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sr[l] = 0.0f, sa[l] = 0.0f;
+        int64_t k = q0;
+        for (; k + kRowLanes <= q1; k += kRowLanes) {
+          for (int l = 0; l < kRowLanes; ++l) {
+            float e, q, t;
+            full_kl_terms(m - from_bits<DT>(x[k + l]) * inv_t, n - from_bits<DT>(y[k + l]) * inv_t, e, q, t);
+            se[l] += e;
+            sr[l] += q;
+            sa[l] += t;
+          }
+        }
+        for (; k < q1; ++k) {
+          float e, q, t;
+          full_kl_terms(m - from_bits<DT>(x[k]) * inv_t, n - from_bits<DT>(y[k]) * inv_t, e, q, t);
+          se[0] += e;
+          sr[0] += q;
+          sa[0] += t;
+        }
+        for (int l = 0; l < kRowLanes; ++l) sums.S += se[l], sums.R += sr[l], sums.A += sa[l];
       }
     }
-    for (; j < V; ++j) {
-      const float z = from_bits<DT>(x[j]) * inv_t, w = from_bits<DT>(y[j]) * inv_t;
-      mz[0] = z > mz[0] ? z : mz[0];
-      mw[0] = w > mw[0] ? w : mw[0];
-      nan_seen[0] = (z != z) | (w != w) ? 1.0f : nan_seen[0];
-    }
-    float m = -kInf, n = -kInf;
     bool bad = false;
-    for (int l = 0; l < kRowLanes; ++l) {
-      m = mz[l] > m ? mz[l] : m;
-      n = mw[l] > n ? mw[l] : n;
-      bad = bad || nan_seen[l] != 0.0f;
-    }
-    if (row_undefined(bad, m) || row_undefined(bad, n)) {  // a softmax is undefined
+    for (int l = 0; l < kRowLanes; ++l) bad = bad || nan_seen[l] != 0.0f;
+    if (row_undefined(bad, sums.m) || row_undefined(bad, sums.n)) {  // a softmax is undefined
       row_store_all(a, r, kNaN);
       continue;
     }
-    // pass 2: S, R and A, 16 float lanes over each 256-entry span, spans added in float64
-    double S = 0.0, R = 0.0, A = 0.0;
-    for (int64_t s0 = 0; s0 < V; s0 += kRowSpan) {
-      const int64_t s1 = s0 + kRowSpan < V ? s0 + kRowSpan : V;
-      float se[kRowLanes], sr[kRowLanes], sa[kRowLanes];
-      for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sr[l] = 0.0f, sa[l] = 0.0f;
-      int64_t k = s0;
-      for (; k + kRowLanes <= s1; k += kRowLanes) {
-        for (int l = 0; l < kRowLanes; ++l) {
-          float e, q, t;
-          full_kl_terms(m - from_bits<DT>(x[k + l]) * inv_t, n - from_bits<DT>(y[k + l]) * inv_t, e, q, t);
-          se[l] += e;
-          sr[l] += q;
-          sa[l] += t;
-        }
-      }
-      for (; k < s1; ++k) {
-        float e, q, t;
-        full_kl_terms(m - from_bits<DT>(x[k]) * inv_t, n - from_bits<DT>(y[k]) * inv_t, e, q, t);
-        se[0] += e;
-        sr[0] += q;
-        sa[0] += t;
-      }
-      for (int l = 0; l < kRowLanes; ++l) S += se[l], R += sr[l], A += sa[l];
-    }
-    const double log_s = std::log(S), log_r = std::log(R);
-    full_kl_store(a, r, full_kl_value(S, A, log_s, log_r), logprob_lse(m, log_s), logprob_lse(n, log_r));
+    const double log_s = std::log(sums.S), log_r = std::log(sums.R);
+    full_kl_store(a, r, full_kl_value(sums.S, sums.A, log_s, log_r), logprob_lse(sums.m, log_s),
+                  logprob_lse(sums.n, log_r));
   }
 }
 

@@ -1,7 +1,7 @@
 // Fused CPU token_logprobs: per counted row of the logits, the formulas of common/row_math.h (shared with
-// cuda/token_logprobs_cuda.cu). The forward reads a row twice (its max, then the sums), while it sits in the
-// core's cache (V = 152k bf16 is 304 KB): the logits cross the memory bus once. Sums: 16 float lanes over 256
-// entries, then float64, in a fixed order: deterministic for any thread count. No [N, V] temporary.
+// cuda/token_logprobs_cuda.cu). The forward reads a row once (online max and sums, row_math.h): per
+// 1024-entry run its max, then its terms while the run sits in L1. Sums: 16 float lanes over 256 entries,
+// then float64, in a fixed order: deterministic for any thread count. No [N, V] temporary.
 #include "cpu/token_logprobs_cpu.h"
 
 #include <cmath>
@@ -28,56 +28,62 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
       continue;
     }
     const Bits* row = logits_row<DT>(a, r);
-    // pass 1: the max (a +inf shows there), and whether a NaN is there (selects: both vectorize)
-    float mx[kRowLanes], nan_seen[kRowLanes];
-    for (int l = 0; l < kRowLanes; ++l) mx[l] = -kInf, nan_seen[l] = 0.0f;
-    int64_t j = 0;
-    for (; j + kRowLanes <= V; j += kRowLanes) {
-      for (int l = 0; l < kRowLanes; ++l) {
-        const float z = from_bits<DT>(row[j + l]) * inv_t;
-        mx[l] = z > mx[l] ? z : mx[l];
-        nan_seen[l] = z != z ? 1.0f : nan_seen[l];
+    // one pass: per 1024-entry run (vocab_rows.h: kRowRun) its max (a +inf shows there) and NaN flag, the
+    // sums moved onto the running max (row_math.h), then the run's terms of S and W while it sits in L1;
+    // 16 float lanes (selects and sums: both vectorize) over 256-entry spans, spans added in float64
+    LogprobSums sums = logprob_sums_start();
+    float nan_seen[kRowLanes];
+    for (int l = 0; l < kRowLanes; ++l) nan_seen[l] = 0.0f;
+    for (int64_t s0 = 0; s0 < V; s0 += kRowRun) {
+      const int64_t s1 = s0 + kRowRun < V ? s0 + kRowRun : V;
+      float mx[kRowLanes];
+      for (int l = 0; l < kRowLanes; ++l) mx[l] = -kInf;
+      int64_t j = s0;
+      for (; j + kRowLanes <= s1; j += kRowLanes) {
+        for (int l = 0; l < kRowLanes; ++l) {
+          const float z = from_bits<DT>(row[j + l]) * inv_t;
+          mx[l] = z > mx[l] ? z : mx[l];
+          nan_seen[l] = z != z ? 1.0f : nan_seen[l];
+        }
+      }
+      for (; j < s1; ++j) {
+        const float z = from_bits<DT>(row[j]) * inv_t;
+        mx[0] = z > mx[0] ? z : mx[0];
+        nan_seen[0] = z != z ? 1.0f : nan_seen[0];
+      }
+      const float m = logprob_rebase(sums, lanes_max(mx));
+      for (int64_t q0 = s0; q0 < s1; q0 += kRowSpan) {
+        const int64_t q1 = q0 + kRowSpan < s1 ? q0 + kRowSpan : s1;
+        float se[kRowLanes], sw[kRowLanes];
+        for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sw[l] = 0.0f;
+        int64_t k = q0;
+        for (; k + kRowLanes <= q1; k += kRowLanes) {
+          for (int l = 0; l < kRowLanes; ++l) {
+            float e, w;
+            logprob_terms(m - from_bits<DT>(row[k + l]) * inv_t, e, w);  // d >= 0 (inf at -inf)
+            se[l] += e;
+            sw[l] += w;
+          }
+        }
+        for (; k < q1; ++k) {
+          float e, w;
+          logprob_terms(m - from_bits<DT>(row[k]) * inv_t, e, w);
+          se[0] += e;
+          sw[0] += w;
+        }
+        for (int l = 0; l < kRowLanes; ++l) sums.S += se[l], sums.W += sw[l];
       }
     }
-    for (; j < V; ++j) {
-      const float z = from_bits<DT>(row[j]) * inv_t;
-      mx[0] = z > mx[0] ? z : mx[0];
-      nan_seen[0] = z != z ? 1.0f : nan_seen[0];
-    }
-    float m = -kInf;
     bool bad = false;
-    for (int l = 0; l < kRowLanes; ++l) m = mx[l] > m ? mx[l] : m, bad = bad || nan_seen[l] != 0.0f;
+    for (int l = 0; l < kRowLanes; ++l) bad = bad || nan_seen[l] != 0.0f;
     const int64_t y = row_label(a, r);
-    if (row_undefined(bad, m) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
+    if (row_undefined(bad, sums.m) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
       row_store_all(a, r, std::numeric_limits<float>::quiet_NaN());
       continue;
     }
-    // pass 2: S and W, 16 float lanes over each 256-entry span, spans added in float64
-    double S = 0.0, W = 0.0;
-    for (int64_t s0 = 0; s0 < V; s0 += kRowSpan) {
-      const int64_t s1 = s0 + kRowSpan < V ? s0 + kRowSpan : V;
-      float se[kRowLanes], sw[kRowLanes];
-      for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sw[l] = 0.0f;
-      int64_t k = s0;
-      for (; k + kRowLanes <= s1; k += kRowLanes) {
-        for (int l = 0; l < kRowLanes; ++l) {
-          float e, w;
-          logprob_terms(m - from_bits<DT>(row[k + l]) * inv_t, e, w);  // d >= 0 (inf at -inf)
-          se[l] += e;
-          sw[l] += w;
-        }
-      }
-      for (; k < s1; ++k) {
-        float e, w;
-        logprob_terms(m - from_bits<DT>(row[k]) * inv_t, e, w);
-        se[0] += e;
-        sw[0] += w;
-      }
-      for (int l = 0; l < kRowLanes; ++l) S += se[l], W += sw[l];
-    }
-    const double log_s = std::log(S);
-    const float lse = logprob_lse(m, log_s);
-    logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(S, W, log_s));
+    const double log_s = std::log(sums.S);
+    const float lse = logprob_lse(sums.m, log_s);
+    logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(sums.S, sums.W, log_s));
   }
 }
 

@@ -2,9 +2,11 @@
 // common/row_math.h (shared with the CPU kernel, cpu/full_kl_cpu.cpp). One block of kRowThreads threads per
 // row (cuda/rows.cuh), thread t reading entries t, t + 256, ... of both rows (coalesced), kRowChunk of each
 // per step, loaded before they are used (that many loads in flight per thread and row):
-//   forward:  both maxima and a NaN flag (block max), then S, R and A (each thread adds kRowChunk entries
-//             in float, then into float64; the block sums them in a fixed order), then thread 0 writes the
-//             row's KL, lse and ref_lse. Each row is read twice; no [N, V] temporary.
+//   forward:  one pass (row_math.h): each thread keeps running maxima and its S, R and A against them, per
+//             step the kRowChunk entries' maxima, the sums moved onto them, the entries' terms added in
+//             float, then into float64; the block's maxima and NaN flag (block max), every thread's sums
+//             moved onto them and summed in a fixed order, then thread 0 writes the row's KL, lse and
+//             ref_lse. Each entry is read once; no [N, V] temporary.
 //   backward: every entry's gradients to both logits (those wanted); a row whose KL is not finite gets NaN.
 // Deterministic (no atomics), no host synchronization, int64 indexing, any number of rows.
 #include "cuda/full_kl_cuda.h"
@@ -38,47 +40,53 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
     }
     const Bits* x = logits_row<DT>(a, r);
     const Bits* y = ref_logits_row<DT>(a, r);
-    float mx[3] = {-INFINITY, -INFINITY, 0.0f};  // both maxima, and 1 where a NaN was seen in either row
+    // one pass: per step kRowChunk entries of each row into registers, their maxima (NaN skipped, flagged),
+    // this thread's sums moved onto its running maxima (row_math.h), then the step's terms in float, added
+    // in float64
+    FullKLSums sums = full_kl_sums_start();
+    float nan_seen = 0.0f;
     for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      float z[kRowChunk], w[kRowChunk];
+      float step_m = -INFINITY, step_n = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kRowChunk; ++c) {  // 2 x kRowChunk independent loads in flight
         const int64_t j = j0 + int64_t{c} * kRowThreads;
-        if (j < V) {
-          const float z = from_bits<DT>(x[j]) * inv_t, w = from_bits<DT>(y[j]) * inv_t;
-          mx[0] = z > mx[0] ? z : mx[0];
-          mx[1] = w > mx[1] ? w : mx[1];
-          mx[2] = (z != z) | (w != w) ? 1.0f : mx[2];
-        }
+        z[c] = j < V ? from_bits<DT>(x[j]) * inv_t : -INFINITY;  // past the row: terms of 0
+        w[c] = j < V ? from_bits<DT>(y[j]) * inv_t : -INFINITY;
+        step_m = z[c] > step_m ? z[c] : step_m;
+        step_n = w[c] > step_n ? w[c] : step_n;
+        nan_seen = (z[c] != z[c]) | (w[c] != w[c]) ? 1.0f : nan_seen;
       }
-    }
-    block_max(mx, max_sm);
-    const float m = mx[0], n = mx[1];
-    if (row_undefined(mx[2] != 0.0f, m) || row_undefined(false, n)) {  // a softmax is undefined
-      if (t == 0) row_store_all(a, r, NAN);
-      continue;
-    }
-    double sums[3] = {0.0, 0.0, 0.0};  // S, R, A
-    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      float m, n;
+      full_kl_rebase(sums, step_m, step_n, m, n);
       float se = 0.0f, sr = 0.0f, sa = 0.0f;
 #pragma unroll
       for (int c = 0; c < kRowChunk; ++c) {
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        if (j < V) {
-          float e, q, d;
-          full_kl_terms(m - from_bits<DT>(x[j]) * inv_t, n - from_bits<DT>(y[j]) * inv_t, e, q, d);
-          se += e;
-          sr += q;
-          sa += d;
-        }
+        float e, q, d;
+        full_kl_terms(m - z[c], n - w[c], e, q, d);
+        se += e;
+        sr += q;
+        sa += d;
       }
-      sums[0] += se;
-      sums[1] += sr;
-      sums[2] += sa;
+      sums.S += se;
+      sums.R += sr;
+      sums.A += sa;
     }
-    block_sum(sums, sum_sm);
+    // the block's maxima and NaN flag; every thread's sums moved onto them, then summed in a fixed order
+    float mx[3] = {sums.m, sums.n, nan_seen};
+    block_max(mx, max_sm);
+    float m, n;
+    full_kl_rebase(sums, mx[0], mx[1], m, n);
+    if (row_undefined(mx[2] != 0.0f, mx[0]) || row_undefined(false, mx[1])) {  // a softmax is undefined
+      if (t == 0) row_store_all(a, r, NAN);
+      continue;
+    }
+    double total[3] = {sums.S, sums.R, sums.A};
+    block_sum(total, sum_sm);
     if (t == 0) {
-      const double log_s = log(sums[0]), log_r = log(sums[1]);
-      full_kl_store(a, r, full_kl_value(sums[0], sums[2], log_s, log_r), logprob_lse(m, log_s), logprob_lse(n, log_r));
+      const double log_s = log(total[0]), log_r = log(total[1]);
+      full_kl_store(a, r, full_kl_value(total[0], total[2], log_s, log_r), logprob_lse(mx[0], log_s),
+                    logprob_lse(mx[1], log_r));
     }
   }
 }

@@ -2,9 +2,11 @@
 // the CPU kernel, cpu/token_logprobs_cpu.cpp). One block of kRowThreads threads per row (cuda/rows.cuh),
 // thread t reading entries t, t + 256, ... (each warp a contiguous 32-entry run: coalesced), kRowChunk of
 // them per step, loaded before they are used (that many loads in flight per thread):
-//   forward:  the row's max and NaN flag (block max), then S and W (each thread adds kRowChunk entries in
-//             float, then into float64; the block sums them in a fixed order), then thread 0 writes the
-//             row's log-prob, lse and entropy. The row is read twice; no [N, V] temporary.
+//   forward:  one pass (row_math.h): each thread keeps a running max and its S and W against it, per step
+//             the kRowChunk entries' max, the sums moved onto it, the entries' terms added in float, then
+//             into float64; the block's max and NaN flag (block max), every thread's sums moved onto it and
+//             summed in a fixed order, then thread 0 writes the row's log-prob, lse and entropy. Each entry
+//             is read once (the label's once more); no [N, V] temporary.
 //   backward: every entry's gradient, each written by the thread that read it: with inplace_backward the
 //             gradient overwrites the logits, and the label's entry is read before it is written.
 // Deterministic (no atomics), no host synchronization, int64 indexing, any number of rows.
@@ -38,46 +40,47 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
       continue;
     }
     const Bits* row = logits_row<DT>(a, r);
-    float mx[2] = {-INFINITY, 0.0f};  // the max, and 1 where a NaN was seen
+    // one pass: per step kRowChunk entries into registers, their max (NaN skipped, flagged), this thread's
+    // sums moved onto its running max (row_math.h), then the step's terms in float, added in float64
+    LogprobSums sums = logprob_sums_start();
+    float nan_seen = 0.0f;
     for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      float z[kRowChunk];
+      float step_max = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kRowChunk; ++c) {  // kRowChunk independent loads in flight
         const int64_t j = j0 + int64_t{c} * kRowThreads;
-        if (j < V) {
-          const float z = from_bits<DT>(row[j]) * inv_t;
-          mx[0] = z > mx[0] ? z : mx[0];
-          mx[1] = z != z ? 1.0f : mx[1];
-        }
+        z[c] = j < V ? from_bits<DT>(row[j]) * inv_t : -INFINITY;  // past the row: a term of 0
+        step_max = z[c] > step_max ? z[c] : step_max;
+        nan_seen = z[c] != z[c] ? 1.0f : nan_seen;
       }
-    }
-    block_max(mx, max_sm);
-    const float m = mx[0];
-    const int64_t y = row_label(a, r);
-    if (row_undefined(mx[1] != 0.0f, m) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
-      if (t == 0) row_store_all(a, r, NAN);
-      continue;
-    }
-    double sums[2] = {0.0, 0.0};  // S, W
-    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
+      const float m = logprob_rebase(sums, step_max);
       float se = 0.0f, sw = 0.0f;
 #pragma unroll
       for (int c = 0; c < kRowChunk; ++c) {
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        if (j < V) {
-          float e, w;
-          logprob_terms(m - from_bits<DT>(row[j]) * inv_t, e, w);
-          se += e;
-          sw += w;
-        }
+        float e, w;
+        logprob_terms(m - z[c], e, w);
+        se += e;
+        sw += w;
       }
-      sums[0] += se;
-      sums[1] += sw;
+      sums.S += se;
+      sums.W += sw;
     }
-    block_sum(sums, sum_sm);
+    // the block's max and NaN flag; every thread's sums moved onto that max, then summed in a fixed order
+    float mx[2] = {sums.m, nan_seen};
+    block_max(mx, max_sm);
+    logprob_rebase(sums, mx[0]);
+    const int64_t y = row_label(a, r);
+    if (row_undefined(mx[1] != 0.0f, mx[0]) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
+      if (t == 0) row_store_all(a, r, NAN);
+      continue;
+    }
+    double total[2] = {sums.S, sums.W};
+    block_sum(total, sum_sm);
     if (t == 0) {
-      const double log_s = log(sums[0]);
-      const float lse = logprob_lse(m, log_s);
-      logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(sums[0], sums[1], log_s));
+      const double log_s = log(total[0]);
+      const float lse = logprob_lse(mx[0], log_s);
+      logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(total[0], total[1], log_s));
     }
   }
 }

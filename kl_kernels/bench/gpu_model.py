@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,12 +113,13 @@ def resource_usage(so_path: str, tool: str) -> list[Usage]:
 _MEMORY_OP = re.compile(r"\b((?:LDG|STG|ATOMG|ATOMS|ATOM|RED|LDL|STL)(?:\.[A-Z0-9_]+)*)")
 
 
-def sass_memory_ops(so_path: str, tool: str) -> dict[tuple[str, str, str], set[str]]:
-    """Global/local memory and atomic instructions of each kernel's SASS (``cuobjdump --dump-sass``):
-    ``{(arch, family, variant): {"LDG.E.128", "STG.E", ...}}``; width suffixes kept, cache hints
-    (``.CONSTANT``, ``.EF``...) dropped, so ``LDG.E.128.CONSTANT`` counts as ``LDG.E.128``."""
+def sass_memory_ops(so_path: str, tool: str) -> dict[tuple[str, str, str], Counter]:
+    """Global/local memory and atomic instructions of each kernel's SASS (``cuobjdump --dump-sass``), with
+    how many of each it has: ``{(arch, family, variant): Counter({"LDG.E.128": 4, "STG.E": 1, ...})}``;
+    width suffixes kept, cache hints (``.CONSTANT``, ``.EF``...) dropped, so ``LDG.E.128.CONSTANT`` counts
+    as ``LDG.E.128``."""
     out = subprocess.run([tool, "--dump-sass", so_path], capture_output=True, text=True, check=True).stdout
-    ops: dict[tuple[str, str, str], set[str]] = {}
+    ops: dict[tuple[str, str, str], Counter] = {}
     arch, key = None, None
     for line in out.splitlines():
         m = re.search(r"arch = (sm_\d+)", line)
@@ -129,7 +131,7 @@ def sass_memory_ops(so_path: str, tool: str) -> dict[tuple[str, str, str], set[s
             fam = _FAMILY.search(m.group(1))
             key = (arch, fam.group(1), fam.group(2) or "") if fam else None
             if key is not None:
-                ops.setdefault(key, set())
+                ops.setdefault(key, Counter())
             continue
         if key is None:
             continue
@@ -137,7 +139,7 @@ def sass_memory_ops(so_path: str, tool: str) -> dict[tuple[str, str, str], set[s
             parts = op.split(".")
             keep = [parts[0]] + [q for q in parts[1:] if q in ("E", "64", "128", "U8", "S8", "U16", "S16", "ADD",
                                                                 "F32", "F64", "STRONG")]
-            ops[key].add(".".join(keep))
+            ops[key][".".join(keep)] += 1
     return ops
 
 
@@ -198,53 +200,49 @@ def _row_constants():
 
 # The row kernels (token_logprobs, full_kl) at the size the GPU bench measured Triton's at (H200,
 # bench/results/gpu-h200-2026-11-27): N = 8192 rows, V = 131,072, bf16 logits. Per row: (kernel family,
-# rows of V read per pass, passes, rows of V written).
+# rows of V read, each once, rows of V written).
 ROW_SIZE = dict(rows=8192, vocab=131072, e=2)
 ROW_KERNELS = {
-    "token_logprobs forward": ("token_logprobs_forward_kernel", 1, 2, 0),
-    "token_logprobs backward": ("token_logprobs_backward_kernel", 1, 1, 1),
-    "full_kl forward": ("full_kl_forward_kernel", 2, 2, 0),
-    "full_kl backward (both gradients)": ("full_kl_backward_kernel", 2, 1, 2),
+    "token_logprobs forward": ("token_logprobs_forward_kernel", 1, 0),
+    "token_logprobs backward": ("token_logprobs_backward_kernel", 1, 1),
+    "full_kl forward": ("full_kl_forward_kernel", 2, 0),
+    "full_kl backward (both gradients)": ("full_kl_backward_kernel", 2, 2),
 }
-L2_BYTES = {"sm_90": 50 * 1024 * 1024, "sm_80": 40 * 1024 * 1024}
 
 
 def row_kernel_lines(worst: dict) -> list[str]:
-    """The row kernels' section of the page: bytes per call, whether a row's second pass can come from L2,
-    and the predicted time against a same-bytes copy (sm_90)."""
+    """The row kernels' section of the page: bytes per call and the predicted time against a same-bytes copy
+    (sm_90)."""
     threads, chunk = _row_constants()
     n, v, e = ROW_SIZE["rows"], ROW_SIZE["vocab"], ROW_SIZE["e"]
     lines = ["", "## The row kernels (token_logprobs, full_kl) on an H100 (sm_90)", "",
-             f"One block of {threads} threads per row, rows in a grid-stride loop; the forwards read each row twice "
-             f"(its max, then the sums: the CPU kernel's algorithm and Triton's); every pass loads {chunk} entries "
-             "per thread and row before it uses them. Size: the GPU bench's, N = 8,192 rows, V = 131,072, bf16 logits. The second pass comes "
-             "from L2 only when the rows of all resident blocks fit there; at this V they do not (resident blocks x "
-             "row bytes, below), so the model counts both passes at HBM. Efficiency: bytes in flight per SM "
+             f"One block of {threads} threads per row, rows in a grid-stride loop; every kernel reads each row once "
+             "(the forwards with an online max: each thread's sums moved onto its running max as it rises, then "
+             "onto the block's, summed in a fixed order; csrc/common/row_math.h, the CPU kernels' and Triton's "
+             f"algorithm too) and loads {chunk} entries per thread and row before it uses them. Size: the GPU "
+             "bench's, N = 8,192 rows, V = 131,072, bf16 logits. Efficiency: bytes in flight per SM "
              f"(blocks x {threads} threads x {chunk} loads x streams x 2 B) over 14 KB, capped at 1.", "",
-             "| kernel | blocks/SM | rows in flight x row bytes | in L2? | MB moved | efficiency | "
-             "predicted us | copy us | fraction of copy |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| kernel | blocks/SM | MB moved | efficiency | predicted us | copy us | fraction of copy |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     copy_bw = ARCH["sm_90"]["copy_tbs"] * 1e12
-    for what, (kernel, streams, passes, writes) in ROW_KERNELS.items():
+    for what, (kernel, streams, writes) in ROW_KERNELS.items():
         blocks = worst.get(("sm_90", kernel))
         if blocks is None:
             continue
-        row_bytes = v * e * streams
-        in_flight_rows = blocks * ARCH["sm_90"]["sms"]
-        fits = in_flight_rows * row_bytes <= L2_BYTES["sm_90"]
-        pass_bytes = n * row_bytes
+        moved = n * v * e * (streams + writes)  # each byte once
         efficiency = bandwidth_efficiency(blocks, threads, streams, e, per=chunk)
-        write_bytes = n * v * e * writes
-        us = (pass_bytes * (passes if not fits else 1) + write_bytes) / efficiency / copy_bw * 1e6 + LAUNCH_US
-        moved = pass_bytes * (passes if not fits else 1) + write_bytes
-        copy_us = (pass_bytes + write_bytes) / copy_bw * 1e6 + LAUNCH_US  # each byte once: the floor
-        lines.append(f"| {what} | {blocks} | {in_flight_rows:,} x {row_bytes // 1024} KB | {'yes' if fits else 'no'} | "
-                     f"{moved / 1e6:.0f} | {efficiency:.2f} | {us:.0f} | {copy_us:.0f} | {copy_us / us:.0%} |")
-    lines += ["", "The forwards' second read is what separates them from the copy floor here (the backwards read and "
-              "write each byte once). Triton's token_logprobs kernels, the same two-pass algorithm, measured "
-              "5.2 ms forward + backward at this size on an H200 (29 % of its copy floor, "
-              "`bench/results/gpu-h200-2026-11-27/`). What would move them: a one-pass forward (an online max "
-              "with the sums rescaled as it grows, merged across threads in a fixed order), and 128-bit loads "
-              "on rows known to be 16-byte aligned."]
+        us = moved / efficiency / copy_bw * 1e6 + LAUNCH_US
+        copy_us = moved / copy_bw * 1e6 + LAUNCH_US  # the floor
+        lines.append(f"| {what} | {blocks} | {moved / 1e6:.0f} | {efficiency:.2f} | {us:.0f} | {copy_us:.0f} | "
+                     f"{copy_us / us:.0%} |")
+    lines += ["", "Every row kernel now moves each byte once, so this bytes-only model puts them at the copy floor. "
+              "It leaves out the arithmetic, which here is a floor of its own: at the copy rate an H100 streams "
+              "1.5 G bf16 entries per ms, and its FP32 pipes issue ~33.5 G instructions per ms (132 SMs x 128 "
+              "lanes x 1.98 GHz), ~22 per entry, about what an entry's exp polynomial, conversion, clamps and sums "
+              "take. Triton's token_logprobs kernels measured 5.2 ms forward + backward at this size on an H200 "
+              "with the earlier two-pass forward (29 % of its copy floor, `bench/results/gpu-h200-2026-11-27/`); "
+              "the one-pass forwards have not run on a GPU yet. What would move them further: 128-bit loads on "
+              "rows known to be 16-byte aligned, and fewer instructions per entry (the polynomial's degree)."]
     return lines
 
 

@@ -4,6 +4,7 @@ formulas of ``kl_kernels/full_kl/reference.py``)::
     forward:  m = max z, n = max w;  u_j = m - z_j, v_j = n - w_j
               S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)  (0 where e^-u_j is)
               KL = A / S + log R - log S;  lse = m + log S;  ref_lse = n + log R
+              one pass over both rows: m, n running maxima, S, R, A moved onto them as they rise (row_math.py)
     backward: p_j = e^(z_j - lse), q_j = e^(w_j - ref_lse)
               dx_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T;  dr_j = g (q_j - p_j) / T
 
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .kl_math import exp_row
+from .row_math import full_kl_rebase, step_max
 
 
 @triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner", "ref_stride_outer",
@@ -34,43 +36,34 @@ def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
     counted = cnt != 0
     lanes = tl.arange(0, BLOCK)
     counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0
-    # pass 1: both maxima (a +inf shows there) and whether a NaN is in either row
-    mz = tl.full([BLOCK], float("-inf"), tl.float32)
-    mw = tl.full([BLOCK], float("-inf"), tl.float32)
+    # one pass (row_math.py): per step both rows' maxima (NaN skipped, flagged), the sums moved onto the
+    # running maxima, then the step's terms, float32 per step, float64 across steps
+    m = tl.full([], float("-inf"), tl.float32)
+    n = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float64)
+    rr = tl.zeros([], tl.float64)
+    a = tl.zeros([], tl.float64)
     nan = tl.zeros([BLOCK], tl.int32)
     for j0 in range(0, vocab, BLOCK):
         offs = j0 + lanes
         ok = (offs < vocab) & counted_v
         z = tl.load(xb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
         w = tl.load(rb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        mz = tl.where(z > mz, z, mz)
-        mw = tl.where(w > mw, w, mw)
         nan = tl.where((z != z) | (w != w), 1, nan)
-    m = tl.max(mz, 0)
-    n = tl.max(mw, 0)
+        m, n, s, rr, a, fm, fn = full_kl_rebase(m, n, s, rr, a, step_max(z), step_max(w))
+        u = fm - z
+        v = fn - w
+        e = exp_row(-u)
+        s += tl.sum(e, 0).to(tl.float64)
+        rr += tl.sum(exp_row(-v), 0).to(tl.float64)
+        a += tl.sum(tl.where(e > 0.0, e * (v - u), 0.0), 0).to(tl.float64)
     bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf")) | (n == float("inf")) \
         | (n == float("-inf"))
-    # pass 2: S, R and A, float32 per step, float64 across steps
-    s_total = tl.zeros([1], tl.float64)
-    r_total = tl.zeros([1], tl.float64)
-    a_total = tl.zeros([1], tl.float64)
     m_safe = tl.where(bad, 0.0, m)
     n_safe = tl.where(bad, 0.0, n)
-    live_v = counted_v & ((tl.zeros([BLOCK], tl.int32) + bad.to(tl.int32)) == 0)
-    for j0 in range(0, vocab, BLOCK):
-        offs = j0 + lanes
-        ok = (offs < vocab) & live_v
-        u = m_safe - tl.load(xb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        v = n_safe - tl.load(rb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        e = exp_row(-u)
-        s_total += tl.sum(e, 0).to(tl.float64)
-        r_total += tl.sum(exp_row(-v), 0).to(tl.float64)
-        a_total += tl.sum(tl.where(e > 0.0, e * (v - u), 0.0), 0).to(tl.float64)
-    s = tl.max(s_total, 0)
-    rr = tl.max(r_total, 0)
     log_s = tl.log(s.to(tl.float32))
     log_r = tl.log(rr.to(tl.float32))
-    kl = (tl.max(a_total, 0) / s).to(tl.float32) + (log_r - log_s)
+    kl = (a / s).to(tl.float32) + (log_r - log_s)
     nan_value = float("nan")
     tl.store(kl_ptr + r, tl.where(counted, tl.where(bad, nan_value, kl), 0.0))
     tl.store(lse_ptr + r, tl.where(counted, tl.where(bad, nan_value, m_safe + log_s), 0.0))

@@ -3,6 +3,7 @@
 
     forward:  m = max z;  S = sum_j e^(z_j - m);  W = sum_j e^(z_j - m) min(m - z_j, 88)
               lse = m + log S;  log_prob = z_y - lse;  entropy = W / S + log S
+              one pass over the row: m is a running max, S and W moved onto it as it rises (row_math.py)
     backward: p_j = e^(z_j - lse);  dx_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, 88) - H)) / T
 
 with z = x / T (as x * (1 / T)), the sums per BLOCK-wide step in float32 and across steps in float64,
@@ -19,10 +20,7 @@ import triton.language as tl
 
 from .. import codes
 from .kl_math import exp_row as _exp
-
-# lse - z beyond this has e^(z - lse) == 0 in float32: keeps 0 * inf out (the one table: kl_kernels/codes.py,
-# which csrc/common/codes.h's kRowFar is generated from)
-FAR = tl.constexpr(codes.ROW_FAR)
+from .row_math import FAR, logprob_rebase, step_max
 
 
 @triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner"))
@@ -34,32 +32,27 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
     counted = cnt != 0
     lanes = tl.arange(0, BLOCK)
     counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0  # as a block: a scalar mask would not broadcast
-    # pass 1: the max (a +inf shows there) and whether a NaN is there
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    # one pass (row_math.py): per step the entries' max (NaN skipped, flagged), the sums moved onto the
+    # running max, then the step's terms, float32 per step, float64 across steps
+    m = tl.full([], float("-inf"), tl.float32)
+    s_total = tl.zeros([], tl.float64)
+    w_total = tl.zeros([], tl.float64)
     nan = tl.zeros([BLOCK], tl.int32)
     for j0 in range(0, vocab, BLOCK):
         offs = j0 + lanes
         z = tl.load(base + offs, mask=(offs < vocab) & counted_v, other=float("-inf")).to(tl.float32) * inv_t
-        mx = tl.where(z > mx, z, mx)
         nan = tl.where(z != z, 1, nan)
-    m = tl.max(mx, 0)
-    bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf"))
-    # pass 2: S and W, float32 per step, float64 across steps
-    s_total = tl.zeros([1], tl.float64)
-    w_total = tl.zeros([1], tl.float64)
-    m_safe = tl.where(bad, 0.0, m)
-    live_v = counted_v & ((tl.zeros([BLOCK], tl.int32) + bad.to(tl.int32)) == 0)
-    for j0 in range(0, vocab, BLOCK):
-        offs = j0 + lanes
-        z = tl.load(base + offs, mask=(offs < vocab) & live_v, other=float("-inf")).to(tl.float32) * inv_t
-        d = m_safe - z
+        m, s_total, w_total, f = logprob_rebase(m, s_total, w_total, step_max(z))
+        d = f - z
         e = _exp(-d)
         s_total += tl.sum(e, 0).to(tl.float64)
         w_total += tl.sum(e * tl.where(d <= FAR, d, FAR), 0).to(tl.float64)
+    bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf"))
+    m_safe = tl.where(bad, 0.0, m)
     y = tl.load(labels_ptr + r)
     in_vocab = (y >= 0) & (y < vocab)
     zy = tl.load(base + tl.where(in_vocab, y, 0)).to(tl.float32) * inv_t  # every row exists: no mask needed
-    log_s = tl.log(tl.max(s_total, 0).to(tl.float32))
+    log_s = tl.log(s_total.to(tl.float32))
     lse = m_safe + log_s
     undefined = bad | (~in_vocab)
     nan_value = float("nan")
@@ -67,7 +60,7 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
     tl.store(lp_ptr + r, lp)
     tl.store(lse_ptr + r, tl.where(counted, tl.where(undefined, nan_value, lse), 0.0))
     if WANT_ENTROPY:
-        h = (tl.max(w_total, 0) / tl.max(s_total, 0)).to(tl.float32) + log_s
+        h = (w_total / s_total).to(tl.float32) + log_s
         tl.store(ent_ptr + r, tl.where(counted, tl.where(undefined, nan_value, h), 0.0))
 
 

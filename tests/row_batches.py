@@ -1,0 +1,60 @@
+"""Rows of logits that move a one-pass (online) max: the row kernels read each row once, merging each run's
+max into a running one and moving the sums so far onto it (csrc/common/row_math.h). Every row here makes
+that move happen in some way the kernels must get right, at float32 precision against the float64 oracle."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+KINDS = ("ascending", "steep", "max-last", "neg-inf-prefix", "far-jump", "last-only", "descending", "huge-prefix",
+         "lowest-prefix", "far-steps")
+
+
+def moving_max_row(kind: str, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """One float64 row of ``vocab`` logits of the named kind."""
+    noise = torch.randn(vocab, generator=g, dtype=torch.float64)
+    idx = torch.arange(vocab, dtype=torch.float64)
+    half = vocab // 2
+    if kind == "ascending":  # the max rises in every run, gently (many entries count)
+        return torch.sort(noise * 4).values
+    if kind == "steep":  # rises by 0.05 an entry: each run's max beats the last by ~13 (a span of 256)
+        return idx * 0.05 + noise * 0.01
+    if kind == "max-last":
+        row = noise * 3
+        row[-1] = 12.0
+        return row
+    if kind == "neg-inf-prefix":  # the running max is -inf for the first runs
+        row = noise * 3
+        row[: (vocab * 3) // 5] = -math.inf
+        return row
+    if kind == "far-jump":  # the first half is beyond the far bound below the second (its sums become 0)
+        row = noise * 2
+        row[:half] -= 500.0
+        return row
+    if kind == "last-only":  # one finite entry, the last
+        row = torch.full((vocab,), -math.inf, dtype=torch.float64)
+        row[-1] = 1.5
+        return row
+    if kind == "descending":  # the max first: nothing moves (the control)
+        return torch.sort(noise * 4, descending=True).values
+    if kind == "huge-prefix":  # -1e30 then ordinary logits (-inf in float16)
+        row = noise * 3
+        row[:half] = -1e30
+        return row
+    if kind == "lowest-prefix":  # -FLT_MAX (a finite logit, the running max's floor itself) then ordinary ones
+        row = noise * 3
+        row[:half] = -FLT_MAX
+        return row
+    if kind == "far-steps":  # the max rises by ~90 (past the far bound) every 256 entries
+        return idx * (90.0 / 256.0) + noise * 0.1
+    raise ValueError(kind)
+
+
+def moving_max_rows(vocab: int, seed: int, kinds=KINDS) -> torch.Tensor:
+    """[len(kinds), vocab] float64, one row per kind."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([moving_max_row(k, vocab, g) for k in kinds])
