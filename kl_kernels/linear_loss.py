@@ -101,9 +101,9 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
         blockers = _one_pass_blockers(args)
         if not blockers:
             return _one_pass(hidden, weight, labels, counted, args, bias=bias, ref_hidden=ref_hidden,
-                             ref_weight=ref_weight,
-                             ref_bias=ref_bias, temperature=temperature, mask=mask, ignore_index=ignore_index,
-                             chunk_size=chunk_size, logprobs_backend=logprobs_backend, want_entropy=want_entropy)
+                             ref_weight=ref_weight, ref_bias=ref_bias, temperature=temperature, mask=mask,
+                             ignore_index=ignore_index, chunk_size=chunk_size, logprobs_backend=logprobs_backend,
+                             want_entropy=want_entropy)
         if one_pass:
             raise ValueError("one_pass=True: this loss needs two passes: " + "; ".join(blockers))
     common = dict(temperature=temperature, mask=mask, ignore_index=ignore_index, chunk_size=chunk_size,
@@ -147,8 +147,7 @@ def _one_pass_blockers(args: dict) -> list:
 
 
 def _one_pass(hidden, weight, labels, counted, args, *, bias, ref_hidden, ref_weight, ref_bias, temperature, mask,
-              ignore_index,
-              chunk_size, logprobs_backend, want_entropy) -> KLPenaltyLossOutput:
+              ignore_index, chunk_size, logprobs_backend, want_entropy) -> KLPenaltyLossOutput:
     """The loss in one pass (``linear_loss_one_pass``): each chunk's share is ``sum_t W_t loss_t`` of
     ``kl_penalty_loss``' per-token losses (``aggregation="none"``, every token its own sequence), ``W_t`` the
     weight of token t's sequence in the aggregation: the gradient to each token's log-prob of the batch's

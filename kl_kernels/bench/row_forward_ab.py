@@ -32,6 +32,8 @@ FLAGS = ("-O3", "-g0", "-std=c++17", "-fwrapv", "-fno-trapping-math", "-fno-math
 
 DRIVER = r"""
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -50,7 +52,7 @@ int token_logprobs_forward_cpu(const TokenLogprobsArgs& a, int num_threads);
 int full_kl_forward_cpu(const FullKLArgs& a, int num_threads);
 KL_SERIAL_TILES
 }  // namespace kl
-namespace kl_base {  // the base revision's (its argument structs have the same layout: checked below)
+namespace kl_base {  // the base revision's (its row_args.h is the tree's: build() checks)
 struct TokenLogprobsArgs;
 struct FullKLArgs;
 int token_logprobs_forward_cpu(const TokenLogprobsArgs& a, int num_threads);
@@ -58,16 +60,18 @@ int full_kl_forward_cpu(const FullKLArgs& a, int num_threads);
 KL_SERIAL_TILES
 }  // namespace kl_base
 
-template <class T>
-static void fill(std::vector<T>& v, int dtype, std::mt19937& g) {
+// N x V logits ~ N(0, 3^2) as the kernels read them: float32, or bfloat16 (a float's top half).
+static std::vector<uint16_t> logits(int64_t count, int dtype, std::mt19937& g) {
   std::normal_distribution<float> nd(0.0f, 3.0f);
-  for (auto& e : v) {
+  std::vector<uint16_t> out(dtype == kl::kFloat32 ? 2 * count : count);
+  for (int64_t i = 0; i < count; ++i) {
     const float f = nd(g);
     uint32_t b;
     std::memcpy(&b, &f, 4);
-    if (dtype == kl::kFloat32) std::memcpy(&e, &f, sizeof(T) < 4 ? sizeof(T) : 4);
-    else e = static_cast<T>(b >> 16);  // bfloat16: the top half
+    if (dtype == kl::kFloat32) std::memcpy(&out[2 * i], &b, 4);
+    else out[i] = static_cast<uint16_t>(b >> 16);
   }
+  return out;
 }
 
 int main(int argc, char** argv) {
@@ -75,21 +79,12 @@ int main(int argc, char** argv) {
   const int repeats = std::atoi(argv[3]);
   std::printf("[");
   for (int dtype : {int(kl::kBFloat16), int(kl::kFloat32)}) {
-    const size_t bytes = dtype == kl::kFloat32 ? 4 : 2;
-    std::vector<uint32_t> x(N * V * bytes / 4 + 1), r(N * V * bytes / 4 + 1);
     std::mt19937 g(0);
-    if (dtype == kl::kFloat32) { fill(x, dtype, g); fill(r, dtype, g); }
-    else {
-      std::vector<uint16_t> hx(N * V), hr(N * V);
-      fill(hx, dtype, g);
-      fill(hr, dtype, g);
-      std::memcpy(x.data(), hx.data(), N * V * 2);
-      std::memcpy(r.data(), hr.data(), N * V * 2);
-    }
+    const std::vector<uint16_t> x = logits(N * V, dtype, g), r = logits(N * V, dtype, g);
     std::vector<int64_t> labels(N);
     for (int64_t i = 0; i < N; ++i) labels[i] = (i * 7919) % V;
     std::vector<char> counted(N, 1);
-    std::vector<float> lp(N), lse(N), ent(N), kl(N), klse(N), kref(N), out[2][3];
+    std::vector<float> lp(N), lse(N), ent(N), kl_out(N), klse(N), kref(N), out[2][3];
     kl::TokenLogprobsArgs a;
     a.logits = reinterpret_cast<uintptr_t>(x.data()); a.dtype = dtype; a.rows = N; a.vocab = V; a.stride_outer = V;
     a.labels = reinterpret_cast<uintptr_t>(labels.data()); a.counted = reinterpret_cast<uintptr_t>(counted.data());
@@ -98,7 +93,7 @@ int main(int argc, char** argv) {
     kl::FullKLArgs f;
     f.logits = reinterpret_cast<uintptr_t>(x.data()); f.ref_logits = reinterpret_cast<uintptr_t>(r.data());
     f.dtype = dtype; f.rows = N; f.vocab = V; f.stride_outer = V; f.ref_stride_outer = V;
-    f.counted = reinterpret_cast<uintptr_t>(counted.data()); f.kl = reinterpret_cast<uintptr_t>(kl.data());
+    f.counted = reinterpret_cast<uintptr_t>(counted.data()); f.kl = reinterpret_cast<uintptr_t>(kl_out.data());
     f.lse = reinterpret_cast<uintptr_t>(klse.data()); f.ref_lse = reinterpret_cast<uintptr_t>(kref.data());
     double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};  // [revision: base, head][op]
     double worst_diff = 0.0;
@@ -115,7 +110,7 @@ int main(int argc, char** argv) {
                               std::chrono::duration<double, std::milli>(t2 - t1).count()};
         for (int op = 0; op < 2; ++op) best[rev][op] = ms[op] < best[rev][op] ? ms[op] : best[rev][op];
         if (rep == 0) {
-          out[rev][0] = lp; out[rev][1] = ent; out[rev][2] = kl;
+          out[rev][0] = lp; out[rev][1] = ent; out[rev][2] = kl_out;
         }
       }
     }
@@ -144,6 +139,9 @@ def build(base: str, work: Path) -> Path:
     base_src.mkdir()
     archive = subprocess.run(["git", "-C", str(REPO), "archive", base, "csrc"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(base_src)], input=archive, check=True)
+    # The driver passes the tree's argument structs to both revisions' kernels: same layout required
+    if (base_src / "csrc/common/row_args.h").read_text() != (REPO / "csrc/common/row_args.h").read_text():
+        raise SystemExit(f"csrc/common/row_args.h differs between {base} and the tree: the driver cannot call both")
     (work / "driver.cpp").write_text(DRIVER)
     objects = []
     for tag, root, extra in (("base", base_src / "csrc", ["-Dkl=kl_base"]), ("head", REPO / "csrc", [])):

@@ -178,7 +178,6 @@ def run_split(p: KLPenaltyProblem, impl, *, kind: str, offsets, num_global_token
                      process_group=process_group, entropy_sums=entropy_sums, kl_sums=kl_sums)
 
 
-
 def on_host(p: KLPenaltyProblem, process_group) -> bool:
     """Whether the call aggregates on the host: CPU tensors, one weight for every sequence (a float
     beta, or a 0-d one), no process group, eager. Its totals are then read as host floats (free for
