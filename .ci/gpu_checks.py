@@ -5,7 +5,7 @@
     python .ci/gpu_checks.py nosync      eager calls under torch.cuda.set_sync_debug_mode("error"):
                                          any host synchronization in our path raises
     python .ci/gpu_checks.py graph       both ops captured in a CUDA graph and replayed on new data
-    python .ci/gpu_checks.py race        each CUDA kernel once on multi-tile rows (what racecheck runs)
+    python .ci/gpu_checks.py race        each CUDA kernel once on multi-tile rows (what the sanitizers run)
 
 Each prints one line per case, "ok" or the reason, and exits 1 when any case failed.
 """
@@ -24,7 +24,8 @@ import os
 # A dry run on a machine without a GPU: KL_GPU_CHECKS_DEVICE=cpu KL_GPU_CHECKS_BACKENDS=cpu,torch
 DEV = torch.device(os.environ.get("KL_GPU_CHECKS_DEVICE", "cuda"))
 BACKENDS = tuple(os.environ.get("KL_GPU_CHECKS_BACKENDS", "cuda,triton").split(","))
-# which ops the selfcheck mode runs, in order (under compute-sanitizer each takes a minute or more)
+# which ops the selfcheck and race modes run, in order (under compute-sanitizer each selfcheck takes a minute
+# or more)
 OPS = tuple(os.environ.get("KL_GPU_CHECKS_OPS", "kl_reward,kl_penalty_loss").split(","))
 failed = []
 
@@ -185,18 +186,32 @@ def nosync():
 
 def race():
     """Each CUDA kernel once on a batch whose rows span several tiles (one row 20 tiles: the combine's
-    block-wide sum and its shared-memory tree), both layouts, with the checks on the device: what compute-sanitizer's racecheck runs (the whole self-check under it
-    did not finish in 90 s for the loss on the third H200 run)."""
-    for backend in BACKENDS:
-        for name, x in (("packed", packed(n_seq=12, long_row=40_000)), ("padded", padded(b=6, t=3000))):
-            report(f"race kl_reward {backend} {name}", lambda x=x, backend=backend: reward_call(x, backend))
-        x = packed(n_seq=12, long_row=40_000)
+    block-wide sum and its shared-memory tree), both layouts, with the checks on the device; the row ops'
+    kernels on rows of several block steps (V = 5000: 3 steps of 2,048, the last partial; their block_max /
+    block_sum trees), a -inf reference entry among them: what compute-sanitizer runs (racecheck, memcheck;
+    the whole self-check under racecheck did not finish in 90 s for the loss on the third H200 run). The ops
+    of KL_GPU_CHECKS_OPS, in order."""
+    for op in OPS:
+        for backend in BACKENDS:
+            if op == "kl_reward":
+                for name, x in (("packed", packed(n_seq=12, long_row=40_000)), ("padded", padded(b=6, t=3000))):
+                    report(f"race kl_reward {backend} {name}", lambda x=x, backend=backend: reward_call(x, backend))
+            elif op == "kl_penalty_loss":
+                x = packed(n_seq=12, long_row=40_000)
 
-        def loss(x=x, backend=backend):
-            for options in (False, True):
-                lp = x["lp"].clone().requires_grad_(True)
-                torch.autograd.grad(loss_call(x, backend, lp, options).loss, lp)
-        report(f"race kl_penalty_loss fwd+bwd {backend}", loss)
+                def loss(x=x, backend=backend):
+                    for options in (False, True):
+                        lp = x["lp"].clone().requires_grad_(True)
+                        torch.autograd.grad(loss_call(x, backend, lp, options).loss, lp)
+                report(f"race kl_penalty_loss fwd+bwd {backend}", loss)
+            elif op == "token_logprobs" and backend in LOGPROBS_BACKENDS:
+                x, y = logits_batch(n=12)
+                report(f"race token_logprobs fwd+bwd {backend}",
+                       lambda x=x, y=y, backend=backend: logprobs_call(x, y, backend))
+            elif op == "full_kl" and backend in LOGPROBS_BACKENDS:
+                (x, _), (r, _) = logits_batch(seed=7, n=12), logits_batch(seed=8, n=12)
+                r[2, :3000] = float("-inf")
+                report(f"race full_kl fwd+bwd {backend}", lambda x=x, r=r, backend=backend: full_kl_call(x, r, backend))
     if DEV.type == "cuda":
         torch.cuda.synchronize()
 

@@ -206,6 +206,9 @@ def test_kernel_row_steps(backend, vocab):
 ONE_PASS_CASES = [pytest.param(b, d, v, marks=CUDA_EMULATED.marks if b == "cuda-emulated" else ())
                   for b in ("cpu", "cuda-emulated") for d in (torch.float32, torch.bfloat16) for v in (300, 2500, 5000)]
 ONE_PASS_CASES += [pytest.param("triton", torch.bfloat16, 2500, marks=pytest.mark.triton)]
+# On a GPU: the CUDA kernels' grid-stride steps (2048 entries a block step) and Triton's, up to 40 steps
+ONE_PASS_CASES += [pytest.param(b, d, v, marks=pytest.mark.cuda)
+                   for b in ("cuda", "triton") for d in (torch.float32, torch.bfloat16) for v in (5000, 81921)]
 
 
 @pytest.mark.parametrize("backend, dtype, vocab", ONE_PASS_CASES)
@@ -216,6 +219,43 @@ def test_one_pass_rows_whose_maxima_move(backend, dtype, vocab):
     rows, ref_rows = row_batches.moving_max_rows(vocab, seed=vocab), row_batches.moving_max_rows(vocab, seed=vocab + 1)
     x = torch.cat([rows] * 4)  # each kind against four others and itself
     r = torch.cat([ref_rows.roll(shift, 0) for shift in (0, 1, 3, 6)])
+    _check(x.to(dtype), r.to(dtype), None, 1.0, backend=backend)
+
+
+def reference_gaps_under_a_rising_max(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows where the reference is -inf at entries whose policy probability looks positive against the
+    running max when they are read, but is 0 (even in float64) against the row's final max: the policy's
+    logits rise 0.03 an entry (~31 per 1024-entry run, ~61 per 2048-entry CUDA block step, each below the
+    far bound, so no rebase drops the sums), to ~900. Row 0: the reference -inf on the first 1024 entries
+    (final policy probability e^-870 = 0: the KL is finite); row 1: also on one entry 3 below the policy's
+    max (probability e^-3: the KL is +inf); row 2: on the last 1024 (the max is read first: the control);
+    row 3: on the first 1024 and every 7th entry after (spread over all runs and CUDA threads)."""
+    g = torch.Generator().manual_seed(vocab)
+    ramp = torch.arange(vocab, dtype=torch.float64) * 0.03 + torch.randn(vocab, generator=g, dtype=torch.float64) * 0.01
+    x = torch.stack([ramp] * 4)
+    r = torch.randn(4, vocab, generator=g, dtype=torch.float64) * 2
+    r[0, :1024] = -math.inf
+    r[1, :1024] = -math.inf
+    r[1, vocab - 100] = -math.inf
+    x[2] = ramp.flip(0)
+    r[2, -1024:] = -math.inf
+    r[3, :1024] = -math.inf
+    r[3, 1024::7] = -math.inf
+    x[3, 1024::7] -= 1000.0  # below the far bound of the max read before them: probability 0 when read
+    return x, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reference_minus_inf_where_the_final_probability_is_zero(backend, dtype):
+    """A -inf reference logit makes the KL +inf only where the policy's probability is positive against
+    the row's final max (as a two-pass kernel computes it), not where it looked positive against a
+    running max that later rose (the one-pass forward's rebase cannot move an inf term; row_math.h keeps
+    those entries out of A and decides +inf at the end). Found by the one-pass tests at V = 81921."""
+    x, r = reference_gaps_under_a_rising_max(30000)
+    kl = full_kl(x.to(dtype).to(backend_device(backend)), r.to(dtype).to(backend_device(backend)), backend=backend)
+    assert math.isfinite(kl[0].item()) and math.isfinite(kl[2].item()) and math.isfinite(kl[3].item()), kl
+    assert kl[1].item() == math.inf, kl
     _check(x.to(dtype), r.to(dtype), None, 1.0, backend=backend)
 
 

@@ -10,7 +10,8 @@
 //   S = sum_j e^-d_j;  W = sum_j e^-d_j min(d_j, far)       lse = m + log S;  log_prob = z_y - lse
 //   entropy = W / S + log S  (= sum_j p_j (lse - z_j));      d x_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, far) - entropy)) / T
 // full_kl, w = r / T, n = max w, u_j = m - z_j, v_j = n - w_j:
-//   S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)  (0 where e^-u_j is)
+//   S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)  (0 where e^-u_j is; +inf where
+//   e^-u_j > 0 and w_j = -inf)
 //   KL = A / S + log R - log S;  lse = m + log S;  ref_lse = n + log R
 //   d x_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T  (0 where p_j is);  d r_j = g (q_j - p_j) / T
 // A counted row with a NaN or +inf logit, or only -inf ones (in either tensor for full_kl), gives NaN.
@@ -19,7 +20,8 @@
 // 1024-entry run, a CUDA thread's kRowChunk-entry step, a Triton program's BLOCK-wide step): a run's max is
 // merged into the running max first, the sums so far are moved onto the new max (*_rebase: a sum against m
 // becomes one against m' = m + delta by S' = e^-delta S, W' = e^-delta (W + delta S), A' = e^-delta_m (A +
-// (delta_n - delta_m) S)), then the run's terms are taken against it. A CUDA block's threads each keep such
+// (delta_n - delta_m) F), F the part of S whose reference is finite), then the run's terms are taken
+// against it. A CUDA block's threads each keep such
 // a running state and rebase it onto the block's max before the block sums. The factor is float64 and 0
 // beyond kRowFar, where every moved term is below float32's exp flush (as a term d > 87.3 is 0 in the
 // two-pass sum), which also keeps inf * 0 out.
@@ -157,39 +159,53 @@ KL_HD float logprob_grad_label(float d, float g_lp, float g_h, float h) {
 // ---------------------------------------------------------------------------------- full_kl
 
 // full_kl's running state: both maxima so far (m the policy's, n the reference's), S, R and A against
-// row_floor(m) and row_floor(n).
+// row_floor(m) and row_floor(n), F (S over the entries whose reference is finite: A's terms, which the
+// reference's shift moves), and `lost`, the policy's largest z_j where the reference is -inf (w_j = -inf,
+// v_j = inf). Those entries stay out of A: a term e * inf against a running max could not be moved off inf
+// when the max later rises past it (its probability then 0); whether the KL is +inf is decided at the end,
+// against the final max, by the two-pass rule (full_kl_value).
 struct FullKLSums {
-  float m, n;
-  double S, R, A;
+  float m, n, lost;
+  double S, F, R, A;
 };
-KL_HD FullKLSums full_kl_sums_start() { return {-INFINITY, -INFINITY, 0.0, 0.0, 0.0}; }
+KL_HD FullKLSums full_kl_sums_start() { return {-INFINITY, -INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0}; }
 
-// Merge a run's maxima into s (moving S, R and A onto the new maxima); the values to take the run's terms
-// against come back in fm, fn (u = fm - z_j, v = fn - w_j).
-KL_HD void full_kl_rebase(FullKLSums& s, float run_m, float run_n, float& fm, float& fn) {
+// An entry's contribution to a run's `lost` (the caller takes the max): z_j where w_j = -inf, else -inf.
+KL_HD float full_kl_lost(float z, float w) { return w == -INFINITY ? z : -INFINITY; }
+
+// Merge a run's maxima and lost into s (moving S, F, R and A onto the new maxima); the values to take the
+// run's terms against come back in fm, fn (u = fm - z_j, v = fn - w_j).
+KL_HD void full_kl_rebase(FullKLSums& s, float run_m, float run_n, float run_lost, float& fm, float& fn) {
   const bool up_m = run_m > s.m, up_n = run_n > s.n;
   if (up_m || up_n) {
     const RowShift km = up_m ? row_shift(s.m, run_m) : RowShift{0.0, 1.0};
     const RowShift kn = up_n ? row_shift(s.n, run_n) : RowShift{0.0, 1.0};
-    s.A = km.factor == 0.0 ? 0.0 : km.factor * (s.A + (kn.delta - km.delta) * s.S);
+    s.A = km.factor == 0.0 ? 0.0 : km.factor * (s.A + (kn.delta - km.delta) * s.F);
     s.S = km.factor * s.S;
+    s.F = km.factor * s.F;
     s.R = kn.factor * s.R;
     s.m = up_m ? run_m : s.m;
     s.n = up_n ? run_n : s.n;
   }
+  s.lost = run_lost > s.lost ? run_lost : s.lost;
   fm = row_floor(s.m);
   fn = row_floor(s.n);
 }
 
-// One entry's terms of S, R and A, u = m - z_j, v = n - w_j.
-KL_HD void full_kl_terms(float u, float v, float& e, float& q, float& a) {
+// One entry's terms of S, F, R and A, u = m - z_j, v = n - w_j (v = inf: the reference is -inf there).
+KL_HD void full_kl_terms(float u, float v, float& e, float& f, float& q, float& a) {
   e = exp_vec(-u);
   q = exp_vec(-v);
-  a = e > 0.0f ? e * (v - u) : 0.0f;
+  const bool finite_ref = v < INFINITY;
+  f = finite_ref ? e : 0.0f;
+  a = e > 0.0f && finite_ref ? e * (v - u) : 0.0f;
 }
 
-// The row's KL from S, R, A (float64 sums) and their logs.
-KL_HD float full_kl_value(double S, double A, double log_s, double log_r) {
+// The row's KL from S, R, A (float64 sums) and their logs: +inf where an entry whose reference is -inf has
+// a probability above float32's exp flush against the final max m (e^-(m - lost) > 0: what a two-pass
+// forward's term e * inf gives; one below it is 0, as p_j * (v_j - u_j) is taken as 0 where p_j is).
+KL_HD float full_kl_value(double S, double A, double log_s, double log_r, float m, float lost) {
+  if (exp_vec(lost - m) > 0.0f) return INFINITY;
   return static_cast<float>(A / S + (log_r - log_s));
 }
 

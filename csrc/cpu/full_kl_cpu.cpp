@@ -1,11 +1,11 @@
 // Fused CPU full_kl: per counted row, the policy's logits x and the reference's r, the formulas of
-// common/row_math.h (shared with cuda/full_kl_cuda.cu). Subtracting each row's own max before the difference
-// (v_j - u_j, not z_j - w_j) keeps a constant shift between the two models' logits, which cancels in the KL,
-// out of the float32 arithmetic. The policy putting mass where the reference has none (w_j = -inf, p_j > 0)
-// gives KL = +inf; a row whose KL is not finite has NaN gradients. The forward reads each row once (online
-// maxima and sums, row_math.h: per 1024-entry run its maxima, then its terms while it sits in L1). Sums: 16
-// float lanes over 256 entries, then float64, in a fixed order: deterministic for any thread count. No
-// [N, V] temporary.
+// common/row_math.h (shared with cuda/full_kl_cuda.cu). Subtracting each row's own max before the difference (v_j -
+// u_j, not z_j - w_j) keeps a constant shift between the two models' logits, which cancels in the KL, out of the
+// float32 arithmetic. The policy putting mass where the reference has none (w_j = -inf, p_j > 0 against the row's
+// final max) gives KL = +inf; a row whose KL is not finite has NaN gradients. The forward reads each row once
+// (online maxima and sums, row_math.h: per 1024-entry run its maxima, then its terms while it sits in L1). Sums: 16
+// float lanes over 256 entries, then float64, in a fixed order: deterministic for any thread count. No [N, V]
+// temporary.
 #include "cpu/full_kl_cpu.h"
 
 #include <cmath>
@@ -42,14 +42,16 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
     for (int l = 0; l < kRowLanes; ++l) nan_seen[l] = 0.0f;
     for (int64_t s0 = 0; s0 < V; s0 += kRowRun) {
       const int64_t s1 = s0 + kRowRun < V ? s0 + kRowRun : V;
-      float mz[kRowLanes], mw[kRowLanes];
-      for (int l = 0; l < kRowLanes; ++l) mz[l] = -kInf, mw[l] = -kInf;
+      float mz[kRowLanes], mw[kRowLanes], ml[kRowLanes];
+      for (int l = 0; l < kRowLanes; ++l) mz[l] = -kInf, mw[l] = -kInf, ml[l] = -kInf;
       int64_t j = s0;
       for (; j + kRowLanes <= s1; j += kRowLanes) {
         for (int l = 0; l < kRowLanes; ++l) {
           const float z = from_bits<DT>(x[j + l]) * inv_t, w = from_bits<DT>(y[j + l]) * inv_t;
           mz[l] = z > mz[l] ? z : mz[l];
           mw[l] = w > mw[l] ? w : mw[l];
+          const float lost = full_kl_lost(z, w);
+          ml[l] = lost > ml[l] ? lost : ml[l];
           nan_seen[l] = (z != z) | (w != w) ? 1.0f : nan_seen[l];
         }
       }
@@ -57,32 +59,36 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
         const float z = from_bits<DT>(x[j]) * inv_t, w = from_bits<DT>(y[j]) * inv_t;
         mz[0] = z > mz[0] ? z : mz[0];
         mw[0] = w > mw[0] ? w : mw[0];
+        const float lost = full_kl_lost(z, w);
+        ml[0] = lost > ml[0] ? lost : ml[0];
         nan_seen[0] = (z != z) | (w != w) ? 1.0f : nan_seen[0];
       }
       float m, n;
-      full_kl_rebase(sums, lanes_max(mz), lanes_max(mw), m, n);
+      full_kl_rebase(sums, lanes_max(mz), lanes_max(mw), lanes_max(ml), m, n);
       for (int64_t q0 = s0; q0 < s1; q0 += kRowSpan) {
         const int64_t q1 = q0 + kRowSpan < s1 ? q0 + kRowSpan : s1;
-        float se[kRowLanes], sr[kRowLanes], sa[kRowLanes];
-        for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sr[l] = 0.0f, sa[l] = 0.0f;
+        float se[kRowLanes], sf[kRowLanes], sr[kRowLanes], sa[kRowLanes];
+        for (int l = 0; l < kRowLanes; ++l) se[l] = 0.0f, sf[l] = 0.0f, sr[l] = 0.0f, sa[l] = 0.0f;
         int64_t k = q0;
         for (; k + kRowLanes <= q1; k += kRowLanes) {
           for (int l = 0; l < kRowLanes; ++l) {
-            float e, q, t;
-            full_kl_terms(m - from_bits<DT>(x[k + l]) * inv_t, n - from_bits<DT>(y[k + l]) * inv_t, e, q, t);
+            float e, f, q, t;
+            full_kl_terms(m - from_bits<DT>(x[k + l]) * inv_t, n - from_bits<DT>(y[k + l]) * inv_t, e, f, q, t);
             se[l] += e;
+            sf[l] += f;
             sr[l] += q;
             sa[l] += t;
           }
         }
         for (; k < q1; ++k) {
-          float e, q, t;
-          full_kl_terms(m - from_bits<DT>(x[k]) * inv_t, n - from_bits<DT>(y[k]) * inv_t, e, q, t);
+          float e, f, q, t;
+          full_kl_terms(m - from_bits<DT>(x[k]) * inv_t, n - from_bits<DT>(y[k]) * inv_t, e, f, q, t);
           se[0] += e;
+          sf[0] += f;
           sr[0] += q;
           sa[0] += t;
         }
-        for (int l = 0; l < kRowLanes; ++l) sums.S += se[l], sums.R += sr[l], sums.A += sa[l];
+        for (int l = 0; l < kRowLanes; ++l) sums.S += se[l], sums.F += sf[l], sums.R += sr[l], sums.A += sa[l];
       }
     }
     bool bad = false;
@@ -92,7 +98,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
       continue;
     }
     const double log_s = std::log(sums.S), log_r = std::log(sums.R);
-    full_kl_store(a, r, full_kl_value(sums.S, sums.A, log_s, log_r), logprob_lse(sums.m, log_s),
+    full_kl_store(a, r, full_kl_value(sums.S, sums.A, log_s, log_r, sums.m, sums.lost), logprob_lse(sums.m, log_s),
                   logprob_lse(sums.n, log_r));
   }
 }

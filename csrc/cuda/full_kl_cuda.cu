@@ -27,7 +27,7 @@ namespace {
 
 template <int32_t DT>
 __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs a) {
-  __shared__ float max_sm[3][kRowWarps];
+  __shared__ float max_sm[4][kRowWarps];
   __shared__ double sum_sm[3][kRowWarps];
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
     float nan_seen = 0.0f;
     for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
       float z[kRowChunk], w[kRowChunk];
-      float step_m = -INFINITY, step_n = -INFINITY;
+      float step_m = -INFINITY, step_n = -INFINITY, step_lost = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kRowChunk; ++c) {  // 2 x kRowChunk independent loads in flight
         const int64_t j = j0 + int64_t{c} * kRowThreads;
@@ -55,28 +55,32 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
         w[c] = j < V ? from_bits<DT>(y[j]) * inv_t : -INFINITY;
         step_m = z[c] > step_m ? z[c] : step_m;
         step_n = w[c] > step_n ? w[c] : step_n;
+        const float lost = full_kl_lost(z[c], w[c]);
+        step_lost = lost > step_lost ? lost : step_lost;
         nan_seen = (z[c] != z[c]) | (w[c] != w[c]) ? 1.0f : nan_seen;
       }
       float m, n;
-      full_kl_rebase(sums, step_m, step_n, m, n);
-      float se = 0.0f, sr = 0.0f, sa = 0.0f;
+      full_kl_rebase(sums, step_m, step_n, step_lost, m, n);
+      float se = 0.0f, sf = 0.0f, sr = 0.0f, sa = 0.0f;
 #pragma unroll
       for (int c = 0; c < kRowChunk; ++c) {
-        float e, q, d;
-        full_kl_terms(m - z[c], n - w[c], e, q, d);
+        float e, f, q, d;
+        full_kl_terms(m - z[c], n - w[c], e, f, q, d);
         se += e;
+        sf += f;
         sr += q;
         sa += d;
       }
       sums.S += se;
+      sums.F += sf;
       sums.R += sr;
       sums.A += sa;
     }
-    // the block's maxima and NaN flag; every thread's sums moved onto them, then summed in a fixed order
-    float mx[3] = {sums.m, sums.n, nan_seen};
+    // the block's maxima, lost and NaN flag; every thread's sums moved onto them, then summed in a fixed order
+    float mx[4] = {sums.m, sums.n, nan_seen, sums.lost};
     block_max(mx, max_sm);
     float m, n;
-    full_kl_rebase(sums, mx[0], mx[1], m, n);
+    full_kl_rebase(sums, mx[0], mx[1], mx[3], m, n);
     if (row_undefined(mx[2] != 0.0f, mx[0]) || row_undefined(false, mx[1])) {  // a softmax is undefined
       if (t == 0) row_store_all(a, r, NAN);
       continue;
@@ -85,7 +89,7 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
     block_sum(total, sum_sm);
     if (t == 0) {
       const double log_s = log(total[0]), log_r = log(total[1]);
-      full_kl_store(a, r, full_kl_value(total[0], total[2], log_s, log_r), logprob_lse(mx[0], log_s),
+      full_kl_store(a, r, full_kl_value(total[0], total[2], log_s, log_r, mx[0], mx[3]), logprob_lse(mx[0], log_s),
                     logprob_lse(mx[1], log_r));
     }
   }

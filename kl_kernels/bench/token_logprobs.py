@@ -27,7 +27,9 @@ from .timing import measure
 
 DEFAULT_SIZES = ((2048, 32768), (4096, 65536), (2048, 131072))
 CONTENDERS = ("eager", "compile", "token_logprobs[torch]", "token_logprobs[cpu]", "token_logprobs[cpu]+inplace",
-              "token_logprobs[triton]", "token_logprobs[triton]+inplace")
+              "token_logprobs[cuda]", "token_logprobs[cuda]+inplace", "token_logprobs[triton]",
+              "token_logprobs[triton]+inplace")
+FUSED = ("[cpu]", "[cuda]", "[triton]")  # the fused kernels' backends
 TEMPERATURE = 0.7
 
 
@@ -101,11 +103,11 @@ def measure_one(name: str, n: int, vocab: int, dtype: str, device: torch.device,
 
 
 def contenders(device: torch.device, with_compile: bool = True) -> tuple:
-    """The contenders that run on ``device``: the CPU kernel on the CPU, Triton on a GPU (its CPU
-    interpreter is a test tool, not a contender)."""
+    """The contenders that run on ``device``: the CPU kernel on the CPU, the CUDA C++ and Triton kernels on a
+    GPU (Triton's CPU interpreter and the emulated CUDA kernels are test tools, not contenders)."""
     names = [c for c in CONTENDERS if with_compile or c != "compile"]
-    own = "[cpu]" if device.type == "cpu" else "[triton]"
-    return tuple(c for c in names if own in c or ("[cpu]" not in c and "[triton]" not in c))
+    own = ("[cpu]",) if device.type == "cpu" else ("[cuda]", "[triton]")
+    return tuple(c for c in names if any(o in c for o in own) or not any(f in c for f in FUSED))
 
 
 def _child(name: str, n: int, vocab: int, dtype: str, queue) -> None:

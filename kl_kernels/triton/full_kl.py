@@ -2,7 +2,8 @@
 formulas of ``kl_kernels/full_kl/reference.py``)::
 
     forward:  m = max z, n = max w;  u_j = m - z_j, v_j = n - w_j
-              S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)  (0 where e^-u_j is)
+              S = sum_j e^-u_j;  R = sum_j e^-v_j;  A = sum_j e^-u_j (v_j - u_j)  (0 where e^-u_j is; +inf
+              where e^-u_j > 0 and w_j = -inf, decided against the final m)
               KL = A / S + log R - log S;  lse = m + log S;  ref_lse = n + log R
               one pass over both rows: m, n running maxima, S, R, A moved onto them as they rise (row_math.py)
     backward: p_j = e^(z_j - lse), q_j = e^(w_j - ref_lse)
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .kl_math import exp_row
-from .row_math import full_kl_rebase, step_max
+from .row_math import full_kl_lost, full_kl_rebase, step_max
 
 
 @triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner", "ref_stride_outer",
@@ -40,7 +41,9 @@ def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
     # running maxima, then the step's terms, float32 per step, float64 across steps
     m = tl.full([], float("-inf"), tl.float32)
     n = tl.full([], float("-inf"), tl.float32)
+    lost = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float64)
+    f = tl.zeros([], tl.float64)
     rr = tl.zeros([], tl.float64)
     a = tl.zeros([], tl.float64)
     nan = tl.zeros([BLOCK], tl.int32)
@@ -50,13 +53,16 @@ def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
         z = tl.load(xb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
         w = tl.load(rb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
         nan = tl.where((z != z) | (w != w), 1, nan)
-        m, n, s, rr, a, fm, fn = full_kl_rebase(m, n, s, rr, a, step_max(z), step_max(w))
+        m, n, s, f, rr, a, lost, fm, fn = full_kl_rebase(m, n, s, f, rr, a, lost, step_max(z), step_max(w),
+                                                         tl.max(full_kl_lost(z, w), 0))
         u = fm - z
         v = fn - w
         e = exp_row(-u)
+        finite_ref = v < float("inf")
         s += tl.sum(e, 0).to(tl.float64)
+        f += tl.sum(tl.where(finite_ref, e, 0.0), 0).to(tl.float64)
         rr += tl.sum(exp_row(-v), 0).to(tl.float64)
-        a += tl.sum(tl.where(e > 0.0, e * (v - u), 0.0), 0).to(tl.float64)
+        a += tl.sum(tl.where((e > 0.0) & finite_ref, e * (v - u), 0.0), 0).to(tl.float64)
     bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf")) | (n == float("inf")) \
         | (n == float("-inf"))
     m_safe = tl.where(bad, 0.0, m)
@@ -64,6 +70,7 @@ def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
     log_s = tl.log(s.to(tl.float32))
     log_r = tl.log(rr.to(tl.float32))
     kl = (a / s).to(tl.float32) + (log_r - log_s)
+    kl = tl.where(exp_row(lost - m_safe) > 0.0, float("inf"), kl)  # kl::full_kl_value's +inf rule
     nan_value = float("nan")
     tl.store(kl_ptr + r, tl.where(counted, tl.where(bad, nan_value, kl), 0.0))
     tl.store(lse_ptr + r, tl.where(counted, tl.where(bad, nan_value, m_safe + log_s), 0.0))

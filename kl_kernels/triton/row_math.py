@@ -4,9 +4,10 @@ the twin of the running-max part of ``csrc/common/row_math.h`` (same rules, same
 A program reads its row once, BLOCK entries per step: the step's max is merged into the running max m, the
 sums so far are moved onto the new max, then the step's terms are taken against it. Moving a sum from m to
 m' = m + delta: ``S' = e^-delta S``, ``W' = e^-delta (W + delta S)`` (token_logprobs), ``A' = e^-delta_m (A +
-(delta_n - delta_m) S)`` (full_kl), the factor in float64 and 0 beyond ``ROW_FAR`` (every moved term is then
-below float32's exp flush, as in a two-pass sum). While m is -inf, terms are taken against -FLT_MAX
-(``row_floor``), so that a -inf entry's term is 0, not NaN.
+(delta_n - delta_m) F)`` (full_kl; F the part of S whose reference is finite; ``lost``, the policy's largest
+logit where the reference is -inf, decides +inf at the end), the factor in float64 and 0 beyond ``ROW_FAR``
+(every moved term is then below float32's exp flush, as in a two-pass sum). While m is -inf, terms are taken
+against -FLT_MAX (``row_floor``), so that a -inf entry's term is 0, not NaN.
 """
 
 from __future__ import annotations
@@ -53,14 +54,22 @@ def logprob_rebase(m, s, w, run_max):
 
 
 @triton.jit
-def full_kl_rebase(m, n, s, r, a, run_m, run_n):
-    """``kl::full_kl_rebase``: (m, n, S, R, A) moved onto the maxima with (run_m, run_n), and the values to
-    take the step's terms against (a max that does not rise: delta 0, factor 1)."""
+def full_kl_lost(z, w):
+    """``kl::full_kl_lost``: z where the reference is -inf (the step's max of it is ``lost``), else -inf."""
+    return tl.where(w == float("-inf"), z, float("-inf"))
+
+
+@triton.jit
+def full_kl_rebase(m, n, s, f, r, a, lost, run_m, run_n, run_lost):
+    """``kl::full_kl_rebase``: (m, n, S, F, R, A, lost) moved onto the maxima with (run_m, run_n, run_lost),
+    and the values to take the step's terms against (a max that does not rise: delta 0, factor 1)."""
     new_m = tl.where(run_m > m, run_m, m)
     new_n = tl.where(run_n > n, run_n, n)
     dm, cm = row_shift(m, new_m)
     dn, cn = row_shift(n, new_n)
-    a = tl.where(cm == 0.0, 0.0, cm * (a + (dn - dm) * s))
+    a = tl.where(cm == 0.0, 0.0, cm * (a + (dn - dm) * f))
     s = cm * s
+    f = cm * f
     r = cn * r
-    return new_m, new_n, s, r, a, row_floor(new_m), row_floor(new_n)
+    lost = tl.where(run_lost > lost, run_lost, lost)
+    return new_m, new_n, s, f, r, a, lost, row_floor(new_m), row_floor(new_n)
