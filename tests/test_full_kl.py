@@ -213,7 +213,8 @@ ONE_PASS_CASES += [pytest.param(b, d, v, marks=pytest.mark.cuda)
 
 @pytest.mark.parametrize("backend, dtype, vocab", ONE_PASS_CASES)
 def test_one_pass_rows_whose_maxima_move(backend, dtype, vocab):
-    """The forward reads both rows once, moving S, R and A onto running maxima (csrc/common/row_math.h):
+    """The CPU and CUDA forwards read both rows once, moving S, R and A onto running maxima
+    (csrc/common/row_math.h; Triton's forward is two-pass and takes the same rows):
     each kind of tests/row_batches.py for the policy against each for the reference (either moving alone,
     both at once, in opposite directions), against the oracle (KL and both gradients)."""
     rows, ref_rows = row_batches.moving_max_rows(vocab, seed=vocab), row_batches.moving_max_rows(vocab, seed=vocab + 1)

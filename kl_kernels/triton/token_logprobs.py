@@ -6,11 +6,11 @@
               one pass over the row: m is a running max, S and W moved onto it as it rises (row_math.py)
     backward: p_j = e^(z_j - lse);  dx_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, 88) - H)) / T
 
-with z = x / T (as x * (1 / T)), the sums per BLOCK-wide step in float32 and across steps in float64,
-in a fixed order: deterministic. A counted row with a NaN or +inf logit, or only -inf ones, gives NaN.
-Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view or
-[B, T, V] slabs), the vocabulary contiguous. Compiled for sm_80/sm_90 and run under the interpreter in
-CI; run on an H200 (bench/results/gpu-h200-2026-11-27): "auto" takes them on a GPU after the self-check.
+with z = x / T (as x * (1 / T)), each lane's sums in float32 over up to FOLD steps, then in float64, the lanes
+added in float64 at the end, in a fixed order: deterministic. A counted row with a NaN or +inf logit, or only -inf
+ones, gives NaN. Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view
+or [B, T, V] slabs), the vocabulary contiguous. Compiled for sm_80/sm_90 and run under the interpreter in CI; run
+on an H200 (bench/results/gpu-h200-2026-11-27): "auto" takes them on a GPU after the self-check.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import codes
 from .kl_math import exp_row as _exp
-from .row_math import FAR, logprob_rebase, step_max
+from .row_math import FAR, FOLD, fold, logprob_rebase, row_floor, step_max
 
 
 @triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner"))
@@ -32,21 +32,35 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
     counted = cnt != 0
     lanes = tl.arange(0, BLOCK)
     counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0  # as a block: a scalar mask would not broadcast
-    # one pass (row_math.py): per step the entries' max (NaN skipped, flagged), the sums moved onto the
-    # running max, then the step's terms, float32 per step, float64 across steps
+    # one pass (row_math.py): per step the entries' max (NaN skipped, flagged; the step's one block-wide
+    # reduction), the lanes' sums moved onto the running max where it rises (a branch the whole program
+    # takes or skips), then each lane adds its entries' terms: float32 lane sums, added into float64 ones
+    # every FOLD steps and before each move; one block-wide sum at the end (float64, a fixed order)
     m = tl.full([], float("-inf"), tl.float32)
-    s_total = tl.zeros([], tl.float64)
-    w_total = tl.zeros([], tl.float64)
+    s64 = tl.zeros([BLOCK], tl.float64)
+    w64 = tl.zeros([BLOCK], tl.float64)
+    s32 = tl.zeros([BLOCK], tl.float32)
+    w32 = tl.zeros([BLOCK], tl.float32)
     nan = tl.zeros([BLOCK], tl.int32)
+    steps = tl.zeros([], tl.int32)  # since the last fold
     for j0 in range(0, vocab, BLOCK):
         offs = j0 + lanes
         z = tl.load(base + offs, mask=(offs < vocab) & counted_v, other=float("-inf")).to(tl.float32) * inv_t
         nan = tl.where(z != z, 1, nan)
-        m, s_total, w_total, f = logprob_rebase(m, s_total, w_total, step_max(z))
-        d = f - z
+        run_max = step_max(z)
+        if run_max > m:
+            s64, w64, s32, w32 = fold(s64, w64, s32, w32)
+            m, s64, w64, _ = logprob_rebase(m, s64, w64, run_max)
+        d = row_floor(m) - z
         e = _exp(-d)
-        s_total += tl.sum(e, 0).to(tl.float64)
-        w_total += tl.sum(e * tl.where(d <= FAR, d, FAR), 0).to(tl.float64)
+        s32 += e
+        w32 += e * tl.where(d <= FAR, d, FAR)
+        steps += 1
+        if steps == FOLD:
+            steps = tl.zeros([], tl.int32)
+            s64, w64, s32, w32 = fold(s64, w64, s32, w32)
+    s_total = tl.sum(s64 + s32.to(tl.float64), 0)
+    w_total = tl.sum(w64 + w32.to(tl.float64), 0)
     bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf"))
     m_safe = tl.where(bad, 0.0, m)
     y = tl.load(labels_ptr + r)
