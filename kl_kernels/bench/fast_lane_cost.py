@@ -5,7 +5,8 @@ commonest eager CPU calls in one C call; every other call, and all of them witho
 general path (``problem.py`` -> dispatch -> ``launch.py``), whose rules the lanes restate. This times the
 same calls with the lanes open and closed, alternating in one process (each figure: the best of three
 rounds of the median of ``--calls`` calls), on the bench's RLHF batches: packed and padded tensors with a
-per-sequence score and ``return_ref``, and a list of per-sequence tensors without a reward.
+per-sequence score and ``return_ref``, a list of per-sequence tensors without a reward, and the bench's
+TorchRL KLComputation task (per-token rewards, a list and packed).
 
 Run: ``python -m kl_kernels.bench.fast_lane_cost [--sizes tiny medium large] [--calls 200]``.
 """
@@ -38,11 +39,17 @@ def _calls(b):
     seq = dict(coef=0.05, return_ref=True, reward_placement="sequence")
     lengths = b.lengths.tolist()
     lp_list, ref_list = list(torch.split(b.lp, lengths)), list(torch.split(b.ref, lengths))
+    rewards = [torch.zeros(n, 1) for n in lengths]
+    packed_reward = torch.zeros(b.lp.shape[0], 1)
     return {
         "packed": lambda: kl_reward(b.lp, b.ref, b.score.view(-1, 1, 1), mask=b.mask, offsets=b.offsets, **seq),
         "padded": lambda: kl_reward(b.lp_padded, b.ref_padded, b.score.view(-1, 1, 1), mask=b.mask_padded,
                                     padding_side="left", **seq),
         "list": lambda: kl_reward(lp_list, ref_list, None, coef=0.05),
+        # the bench's TorchRL KLComputation task (kl_kernels/bench/kl_reward.py): per-token rewards [L, 1]
+        "KLComputation list": lambda: kl_reward(lp_list, ref_list, rewards, coef=0.05),
+        "KLComputation packed": lambda: kl_reward(b.lp, b.ref, packed_reward, coef=0.05, offsets=b.offsets,
+                                                  reward_placement="token"),
     }
 
 
