@@ -22,7 +22,7 @@ STRAIGHT_THROUGH = frozenset({"k1+", "abs+", "k2+", "k3+"})
 ESTIMATOR_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}              # enum Estimator
 
 PLACEMENT_CODES = {None: 0, "token": 1, "sequence": 2, "last": 3, "last_valid": 4}  # enum Placement (None: no reward)
-# kl_reward's reward_placement values, in the order of the C++ fast lane's PlacementArg (kPlacementNames)
+# kl_reward's reward_placement values as callers pass them
 PLACEMENTS = ("auto", "token", "sequence", "last", "last_valid")
 LAYOUT_CODES = {"packed": 0, "padded": 1}                            # enum Layout
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}            # enum DType (torch attribute names)
@@ -64,16 +64,7 @@ def header() -> str:
         lines.append(f"enum {enum} : int32_t {{ {body} }};")
     lines += ["", f"constexpr float kLogRatioBound = {LOG_RATIO_BOUND!r}f;",
               f"constexpr float kRowFar = {ROW_FAR!r}f;  // the row ops' bound on lse - z (row_math.h)", "",
-              "// Estimator names as callers pass them: (name, base estimator, straight-through).",
-              "struct EstimatorName {", "  const char* name;", "  int32_t code, straight_through;", "};",
-              "constexpr EstimatorName kEstimatorNames[] = {"]
-    for name in ESTIMATORS:
-        base = name.rstrip("+")
-        lines.append(f'    {{"{name}", {ESTIMATOR_CODES[base]}, {int(name in STRAIGHT_THROUGH)}}},')
-    lines += ["};", "",
-              "// reward_placement values as callers pass them, in PlacementArg order (csrc/cpu/plan_reads.h).",
-              "constexpr const char* kPlacementNames[] = {" + ", ".join(f'"{n}"' for n in PLACEMENTS) + "};",
-              "", "}  // namespace kl", ""]
+              "}  // namespace kl", ""]
     return "\n".join(lines)
 
 

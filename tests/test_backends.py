@@ -161,7 +161,7 @@ def test_an_empty_list_without_a_device_runs_on_a_gpu_backend(cpu_as_gpu_only):
     assert out.kl == [] and out.kl_sum.shape == (0,) and out.count.shape == (0,) and out.kl_sum.device.type == "cpu"
     loss = kl_penalty_loss([], [], [], backend="cpu")
     assert loss.num_tokens == 0
-    # (clamp_input: past the C fast path for CPU inputs, which does not read the registry)
+    # (with clamp_input too, as when a C fast path took the plain calls past the registry)
     with pytest.raises(BackendUnavailableError, match="inputs are on cpu"):
         kl_reward([torch.zeros(2)], [torch.zeros(2)], clamp_input=(-50, 50), backend="cpu")
     with pytest.raises(BackendUnavailableError, match="inputs are on cpu"):

@@ -232,8 +232,8 @@ print("FALLBACKS OK")
 
 
 def test_cpp_fallbacks_give_the_same_answers():
-    """With every private path off (KL_KERNELS_COMPAT_FALLBACKS), the fast lanes, list reads and the
-    thread pool still give the reference's answers."""
+    """With every private path off (KL_KERNELS_COMPAT_FALLBACKS), the list reads and the thread pool
+    still give the reference's answers."""
     import os
     import subprocess
     import sys

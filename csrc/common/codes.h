@@ -16,23 +16,4 @@ enum CoefMode : int32_t { kCoefScalar = 0, kCoefTensor0d = 1, kCoefPerSeq = 2 };
 constexpr float kLogRatioBound = 20.0f;
 constexpr float kRowFar = 88.0f;  // the row ops' bound on lse - z (row_math.h)
 
-// Estimator names as callers pass them: (name, base estimator, straight-through).
-struct EstimatorName {
-  const char* name;
-  int32_t code, straight_through;
-};
-constexpr EstimatorName kEstimatorNames[] = {
-    {"k1", 0, 0},
-    {"abs", 1, 0},
-    {"k2", 2, 0},
-    {"k3", 3, 0},
-    {"k1+", 0, 1},
-    {"abs+", 1, 1},
-    {"k2+", 2, 1},
-    {"k3+", 3, 1},
-};
-
-// reward_placement values as callers pass them, in PlacementArg order (csrc/cpu/plan_reads.h).
-constexpr const char* kPlacementNames[] = {"auto", "token", "sequence", "last", "last_valid"};
-
 }  // namespace kl

@@ -1,6 +1,5 @@
 // Facts of an int64 vector in host memory that the offsets / lengths checks read: the value checks
-// of kl_kernels.ragged's check_offsets / check_lengths (through module.cpp's int64_facts) and of
-// kl_reward's fast lane (dense_plan.cpp), computed in one place.
+// of kl_kernels.ragged's check_offsets / check_lengths (through module.cpp's int64_facts).
 #pragma once
 
 #include <algorithm>

@@ -13,11 +13,9 @@
 #include "cpu/compat/cpython.h"
 #include "cpu/compat/openmp.h"
 #include "cpu/compat/torch_dlpack.h"
-#include "cpu/dense_plan.h"
 #include "cpu/int64_facts.h"
 #include "cpu/kl_penalty_cpu.h"
 #include "cpu/kl_reward_cpu.h"
-#include "cpu/list_plan.h"
 #include "cpu/parallel.h"
 #include "cpu/tensor_lists.h"
 #include "cpu/tensordict_samples.h"
@@ -40,8 +38,6 @@ py::dict probe() {
   kernels.append("kl_reward_forward");
   kernels.append("kl_reward_backward");
   kernels.append("kl_reward_forward_during");
-  kernels.append("kl_reward_dense_plan");
-  kernels.append("kl_reward_list_plan");
   kernels.append("kl_reward_list_readable");
   kernels.append("kl_penalty_forward");
   kernels.append("kl_penalty_backward");
@@ -120,21 +116,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensor_type"),
       "Which private paths of csrc/cpu/compat/ are in use (False: their fallback), for tests and info.");
-  m.def("kl_reward_dense_plan", &kl::kl_reward_dense_plan, py::arg("tensor_type"), py::arg("log_probs"),
-        py::arg("ref_log_probs"), py::arg("reward"), py::arg("mask"), py::arg("offsets"), py::arg("lengths"),
-        py::arg("coef"), py::arg("estimator"), py::arg("padding_side"), py::arg("reward_placement"),
-        py::arg("return_ref"), py::arg("detach"), py::arg("mask_nan"), py::arg("grad_enabled"),
-        "(KLRewardArgs, reward dtype code, trailing) for a kl_reward call on plain dense CPU tensors that the\n"
-        "general path would run on the cpu kernel with these arguments, or None (outputs left to set).");
-  m.def("kl_reward_list_plan", &kl::kl_reward_list_plan, py::arg("tensor_type"), py::arg("log_probs"),
-        py::arg("ref_log_probs"), py::arg("reward"), py::arg("mask"), py::arg("coef"), py::arg("estimator"),
-        py::arg("padding_side"), py::arg("reward_placement"), py::arg("return_ref"), py::arg("detach"),
-        py::arg("mask_nan"), py::arg("grad_enabled"),
-        "(KLRewardArgs, dtype code, reward dtype code, trailing, lengths, keep) for a kl_reward call on lists of\n"
-        "per-sequence CPU tensors that the general path would read in place, or None (outputs left to set).");
-  m.def("kl_reward_list_readable", &kl::kl_reward_list_readable, py::arg("keep"),
-        "Whether the tensors of a list plan (its `keep`) may be read in place: no negative bit and, where\n"
-        "autograd would record, no log-prob requiring grad.");
   m.def("kl_reward_forward", &kl::kl_reward_forward_cpu, py::arg("args"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>(),
         "Fused kl_reward forward on the CPU; returns 0 or an error code (1: unsupported dtypes).");

@@ -1,6 +1,6 @@
-// Reading torch tensors from their Python objects without torch headers (tensor_lists.cpp and the
-// fast lanes' plan_reads.h): DLPack's C exchange table for address, device, dtype, shape and strides in one
-// C call, and Python attribute reads for the flags a DLTensor does not carry.
+// Reading torch tensors from their Python objects without torch headers (tensor_lists.cpp through
+// sequence_reads.h): DLPack's C exchange table for address, device, dtype, shape and strides in one C
+// call, and Python attribute reads for the flags a DLTensor does not carry.
 #pragma once
 
 #include <pybind11/pybind11.h>

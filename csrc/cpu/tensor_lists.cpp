@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "cpu/dlpack_exchange.h"
-#include "cpu/plan_reads.h"
+#include "cpu/sequence_reads.h"
 #include "cpu/py_tensor.h"
 
 namespace py = pybind11;
@@ -30,18 +30,18 @@ struct Sequence {
   uintptr_t address = 0;
 };
 
-// Through the exchange table (plan_reads.h's read_sequence): false when the kernel cannot read `t`
+// Through the exchange table (sequence_reads.h's read_sequence): false when the kernel cannot read `t`
 // in place (not on the CPU, not [L] / [L, 1], not contiguous, another dtype than `*dtype`, set from
 // the first tensor), or when the table cannot describe it (its error is cleared: the caller's
 // general path reports).
 bool read_exchange(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* t, int32_t rank, bool first,
                    dlpack::DataType* dtype, Sequence* s) {
-  plan::View v;
-  if (!plan::read_sequence(api, tensor_type, t, rank, -1, &v)) return false;
+  seq::View v;
+  if (!seq::read_sequence(api, tensor_type, t, rank, -1, &v)) return false;
   if (first) *dtype = v.t.dtype;
   if (!(v.t.dtype == *dtype)) return false;
   s->len = v.size(0);
-  s->address = static_cast<uintptr_t>(plan::start_of(v));
+  s->address = static_cast<uintptr_t>(seq::start_of(v));
   return true;
 }
 

@@ -314,7 +314,7 @@ def page(so_path: str, tool: str) -> str:
               "kernels, sets the time today. `kl_reward[cuda]` took 0.45-0.51 ms per call at both sizes (8-9% of "
               "a same-bytes copy), where this model gives the kernels 10-24 us: the Python host path "
               "(validation, dispatch, argument structs, the device-side value checks, allocations) dominates. "
-              "What moves it: a CUDA fast lane like the CPU's (checks and launch in one C call), value checks "
+              "What moves it: fewer Python calls on the host path (checks and argument building), value checks "
               "folded into the kernels, one output allocation, CUDA graphs on the caller's side. The third run "
               "(`bench/results/gpu-h200-2026-11-26-third/`) measured the loss forward+backward at 1.4-1.7 ms, "
               "slower than eager autograd: its aggregation was ~38 small torch launches per forward and ~10 per "

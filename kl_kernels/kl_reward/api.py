@@ -11,7 +11,6 @@ from .. import backends as _dispatch
 from .. import ragged
 from .. import full_estimator
 from ..reference_math import final_mask, token_frame
-from . import fast
 from .backends import REGISTRY
 from .ops import run_fused_list
 from .problem import KLRewardOutput, RawOutputs, build_problem, widened
@@ -170,19 +169,13 @@ def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1
                      clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach,
                      mask_nan=mask_nan, backend=backend, store=store, out=out, kl_dtype=kl_dtype,
                      temperature=temperature)
-    # A list/tuple subclass is read once, here, so that every lane and backend sees the same items.
+    # A list/tuple subclass is read once, here, so that every backend sees the same items.
     log_probs = ragged.plain_sequence(log_probs, "log_probs")
     ref_log_probs = ragged.plain_sequence(ref_log_probs, "ref_log_probs")
     if kl_dtype is not None:
         log_probs, ref_log_probs = widened(kl_dtype, log_probs=log_probs, ref_log_probs=ref_log_probs)
     reward = ragged.plain_sequence(reward, "reward")
     mask = ragged.plain_sequence(mask, "mask")
-    if prompt_lens is None and clamp_input is None and clamp_output is None:
-        # plain CPU tensors, or lists of them: checked and launched in one C call (fast.py), else None
-        result = fast.try_run(log_probs, ref_log_probs, reward, coef, estimator, mask, offsets, lengths,
-                              padding_side, reward_placement, return_ref, detach, mask_nan, backend, store, out)
-        if result is not None:
-            return result
     return _general(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                     lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                     reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,

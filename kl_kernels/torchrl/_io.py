@@ -132,8 +132,8 @@ def sample_leaves(td: TensorDictBase, keys) -> tuple[tuple[dict, ...], tuple[tup
     """``(entries, leaves)``: the samples' entry dicts (those of :func:`sample_entries`) of ``td``
     and, for each of ``keys``, every sample's value under it (``leaves[k][i]``: a leaf, or anything
     else: the caller checks), all tuples; or ``None`` when ``td`` is not such a stack or some sample
-    lacks a key. Tuples, because what takes them next (:func:`put_entries`, ``kl_reward``'s list lane)
-    uses a tuple as it is and would copy a list.
+    lacks a key. Tuples, because what takes them next (:func:`put_entries`, ``kl_reward``'s list reader,
+    ``sequence_facts``) uses a tuple as it is and would copy a list.
 
     One pass over the samples, every key of a sample together, in C when the CPU extension is there
     (``csrc/cpu/tensordict_samples.cpp``: ~0.1 ms less than the Python walk for three keys at B = 256

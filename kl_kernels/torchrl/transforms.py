@@ -148,10 +148,9 @@ class KLComputation(_TrlKLComputation):
         (NaN pads masked in the kernel), and the results come back as per-sample views of one
         buffer. ``False`` (nothing done) for anything else, which the general path handles.
 
-        This path's cost is per sample (~2-3 us a sample on the 2-core CI VM, against TorchRL's
-        ~21-28), so it finds the inputs and stores the results in the samples' entry dicts in C loops
-        (``_io.sample_leaves``, ``_io.put_entries``) and leaves the checks to ``kl_reward``'s list
-        lane, which reads each sample's tensors in one C pass."""
+        This path's cost is per sample, so it finds the inputs and stores the results in the samples'
+        entry dicts in C loops (``_io.sample_leaves``, ``_io.put_entries``) and leaves the checks to
+        ``kl_reward`` (``problem.py``; its list reader reads each sample's facts in one C pass)."""
         if not isinstance(self.kl_key, str):
             return False
         keys = (self.gen_log_probs_full_key, self.ref_log_probs_full_key) + (("reward",) if self.add_to_reward else ())

@@ -2,8 +2,7 @@
 // a tensor's address, dtype, shape and strides in one C call instead of five attribute reads. The
 // table's layout is DLPack's (dlpack_exchange.h), gated on its major version (1); a torch without
 // it, another major version, or KL_KERNELS_COMPAT_FALLBACKS=dlpack gives null, and every reader then
-// uses the tensors' Python attributes (sequence_facts) or leaves the call to the general path (the
-// fast lanes).
+// uses the tensors' Python attributes (sequence_facts).
 #pragma once
 
 #include <Python.h>
