@@ -41,6 +41,17 @@ SOURCES = ("cpu/token_logprobs_cpu.cpp", "cpu/full_kl_cpu.cpp")
 # setup.py's flags for the CPU kernels (SOURCE_FLAGS aside, which these files do not take)
 FLAGS = ("-O3", "-g0", "-std=c++17", "-fwrapv", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off")
 
+
+def _entry_points(device: str, extra: str = "") -> str:
+    """The drivers' declarations of both revisions' row forwards: the tree's in namespace kl, the base
+    revision's in kl_base (compiled with -Dkl=kl_base; its row_args.h is the tree's: _base_csrc() checks)."""
+    arg = "int num_threads" if device == "cpu" else "uintptr_t stream"
+    decl = (f"int token_logprobs_forward_{device}(const TokenLogprobsArgs& a, {arg});\n"
+            f"int full_kl_forward_{device}(const FullKLArgs& a, {arg});\n{extra}")
+    return (f"namespace kl {{\n{decl}}}  // namespace kl\n"
+            f"namespace kl_base {{\nstruct TokenLogprobsArgs;\nstruct FullKLArgs;\n{decl}}}  // namespace kl_base")
+
+
 DRIVER = r"""
 #include <chrono>
 #include <cmath>
@@ -58,18 +69,7 @@ DRIVER = r"""
   void run_tiles(int64_t tiles, int, const std::function<void(int64_t)>& fn) {                \
     for (int64_t t = 0; t < tiles; ++t) fn(t);                                                  \
   }
-namespace kl {
-int token_logprobs_forward_cpu(const TokenLogprobsArgs& a, int num_threads);
-int full_kl_forward_cpu(const FullKLArgs& a, int num_threads);
-KL_SERIAL_TILES
-}  // namespace kl
-namespace kl_base {  // the base revision's (its row_args.h is the tree's: build() checks)
-struct TokenLogprobsArgs;
-struct FullKLArgs;
-int token_logprobs_forward_cpu(const TokenLogprobsArgs& a, int num_threads);
-int full_kl_forward_cpu(const FullKLArgs& a, int num_threads);
-KL_SERIAL_TILES
-}  // namespace kl_base
+@ENTRY_POINTS@
 
 // N x V logits ~ N(0, 3^2) as the kernels read them: float32, or bfloat16 (a float's top half).
 static std::vector<uint16_t> logits(int64_t count, int dtype, std::mt19937& g) {
@@ -137,7 +137,7 @@ int main(int argc, char** argv) {
   }
   std::printf("]\n");
 }
-"""
+""".replace("@ENTRY_POINTS@", _entry_points("cpu", "KL_SERIAL_TILES\n"))
 
 
 def _git(*args: str) -> str:
@@ -175,16 +175,7 @@ CUDA_DRIVER = r"""
 #include "common/codes.h"
 #include "common/row_args.h"
 
-namespace kl {
-int token_logprobs_forward_cuda(const TokenLogprobsArgs& a, uintptr_t stream);
-int full_kl_forward_cuda(const FullKLArgs& a, uintptr_t stream);
-}  // namespace kl
-namespace kl_base {  // the base revision's (its row_args.h is the tree's: build_cuda() checks)
-struct TokenLogprobsArgs;
-struct FullKLArgs;
-int token_logprobs_forward_cuda(const TokenLogprobsArgs& a, uintptr_t stream);
-int full_kl_forward_cuda(const FullKLArgs& a, uintptr_t stream);
-}  // namespace kl_base
+@ENTRY_POINTS@
 
 #define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
   std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); std::exit(2); } } while (0)
@@ -289,7 +280,7 @@ int main(int argc, char** argv) {
   }
   std::printf("]\n");
 }
-"""
+""".replace("@ENTRY_POINTS@", _entry_points("cuda"))
 
 
 def _base_csrc(base: str, work: Path) -> Path:
