@@ -17,14 +17,14 @@
 // A counted row with a NaN or +inf logit, or only -inf ones (in either tensor for full_kl), gives NaN.
 //
 // One pass (online max and sums): the forward reads each row once. Its entries come in runs (a CPU kernel's
-// 1024-entry run, a CUDA thread's kRowChunk-entry step, a Triton program's BLOCK-wide step): a run's max is
-// merged into the running max first, the sums so far are moved onto the new max (*_rebase: a sum against m
-// becomes one against m' = m + delta by S' = e^-delta S, W' = e^-delta (W + delta S), A' = e^-delta_m (A +
-// (delta_n - delta_m) F), F the part of S whose reference is finite), then the run's terms are taken
-// against it. A CUDA block's threads each keep such
-// a running state and rebase it onto the block's max before the block sums. The factor is float64 and 0
-// beyond kRowFar, where every moved term is below float32's exp flush (as a term d > 87.3 is 0 in the
-// two-pass sum), which also keeps inf * 0 out.
+// 1024-entry run, a CUDA thread's kRowChunk-entry step, a Triton token_logprobs program's BLOCK-wide step,
+// kl_kernels/triton/row_math.py; Triton's full_kl forward is two-pass, by measurement): a run's max is merged into
+// the running max first, the sums so far are moved onto the new max (*_rebase: a sum against m becomes one against
+// m' = m + delta by S' = e^-delta S, W' = e^-delta (W + delta S), A' = e^-delta_m (A + (delta_n - delta_m) F), F
+// the part of S whose reference is finite), then the run's terms are taken against it. A CUDA block's threads each
+// keep such a running state and rebase it onto the block's max before the block sums. The factor is float64 and 0
+// beyond kRowFar, where every moved term is below float32's exp flush (as a term d > 87.3 is 0 in the two-pass
+// sum), which also keeps inf * 0 out.
 #pragma once
 
 #include <cfloat>
