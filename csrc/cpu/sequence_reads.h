@@ -30,13 +30,11 @@ struct View {
 
 // Sequence i of a list that a kernel reads in place, as ragged.SequenceList.of accepts it but for
 // the flags (py_tensor.h's readable_in_place): exactly `tensor_type`, on the CPU, of shape [L]
-// (rank 1) or [L, 1] (rank 2), contiguous (consecutive values adjacent), of length `len` unless that
-// is negative.
+// (rank 1) or [L, 1] (rank 2), contiguous (consecutive values adjacent).
 inline bool read_sequence(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* obj, int32_t rank,
-                          int64_t len, View* v) {
+                          View* v) {
   return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(tensor_type) && read_cpu_dltensor(api, obj, &v->t) &&
-         v->ndim() == rank && (rank != 2 || v->size(1) == 1) && (len < 0 || v->size(0) == len) &&
-         (v->size(0) <= 1 || v->stride(0) == 1);
+         v->ndim() == rank && (rank != 2 || v->size(1) == 1) && (v->size(0) <= 1 || v->stride(0) == 1);
 }
 
 // Where such a sequence starts: its data address, the byte offset included (also for an empty one,

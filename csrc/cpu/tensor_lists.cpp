@@ -37,7 +37,7 @@ struct Sequence {
 bool read_exchange(const dlpack::ExchangeAPI* api, PyObject* tensor_type, PyObject* t, int32_t rank, bool first,
                    dlpack::DataType* dtype, Sequence* s) {
   seq::View v;
-  if (!seq::read_sequence(api, tensor_type, t, rank, -1, &v)) return false;
+  if (!seq::read_sequence(api, tensor_type, t, rank, &v)) return false;
   if (first) *dtype = v.t.dtype;
   if (!(v.t.dtype == *dtype)) return false;
   s->len = v.size(0);

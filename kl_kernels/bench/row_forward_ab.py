@@ -148,12 +148,7 @@ def build(base: str, work: Path) -> Path:
     """The CPU A/B program: the base revision's row forwards as kl_base::, the working tree's as kl::."""
     base_csrc = _base_csrc(base, work)
     (work / "driver.cpp").write_text(DRIVER)
-    objects = []
-    for tag, root, extra in (("base", base_csrc, ["-Dkl=kl_base"]), ("head", REPO / "csrc", [])):
-        for src in SOURCES:
-            obj = work / f"{tag}_{Path(src).stem}.o"
-            subprocess.run(["g++", *FLAGS, *extra, f"-I{root}", "-c", str(root / src), "-o", str(obj)], check=True)
-            objects.append(str(obj))
+    objects = _objects(base_csrc, work, SOURCES, ["g++", *FLAGS])
     exe = work / "ab"
     subprocess.run(["g++", *FLAGS, f"-I{REPO / 'csrc'}", str(work / "driver.cpp"), *objects, "-o", str(exe)],
                    check=True)
@@ -283,6 +278,20 @@ int main(int argc, char** argv) {
 """.replace("@ENTRY_POINTS@", _entry_points("cuda"))
 
 
+def _objects(base_csrc: Path, work: Path, sources, compiler: list) -> list[str]:
+    """Both revisions' ``sources`` compiled with ``compiler`` (its flags included), side by side: the base
+    revision's with ``-Dkl=kl_base``, the tree's as they are; the object files, base first."""
+    jobs, objects = [], []
+    for tag, root, extra in (("base", base_csrc, ["-Dkl=kl_base"]), ("head", REPO / "csrc", [])):
+        for src in sources:
+            obj = work / f"{tag}_{Path(src).stem}.o"
+            jobs.append(subprocess.Popen([*compiler, *extra, f"-I{root}", "-c", str(root / src), "-o", str(obj)]))
+            objects.append(str(obj))
+    if any(j.wait() != 0 for j in jobs):
+        raise SystemExit(f"{compiler[0]} failed (above)")
+    return objects
+
+
 def _base_csrc(base: str, work: Path) -> Path:
     """The base revision's csrc/ under ``work``/base, refused when its argument structs differ from the tree's
     (the drivers pass the tree's structs to both revisions' kernels)."""
@@ -301,18 +310,12 @@ def build_cuda(base: str, work: Path, arch: str, nvcc: str = "nvcc") -> Path:
     base_csrc = _base_csrc(base, work)
     (work / "driver.cu").write_text(CUDA_DRIVER)
     gencode = f"-gencode=arch=compute_{arch},code=sm_{arch}"
-    jobs, objects = [], []
-    for tag, root, extra in (("base", base_csrc, ["-Dkl=kl_base"]), ("head", REPO / "csrc", [])):
-        for src in CUDA_SOURCES:
-            obj = work / f"{tag}_{Path(src).stem}.o"
-            jobs.append(subprocess.Popen([nvcc, *NVCC_FLAGS, gencode, *extra, f"-I{root}", "-c", str(root / src),
-                                          "-o", str(obj)]))
-            objects.append(str(obj))
     driver = work / "driver.o"
-    jobs.append(subprocess.Popen([nvcc, *NVCC_FLAGS, gencode, f"-I{REPO / 'csrc'}", "-c", str(work / "driver.cu"),
-                                  "-o", str(driver)]))
-    if any(j.wait() != 0 for j in jobs):
-        raise SystemExit("nvcc failed (above)")
+    driver_job = subprocess.Popen([nvcc, *NVCC_FLAGS, gencode, f"-I{REPO / 'csrc'}", "-c", str(work / "driver.cu"),
+                                   "-o", str(driver)])  # next to the kernels
+    objects = _objects(base_csrc, work, CUDA_SOURCES, [nvcc, *NVCC_FLAGS, gencode])
+    if driver_job.wait() != 0:
+        raise SystemExit("nvcc failed on the driver (above)")
     exe = work / "ab_cuda"
     subprocess.run([nvcc, gencode, str(driver), *objects, "-o", str(exe)], check=True)
     return exe
@@ -392,9 +395,8 @@ def triton_ab(base: str, rows: int, vocab: int, repeats: int, device: str = "cud
             sys.modules.pop(f"kl_kernels.triton.{path.stem}", None)
 
 
-def _table(runs: list, unit: str = "ms") -> None:
-    print(f"run | dtype | token_logprobs base / head {unit} | ratio | full_kl base / head {unit} | ratio | "
-          "max rel diff")
+def _table(runs: list) -> None:
+    print("run | dtype | token_logprobs base / head ms | ratio | full_kl base / head ms | ratio | max rel diff")
     for i, run in enumerate(runs):
         for row in run:
             print(f"{i} | {row['dtype']} | {row['token_logprobs_base_ms']:.3f} / {row['token_logprobs_head_ms']:.3f} | "

@@ -10,7 +10,8 @@ with z = x / T (as x * (1 / T)), each lane's sums in float32 over up to FOLD ste
 added in float64 at the end, in a fixed order: deterministic. A counted row with a NaN or +inf logit, or only -inf
 ones, gives NaN. Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view
 or [B, T, V] slabs), the vocabulary contiguous. Compiled for sm_80/sm_90 and run under the interpreter in CI; run
-on an H200 (bench/results/gpu-h200-2026-11-27): "auto" takes them on a GPU after the self-check.
+on H200s (bench/results/gpu-h200-2026-11-27, -28): "auto" takes them on a GPU after the CUDA kernels, once the
+self-check passed.
 """
 
 from __future__ import annotations
