@@ -163,6 +163,9 @@ def linear_rows_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, counted_ptr, lse
     p = _exp(-d)
     g = tl.where(offs_v[None, :] == y[:, None], gl[:, None] * (1.0 - p), -gl[:, None] * p) \
         + gh[:, None] * (p * (tl.where(d <= FAR, d, FAR) - h[:, None]))
+    # a counted row without a log-prob (lse NaN: NaN/+inf logits, only -inf ones, a label out of range) gets
+    # NaN throughout (exp_row does not carry a NaN argument through)
+    g = tl.where((lse != lse)[:, None], float("nan"), g)
     g = tl.where(counted[:, None], g * inv_t, 0.0)
     out = out_ptr + offs_n[:, None] * stride_o + (offs_v - v_lo)[None, :]
     tl.store(out, g.to(out_ptr.dtype.element_ty), mask=in_n[:, None] & in_v[None, :])
