@@ -159,7 +159,7 @@ def _inputs(n, hid, vocab, dtype, with_bias, seed, scale=1.0):
        vocab=st.sampled_from([1, 31, 33, 150, 300]), dtype=st.sampled_from(DTYPES), with_bias=st.booleans(),
        entropy=st.booleans(), with_ref=st.booleans(), temperature=st.sampled_from([1.0, 0.7, 2.5]),
        scale=st.sampled_from([0.3, 1.0, 8.0]), small_chunks=st.booleans(), seed=st.integers(0, 2**31 - 1))
-@settings(max_examples=24, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_matches_the_oracle(n, hid, vocab, dtype, with_bias, entropy, with_ref, temperature, scale, small_chunks,
                             seed):
     h, w, b, y, counted = _inputs(n, hid, vocab, dtype, with_bias, seed, scale)
