@@ -322,3 +322,16 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         assert r["local"] + r["stack"] == 0, r
         assert r["smem"] + r["static_smem"] <= 227 * 1024, r
         assert r["regs"] <= 255, r
+
+
+def test_the_ab_benchmark_runs_and_reports():
+    """kl_kernels.bench.linear_fused_ab at a tiny size (here: under the interpreter): a row per contender with
+    the fields hidden_states.json asks for, and the fused gradients near the float32 ones."""
+    from kl_kernels.bench import linear_fused_ab as ab
+
+    rows = ab.run([(20, 16, 40)], "float32", ["fused", "eager"], 1, True, torch.device(_dev()))
+    assert [r["contender"] for r in rows] == ["fused", "eager"]
+    for r in rows:
+        assert {"task", "n", "hidden", "vocab", "dtype", "ms", "peak_extra_mib", "machine"} <= set(r)
+        assert r["grad_rel_err_hidden"] < 1e-5 and r["grad_rel_err_weight"] < 1e-5
+    assert "| fused |" in ab.table(rows)
