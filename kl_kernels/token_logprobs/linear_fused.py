@@ -14,9 +14,9 @@ Backward (``d z = (1[j = y] - p) g_lp / T + p (lse - z - H) g_H / T``): the voca
 writes ``d z`` in the parameters' dtype into one ``[N, V_c]`` buffer, then cuBLAS (``torch.mm``, float32
 accumulation inside the GEMM) writes ``d weight[v0:v1] = d z^T @ hidden`` once, in the weight's dtype (every
 token's contribution to those rows is in this one GEMM: no float32 ``[V, H]`` accumulator, no per-chunk cast
-and add), and ``d hidden += d z @ weight[v0:v1]`` into a float32 ``[N, H]`` accumulator (its GEMM's output
-lands in the ``d hidden`` buffer first, then is added: no other temporary), ``d bias[v0:v1] = sum_n d z`` in
-float32. Chunks in a fixed order, no atomics: deterministic.
+and add), and ``d hidden += d z @ weight[v0:v1]`` into a float32 ``[N, H]`` accumulator (cuBLAS's ``addmm`` with
+``out_dtype=float32``: 16-bit operands, the sum kept in float32 across chunks, no temporary; fp32 inputs add into
+``d hidden`` itself), ``d bias[v0:v1] = sum_n d z`` in float32. Chunks in a fixed order, no atomics: deterministic.
 
 Why not a d-weight kernel per (V block, H block) that loops over the tokens and recomputes each logits tile it
 needs: a ``[BLOCK_V, BLOCK_H]`` output needs ``d z`` for its ``BLOCK_V`` columns and every token, i.e. the full
@@ -63,7 +63,7 @@ CHUNK_BYTES = 128 << 20
 COMBINE_BLOCK = 128
 # (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, by the inputs' element size; under the
 # interpreter small tiles, so that test shapes cross tile and share boundaries
-GPU_TILES = {2: (128, 128, 64, 8, 3), 4: (128, 128, 32, 8, 2)}
+GPU_TILES = {2: (128, 64, 64, 8, 3), 4: (128, 64, 32, 8, 2)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 INTERPRETER_SHARES = 3  # up to this many shares of the vocabulary under the interpreter (the combine's merge)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -195,7 +195,8 @@ def backward_rows(grad_lp, grad_entropy, hidden, weight, bias, labels, counted, 
     cols = vocab_chunk(n, vocab, hidden.element_size(), bv)
     chunks = -(-vocab // cols)
     buf = _alloc((n, cols), dtype=dtype, device=dev)
-    acc = _alloc(hidden.shape, dtype=torch.float32, device=dev) if want_h and chunks > 1 else None
+    acc = (_alloc(hidden.shape, dtype=torch.float32, device=dev)
+           if want_h and chunks > 1 and dtype != torch.float32 else None)
     g_lp = None if grad_lp is None else grad_lp.reshape(-1).to(torch.float32).contiguous()
     g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).to(torch.float32).contiguous()
     labels = labels.contiguous()
@@ -213,17 +214,34 @@ def backward_rows(grad_lp, grad_entropy, hidden, weight, bias, labels, counted, 
         if want_w:  # every token's share of these rows in one GEMM: written once, in the weight's dtype
             torch.mm(d.t(), hidden, out=d_weight[v0:v1])
         if want_h:
-            torch.mm(d, weight[v0:v1], out=d_hidden)
-            if acc is not None:
-                if c == 0:
-                    acc.copy_(d_hidden)
-                else:
-                    acc += d_hidden
+            _add_d_hidden(d, weight[v0:v1], d_hidden, acc, c == 0)
         if want_b:
             torch.sum(d, 0, dtype=torch.float32, out=d_bias[v0:v1])
     if acc is not None:
         d_hidden.copy_(acc)
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(dtype)
+
+
+def _add_d_hidden(d, w_c, d_hidden, acc, first: bool) -> None:
+    """``d hidden (+)= d @ w_c``, summed over the chunks in float32: float32 inputs straight into ``d_hidden``
+    (cuBLAS's beta = 1 epilogue); 16-bit ones on CUDA into the float32 ``acc`` by ``addmm`` with ``out_dtype``
+    (bf16/fp16 operands, float32 result and accumulator: no temporary, no per-chunk rounding); elsewhere (CPU
+    tensors under the interpreter, for tests) the chunk's product rounded in ``d_hidden`` and added to ``acc``.
+    ``acc`` is None with one chunk: the product goes straight into ``d_hidden``."""
+    beta = 0 if first else 1  # (beta 0: the buffer's old contents, poison included, are ignored)
+    if acc is None:
+        if first:
+            torch.mm(d, w_c, out=d_hidden)
+        else:
+            d_hidden.addmm_(d, w_c, beta=beta)
+    elif d.device.type == "cuda":
+        torch.ops.aten.addmm.dtype_out(acc, d, w_c, torch.float32, beta=beta, out=acc)
+    else:
+        torch.mm(d, w_c, out=d_hidden)
+        if first:
+            acc.copy_(d_hidden)
+        else:
+            acc += d_hidden
 
 
 class FusedLinearTokenLogprobs(torch.autograd.Function):
