@@ -280,7 +280,7 @@ def compile_only(self, *args, grid, warmup, **kwargs):
     k = original(self, *args, grid=grid, warmup=True, **kwargs)
     path = os.path.join(out, f"{self.__name__}_{k.hash[:16]}.cubin")
     open(path, "wb").write(k.asm["cubin"])
-    records.append(dict(kernel=self.__name__, dtype=str(args[0].dtype), warps=k.metadata.num_warps,
+    records.append(dict(kernel=self.__name__, dtype=str(args[0].dtype), precision=kwargs.get("PRECISION"), warps=k.metadata.num_warps,
                         smem=k.metadata.shared, **aot.res_usage(path)))
     return k
 
@@ -288,7 +288,8 @@ JITFunction.run = compile_only
 from kl_kernels.token_logprobs import linear_fused as F
 F._interpreting = lambda: False
 F._shares = lambda rows, vocab, bn, bv, device: 2
-for dtype in (torch.bfloat16, torch.float16, torch.float32):
+for dtype, tf32 in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, False), (torch.float32, True)):
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     h, w, b = torch.randn(300, 4096).to(dtype), torch.randn(1000, 4096).to(dtype), torch.randn(1000).to(dtype)
     y, c = torch.randint(0, 1000, (300,)), torch.ones(300, dtype=torch.bool)
     for ent in (False, True):
@@ -301,7 +302,7 @@ json.dump(records, open(os.path.join(out, "records.json"), "w"))
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills(tmp_path):
-    """Every kernel, each dtype, at its GPU tiles, compiled for sm_90 (the stub driver of kl_kernels.triton.aot,
+    """Every kernel, each dtype (fp32 with and without TF32), at its GPU tiles, compiled for sm_90 (the stub driver of kl_kernels.triton.aot,
     a fresh cache, no TRITON_INTERPRET): no local memory (spills or stack), shared memory within an H100's 227
     KiB, at most 255 registers."""
     import json
@@ -318,6 +319,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     names = {r["kernel"] for r in records}
     assert names == {"linear_rows_fwd_kernel", "linear_rows_combine_kernel", "linear_rows_dlogits_kernel"}
     assert {r["dtype"] for r in records} == {"torch.bfloat16", "torch.float16", "torch.float32"}
+    assert {r["precision"] for r in records if r["dtype"] == "torch.float32"} == {"ieee", "tf32", None}
     for r in records:
         assert r["local"] + r["stack"] == 0, r
         assert r["smem"] + r["static_smem"] <= 227 * 1024, r

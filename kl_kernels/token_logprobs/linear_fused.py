@@ -61,9 +61,12 @@ from ..launching import resolved
 # tile's BLOCK_V (at least one tile)
 CHUNK_BYTES = 128 << 20
 COMBINE_BLOCK = 128
-# (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, by the inputs' element size; under the
-# interpreter small tiles, so that test shapes cross tile and share boundaries
-GPU_TILES = {2: (128, 64, 64, 8, 3), 4: (128, 64, 32, 8, 2)}
+# (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, by the inputs' element size (fp32: by tl.dot's
+# precision): compiled for sm_90 without spills (tests/test_linear_fused.py), registers (fwd/d z kernel) 171/223
+# for 16-bit, 173/104 for fp32 "ieee" (an FMA dot: larger fp32 tiles spilled), 206/174 for "tf32"; 128 x 128
+# 16-bit tiles spilled in the d z kernel. Untimed: a GPU session tunes them (kl_kernels/bench/linear_fused_ab.py).
+# Under the interpreter small tiles, so that test shapes cross tile and share boundaries.
+GPU_TILES = {2: (128, 64, 64, 8, 3), 4: (128, 32, 16, 8, 2), "tf32": (128, 64, 32, 8, 2)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 INTERPRETER_SHARES = 3  # up to this many shares of the vocabulary under the interpreter (the combine's merge)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,7 +109,9 @@ def fused_reason(hidden, weight, bias=None, ref_hidden=None, ref_weight=None, re
 
 
 def _tiles(dtype):
-    return INTERPRETER_TILES if _interpreting() else GPU_TILES[torch.empty((), dtype=dtype).element_size()]
+    if _interpreting():
+        return INTERPRETER_TILES
+    return GPU_TILES["tf32" if _precision(dtype) == "tf32" else torch.empty((), dtype=dtype).element_size()]
 
 
 def _precision(dtype) -> str:
