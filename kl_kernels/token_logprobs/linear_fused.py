@@ -62,8 +62,9 @@ from ..launching import resolved
 CHUNK_BYTES = 128 << 20
 COMBINE_BLOCK = 128
 # (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, by the inputs' element size (fp32: by tl.dot's
-# precision): compiled for sm_90 without spills (tests/test_linear_fused.py), registers (fwd/d z kernel) 171/223
-# for 16-bit, 173/104 for fp32 "ieee" (an FMA dot: larger fp32 tiles spilled), 206/174 for "tf32"; 128 x 128
+# precision): compiled for sm_90 without spills (tests/test_linear_fused.py), registers (fwd/d z kernel) 172/236
+# for 16-bit (3 stages of cp.async over H), 176/98 for fp32 "ieee" (an FMA dot: larger fp32 tiles spilled),
+# 174/186 for "tf32"; 128 x 128
 # 16-bit tiles spilled in the d z kernel. Untimed: a GPU session tunes them (kl_kernels/bench/linear_fused_ab.py).
 # Under the interpreter small tiles, so that test shapes cross tile and share boundaries.
 GPU_TILES = {2: (128, 64, 64, 8, 3), 4: (128, 32, 16, 8, 2), "tf32": (128, 64, 32, 8, 2)}

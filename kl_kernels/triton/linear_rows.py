@@ -22,7 +22,9 @@ fp32 inputs: ``tl.dot``'s ``input_precision`` is the launcher's ``PRECISION`` ("
 ``torch.backends.cuda.matmul.allow_tf32`` is set, else "ieee"); 16-bit inputs multiply exactly into float32.
 ``UPCAST`` (the launcher sets it for bf16 under Triton's interpreter only, whose bf16 ``tl.dot`` returns garbage in
 triton 3.x) converts the tiles to float32 first: the same products, exact in float32.
-Every index is int64 (a 152k x 8k head has 1.2e9 entries).
+Every index is int64 (a 152k x 8k head has 1.2e9 entries). ``hid`` and the row strides stay specialized (Triton
+marks ints divisible by 16): with H a multiple of 16 the tiles' H masks are uniform over 16 entries, which the
+16-bit tiles' asynchronous copies need (4+ bytes each); with ``hid`` unspecialized the H loop was not pipelined.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h,
     return tl.where(in_v[None, :], z, float("-inf"))
 
 
-@triton.jit(do_not_specialize=("rows", "vocab", "hid", "v_per_split"))
+@triton.jit(do_not_specialize=("rows", "vocab", "v_per_split"))
 def linear_rows_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, part_m_ptr, part_s_ptr, part_w_ptr, part_zy_ptr,
                            part_nan_ptr, rows, vocab, hid, stride_h, stride_w, v_per_split, inv_t,
                            HAS_BIAS: tl.constexpr, WANT_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
@@ -138,7 +140,7 @@ def linear_rows_combine_kernel(part_m_ptr, part_s_ptr, part_w_ptr, part_zy_ptr, 
         tl.store(ent_ptr + offs, tl.where(counted, tl.where(undefined, nan_value, h), 0.0), mask=inb)
 
 
-@triton.jit(do_not_specialize=("rows", "hid", "v_lo", "v_hi", "stride_o"))
+@triton.jit(do_not_specialize=("rows", "v_lo", "v_hi"))
 def linear_rows_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, counted_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,
                                out_ptr, rows, hid, v_lo, v_hi, stride_h, stride_w, stride_o, inv_t,
                                HAS_BIAS: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
