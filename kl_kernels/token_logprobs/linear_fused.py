@@ -46,9 +46,14 @@ fp32 inputs follow ``torch.backends.cuda.matmul.allow_tf32``: ``tl.dot(..., inpu
 set (the forward's logits then carry TF32's ~1e-3 relative error, as cuBLAS's would), ``"ieee"`` otherwise; the
 backward's ``torch.mm`` follows the same flag by itself.
 
-Example::
+Example (CUDA tensors; the lead's dispatch in ``linear_token_logprobs`` calls it after ``prepare``)::
 
-    >>> lp, ent, lse, ref_lp = FusedLinearTokenLogprobs.apply(h, w, None, labels, counted, 1.0, True)
+    h = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 128256, (8192,), device="cuda")
+    assert fused_reason(h, w) is None
+    lp, ent, lse, _ = FusedLinearTokenLogprobs.apply(h, w, None, y, y >= 0, 1.0, True)  # [N] float32 each
+    (lp.sum() + 0.01 * ent.sum()).backward()  # h.grad [N, H], w.grad [V, H], bf16
 """
 
 from __future__ import annotations
