@@ -5,6 +5,8 @@ to both), time and peak extra memory, and each contender's gradients against a f
 Frobenius error), as the issue's acceptance line asks.
 
 * ``fused``: ``FusedLinearTokenLogprobs.apply`` (the Triton forward, the backward's d z tiles and cuBLAS GEMMs);
+* ``fused-cublas``: the same with ``RECOMPUTE = "cublas"`` (the backward's logits again by a cuBLAS GEMM into the
+  d z buffer, in bf16, instead of on chip: which is faster is the question this answers);
 * ``eager``: ``h @ W.T`` whole, ``log_softmax`` in float32, gather, entropy (as RL trainers write it; the issue's
   eager line);
 * ``compile``: ``torch.compile`` of that;
@@ -34,7 +36,7 @@ import sys
 import torch
 
 ISSUE_SIZE = (8192, 4096, 128256)
-CONTENDERS = ("fused", "eager", "compile", "chunked")
+CONTENDERS = ("fused", "fused-cublas", "eager", "compile", "chunked")
 TEMPERATURE = 1.0
 
 
@@ -52,12 +54,17 @@ def _contender(name):
         return _eager
     if name == "compile":
         return torch.compile(_eager)
-    if name == "fused":
-        from kl_kernels.token_logprobs.linear_fused import FusedLinearTokenLogprobs
+    if name in ("fused", "fused-cublas"):
+        from kl_kernels.token_logprobs import linear_fused as F
 
         def fused(h, w, y):
-            lp, ent, _, _ = FusedLinearTokenLogprobs.apply(h, w, None, y, torch.ones_like(y, dtype=torch.bool),
-                                                           TEMPERATURE, True)
+            before = F.RECOMPUTE
+            F.RECOMPUTE = "cublas" if name == "fused-cublas" else "triton"  # (read once, at the forward)
+            try:
+                lp, ent, _, _ = F.FusedLinearTokenLogprobs.apply(h, w, None, y, torch.ones_like(y, dtype=torch.bool),
+                                                                 TEMPERATURE, True)
+            finally:
+                F.RECOMPUTE = before
             return lp, ent
         return fused
     if name == "chunked":

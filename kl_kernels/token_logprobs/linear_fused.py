@@ -66,6 +66,10 @@ from ..launching import resolved
 # tile's BLOCK_V (at least one tile)
 CHUNK_BYTES = 128 << 20
 COMBINE_BLOCK = 128
+# How the backward forms a chunk's logits again: "triton" (on chip in the d z kernel, float32, never stored) or
+# "cublas" (one GEMM into the d z buffer, rounded to the parameters' dtype as eager's logits are, then read by the
+# d z kernel). Which is faster on a GPU is unmeasured: kl_kernels/bench/linear_fused_ab.py times both.
+RECOMPUTE = "triton"
 # (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, by the inputs' element size (fp32: by tl.dot's
 # precision): compiled for sm_90 without spills (tests/test_linear_fused.py), registers (fwd/d z kernel) 172/236
 # for 16-bit (3 stages of cp.async over H), 176/98 for fp32 "ieee" (an FMA dot: larger fp32 tiles spilled),
@@ -73,6 +77,8 @@ COMBINE_BLOCK = 128
 # 16-bit tiles spilled in the d z kernel. Untimed: a GPU session tunes them (kl_kernels/bench/linear_fused_ab.py).
 # Under the interpreter small tiles, so that test shapes cross tile and share boundaries.
 GPU_TILES = {2: (128, 64, 64, 8, 3), 4: (128, 32, 16, 8, 2), "tf32": (128, 64, 32, 8, 2)}
+# the d z kernel reading cuBLAS's logits (RECOMPUTE = "cublas"): no tl.dot, 16 entries per thread (32 spilled)
+FROM_BUFFER_TILES = (32, 128, 16, 8, 1)
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 INTERPRETER_SHARES = 3  # up to this many shares of the vocabulary under the interpreter (the combine's merge)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -185,10 +191,15 @@ def vocab_chunk(rows: int, vocab: int, element_size: int, block_v: int) -> int:
 
 
 def backward_rows(grad_lp, grad_entropy, hidden, weight, bias, labels, counted, temperature: float, lse, entropy,
-                  needs=(True, True, True)):
+                  needs=(True, True, True), recompute: str | None = None):
     """``(d hidden, d weight, d bias)`` (None where ``needs`` says no, or no bias) of ``sum(grad_lp * log_probs +
     grad_entropy * entropy)`` (either gradient may be None), from :func:`forward_rows`' ``lse`` and ``entropy``,
-    in the parameters' dtypes."""
+    in the parameters' dtypes. ``recompute`` (default ``RECOMPUTE``): how a chunk's logits are formed again,
+    ``"triton"`` (on chip, in the d z kernel) or ``"cublas"`` (one GEMM into the d z buffer, in the parameters'
+    dtype, which the d z kernel then reads and overwrites)."""
+    recompute = RECOMPUTE if recompute is None else recompute
+    if recompute not in ("triton", "cublas"):
+        raise ValueError(f"recompute must be 'triton' or 'cublas', got {recompute!r}")
     _, _, dlogits = _kernels()
     hidden, weight = resolved(hidden, weight)
     n, hid = hidden.shape
@@ -205,7 +216,12 @@ def backward_rows(grad_lp, grad_entropy, hidden, weight, bias, labels, counted, 
     bn, bv, bk, warps, stages = _tiles(dtype)
     cols = vocab_chunk(n, vocab, hidden.element_size(), bv)
     chunks = -(-vocab // cols)
-    buf = _alloc((n, cols), dtype=dtype, device=dev)
+    if recompute == "cublas" and not _interpreting():
+        bn, bv, bk, warps, stages = FROM_BUFFER_TILES  # an elementwise pass: its own tile (the GEMM tile spilled)
+    # cuBLAS writes a chunk's logits contiguous (a [n, v1 - v0] view of the front of the buffer); the Triton
+    # recompute keeps the buffer's row stride (cols) for every chunk
+    flat = _alloc(n * cols, dtype=dtype, device=dev)
+    from_buffer = recompute == "cublas"
     acc = (_alloc(hidden.shape, dtype=torch.float32, device=dev)
            if want_h and chunks > 1 and dtype != torch.float32 else None)
     g_lp = None if grad_lp is None else grad_lp.reshape(-1).to(torch.float32).contiguous()
@@ -215,13 +231,21 @@ def backward_rows(grad_lp, grad_entropy, hidden, weight, bias, labels, counted, 
     b = bias.contiguous() if bias is not None else lse
     for c in range(chunks):
         v0, v1 = c * cols, min((c + 1) * cols, vocab)
-        d = buf[:, :v1 - v0]
+        if from_buffer:
+            d = flat[:n * (v1 - v0)].view(n, v1 - v0)
+            if bias is not None:
+                torch.addmm(bias[v0:v1], hidden, weight[v0:v1].t(), out=d)
+            else:
+                torch.mm(hidden, weight[v0:v1].t(), out=d)
+        else:
+            d = flat.view(n, cols)[:, :v1 - v0]
         dlogits[(-(-n // bn), -(-(v1 - v0) // bv))](
             hidden, weight, b, labels, flags, lse, entropy if g_ent is not None else lse,
-            g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse, buf, n, hid, v0, v1,
-            hidden.stride(0), weight.stride(0), buf.stride(0), 1.0 / temperature, HAS_BIAS=bias is not None,
+            g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse, d, n, hid, v0, v1,
+            hidden.stride(0), weight.stride(0), d.stride(0), 1.0 / temperature, HAS_BIAS=bias is not None,
             HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None, PRECISION=_precision(dtype),
-            UPCAST=_upcast(dtype), BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            UPCAST=_upcast(dtype), FROM_BUFFER=from_buffer, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=warps,
+            num_stages=stages)
         if want_w:  # every token's share of these rows in one GEMM: written once, in the weight's dtype
             torch.mm(d.t(), hidden, out=d_weight[v0:v1])
         if want_h:
@@ -259,7 +283,8 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
     """``apply(hidden [N, H], weight [V, H], bias [V] | None, labels [N], counted [N] bool, temperature,
     want_entropy, ref_hidden=None, ref_weight=None, ref_bias=None)`` -> ``(log_probs [N], entropy [N] or [0],
     lse [N], ref_log_probs [N] or [0])``, float32, as ``linear.py``'s ``_LinearTokenLogprobs`` returns them;
-    gradients to ``hidden``, ``weight`` and ``bias`` (none to the reference's tensors)."""
+    gradients to ``hidden``, ``weight`` and ``bias`` (none to the reference's tensors; the backward's recompute is
+    ``RECOMPUTE`` as it was at the forward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, ref_hidden=None,
@@ -272,7 +297,7 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
         else:
             ref_lp = lp.new_empty(0)
         ctx.save_for_backward(hidden, weight, bias, labels, counted, lse, ent)
-        ctx.temperature, ctx.want_entropy = temperature, want_entropy
+        ctx.temperature, ctx.want_entropy, ctx.recompute = temperature, want_entropy, RECOMPUTE
         ctx.mark_non_differentiable(lse, ref_lp)
         return lp, ent, lse, ref_lp
 
@@ -281,5 +306,5 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, counted, lse, ent = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         grads = backward_rows(grad_lp, grad_ent if ctx.want_entropy else None, hidden, weight, bias, labels, counted,
-                              ctx.temperature, lse, ent, needs)
+                              ctx.temperature, lse, ent, needs, ctx.recompute)
         return (*grads, None, None, None, None, None, None, None)

@@ -16,7 +16,8 @@ on chip, never as an ``[N, V]`` (or ``[C, V]``) tensor in HBM.
   gradient, the tile recomputed as in the forward, then ``d z_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse -
   z_j, FAR) - H)) / T`` with ``p_j = e^(z_j - lse)`` (token_logprobs' backward), written in the parameters'
   dtype into a bounded ``[N, V_c]`` buffer that cuBLAS GEMMs turn into ``d weight`` and ``d hidden``
-  (``linear_fused.py`` says why and what it costs).
+  (``linear_fused.py`` says why and what it costs). With ``FROM_BUFFER`` the tile's logits are read from that
+  buffer instead (cuBLAS wrote them there: the ``"cublas"`` recompute) and the gradient written over them.
 
 fp32 inputs: ``tl.dot``'s ``input_precision`` is the launcher's ``PRECISION`` ("tf32" where
 ``torch.backends.cuda.matmul.allow_tf32`` is set, else "ieee"); 16-bit inputs multiply exactly into float32.
@@ -144,16 +145,20 @@ def linear_rows_combine_kernel(part_m_ptr, part_s_ptr, part_w_ptr, part_zy_ptr, 
 def linear_rows_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, counted_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,
                                out_ptr, rows, hid, v_lo, v_hi, stride_h, stride_w, stride_o, inv_t,
                                HAS_BIAS: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
-                               PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                               PRECISION: tl.constexpr, UPCAST: tl.constexpr, FROM_BUFFER: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_v = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     in_n = offs_n < rows
     offs_v = v_lo + pid_v * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     in_v = offs_v < v_hi
-    z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t,
-                     HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+    out = out_ptr + offs_n[:, None] * stride_o + (offs_v - v_lo)[None, :]
+    if FROM_BUFFER:  # the chunk's logits (bias included) are in the buffer already (cuBLAS): read, not formed
+        z = tl.load(out, mask=in_n[:, None] & in_v[None, :], other=0.0).to(tl.float32) * inv_t
+    else:
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t,
+                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
     counted = tl.load(counted_ptr + offs_n, mask=in_n, other=0).to(tl.int32) != 0
     y = tl.load(labels_ptr + offs_n, mask=in_n, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=in_n, other=0.0)
@@ -169,5 +174,4 @@ def linear_rows_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, counted_ptr, lse
     # NaN throughout (exp_row does not carry a NaN argument through)
     g = tl.where((lse != lse)[:, None], float("nan"), g)
     g = tl.where(counted[:, None], g * inv_t, 0.0)
-    out = out_ptr + offs_n[:, None] * stride_o + (offs_v - v_lo)[None, :]
     tl.store(out, g.to(out_ptr.dtype.element_ty), mask=in_n[:, None] & in_v[None, :])
