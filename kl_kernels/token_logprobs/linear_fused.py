@@ -20,8 +20,8 @@ and add), and ``d hidden += d z @ weight[v0:v1]`` into a float32 ``[N, H]`` accu
 
 Why not a d-weight kernel per (V block, H block) that loops over the tokens and recomputes each logits tile it
 needs: a ``[BLOCK_V, BLOCK_H]`` output needs ``d z`` for its ``BLOCK_V`` columns and every token, i.e. the full
-``H``-long dot per tile, once per H block: ``H / BLOCK_H`` recomputes (32 at H = 4096, BLOCK_H = 128), 66 more
-GEMMs' worth of FLOPs. Keeping a ``[BLOCK_V, H]`` float32 accumulator on chip instead (2 MiB at BLOCK_V = 128) does
+``H``-long dot per tile, once per H block: ``H / BLOCK_H`` recomputes (32 at H = 4096, BLOCK_H = 128), 32 F of
+logits FLOPs (F below) instead of 1 F. Keeping a ``[BLOCK_V, H]`` float32 accumulator on chip instead (2 MiB at BLOCK_V = 128) does
 not fit. The ``d z`` buffer costs one write and two reads of ``N x V_c`` 16-bit entries per chunk (2 x 3 x N x V
 bytes in all: 6.3 GB at the issue's size, ~1.3 ms of HBM at 4.8 TB/s) against GEMMs of ~2 x N x H x V FLOPs each.
 
@@ -39,8 +39,16 @@ Conditions (:func:`fused_reason` says why a call is declined, and the caller fal
 CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, for tests), Triton importable, float32 / bfloat16 /
 float16 (float64 is declined: no tensor-core ``tl.dot`` path for it, and the chunked path computes it exactly
 in float64), ``hidden [N, H]`` and ``weight [V, H]`` (and the reference's) with unit stride along H (any row
-stride), ``bias`` contiguous. No size or alignment condition: tiles are masked (16-byte aligned rows, i.e. H a
-multiple of 8 for 16-bit inputs, let Triton vectorize the tile loads).
+stride), ``bias`` contiguous. No size or alignment condition: tiles are masked. Speed wants H and the row
+strides multiples of 16 (Triton specializes such ints; only then are the 16-bit tiles' H loops pipelined with
+asynchronous copies: tests/test_linear_fused.py checks the sm_90 build at H = 4096).
+
+``RECOMPUTE = "cublas"`` forms the backward's logits with one cuBLAS GEMM per chunk into the ``d z`` buffer
+(rounded to the parameters' dtype, as eager's are) and the same d z kernel reads and overwrites them: no extra
+memory, one more ``N x V_c`` write and read per chunk, cuBLAS's GEMM speed for the recompute instead of the Triton
+tile's (a 128 x 64 tile reads ~43 FLOP per byte from L2, below what the tensor cores need at full rate). Which is
+faster is for a GPU run to say (the A/B bench's ``fused`` and ``fused-cublas``); the default stays ``"triton"``
+(float32 logits, no rounding).
 
 fp32 inputs follow ``torch.backends.cuda.matmul.allow_tf32``: ``tl.dot(..., input_precision="tf32")`` where it is
 set (the forward's logits then carry TF32's ~1e-3 relative error, as cuBLAS's would), ``"ieee"`` otherwise; the
