@@ -22,8 +22,9 @@ Why not a d-weight kernel per (V block, H block) that loops over the tokens and 
 needs: a ``[BLOCK_V, BLOCK_H]`` output needs ``d z`` for its ``BLOCK_V`` columns and every token, i.e. the full
 ``H``-long dot per tile, once per H block: ``H / BLOCK_H`` recomputes (32 at H = 4096, BLOCK_H = 128), 32 F of
 logits FLOPs (F below) instead of 1 F. Keeping a ``[BLOCK_V, H]`` float32 accumulator on chip instead (2 MiB at
-BLOCK_V = 128) does not fit. The ``d z`` buffer costs one write and two reads of ``N x V_c`` 16-bit entries per chunk (2 x 3 x N x V
-bytes in all: 6.3 GB at the issue's size, ~1.3 ms of HBM at 4.8 TB/s) against GEMMs of ~2 x N x H x V FLOPs each.
+BLOCK_V = 128) does not fit. The ``d z`` buffer costs one write and two reads of ``N x V_c`` 16-bit entries per
+chunk (2 x 3 x N x V bytes in all: 6.3 GB at the issue's size, ~1.3 ms of HBM at 4.8 TB/s) against GEMMs of
+~2 x N x H x V FLOPs each.
 
 Accounting at the issue's size (N = 8192, H = 4096, V = 128,256, bf16; ``F = 2 N H V = 8.6 TFLOP``):
 forward 1 F (the fused kernel); backward 3 F (recomputed logits, ``d weight``, ``d hidden``): 4 F = 34.4 TFLOP
