@@ -364,3 +364,34 @@ def test_the_ab_benchmark_runs_and_reports():
         assert {"task", "n", "hidden", "vocab", "dtype", "ms", "peak_extra_mib", "machine"} <= set(r)
         assert r["grad_rel_err_hidden"] < 1e-5 and r["grad_rel_err_weight"] < 1e-5
     assert "| fused |" in ab.table(rows)
+
+
+def test_the_wiring_contract_with_linear_token_logprobs():
+    """What the lead's dispatch will do: ``prepare``'s checked rows (labels with ignore_index, a mask, a [B, T]
+    token shape, a reference) straight into the fused function give linear_token_logprobs' results (float32: the
+    same math, to float32 rounding) and gradients."""
+    from kl_kernels import linear_token_logprobs
+    from kl_kernels.token_logprobs.linear import prepare
+
+    dev = _dev()
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(3, 5, 40, generator=g).to(dev)
+    w = (torch.randn(90, 40, generator=g) * 0.3).to(dev)
+    rh, rw = torch.randn(3, 5, 24, generator=g).to(dev), (torch.randn(90, 24, generator=g) * 0.3).to(dev)
+    y = torch.randint(0, 90, (3, 5), generator=g)
+    y[0, 1] = -100
+    y, mask = y.to(dev), (torch.rand(3, 5, generator=g) < 0.8).to(dev)
+    kw = dict(temperature=0.8, return_entropy=True, mask=mask, ref_hidden=rh, ref_weight=rw)
+    r = prepare(h, w, y, bias=None, ignore_index=-100, chunk_size=None, backend="auto", ref_bias=None,
+                caller="test", **kw)
+    assert F.fused_reason(r.hidden, r.weight, r.bias, *r.ref) is None
+    hf, hc = h.clone().requires_grad_(), h.clone().requires_grad_()
+    lp, ent, _, ref_lp = F.FusedLinearTokenLogprobs.apply(hf.reshape(-1, 40), r.weight, r.bias, r.labels, r.counted,
+                                                          r.temperature, True, *r.ref)
+    want = linear_token_logprobs(hc, w, y, **kw)
+    torch.testing.assert_close(lp.reshape(r.shape), want.log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.reshape(r.shape), want.entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref_lp.reshape(r.shape), want.ref_log_probs, rtol=1e-5, atol=1e-5)
+    (lp.sum() + ent.sum()).backward()
+    (want.log_probs.sum() + want.entropy.sum()).backward()
+    torch.testing.assert_close(hf.grad, hc.grad, rtol=1e-4, atol=1e-5)
