@@ -5,6 +5,8 @@
 * ``kl_reward.py``: the ``kl_reward`` kernels (forward tiles, per-sequence combine, backward).
 * ``kl_penalty.py``: the ``kl_penalty_loss`` kernels (same structure; one gradient buffer).
 * ``token_logprobs.py``: the ``token_logprobs`` row kernels (one program per row of the logits).
+* ``linear_rows.py``: log-probs and entropy from hidden states and an LM head, logits tiles formed on chip
+  (``tl.dot``) and never stored; the backward's recomputed logits-gradient tiles (``linear_fused.py`` launches).
 
 Nothing here is imported by ``import kl_kernels``: the ``triton`` backend imports this package
 the first time it runs, so a machine without Triton loses only that backend. With
