@@ -168,6 +168,10 @@ def head_grads_out(buffers, weight, bias) -> tuple:
             None if g_bias is None else g_bias.to(bias.dtype))
 
 
+# Whether torch's addmm with out_dtype=float32 runs here (the first refusal turns it off for the process).
+_WIDE_OUT = [True]
+
+
 def vocab_walk_grads(needs, hidden, weight, bias, width: int, slice_grad) -> tuple:
     """Backward on the ``"vocab"`` walk (module doc): ``(d hidden, d weight, d bias)`` in the parameters'
     dtypes (None where ``needs``, three bools, says no), from ``slice_grad(v0, v1, logits_s)``, which writes
@@ -192,8 +196,12 @@ def vocab_walk_grads(needs, hidden, weight, bias, width: int, slice_grad) -> tup
         if acc is not None:
             if d.dtype == acc.dtype:
                 acc.addmm_(d, w_s)
-            elif wide_out:  # cuBLAS's float32 output, the accumulator added in its epilogue
-                acc = torch.addmm(acc, d, w_s, out_dtype=torch.float32)
+            elif wide_out and _WIDE_OUT[0]:  # cuBLAS's float32 output, the accumulator added in its epilogue
+                try:
+                    acc = torch.addmm(acc, d, w_s, out_dtype=torch.float32)
+                except (RuntimeError, TypeError, NotImplementedError):  # refused at dispatch (no host sync)
+                    _WIDE_OUT[0] = False
+                    acc += d @ w_s
             else:
                 acc += d @ w_s
         del d
