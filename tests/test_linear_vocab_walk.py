@@ -160,3 +160,40 @@ def test_device_defaults_and_override(monkeypatch):
     monkeypatch.setenv("KL_KERNELS_HEAD_SCHEDULE", "diagonal")
     with pytest.raises(ValueError, match="KL_KERNELS_HEAD_SCHEDULE"):
         lm_head.schedule(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_default_walks_the_vocabulary_and_matches(dtype, monkeypatch):
+    """On a GPU the default call takes the vocabulary walk (several slices here: a small chunk_size) and
+    agrees with the token walk and with float64; the head's gradient comes in its own dtype."""
+    monkeypatch.delenv("KL_KERNELS_HEAD_SCHEDULE", raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    g = torch.Generator().manual_seed(11)
+    n, hid, vocab = 300, 64, 1000
+    h = torch.randn(n, hid, generator=g).to(dtype)
+    w = (torch.randn(vocab, hid, generator=g) * 0.2).to(dtype)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[::7] = -100
+    up = torch.randn(n, generator=g, dtype=torch.float64)
+    assert lm_head.schedule(torch.device("cuda")) == "vocab"
+    res = {}
+    for walk in ("vocab", "tokens"):
+        monkeypatch.setenv("KL_KERNELS_HEAD_SCHEDULE", walk)
+        hh, ww = h.cuda().requires_grad_(), w.cuda().requires_grad_()
+        out = linear_token_logprobs(hh, ww, y.cuda(), return_entropy=True, chunk_size=64)
+        ((out.log_probs.double().cpu() * up).sum() + (out.entropy.double().cpu() * up).sum()).backward()
+        assert ww.grad.dtype == dtype
+        res[walk] = (out.log_probs.cpu(), out.entropy.cpu(), hh.grad.cpu(), ww.grad.cpu())
+    doubles = [h.double().requires_grad_(), w.double().requires_grad_()]
+    counted = y != -100
+    lp64, ent64 = _want(*doubles, None, y, counted, 1.0, True)
+    want = torch.autograd.grad((lp64 * up).sum() + (ent64 * up).sum(), doubles)
+    low = dtype == torch.bfloat16
+    for walk, (lp, ent, gh, gw) in res.items():
+        torch.testing.assert_close(lp.double(), lp64.detach(), rtol=3e-2 if low else 1e-4, atol=3e-2 if low else 1e-4)
+        torch.testing.assert_close(ent.double(), ent64.detach(), rtol=3e-2 if low else 1e-4,
+                                   atol=3e-2 if low else 1e-4)
+        for a, e in ((gh, want[0]), (gw, want[1])):
+            rel = float((a.double() - e).norm() / e.norm())
+            assert rel < (1e-2 if low else 1e-5), (walk, rel)
