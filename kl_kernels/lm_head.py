@@ -192,7 +192,7 @@ def vocab_walk_grads(needs, hidden, weight, bias, width: int, slice_grad) -> tup
         if g_weight is not None:  # one GEMM over all tokens, written once (fp32 accumulation inside cuBLAS/MKL)
             torch.mm(d.t(), hidden, out=g_weight[v0:v1])
         if g_bias is not None:
-            g_bias[v0:v1] = d.sum(0, dtype=torch.float32)
+            g_bias[v0:v1] = d.sum(0, dtype=acc_dtype)
         if acc is not None:
             if d.dtype == acc.dtype:
                 acc.addmm_(d, w_s)
