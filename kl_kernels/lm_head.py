@@ -9,8 +9,9 @@ memory is O(C x V), not O(N x V). Forward always walks the tokens. Backward walk
 
 * **the tokens** (``"tokens"``, the CPU's schedule): per chunk the logits are recomputed, their gradient
   written over them by the row pass, ``d hidden_c = d_c @ weight`` and ``d weight += d_c.T @ hidden_c``
-  into a float32 ``[V, H]`` accumulator (``addmm_`` in place when the inputs are float32: no temporary).
-  Cache-sized chunks (``CHUNK_LOGITS``), measured best on the CPU.
+  into a float32 ``[V, H]`` accumulator (the GEMM adds into it in place, no ``[V, H]`` temporary: ``addmm_``
+  for float32 inputs, cuBLAS's float32 output ``out_dtype`` for bf16/fp16 on a GPU, where torch has it).
+  Cache-sized chunks (``CHUNK_LOGITS``), measured best on the CPU; the one-pass loss's walk everywhere.
 * **the vocabulary** (``"vocab"``, a GPU's schedule): per slice ``[v0, v1)`` of the head, the logits of
   *all* tokens against it, ``hidden @ weight[v0:v1].T`` ``[N, Vs]``, are recomputed, the row pass writes
   their gradient over them (it needs only the saved ``lse``/entropy per token; a label outside the slice
@@ -136,6 +137,16 @@ def slice_width(chunk: int, tokens: int, vocab: int, device) -> int:
     return min(width, vocab)
 
 
+# Whether torch's addmm with out_dtype=float32 runs here (the first refusal turns it off for the process).
+_WIDE_OUT = [True]
+
+
+def _wide_out(x: torch.Tensor) -> bool:
+    """Whether cuBLAS can give a float32 product of ``x``'s dtype (bf16/fp16 on a GPU: ``out_dtype``)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cuda" and hasattr(torch.ops.aten.addmm,
+                                                                                            "dtype")
+
+
 def head_grad_buffers(needs, hidden, weight, bias) -> tuple:
     """``(d hidden, d weight, d bias)`` buffers for the flags ``needs`` (three bools): ``d hidden`` in
     hidden's dtype, the head's in float32 accumulators (chunks add into them in a fixed order); None where
@@ -155,6 +166,12 @@ def add_chunk_grads(c0, c1, d_logits, hidden, weight, buffers) -> None:
     if g_weight is not None:
         if d_logits.dtype == torch.float32:  # the GEMM adds into the accumulator: no [V, H] temporary
             g_weight.addmm_(d_logits.t(), hidden[c0:c1])
+        elif _wide_out(d_logits) and _WIDE_OUT[0]:  # bf16/fp16 on a GPU: cuBLAS adds into the float32 buffer
+            try:
+                torch.addmm(g_weight, d_logits.t(), hidden[c0:c1], out_dtype=torch.float32, out=g_weight)
+            except (RuntimeError, TypeError, NotImplementedError):  # refused at dispatch (no host sync)
+                _WIDE_OUT[0] = False
+                g_weight += (d_logits.t() @ hidden[c0:c1]).float()
         else:
             g_weight += (d_logits.t() @ hidden[c0:c1]).float()
     if g_bias is not None:
@@ -168,8 +185,6 @@ def head_grads_out(buffers, weight, bias) -> tuple:
             None if g_bias is None else g_bias.to(bias.dtype))
 
 
-# Whether torch's addmm with out_dtype=float32 runs here (the first refusal turns it off for the process).
-_WIDE_OUT = [True]
 
 
 def vocab_walk_grads(needs, hidden, weight, bias, width: int, slice_grad) -> tuple:
@@ -183,8 +198,7 @@ def vocab_walk_grads(needs, hidden, weight, bias, width: int, slice_grad) -> tup
     g_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None and needs[2] else None
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     acc = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if needs[0] else None
-    wide_out = hidden.dtype in (torch.bfloat16, torch.float16) and hidden.device.type == "cuda" and hasattr(
-        torch.ops.aten.addmm, "dtype")
+    wide_out = _wide_out(hidden)
     for v0 in range(0, vocab, width):
         v1 = min(v0 + width, vocab)
         w_s = weight[v0:v1]
