@@ -26,7 +26,6 @@ import torch
 
 from .kl_penalty import KLPenaltyLossOutput, kl_penalty_loss
 from .kl_penalty import problem as loss_problem
-from .lm_head import schedule
 from .reference_math import final_mask, token_frame
 from .token_logprobs import linear_token_logprobs
 from .token_logprobs.linear import linear_loss_one_pass, prepare
@@ -112,9 +111,9 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
     counted = labels != ignore_index  # the loss counts the tokens the log-probs count
     if mask is not None:
         counted = counted & mask
-    # on a GPU (the vocabulary walk) two passes by default: the docstring says why
-    vocab_walk = isinstance(hidden, torch.Tensor) and schedule(hidden.device) == "vocab"
-    if one_pass or (one_pass is None and not vocab_walk and vocab_process_group is None):
+    # on a GPU two passes by default: the docstring says why
+    on_gpu = isinstance(hidden, torch.Tensor) and hidden.device.type != "cpu"
+    if one_pass or (one_pass is None and not on_gpu and vocab_process_group is None):
         args = _loss_arguments(old_log_probs, advantages, loss_kwargs)
         blockers = _one_pass_blockers(args)
         if vocab_process_group is not None:

@@ -1,7 +1,8 @@
-"""The hidden-state path's backward walking the vocabulary (a GPU's schedule, ``kl_kernels.lm_head``), run
-here on CPU tensors through ``KL_KERNELS_HEAD_SCHEDULE=vocab``: ``linear_token_logprobs``, ``linear_full_kl``
-and ``linear_kl_penalty_loss`` (two passes) against the float64 formulas, every row backend, slices of 1
-entry to the whole vocabulary, labels in other slices, masks and ignore_index, and the device defaults."""
+"""The hidden-state path's backward walking the vocabulary (the default, ``kl_kernels.lm_head``) against the
+token walk (``KL_KERNELS_HEAD_SCHEDULE=tokens``, the one-pass loss's) and the float64 formulas:
+``linear_token_logprobs``, ``linear_full_kl`` and ``linear_kl_penalty_loss`` (two passes), every row backend,
+slices of 1 entry to the whole vocabulary, labels in other slices, masks and ignore_index, and the device
+defaults."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def test_vocab_walk_full_kl_and_reference_grad():
     torch.testing.assert_close(res["vocab", True][3], res["tokens", True][3])
 
 
-def test_vocab_walk_loss_takes_two_passes_and_matches_one_pass():
+def test_vocab_walk_loss_two_passes_match_one_pass():
     g = torch.Generator().manual_seed(7)
     b, t, hid, vocab = 3, 6, 8, 70
     h, w = torch.randn(b, t, hid, generator=g), torch.randn(vocab, hid, generator=g) * 0.4
@@ -130,7 +131,7 @@ def test_vocab_walk_loss_takes_two_passes_and_matches_one_pass():
     old, adv = -torch.rand(b, t, generator=g) * 3 - 2, torch.randn(b, generator=g)
     mask = torch.rand(b, t, generator=g) < 0.8
     res = {}
-    for walk, one_pass in (("tokens", True), ("vocab", None), ("vocab", False)):
+    for walk, one_pass in (("tokens", True), ("vocab", None), ("vocab", False), ("tokens", False)):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         with _walk(walk):
             out = linear_kl_penalty_loss(hh, ww, labels, old, adv, ref_hidden=rh, ref_weight=rw, mask=mask,
@@ -138,14 +139,14 @@ def test_vocab_walk_loss_takes_two_passes_and_matches_one_pass():
                                          one_pass=one_pass, entropy_coef=0.01)
             out.loss.backward()
         res[walk, one_pass] = (out.loss, hh.grad, ww.grad)
-    for key in (("vocab", None), ("vocab", False)):
+    for key in (("vocab", None), ("vocab", False), ("tokens", False)):
         for a, e in zip(res[key], res["tokens", True]):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=str(key))
 
 
 def test_device_defaults_and_override(monkeypatch):
     monkeypatch.delenv("KL_KERNELS_HEAD_SCHEDULE", raising=False)
-    assert lm_head.schedule(torch.device("cpu")) == "tokens"
+    assert lm_head.schedule(torch.device("cpu")) == "vocab"
     assert lm_head.schedule(torch.device("meta")) == "vocab"  # any accelerator
     assert lm_head.chunk_tokens(None, 128256, torch.device("cpu")) == (1 << 24) // 128256
     assert lm_head.chunk_tokens(None, 128256, torch.device("meta")) == (1 << 27) // 128256
@@ -155,8 +156,8 @@ def test_device_defaults_and_override(monkeypatch):
     assert lm_head.slice_width(1046, 16384, 151936, torch.device("meta")) % 128 == 0
     assert lm_head.slice_width(2, 4, 10, torch.device("cpu")) == 5
     assert lm_head.slice_width(100, 3, 10, torch.device("cpu")) == 10
-    monkeypatch.setenv("KL_KERNELS_HEAD_SCHEDULE", "vocab")
-    assert lm_head.schedule(torch.device("cpu")) == "vocab"
+    monkeypatch.setenv("KL_KERNELS_HEAD_SCHEDULE", "tokens")
+    assert lm_head.schedule(torch.device("cpu")) == "tokens"
     monkeypatch.setenv("KL_KERNELS_HEAD_SCHEDULE", "diagonal")
     with pytest.raises(ValueError, match="KL_KERNELS_HEAD_SCHEDULE"):
         lm_head.schedule(torch.device("cpu"))

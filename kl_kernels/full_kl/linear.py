@@ -3,10 +3,11 @@ time, so neither model's logits ``[N, V]`` exist whole: peak extra memory O(chun
 
 Forward, per chunk of ``C`` tokens: ``logits_c = hidden_c @ weight.T (+ bias)`` and ``ref_c = ref_hidden_c @
 ref_weight.T (+ ref_bias)`` (torch's matmul), then the row pass of :mod:`~kl_kernels.full_kl` on both; only
-``KL``, ``lse`` and the reference's ``lse`` per token are kept. Backward on a GPU walks the vocabulary (per
-slice of both heads: the slice's logits of all tokens recomputed, the row pass, ``d weight[v0:v1]`` in one
-GEMM written once, ``d hidden`` accumulated in float32: :mod:`kl_kernels.lm_head`), unless the reference
-wants gradients too; otherwise (the CPU) it walks the tokens, per chunk: both logits recomputed,
+``KL``, ``lse`` and the reference's ``lse`` per token are kept. Backward walks the vocabulary (per slice of
+both heads: the slice's logits of all tokens recomputed, the row pass, ``d weight[v0:v1]`` in one GEMM
+written once, ``d hidden`` accumulated in float32: :mod:`kl_kernels.lm_head`), unless the reference wants
+gradients too (or ``KL_KERNELS_HEAD_SCHEDULE=tokens``); then it walks the tokens, per chunk: both logits
+recomputed,
 the policy's gradient written over the policy's logits in place by the row pass (the reference's over its
 own, when it wants one), then ``d hidden_c = d logits_c @ weight``, ``d weight += d logits_c.T @ hidden_c``
 (float32 accumulators, chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``; the same

@@ -4,11 +4,11 @@ a time, so the logits ``[N, V]`` never exist whole: peak extra memory O(chunk x 
 Forward, per chunk of ``C`` tokens: ``logits_c = hidden_c @ weight.T (+ bias)`` (torch's matmul: MKL/oneDNN
 on the CPU, cuBLAS on a GPU) and the row pass of :mod:`~kl_kernels.token_logprobs` on it (the fused CPU
 kernel, or the chunked torch math); only ``lse`` and the entropy per token are kept. Backward walks the
-tokens on the CPU (per chunk: the logits recomputed, their gradient written over them in place by the row
-pass, then ``d hidden_c = d logits_c @ weight`` and ``d weight += d logits_c.T @ hidden_c`` into float32
-accumulators) and the vocabulary on a GPU (per slice of the head: the logits of all tokens recomputed, the
-row pass, then ``d weight[v0:v1]`` in one GEMM, written once, and ``d hidden`` accumulated in float32):
-:mod:`kl_kernels.lm_head` says why. Both deterministic (a fixed order).
+vocabulary (per slice of the head: the logits of all tokens recomputed, the row pass writes their gradient
+over them, then ``d weight[v0:v1]`` in one GEMM over all tokens, written once in the parameter's dtype,
+and ``d hidden`` accumulated in float32), or on request the tokens (per chunk: the logits recomputed, the
+row pass, ``d hidden_c = d logits_c @ weight`` and ``d weight += d logits_c.T @ hidden_c`` into float32
+accumulators): :mod:`kl_kernels.lm_head` says why. Both deterministic (a fixed order).
 
 With a reference model (``ref_hidden``, ``ref_weight``): each chunk's reference logits are formed right
 after the policy's and go through the same row pass, so one loop over the tokens gives both models'
