@@ -360,6 +360,8 @@ def run(sizes, device, dtype="bfloat16", tasks=("logprobs", "grpo_loss"), conten
                     row.update(ms=None, peak_extra_mib=None, error=f"out of memory: {str(e).splitlines()[0]}")
                 except (ImportError, RuntimeError, NotImplementedError) as e:
                     row.update(ms=None, peak_extra_mib=None, unavailable=f"{type(e).__name__}: {e}"[:500])
+                except Exception as e:  # any other failure is a row too, not the end of the run
+                    row.update(ms=None, peak_extra_mib=None, error=f"{type(e).__name__}: {e}"[:500])
                 rows.append(row)
                 print(line(row), flush=True)
                 _free(device)
