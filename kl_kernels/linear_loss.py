@@ -29,6 +29,7 @@ from .kl_penalty import problem as loss_problem
 from .reference_math import final_mask, token_frame
 from .token_logprobs import linear_token_logprobs
 from .token_logprobs.linear import linear_loss_one_pass, prepare
+from .token_logprobs.sharded import check_group
 
 _LOSS_ARGS = inspect.signature(kl_penalty_loss)
 _PROBLEM_ARGS = set(inspect.signature(loss_problem.build_problem).parameters) - {"log_probs", "old_log_probs",
@@ -37,7 +38,7 @@ _PROBLEM_ARGS = set(inspect.signature(loss_problem.build_problem).parameters) - 
 
 def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *, bias=None, ref_hidden=None,
                            ref_weight=None, ref_bias=None, temperature=1.0, mask=None, ignore_index=-100,
-                           chunk_size=None, logprobs_backend="auto", one_pass=None,
+                           chunk_size=None, logprobs_backend="auto", one_pass=None, vocab_process_group=None,
                            **loss_kwargs) -> KLPenaltyLossOutput:
     r"""The PPO/GRPO policy loss with a KL penalty, :func:`kl_kernels.kl_penalty_loss`, from hidden states:
     the log-probs of ``labels`` under ``softmax((hidden @ weight.T + bias) / T)`` are computed chunk by
@@ -55,9 +56,11 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
         temperature: applied to both models' logits (default 1.0).
         mask: ``[*S]`` bool, the counted (assistant) tokens, for both the log-probs and the loss.
         ignore_index: labels that do not count (default -100).
-        chunk_size: tokens per chunk of logits (default about 16M logits a chunk).
+        chunk_size: tokens per chunk of logits (default: about 16M logits a chunk on the CPU, 128M on a
+            GPU; :func:`kl_kernels.linear_token_logprobs`).
         logprobs_backend: the row pass's backend (``linear_token_logprobs``' ``backend``).
-        one_pass: ``None`` (default: when the loss allows it), ``True`` (raise if it does not) or ``False``.
+        one_pass: ``None`` (default: on the CPU when the loss allows it; on a GPU two passes), ``True``
+            (raise if the loss does not allow it) or ``False``.
             One pass (Liger-Kernel's scheme): each chunk's logits are formed once, and the loss's gradient
             to its tokens, known chunk by chunk, goes into ``d hidden`` and ``d weight`` at once; three
             matmuls of the policy's head per chunk instead of four (the two-pass route forms the logits
@@ -67,7 +70,17 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
             (``importance_sampling_level="sequence"``: a sequence's mean first), not ``aggregation="none"``
             or a ``kl_aggregation``/``entropy_aggregation`` of its own, not ``process_group``, ``out``, a
             caller's ``entropy=`` (its gradient would flow to the caller's tensor) or ``estimator="full"``.
-            Same values and gradients as two passes, up to the order of float64 sums.
+            Same values and gradients as two passes, up to the order of float64 sums. Not the GPU's default:
+            one pass needs the head's gradient in a float32 ``[V, H]`` accumulator that every chunk adds
+            into (1.96 GiB at H = 4096, V = 128k, and a pass over it per chunk), where two passes walk the
+            vocabulary in backward and write each slice of the head's gradient once, in its dtype, from one
+            GEMM over all tokens (:mod:`kl_kernels.lm_head`): one more GEMM of the head, far less memory.
+        vocab_process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor
+            parallelism): ``weight``/``bias`` and ``ref_weight``/``ref_bias`` are this rank's rows, as
+            :func:`kl_kernels.linear_token_logprobs`' ``process_group`` (every rank gets the full log-probs
+            and the same loss; ``hidden``'s gradient is **this rank's share**: all-reduce it over the
+            group). Named apart from ``process_group``, which is :func:`kl_kernels.kl_penalty_loss`' data-
+            parallel group (the ranks whose token counts are summed), passed through to it. Two passes.
         **loss_kwargs: every other argument of :func:`kl_kernels.kl_penalty_loss` (``beta``, ``estimator``,
             ``clip_epsilon``, ``aggregation``, ``offsets``/``lengths``, ``entropy_coef``, ``backend``, ...).
             With ``entropy_coef != 0`` and no ``entropy=``, the policy's entropy comes from the same pass.
@@ -92,13 +105,19 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
         raise ValueError("pass the reference either as ref_hidden/ref_weight or as ref_log_probs, not both")
     if one_pass not in (None, True, False):
         raise TypeError(f"one_pass must be None, True or False, got {one_pass!r}")
+    if vocab_process_group is not None and isinstance(hidden, torch.Tensor):
+        check_group(vocab_process_group, hidden.device, "vocab_process_group")
     want_entropy = loss_kwargs.get("entropy_coef", 0.0) not in (0, 0.0) and loss_kwargs.get("entropy") is None
     counted = labels != ignore_index  # the loss counts the tokens the log-probs count
     if mask is not None:
         counted = counted & mask
-    if one_pass is not False:
+    # on a GPU two passes by default: the docstring says why
+    on_gpu = isinstance(hidden, torch.Tensor) and hidden.device.type != "cpu"
+    if one_pass or (one_pass is None and not on_gpu and vocab_process_group is None):
         args = _loss_arguments(old_log_probs, advantages, loss_kwargs)
         blockers = _one_pass_blockers(args)
+        if vocab_process_group is not None:
+            blockers.append("vocab_process_group: the ranks' statistics are merged after the chunk loop")
         if not blockers:
             return _one_pass(hidden, weight, labels, counted, args, bias=bias, ref_hidden=ref_hidden,
                              ref_weight=ref_weight, ref_bias=ref_bias, temperature=temperature, mask=mask,
@@ -107,7 +126,7 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
         if one_pass:
             raise ValueError("one_pass=True: this loss needs two passes: " + "; ".join(blockers))
     common = dict(temperature=temperature, mask=mask, ignore_index=ignore_index, chunk_size=chunk_size,
-                  backend=logprobs_backend)
+                  backend=logprobs_backend, process_group=vocab_process_group)
     # (the reference pair's rules, lm_head.check_ref_head, are linear_token_logprobs' own)
     policy = linear_token_logprobs(hidden, weight, labels, bias=bias, return_entropy=want_entropy,
                                    ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias, **common)

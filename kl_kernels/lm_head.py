@@ -1,22 +1,57 @@
 """Hidden states and an LM head, shared by the ops that compute logits chunk by chunk instead of whole
 (``linear_token_logprobs``, ``linear_full_kl``, ``linear_kl_penalty_loss``): the argument rules (the
-policy's head, the reference's next to it) and the default chunk size.
+policy's head, the reference's next to it), the chunk schedule per device and the backward's two walks.
 
 A chunk of ``C`` tokens has logits ``hidden_c @ weight.T (+ bias)`` (torch's matmul: MKL/oneDNN on the CPU,
-cuBLAS on a GPU), ``C x V`` of them, which a row pass consumes before the next chunk is formed: the extra
-memory is O(C x V), not O(N x V).
+cuBLAS on a GPU; float32 inputs on a GPU follow ``torch.backends.cuda.matmul.allow_tf32``, as every torch
+matmul does), ``C x V`` of them, which a row pass consumes before the next chunk is formed: the extra
+memory is O(C x V), not O(N x V). Forward always walks the tokens. Backward walks either:
+
+* **the tokens** (``"tokens"``: the one-pass loss's walk, and ``KL_KERNELS_HEAD_SCHEDULE=tokens``): per chunk the logits are recomputed, their gradient
+  written over them by the row pass, ``d hidden_c = d_c @ weight`` and ``d weight += d_c.T @ hidden_c``
+  into a float32 ``[V, H]`` accumulator (the GEMM adds into it in place, no ``[V, H]`` temporary: ``addmm_``
+  for float32 inputs, cuBLAS's float32 output ``out_dtype`` for bf16/fp16 on a GPU, where torch has it).
+* **the vocabulary** (``"vocab"``, the default on every device): per slice ``[v0, v1)`` of the head, the logits of
+  *all* tokens against it, ``hidden @ weight[v0:v1].T`` ``[N, Vs]``, are recomputed, the row pass writes
+  their gradient over them (it needs only the saved ``lse``/entropy per token; a label outside the slice
+  is "not here"), then ``d weight[v0:v1] = d_s.T @ hidden`` in **one** GEMM over all tokens, written once
+  in the parameter's dtype (cuBLAS accumulates in float32 inside: no float32 ``[V, H]`` buffer, no
+  per-chunk cast and add), and ``d hidden += d_s @ weight[v0:v1]`` into a float32 ``[N, H]`` accumulator
+  (float32 GEMM output where torch has it, ``out_dtype``). Four GEMMs of the head in all (forward,
+  recompute, ``d weight``, ``d hidden``), every one with thousands of rows: what fills a GPU's tensor
+  cores; one pass of the row kernel per slice. Deterministic (a fixed order, no atomics).
+
+On the CPU the vocabulary walk measured at least as fast as the token walk and lighter (N = 2048, H = 512,
+V = 32k, 2-core VM shared with other jobs, 2026-11-28, `kl_kernels.bench.linear_logprobs --rounds 2`: best
+7.3 s vs 10.1 s wall, 132 vs 197 MiB peak; CPU time in one process, min of 4 alternated: 3.08 vs 3.15 s in
+float32, 1.07 vs 1.35 s in bf16, eager 3.9 s / 2.7 s), so it is the default there too.
+
+On the token walk the per-chunk ``[V, H]`` accumulation is what made a GPU slow (issue 48: 190 of 277 ms
+at N = 8192, H = 4096, V = 128k, bf16, on an H200, 64 chunks of 130 tokens); on the vocabulary walk the
+extra memory of backward is the head's gradient itself, an ``[N, Vs]`` slice and ``d hidden`` in float32.
+``KL_KERNELS_HEAD_SCHEDULE=tokens|vocab`` overrides the default (tests, A/B runs).
 """
 
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
 from .vocab_rows import LOGIT_DTYPES
 
-# Tokens per chunk by default: about 2^24 logits (64 MiB in float32), whatever V.
+# Logits per chunk by default on the CPU: about 2^24 (64 MiB in float32), whatever V: the tokens per
+# chunk, forward and backward (measured there: bench/results/linear-logprobs-cpu-2core).
 CHUNK_LOGITS = 1 << 24
+# On a GPU, forward's chunks: about 2^27 logits (256 MiB in bf16; ~1,000 tokens at V = 128k: GEMMs with
+# enough rows for the tensor cores, issue 48's chunk_size=1024 row), and backward's vocabulary slices:
+# about 2^25 logits (64 MiB in bf16; 4,096 columns at N = 8192), so that backward's extra memory at
+# N = 8192, H = 4096, V = 128k is the head's gradient (0.98 GiB) + d hidden in float32 (2 x 128 MiB while a
+# slice's share is added) + a slice: under 1.5 GiB.
+GPU_CHUNK_LOGITS = 1 << 27
+GPU_SLICE_LOGITS = 1 << 25
+SCHEDULES = ("tokens", "vocab")
 
 
 def check_lm_head(hidden, weight, bias, *, names=("hidden", "weight", "bias")) -> int:
@@ -71,13 +106,50 @@ def check_ref_head(hidden, vocab: int, ref_hidden, ref_weight, ref_bias, *, requ
     return True
 
 
-def chunk_tokens(chunk_size, vocab: int) -> int:
-    """Tokens per chunk: ``chunk_size`` (an int >= 1) or, for None, about ``CHUNK_LOGITS`` logits."""
+def chunk_tokens(chunk_size, vocab: int, device=None) -> int:
+    """Tokens per forward chunk: ``chunk_size`` (an int >= 1) or, for None, about ``CHUNK_LOGITS`` logits
+    on the CPU (``device`` None or a CPU one), ``GPU_CHUNK_LOGITS`` elsewhere."""
     if chunk_size is None:
-        return max(1, CHUNK_LOGITS // vocab)
+        budget = CHUNK_LOGITS if device is None or torch.device(device).type == "cpu" else GPU_CHUNK_LOGITS
+        return max(1, budget // vocab)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size must be None or an int >= 1 (tokens per chunk), got {chunk_size!r}")
     return int(chunk_size)
+
+
+def schedule(device) -> str:
+    """Backward's walk for tensors on ``device``: ``"vocab"`` on every device (module doc);
+    ``KL_KERNELS_HEAD_SCHEDULE`` (``tokens`` or ``vocab``) overrides it."""
+    forced = os.environ.get("KL_KERNELS_HEAD_SCHEDULE", "").strip()
+    if forced:
+        if forced not in SCHEDULES:
+            raise ValueError(f"KL_KERNELS_HEAD_SCHEDULE must be one of {SCHEDULES}, got {forced!r}")
+        return forced
+    del device  # (the same on every device, measured: module doc)
+    return "vocab"
+
+
+def slice_width(chunk: int, tokens: int, vocab: int, device) -> int:
+    """Vocabulary entries per backward slice on the ``"vocab"`` walk: the logits of a forward chunk
+    (``chunk x V``) spread over all ``tokens``, at most ``GPU_SLICE_LOGITS`` on a GPU, whole multiples of
+    128 when that wide (tensor-core tiles), at least 1, at most ``vocab``."""
+    budget = chunk * vocab
+    if torch.device(device).type != "cpu":
+        budget = min(budget, GPU_SLICE_LOGITS)
+    width = max(1, budget // max(tokens, 1))
+    if width >= 128:
+        width -= width % 128
+    return min(width, vocab)
+
+
+# Whether torch's addmm with out_dtype=float32 runs here (the first refusal turns it off for the process).
+_WIDE_OUT = [True]
+
+
+def _wide_out(x: torch.Tensor) -> bool:
+    """Whether cuBLAS can give a float32 product of ``x``'s dtype (bf16/fp16 on a GPU: ``out_dtype``)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cuda" and hasattr(torch.ops.aten.addmm,
+                                                                                            "dtype")
 
 
 def head_grad_buffers(needs, hidden, weight, bias) -> tuple:
@@ -97,9 +169,18 @@ def add_chunk_grads(c0, c1, d_logits, hidden, weight, buffers) -> None:
     if g_hidden is not None:
         g_hidden[c0:c1] = d_logits @ weight
     if g_weight is not None:
-        g_weight += (d_logits.t() @ hidden[c0:c1]).float()
+        if d_logits.dtype == torch.float32:  # the GEMM adds into the accumulator: no [V, H] temporary
+            g_weight.addmm_(d_logits.t(), hidden[c0:c1])
+        elif _wide_out(d_logits) and _WIDE_OUT[0]:  # bf16/fp16 on a GPU: cuBLAS adds into the float32 buffer
+            try:
+                torch.addmm(g_weight, d_logits.t(), hidden[c0:c1], out_dtype=torch.float32, out=g_weight)
+            except (RuntimeError, TypeError, NotImplementedError):  # refused at dispatch (no host sync)
+                _WIDE_OUT[0] = False
+                g_weight += (d_logits.t() @ hidden[c0:c1]).float()
+        else:
+            g_weight += (d_logits.t() @ hidden[c0:c1]).float()
     if g_bias is not None:
-        g_bias += d_logits.float().sum(0)
+        g_bias += d_logits.sum(0, dtype=torch.float32)
 
 
 def head_grads_out(buffers, weight, bias) -> tuple:
@@ -107,6 +188,43 @@ def head_grads_out(buffers, weight, bias) -> tuple:
     g_hidden, g_weight, g_bias = buffers
     return (g_hidden, None if g_weight is None else g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype))
+
+
+
+
+def vocab_walk_grads(needs, hidden, weight, bias, width: int, slice_grad) -> tuple:
+    """Backward on the ``"vocab"`` walk (module doc): ``(d hidden, d weight, d bias)`` in the parameters'
+    dtypes (None where ``needs``, three bools, says no), from ``slice_grad(v0, v1, logits_s)``, which writes
+    the gradient of the logits of every token against ``weight[v0:v1]`` over ``logits_s [N, v1 - v0]``
+    (and returns it). ``width`` entries per slice (:func:`slice_width`)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    # (contiguous: a slice of rows is then a block the GEMM writes in place)
+    g_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if needs[1] else None
+    g_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None and needs[2] else None
+    acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if needs[0] else None
+    wide_out = _wide_out(hidden)
+    for v0 in range(0, vocab, width):
+        v1 = min(v0 + width, vocab)
+        w_s = weight[v0:v1]
+        d = slice_grad(v0, v1, torch.nn.functional.linear(hidden, w_s, None if bias is None else bias[v0:v1]))
+        if g_weight is not None:  # one GEMM over all tokens, written once (fp32 accumulation inside cuBLAS/MKL)
+            torch.mm(d.t(), hidden, out=g_weight[v0:v1])
+        if g_bias is not None:
+            g_bias[v0:v1] = d.sum(0, dtype=acc_dtype)
+        if acc is not None:
+            if d.dtype == acc.dtype:
+                acc.addmm_(d, w_s)
+            elif wide_out and _WIDE_OUT[0]:  # cuBLAS's float32 output, the accumulator added in its epilogue
+                try:
+                    acc = torch.addmm(acc, d, w_s, out_dtype=torch.float32)
+                except (RuntimeError, TypeError, NotImplementedError):  # refused at dispatch (no host sync)
+                    _WIDE_OUT[0] = False
+                    acc += d @ w_s
+            else:
+                acc += d @ w_s
+        del d
+    return (None if acc is None else acc.to(hidden.dtype)), g_weight, g_bias
 
 
 def row_pass_backend(registry, backend: str, op: str, chunk_problem, caller: str) -> str:

@@ -214,8 +214,10 @@ def test_one_pass_equals_two_passes(call, backend):
     two, g_two = _run(tensors, kw, chunk, temperature, False, backend)
     for name, a, e in zip(one._fields, one, two):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    # (float32 sums in another order: one pass adds each chunk's d weight into an accumulator, two passes
+    # walk the vocabulary and take each slice's d weight from one product over all tokens)
     for name, a, e in zip(("hidden", "weight", "bias"), g_one, g_two):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"d {name}: {m}")
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"d {name}: {m}")
     for k, v in tensors.items():
         assert v is None or torch.equal(v, before[k]), f"{k} was modified"
 

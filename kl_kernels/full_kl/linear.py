@@ -3,7 +3,11 @@ time, so neither model's logits ``[N, V]`` exist whole: peak extra memory O(chun
 
 Forward, per chunk of ``C`` tokens: ``logits_c = hidden_c @ weight.T (+ bias)`` and ``ref_c = ref_hidden_c @
 ref_weight.T (+ ref_bias)`` (torch's matmul), then the row pass of :mod:`~kl_kernels.full_kl` on both; only
-``KL``, ``lse`` and the reference's ``lse`` per token are kept. Backward, per chunk: both logits recomputed,
+``KL``, ``lse`` and the reference's ``lse`` per token are kept. Backward walks the vocabulary (per slice of
+both heads: the slice's logits of all tokens recomputed, the row pass, ``d weight[v0:v1]`` in one GEMM
+written once, ``d hidden`` accumulated in float32: :mod:`kl_kernels.lm_head`), unless the reference wants
+gradients too (or ``KL_KERNELS_HEAD_SCHEDULE=tokens``); then it walks the tokens, per chunk: both logits
+recomputed,
 the policy's gradient written over the policy's logits in place by the row pass (the reference's over its
 own, when it wants one), then ``d hidden_c = d logits_c @ weight``, ``d weight += d logits_c.T @ hidden_c``
 (float32 accumulators, chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``; the same
@@ -17,7 +21,7 @@ import dataclasses
 import torch
 
 from ..lm_head import (add_chunk_grads, check_lm_head, check_ref_head, chunk_tokens, head_grad_buffers,
-                       head_grads_out, row_pass_backend)
+                       head_grads_out, row_pass_backend, schedule, slice_width, vocab_walk_grads)
 from . import launch, launch_triton, reference
 from .backends import REGISTRY
 from .problem import build_problem
@@ -36,7 +40,8 @@ def _rows(backend: str):
 
 class _LinearFullKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, temperature, chunk, backend):
+    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, temperature, chunk, backend,
+                walk):
         fwd, _ = _rows(backend)
         n = counted.numel()
         md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
@@ -47,7 +52,7 @@ class _LinearFullKL(torch.autograd.Function):
             ref = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
             kl[c0:c1], lse[c0:c1], ref_lse[c0:c1] = fwd(logits, ref, counted[c0:c1], temperature)
         ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, kl, lse, ref_lse)
-        ctx.temperature, ctx.chunk, ctx.backend = temperature, chunk, backend
+        ctx.temperature, ctx.chunk, ctx.backend, ctx.walk = temperature, chunk, backend, walk
         return kl
 
     @staticmethod
@@ -55,6 +60,17 @@ class _LinearFullKL(torch.autograd.Function):
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, kl, lse, ref_lse = ctx.saved_tensors
         _, bwd = _rows(ctx.backend)
         n = counted.numel()
+        tail = (None,) * 5
+        if ctx.walk == "vocab" and not any(ctx.needs_input_grad[3:6]):
+            def slice_grad(v0, v1, logits):
+                ref = torch.nn.functional.linear(ref_hidden, ref_weight[v0:v1],
+                                                 None if ref_bias is None else ref_bias[v0:v1])
+                bwd(grad_kl, logits, ref, counted, ctx.temperature, kl, lse, ref_lse, logits, None)
+                return logits
+
+            width = slice_width(ctx.chunk, n, weight.shape[0], hidden.device)
+            grads = vocab_walk_grads(ctx.needs_input_grad[0:3], hidden, weight, bias, width, slice_grad)
+            return (*grads, None, None, None, *tail)
         policy = head_grad_buffers(ctx.needs_input_grad[0:3], hidden, weight, bias)
         ref_side = head_grad_buffers(ctx.needs_input_grad[3:6], ref_hidden, ref_weight, ref_bias)
         want_policy, want_ref = any(g is not None for g in policy), any(g is not None for g in ref_side)
@@ -70,8 +86,7 @@ class _LinearFullKL(torch.autograd.Function):
                 add_chunk_grads(c0, c1, logits, hidden, weight, policy)
             if want_ref:
                 add_chunk_grads(c0, c1, ref, ref_hidden, ref_weight, ref_side)
-        return (*head_grads_out(policy, weight, bias), *head_grads_out(ref_side, ref_weight, ref_bias),
-                None, None, None, None)
+        return (*head_grads_out(policy, weight, bias), *head_grads_out(ref_side, ref_weight, ref_bias), *tail)
 
 
 def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bias=None, temperature=1.0,
@@ -91,7 +106,9 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
             require them.
         bias, ref_bias: optional ``[V]`` biases.
         temperature, mask: as :func:`kl_kernels.full_kl`.
-        chunk_size: tokens per chunk (an int >= 1), default ``max(1, 2**24 // V)``.
+        chunk_size: tokens per forward chunk (an int >= 1); default ``max(1, 2**24 // V)`` on the CPU,
+            ``max(1, 2**27 // V)`` on a GPU. On a GPU's vocabulary walk backward's slices hold as many
+            logits (by default at most ``2**25``: :mod:`kl_kernels.lm_head`).
         backend: the row pass's, chosen as :func:`kl_kernels.full_kl` chooses for a chunk's logits.
 
     Returns:
@@ -111,7 +128,7 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
     """
     vocab = check_lm_head(hidden, weight, bias)
     check_ref_head(hidden, vocab, ref_hidden, ref_weight, ref_bias, required=True)
-    chunk = chunk_tokens(chunk_size, vocab)
+    chunk = chunk_tokens(chunk_size, vocab, hidden.device)
     # mask and temperature: full_kl's own checks, on zero-stride stand-ins for the logits (no [N, V] memory)
     stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
     p = build_problem(stand_in, stand_in, temperature=temperature, mask=mask)
@@ -122,5 +139,5 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
     name = row_pass_backend(REGISTRY, backend, "full_kl", chunk_rows, "linear_full_kl")
     kl = _LinearFullKL.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                              ref_hidden.reshape(-1, ref_hidden.shape[-1]), ref_weight, ref_bias,
-                             p.counted.reshape(-1), p.temperature, chunk, name)
+                             p.counted.reshape(-1), p.temperature, chunk, name, schedule(hidden.device))
     return kl.reshape(p.counted.shape)

@@ -30,7 +30,7 @@ class LinearTokenLogprobsOutput(NamedTuple):
 
 
 def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mask=None, ignore_index=-100,
-                   inplace_backward=False, backend="auto") -> TokenLogprobsOutput:
+                   inplace_backward=False, backend="auto", process_group=None) -> TokenLogprobsOutput:
     r"""Per-token ``log softmax(logits / T)[label]`` (and the entropy of ``softmax(logits / T)``),
     without an ``[N, V]`` float32 copy of the logits, forward or backward.
 
@@ -63,6 +63,13 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
             for CPU tensors; on a GPU the fused ``"cuda"`` kernel, else ``"triton"``, each once it has
             passed its first-use self-check there; else ``"torch"`` (the chunked math).
             ``"cuda-emulated"`` runs the CUDA kernel on CPU tensors (tests).
+        process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor
+            parallelism): ``logits`` are this rank's ``[*S, V_r]`` columns, a contiguous shard, the shards
+            in rank order (sizes may differ); ``labels`` global ids. The ranks' statistics are merged with
+            all-reduces of ``[N]`` vectors (no ``[N, V]`` gather) and every rank returns the full
+            log-probs and entropy; each rank's logits get their own shard's gradient
+            (:mod:`kl_kernels.token_logprobs.sharded`). Every rank makes the same call. Eager calls;
+            not with ``inplace_backward``.
 
     Returns:
         :class:`TokenLogprobsOutput` ``(log_probs, entropy)``: ``[*S]`` float32 (float64 for
@@ -83,7 +90,39 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
         >>> logits.grad[0]
         tensor([ 0.2130, -0.1065, -0.1065])
     """
+    if process_group is not None:
+        return _sharded(logits, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
+                        ignore_index=ignore_index, inplace_backward=inplace_backward, backend=backend,
+                        process_group=process_group)
     problem = build_problem(logits, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
                             ignore_index=ignore_index, inplace_backward=inplace_backward)
     impl = _dispatch.select(REGISTRY, backend, op="token_logprobs", problem=problem)
     return TokenLogprobsOutput(*impl.run(problem))
+
+
+def _sharded(logits, labels, *, temperature, return_entropy, mask, ignore_index, inplace_backward, backend,
+             process_group) -> TokenLogprobsOutput:
+    """``token_logprobs`` of a vocabulary shard (``process_group``): the checks against the whole
+    vocabulary, the row pass's backend by the op's own dispatch, then ``sharded.ShardedRows``."""
+    import dataclasses
+
+    from . import sharded
+    from .row_pass import row_pass
+
+    from ..vocab_rows import check_logits
+
+    check_logits("logits", logits)
+    sharded.check_group(process_group, logits.device)
+    if inplace_backward is not False:
+        raise ValueError("inplace_backward=True is not supported with process_group (each rank's shard gets a "
+                         "fresh gradient)")
+    start, total = sharded.vocab_range(process_group, logits.shape[-1], logits.device)
+    # every check against the whole vocabulary, on a zero-stride stand-in (no [N, V] memory)
+    stand_in = logits.new_zeros(()).expand(*logits.shape[:-1], total)
+    p = build_problem(stand_in, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
+                      ignore_index=ignore_index, inplace_backward=False)
+    impl = _dispatch.select(REGISTRY, backend, op="token_logprobs", problem=dataclasses.replace(p, logits=logits))
+    fwd, bwd = row_pass(impl.name)
+    lp, ent = sharded.ShardedRows.apply(logits, p.labels, p.counted, p.temperature, return_entropy, fwd, bwd,
+                                        process_group, start)
+    return TokenLogprobsOutput(lp, ent if return_entropy else None)

@@ -3,10 +3,12 @@ a time, so the logits ``[N, V]`` never exist whole: peak extra memory O(chunk x 
 
 Forward, per chunk of ``C`` tokens: ``logits_c = hidden_c @ weight.T (+ bias)`` (torch's matmul: MKL/oneDNN
 on the CPU, cuBLAS on a GPU) and the row pass of :mod:`~kl_kernels.token_logprobs` on it (the fused CPU
-kernel, or the chunked torch math); only ``lse`` and the entropy per token are kept. Backward, per chunk:
-the logits are recomputed, their gradient written over them in place by the row pass, then
-``d hidden_c = d logits_c @ weight`` and ``d weight += d logits_c.T @ hidden_c`` (float32 accumulators,
-chunks in a fixed order: deterministic), ``d bias += d logits_c.sum(0)``.
+kernel, or the chunked torch math); only ``lse`` and the entropy per token are kept. Backward walks the
+vocabulary (per slice of the head: the logits of all tokens recomputed, the row pass writes their gradient
+over them, then ``d weight[v0:v1]`` in one GEMM over all tokens, written once in the parameter's dtype,
+and ``d hidden`` accumulated in float32), or on request the tokens (per chunk: the logits recomputed, the
+row pass, ``d hidden_c = d logits_c @ weight`` and ``d weight += d logits_c.T @ hidden_c`` into float32
+accumulators): :mod:`kl_kernels.lm_head` says why. Both deterministic (a fixed order).
 
 With a reference model (``ref_hidden``, ``ref_weight``): each chunk's reference logits are formed right
 after the policy's and go through the same row pass, so one loop over the tokens gives both models'
@@ -21,37 +23,35 @@ from typing import NamedTuple
 
 import torch
 
-from . import launch, launch_triton, reference
+from . import reference, sharded
+from .row_pass import row_pass
 from .api import LinearTokenLogprobsOutput, TokenLogprobsOutput
 from .backends import REGISTRY
 from ..lm_head import (add_chunk_grads, check_lm_head, check_ref_head, chunk_tokens, head_grad_buffers,
-                       head_grads_out, row_pass_backend)
+                       head_grads_out, row_pass_backend, schedule, slice_width, vocab_walk_grads)
 from .problem import build_problem
-
-
-def row_pass(backend: str):
-    """(forward, backward) of the row pass for a chunk's logits [C, V]."""
-    if backend in ("cpu", "cuda"):  # the launcher picks _C or _cuda by the logits' device
-        return launch.forward, launch.backward
-    if backend == "cuda-emulated":
-        return launch.emulated.forward, launch.emulated.backward
-    if backend == "triton":
-        return launch_triton.forward, launch_triton.backward
-    return reference.forward, reference.backward
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, chunk, backend,
+    def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, chunk, backend, walk, shard,
                 ref_hidden=None, ref_weight=None, ref_bias=None):
         # (the reference's tensors come detached: its log-probs get no gradient)
         fwd, _ = row_pass(backend)
+        if shard:  # a vocabulary shard (process_group): its statistics per token, merged after the loop
+            group, start = shard
+
+            def fwd(logits, labels_c, counted_c, temperature, want_entropy, _rows=fwd):
+                lse_r, ent_r, zy = sharded.shard_forward(_rows, logits, labels_c, counted_c, start, temperature,
+                                                         want_entropy)
+                return zy, ent_r, lse_r
         n = labels.numel()
         md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
         lp = torch.empty(n, dtype=md, device=hidden.device)
         ent = torch.empty(n if want_entropy else 0, dtype=md, device=hidden.device)
         lse = torch.empty(n, dtype=md, device=hidden.device)
         ref_lp = torch.empty(n if ref_hidden is not None else 0, dtype=md, device=hidden.device)
+        ref_lse = torch.empty(n if ref_hidden is not None and shard else 0, dtype=md, device=hidden.device)
         for c0 in range(0, n, chunk):
             c1 = min(c0 + chunk, n)
             logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
@@ -62,10 +62,19 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             if ref_hidden is not None:  # the same chunk of tokens under the reference, while it is at hand
                 del logits
                 ref_logits = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
-                ref_lp[c0:c1] = fwd(ref_logits, labels[c0:c1], counted[c0:c1], temperature, False)[0]
+                ref_c = fwd(ref_logits, labels[c0:c1], counted[c0:c1], temperature, False)
+                ref_lp[c0:c1] = ref_c[0]
+                if shard:
+                    ref_lse[c0:c1] = ref_c[2]
                 del ref_logits
+        if shard:
+            lp, ent, lse = sharded.merge(group, counted, lse, ent, lp, want_entropy)
+            if ref_hidden is not None:
+                ref_lp = sharded.merge(group, counted, ref_lse, ref_lse[:0], ref_lp, False)[0]
+        ctx.shard = shard
         ctx.save_for_backward(hidden, weight, bias, labels, counted, lse, ent)
         ctx.temperature, ctx.want_entropy, ctx.chunk, ctx.backend = temperature, want_entropy, chunk, backend
+        ctx.walk = walk
         ctx.mark_non_differentiable(lse, ref_lp)
         return lp, ent, lse, ref_lp
 
@@ -73,9 +82,19 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_ref_lp):
         hidden, weight, bias, labels, counted, lse, ent = ctx.saved_tensors
         _, bwd = row_pass(ctx.backend)
+        if ctx.shard:  # the shard's own ids: a label outside it is no entry of it
+            labels = labels - ctx.shard[1]
         n = labels.numel()
-        grads = head_grad_buffers(ctx.needs_input_grad, hidden, weight, bias)
         grad_ent = grad_ent if ctx.want_entropy else None
+        tail = (None,) * 11
+        if ctx.walk == "vocab":
+            def slice_grad(v0, v1, logits):  # labels outside [v0, v1) are "not here" to the row pass
+                return bwd(grad_lp, grad_ent, logits, labels - v0, counted, ctx.temperature, lse,
+                           ent if grad_ent is not None else lse[:0], logits)
+
+            width = slice_width(ctx.chunk, n, weight.shape[0], hidden.device)
+            return (*vocab_walk_grads(ctx.needs_input_grad, hidden, weight, bias, width, slice_grad), *tail)
+        grads = head_grad_buffers(ctx.needs_input_grad, hidden, weight, bias)
         for c0 in range(0, n, ctx.chunk):
             c1 = min(c0 + ctx.chunk, n)
             logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
@@ -84,12 +103,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                     logits, labels[c0:c1], counted[c0:c1], ctx.temperature, lse[c0:c1],
                     ent[c0:c1] if grad_ent is not None else ent, logits)
             add_chunk_grads(c0, c1, d, hidden, weight, grads)
-        return (*head_grads_out(grads, weight, bias), None, None, None, None, None, None, None, None, None)
+        return (*head_grads_out(grads, weight, bias), *tail)
 
 
 def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False, mask=None,
                           ignore_index=-100, chunk_size=None, backend="auto", ref_hidden=None, ref_weight=None,
-                          ref_bias=None):
+                          ref_bias=None, process_group=None):
     r"""Per-token log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``,
     without materializing the ``[N, V]`` logits: tokens go ``chunk_size`` at a time (default: about
     16M logits a chunk), forward and backward (recomputed), so the extra memory is O(chunk x V).
@@ -100,7 +119,9 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         labels: ``[*S]`` token ids in ``[0, V)`` where counted.
         bias: optional ``[V]`` (gradients flow).
         temperature, return_entropy, mask, ignore_index: as :func:`kl_kernels.token_logprobs`.
-        chunk_size: tokens per chunk (an int >= 1), default ``max(1, 2**24 // V)``.
+        chunk_size: tokens per forward chunk (an int >= 1); default ``max(1, 2**24 // V)`` on the CPU,
+            ``max(1, 2**27 // V)`` on a GPU. On a GPU's vocabulary walk backward's slices hold as many
+            logits (by default at most ``2**25``: :mod:`kl_kernels.lm_head`).
         backend: the row pass's, chosen as :func:`kl_kernels.token_logprobs` chooses for a chunk's
             logits: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, Triton on a
             GPU after its self-check, else the chunked torch math), ``"cpu"``, ``"triton"`` or ``"torch"``.
@@ -109,6 +130,14 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
             and device: its log-probs of the same labels, temperature and mask come out of the same chunk
             loop (each chunk's reference logits right after the policy's), without gradients (a frozen
             reference: its tensors get none, whatever they require).
+        process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor
+            parallelism): ``weight``/``bias`` (and ``ref_weight``/``ref_bias``) are this rank's rows
+            ``[V_r, H]``, a contiguous shard, the shards in rank order (sizes may differ); ``labels``
+            global ids. Every rank returns the full log-probs and entropy (three all-reduces of ``[N]``
+            vectors after the chunk loop, no ``[N, V]`` gather); ``weight`` gets its shard's gradient and
+            ``hidden`` **this rank's share** ``d logits_r @ W_r``, as Megatron's vocab-parallel
+            cross-entropy leaves it: all-reduce ``hidden``'s gradient over the group (Megatron's
+            ``ColumnParallelLinear`` does). :mod:`kl_kernels.token_logprobs.sharded`.
 
     Returns:
         :class:`~kl_kernels.token_logprobs.TokenLogprobsOutput` ``(log_probs, entropy)``, ``[*S]``,
@@ -134,9 +163,9 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
     """
     r = prepare(hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy, mask=mask,
                 ignore_index=ignore_index, chunk_size=chunk_size, backend=backend, ref_hidden=ref_hidden,
-                ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_token_logprobs")
+                ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_token_logprobs", process_group=process_group)
     lp, ent, _, ref_lp = _LinearTokenLogprobs.apply(r.hidden, r.weight, r.bias, r.labels, r.counted, r.temperature,
-                                                    return_entropy, r.chunk, r.backend, *r.ref)
+                                                    return_entropy, r.chunk, r.backend, r.walk, r.shard, *r.ref)
     ent = ent.reshape(r.shape) if return_entropy else None
     if r.ref:
         return LinearTokenLogprobsOutput(lp.reshape(r.shape), ent, ref_lp.reshape(r.shape))
@@ -146,7 +175,9 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
 class LinearRows(NamedTuple):
     """A chunk loop's checked inputs: ``hidden [N, H]`` (flattened), the head, ``labels``/``counted`` ``[N]``,
     the temperature, tokens per chunk, the row pass's backend name, the reference ``(ref_hidden [N, H_ref],
-    ref_weight, ref_bias)`` detached (or ``()``) and the token shape ``S``."""
+    ref_weight, ref_bias)`` detached (or ``()``), the token shape ``S``, backward's walk (``"tokens"`` or
+    ``"vocab"``, :func:`kl_kernels.lm_head.schedule`) and the vocabulary shard ``(process_group, start)``
+    (or ``()``: the whole vocabulary here)."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -158,26 +189,35 @@ class LinearRows(NamedTuple):
     backend: str
     ref: tuple
     shape: torch.Size
+    walk: str = "tokens"
+    shard: tuple = ()
 
 
 def prepare(hidden, weight, labels, *, bias, temperature, return_entropy, mask, ignore_index, chunk_size, backend,
-            ref_hidden, ref_weight, ref_bias, caller: str) -> LinearRows:
+            ref_hidden, ref_weight, ref_bias, caller: str, process_group=None,
+            group_name="process_group") -> LinearRows:
     """Every check of :func:`linear_token_logprobs`' arguments, and the row pass's backend."""
-    vocab = check_lm_head(hidden, weight, bias)
-    with_ref = check_ref_head(hidden, vocab, ref_hidden, ref_weight, ref_bias, required=False)
-    chunk_size = chunk_tokens(chunk_size, vocab)
+    local_vocab = check_lm_head(hidden, weight, bias)
+    with_ref = check_ref_head(hidden, local_vocab, ref_hidden, ref_weight, ref_bias, required=False)
+    chunk_size = chunk_tokens(chunk_size, local_vocab, hidden.device)
+    sharded.check_group(process_group, hidden.device, group_name)
+    shard, vocab = (), local_vocab
+    if process_group is not None:  # labels are checked against the whole vocabulary
+        start, vocab = sharded.vocab_range(process_group, local_vocab, hidden.device)
+        shard = (process_group, start)
     # labels, mask, temperature, ignore_index: token_logprobs' own checks, on a zero-stride stand-in for
     # the logits (no [N, V] memory)
     p = build_problem(hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab), labels, temperature=temperature,
                       return_entropy=return_entropy, mask=mask, ignore_index=ignore_index, inplace_backward=False)
     # The backend: token_logprobs' own dispatch, asked about what the row pass will get, a chunk's fresh
     # contiguous logits [C, V] (one row stands in)
-    chunk_rows = dataclasses.replace(p, logits=hidden.new_empty((1, vocab)), labels=p.labels[:0], counted=p.counted[:0])
+    chunk_rows = dataclasses.replace(p, logits=hidden.new_empty((1, local_vocab)), labels=p.labels[:0],
+                                     counted=p.counted[:0])
     name = row_pass_backend(REGISTRY, backend, "token_logprobs", chunk_rows, caller)
     ref = (ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(),
            None if ref_bias is None else ref_bias.detach()) if with_ref else ()
     return LinearRows(hidden.reshape(-1, hidden.shape[-1]), weight, bias, p.labels.reshape(-1), p.counted.reshape(-1),
-                      p.temperature, int(chunk_size), name, ref, p.labels.shape)
+                      p.temperature, int(chunk_size), name, ref, p.labels.shape, schedule(hidden.device), shard)
 
 
 def linear_loss_one_pass(rows: LinearRows, want_entropy: bool, chunk_loss):

@@ -85,7 +85,10 @@ def backward(grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None, lo
             g = gl[r0:r1].unsqueeze(1)
             d = d - g * p
             y = lab[r0:r1]
-            d.scatter_add_(1, torch.where(cnt[r0:r1] & (y >= 0) & (y < z.shape[1]), y, 0).unsqueeze(1), g)
+            # a label outside [0, V) is no entry of this row (as in the kernels): a vocabulary slice's or
+            # shard's rows whose label lies elsewhere (the hidden-state path's vocabulary walk, process_group)
+            here = (cnt[r0:r1] & (y >= 0) & (y < z.shape[1])).unsqueeze(1)
+            d.scatter_add_(1, torch.where(here.squeeze(1), y, 0).unsqueeze(1), torch.where(here, g, 0.0))
         if gh is not None:
             d = d + gh[r0:r1].unsqueeze(1) * torch.where(p > 0, p * (u - h_all[r0:r1].unsqueeze(1)), 0.0)
         d = torch.where(cnt[r0:r1].unsqueeze(1), d / temperature, 0.0)

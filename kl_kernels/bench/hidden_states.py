@@ -1,0 +1,421 @@
+r"""Benchmark of the hidden-state path on a GPU against the peers a GPU user would pick (issue 48 item 4),
+side by side in one process, forward + backward, the default call of each:
+
+task ``logprobs``: per-token log-probs and entropy from hidden states ``[N, H]`` and an LM head ``[V, H]``,
+upstream gradients of a weighted sum ``sum(u * log_probs + u2 * entropy)``:
+
+* ``ours``: :func:`kl_kernels.linear_token_logprobs` (``return_entropy=True``, no tuning arguments);
+* ``eager``: ``h @ W.T``, ``log_softmax`` in float32, gather, entropy, as RL trainers write it;
+* ``compile``: ``torch.compile`` of that;
+* ``verl``: verl's fused kernel, ``verl.utils.kernel.linear_cross_entropy`` (verl 0.9.1, installed with
+  ``--no-deps``; its import chain's ray/transformers/codetiming are stubbed when absent, as tests/peers.py
+  does); reported as unavailable, with the reason, where it cannot run.
+
+task ``grpo_loss``: a GRPO step from hidden states, policy and reference heads, ``B = 8`` sequences of
+``T = N / 8`` tokens, k3 KL to the reference (beta 0.04), clip 0.2, per-sequence token means (Liger's
+``loss_type="grpo"``), gradients to the policy's hidden states and head:
+
+* ``ours``: :func:`kl_kernels.linear_kl_penalty_loss` (default call);
+* ``eager``: both models' logits whole, ``log_softmax().gather``, TRL's per-token loss in torch;
+* ``liger``: Liger-Kernel 0.8.5's ``LigerFusedLinearGRPOLoss`` (its defaults; ``compiled=False`` on the CPU).
+
+Per row: ``ms`` (median of ``--repeats`` synchronized calls after a warm-up), ``peak_extra_mib`` (the
+allocator's high-water mark during one call over what was allocated before it: the gradients of hidden
+and the head included; None on the CPU, where there is no allocator count), and agreement with a float32
+computation (chunked, TF32 off): ``loss_rel_err`` and relative Frobenius errors of ``d hidden`` and
+``d weight`` (``grad_hidden_rel_err``, ``grad_weight_rel_err``), and for log-probs the largest absolute
+errors of log-probs and entropy. A size or contender that does not fit memory gives a row with
+``error`` and the run goes on; ``--budget-s`` bounds the run (rows past it: ``skipped``).
+
+Writes ``hidden_states.json`` (a list of rows: ``contender``, ``task``, ``n``, ``hidden``, ``vocab``,
+``dtype``, ``ms``, ``peak_extra_mib``, the errors, ``machine``) under ``--out`` and prints a table.
+
+Run (a GPU; the issue's acceptance case first, then the grid ``N in {4096, 16384} x H in {4096, 8192} x
+V in {32000, 128256, 151936}``, bf16)::
+
+    python -m kl_kernels.bench.hidden_states --device cuda --out bench/results/<gpu>-<date> --budget-s 480
+
+and on the CPU as a smoke test: ``python -m kl_kernels.bench.hidden_states --device cpu --sizes 64:16:100
+--contenders ours eager --out /tmp/hs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from .machine import describe
+
+ACCEPTANCE = (8192, 4096, 128256)
+GRID = tuple((n, h, v) for n in (4096, 16384) for h in (4096, 8192) for v in (32000, 128256, 151936))
+LOGPROBS = ("ours", "eager", "compile", "verl")
+GRPO = ("ours", "eager", "liger")
+SEQUENCES = 8
+BETA, CLIP = 0.04, 0.2
+
+
+# ------------------------------------------------------------------------------------------- contenders
+
+
+def _eager_logprobs(h, w, labels):
+    z = (h @ w.t()).float()
+    lp = torch.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p = torch.softmax(z, -1)
+    return lp, torch.logsumexp(z, -1) - (p * z).sum(-1)
+
+
+def _ours_logprobs(h, w, labels):
+    from kl_kernels import linear_token_logprobs
+
+    out = linear_token_logprobs(h, w, labels, return_entropy=True)
+    return out.log_probs, out.entropy
+
+
+class _Stub(types.ModuleType):
+    def __init__(self, name):
+        super().__init__(name)
+        self.__path__ = []
+        self.__version__ = "0.0.0"
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        stub = type(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(self, name, stub)
+        return stub
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots):
+        self.roots = frozenset(roots)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _Stub(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+@contextlib.contextmanager
+def _stubbed(roots):
+    """The absent ones of ``roots`` importable as empty stubs while the body runs (verl's import chain
+    names ray, transformers and codetiming at import time only)."""
+    missing = [r for r in roots if r not in sys.modules and importlib.util.find_spec(r) is None]
+    finder = _StubFinder(missing)
+    sys.meta_path.append(finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def _verl_logprobs():
+    """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction)`` as ``(h, w, labels) ->
+    (log_probs, entropy)``, or raises ImportError/RuntimeError saying why it cannot run here."""
+    if importlib.util.find_spec("verl") is None:
+        raise ImportError("verl is not installed (pip install --no-deps verl==0.9.1)")
+    with _stubbed(("ray", "transformers", "codetiming")):
+        mod = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
+    fn = mod.linear_cross_entropy
+
+    def run(h, w, labels):
+        if h.device.type != "cuda":
+            raise RuntimeError("verl's fused kernel is Triton for CUDA tensors only")
+        lp, ent = fn(h, w, labels, 1.0, "none")
+        return lp, ent
+    return run
+
+
+def _logprobs_fn(name):
+    if name == "ours":
+        return _ours_logprobs
+    if name == "eager":
+        return _eager_logprobs
+    if name == "compile":
+        return torch.compile(_eager_logprobs)
+    if name == "verl":
+        return _verl_logprobs()
+    raise ValueError(f"unknown logprobs contender {name!r}")
+
+
+def _eager_grpo(x, h, w):
+    def logps(hidden, weight):
+        z = (hidden @ weight.t()).float()
+        return torch.log_softmax(z, -1).gather(-1, x["labels"].unsqueeze(-1)).squeeze(-1)
+    lp = logps(h, w)
+    with torch.no_grad():
+        ref = logps(x["ref_hidden"], x["ref_weight"])
+    return _grpo_from_logprobs(x, lp, ref)
+
+
+def _grpo_from_logprobs(x, lp, ref):
+    ratio = torch.exp(lp - x["old"])
+    a = x["adv"].unsqueeze(1)
+    per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP, 1 + CLIP) * a)
+    per_token = per_token + BETA * (torch.exp(ref - lp) - (ref - lp) - 1)
+    m = x["mask"]
+    return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+
+
+def _grpo_fn(name, device):
+    if name == "ours":
+        from kl_kernels import linear_kl_penalty_loss
+
+        def ours(x, h, w):
+            return linear_kl_penalty_loss(h, w, x["labels"], x["old"], x["adv"], ref_hidden=x["ref_hidden"],
+                                          ref_weight=x["ref_weight"], mask=x["mask"].bool(), beta=BETA,
+                                          estimator="k3", clip_epsilon=CLIP, aggregation="seq-mean-token-mean").loss
+        return ours
+    if name == "eager":
+        return _eager_grpo
+    if name == "liger":
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ImportError("liger-kernel is not installed (pip install --no-deps liger-kernel==0.8.5)")
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_fn = LigerFusedLinearGRPOLoss(beta=BETA, loss_type="grpo", epsilon_low=CLIP, epsilon_high=CLIP,
+                                           **({} if device.type == "cuda" else {"compiled": False}))
+
+        def liger(x, h, w):
+            return loss_fn(h, w, x["labels"], x["mask"], x["adv"], old_per_token_logps=x["old"],
+                           ref_input=x["ref_hidden"], ref_weight=x["ref_weight"])[0]
+        return liger
+    raise ValueError(f"unknown grpo_loss contender {name!r}")
+
+
+# -------------------------------------------------------------------------------------------- inputs
+
+
+def _inputs(task, n, hid, vocab, dtype, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    f = getattr(torch, dtype)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=f)
+    x = dict(hidden=randn(n, hid), weight=randn(vocab, hid, scale=hid ** -0.5),
+             labels=torch.randint(0, vocab, (n,), generator=g).to(device))
+    if task == "logprobs":
+        x.update(u=torch.randn(n, generator=g).to(device), u2=torch.randn(n, generator=g).to(device) * 0.1)
+        return x
+    b, t = SEQUENCES, n // SEQUENCES
+    x = {k: v[: b * t] if k != "weight" else v for k, v in x.items()}
+    x.update(hidden=x["hidden"].view(b, t, hid), labels=x["labels"].view(b, t),
+             ref_hidden=randn(b, t, hid), ref_weight=randn(vocab, hid, scale=hid ** -0.5),
+             # old log-probs near the policy's (random heads: about -log V), so ratios sit around 1
+             old=(torch.randn(b, t, generator=g) * 0.1 - math.log(vocab)).to(device),
+             adv=torch.randn(b, generator=g).to(device),
+             mask=torch.ones(b, t, device=device))
+    return x
+
+
+def _fp32_reference(task, x, chunk=2048):
+    """The float32 loss and gradients to hidden and the head (TF32 off), a chunk of tokens at a time."""
+    allow = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        h = x["hidden"].reshape(-1, x["hidden"].shape[-1]).float()
+        w = x["weight"].float().requires_grad_()
+        labels = x["labels"].reshape(-1)
+        n = h.shape[0]
+
+        def rows(hidden_c, weight, c0, c1, entropy):
+            logp = torch.log_softmax(hidden_c @ weight.t(), -1)
+            lp = logp.gather(-1, labels[c0:c1].unsqueeze(-1)).squeeze(-1)
+            return lp, (-(logp.exp() * logp).sum(-1) if entropy else None)
+        spans = [(c0, min(c0 + chunk, n)) for c0 in range(0, n, chunk)]
+        with torch.no_grad():
+            parts = [rows(h[c0:c1], w, c0, c1, True) for c0, c1 in spans]
+        lp = torch.cat([p[0] for p in parts]).requires_grad_()
+        ent = torch.cat([p[1] for p in parts]).requires_grad_()
+        if task == "logprobs":
+            loss = (lp * x["u"]).sum() + (ent * x["u2"]).sum()
+        else:
+            rh, rw = x["ref_hidden"].reshape(n, -1).float(), x["ref_weight"].float()
+            with torch.no_grad():
+                ref = torch.cat([rows(rh[c0:c1], rw, c0, c1, False)[0] for c0, c1 in spans])
+            loss = _grpo_from_logprobs(x, lp.view(x["labels"].shape), ref.view(x["labels"].shape))
+        g_lp, g_ent = torch.autograd.grad(loss, [lp, ent], allow_unused=True)
+        g_h = torch.empty_like(h)
+        for c0, c1 in spans:  # the chain rule a chunk at a time: d weight accumulates in w.grad
+            hc = h[c0:c1].detach().requires_grad_()
+            lp_c, ent_c = rows(hc, w, c0, c1, g_ent is not None)
+            total = (lp_c * g_lp[c0:c1]).sum() + ((ent_c * g_ent[c0:c1]).sum() if g_ent is not None else 0)
+            total.backward()
+            g_h[c0:c1] = hc.grad
+        return dict(loss=float(loss.detach()), lp=lp.detach(), ent=ent.detach(), grad_hidden=g_h, grad_weight=w.grad)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rel(a, e):
+    return float((a.float() - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def _measure(task, name, x, ref, device, repeats):
+    fn = _logprobs_fn(name) if task == "logprobs" else _grpo_fn(name, device)
+    state = {}
+
+    def step():
+        h, w = x["hidden"].detach().requires_grad_(), x["weight"].detach().requires_grad_()
+        if task == "logprobs":
+            lp, ent = fn(h, w, x["labels"].reshape(-1))
+            loss = (lp.float() * x["u"]).sum() + (ent.float() * x["u2"]).sum()
+            state.update(lp=lp.detach(), ent=ent.detach())
+        else:
+            loss = fn(x, h, w)
+        loss.backward()
+        state.update(loss=loss.detach(), h=h, w=w)
+
+    step()  # warm-up (compiles, autotunes, self-checks)
+    _sync(device)
+    state.clear()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        state.clear()
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()  # the gradients stay in `state`: part of the peak
+        _sync(device)
+        peak = round((torch.cuda.max_memory_allocated(device) - before) / 2**20, 1)
+    else:
+        step()
+    row = dict(ms=round(statistics.median(times), 3), min_ms=round(min(times), 3), runs=repeats, peak_extra_mib=peak,
+               loss_rel_err=abs(float(state["loss"]) - ref["loss"]) / max(abs(ref["loss"]), 1e-30),
+               grad_hidden_rel_err=_rel(state["h"].grad.reshape(ref["grad_hidden"].shape), ref["grad_hidden"]),
+               grad_weight_rel_err=_rel(state["w"].grad, ref["grad_weight"]))
+    if task == "logprobs":
+        row.update(lp_max_abs_err=float((state["lp"].float() - ref["lp"]).abs().max()),
+                   entropy_max_abs_err=float((state["ent"].float() - ref["ent"]).abs().max()))
+    state.clear()
+    return row
+
+
+def run(sizes, device, dtype="bfloat16", tasks=("logprobs", "grpo_loss"), contenders=None, repeats=3,
+        budget_s=480.0, out=None) -> list:
+    device = torch.device(device)
+    machine = describe(device)
+    t_start = time.perf_counter()
+    rows = []
+    for n, hid, vocab in sizes:
+        for task in tasks:
+            names = [c for c in (LOGPROBS if task == "logprobs" else GRPO) if contenders is None or c in contenders]
+            base = dict(task=task, n=n, hidden=hid, vocab=vocab, dtype=dtype, machine=machine)
+            if not names:
+                continue
+            if time.perf_counter() - t_start > budget_s:
+                rows += [dict(base, contender=c, ms=None, peak_extra_mib=None, skipped="--budget-s spent")
+                         for c in names]
+                continue
+            x = ref = None
+            try:
+                x = _inputs(task, n, hid, vocab, dtype, device)
+                ref = _fp32_reference(task, x)
+            except torch.OutOfMemoryError as e:
+                rows += [dict(base, contender=c, ms=None, peak_extra_mib=None,
+                              error=f"inputs or the float32 reference do not fit: {str(e).splitlines()[0]}")
+                         for c in names]
+                x = ref = None
+                _free(device)
+                continue
+            for name in names:
+                row = dict(base, contender=name)
+                if time.perf_counter() - t_start > budget_s:
+                    rows.append(dict(row, ms=None, peak_extra_mib=None, skipped="--budget-s spent"))
+                    continue
+                try:
+                    row.update(_measure(task, name, x, ref, device, repeats))
+                except torch.OutOfMemoryError as e:
+                    row.update(ms=None, peak_extra_mib=None, error=f"out of memory: {str(e).splitlines()[0]}")
+                except (ImportError, RuntimeError, NotImplementedError) as e:
+                    row.update(ms=None, peak_extra_mib=None, unavailable=f"{type(e).__name__}: {e}"[:500])
+                except Exception as e:  # any other failure is a row too, not the end of the run
+                    row.update(ms=None, peak_extra_mib=None, error=f"{type(e).__name__}: {e}"[:500])
+                rows.append(row)
+                print(line(row), flush=True)
+                _free(device)
+            x = ref = None
+            _free(device)
+            if out is not None:  # after every size: a partial file survives a killed run
+                write(rows, out)
+    return rows
+
+
+def _free(device):
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def line(r: dict) -> str:
+    head = f"{r['task']:<9} {r['contender']:<8} N={r['n']:<6} H={r['hidden']:<5} V={r['vocab']:<7} {r['dtype']}"
+    for key in ("error", "unavailable", "skipped"):
+        if key in r:
+            return f"{head}: {key}: {r[key]}"
+    peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:9.1f} MiB"
+    return (f"{head}: {r['ms']:9.2f} ms  peak +{peak}  loss err {r['loss_rel_err']:.1e}  d hidden "
+            f"{r['grad_hidden_rel_err']:.1e}  d weight {r['grad_weight_rel_err']:.1e}")
+
+
+def write(rows, out) -> Path:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "hidden_states.json").write_text(json.dumps(rows, indent=1))
+    return path / "hidden_states.json"
+
+
+def main(argv=None) -> list:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--sizes", nargs="+", default=None,
+                        help="N:H:V triples (default: the acceptance case 8192:4096:128256, then the grid)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--tasks", nargs="+", default=["logprobs", "grpo_loss"], choices=["logprobs", "grpo_loss"])
+    parser.add_argument("--contenders", nargs="+", default=None, choices=sorted(set(LOGPROBS + GRPO)))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this")
+    parser.add_argument("--out", default=None, help="folder for hidden_states.json")
+    args = parser.parse_args(argv)
+    sizes = ((ACCEPTANCE,) + GRID) if args.sizes is None else tuple(tuple(map(int, s.split(":"))) for s in args.sizes)
+    rows = run(sizes, args.device, args.dtype, tuple(args.tasks), args.contenders, args.repeats, args.budget_s,
+               args.out)
+    if args.out:
+        print(f"wrote {write(rows, args.out)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
