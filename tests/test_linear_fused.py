@@ -366,12 +366,11 @@ def test_the_ab_benchmark_runs_and_reports():
     assert "| fused |" in ab.table(rows)
 
 
-def test_the_wiring_contract_with_linear_token_logprobs():
-    """What the lead's dispatch will do: ``prepare``'s checked rows (labels with ignore_index, a mask, a [B, T]
-    token shape, a reference) straight into the fused function give linear_token_logprobs' results (float32: the
-    same math, to float32 rounding) and gradients."""
+def test_fused_true_gives_the_chunked_results():
+    """``linear_token_logprobs(fused=True)`` (labels with ignore_index, a mask, a [B, T] token shape, a reference)
+    gives the default route's results (float32: the same math, to float32 rounding) and gradients, in the caller's
+    token shape."""
     from kl_kernels import linear_token_logprobs
-    from kl_kernels.token_logprobs.linear import prepare
 
     dev = _dev()
     g = torch.Generator().manual_seed(7)
@@ -382,16 +381,26 @@ def test_the_wiring_contract_with_linear_token_logprobs():
     y[0, 1] = -100
     y, mask = y.to(dev), (torch.rand(3, 5, generator=g) < 0.8).to(dev)
     kw = dict(temperature=0.8, return_entropy=True, mask=mask, ref_hidden=rh, ref_weight=rw)
-    r = prepare(h, w, y, bias=None, ignore_index=-100, chunk_size=None, backend="auto", ref_bias=None,
-                caller="test", **kw)
-    assert F.fused_reason(r.hidden, r.weight, r.bias, *r.ref) is None
     hf, hc = h.clone().requires_grad_(), h.clone().requires_grad_()
-    lp, ent, _, ref_lp = F.FusedLinearTokenLogprobs.apply(hf.reshape(-1, 40), r.weight, r.bias, r.labels, r.counted,
-                                                          r.temperature, True, *r.ref)
-    want = linear_token_logprobs(hc, w, y, **kw)
-    torch.testing.assert_close(lp.reshape(r.shape), want.log_probs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent.reshape(r.shape), want.entropy, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ref_lp.reshape(r.shape), want.ref_log_probs, rtol=1e-5, atol=1e-5)
-    (lp.sum() + ent.sum()).backward()
+    wf, wc = w.clone().requires_grad_(), w.clone().requires_grad_()
+    got = linear_token_logprobs(hf, wf, y, fused=True, **kw)
+    want = linear_token_logprobs(hc, wc, y, **kw)
+    for a, b in zip(got, want):
+        assert a.shape == (3, 5)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not got.ref_log_probs.requires_grad
+    (got.log_probs.sum() + got.entropy.sum()).backward()
     (want.log_probs.sum() + want.entropy.sum()).backward()
     torch.testing.assert_close(hf.grad, hc.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(wf.grad, wc.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_true_that_cannot_run_says_why():
+    """An explicit ``fused=True`` the kernels cannot take is a ValueError with the reason, before any kernel."""
+    from kl_kernels import linear_token_logprobs
+
+    h, w, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(10, 8, dtype=torch.float64), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"fused=True.*float64"):
+        linear_token_logprobs(h, w, y, fused=True)
+    with pytest.raises(TypeError, match="fused must be True or False"):
+        linear_token_logprobs(h.float(), w.float(), y, fused="yes")

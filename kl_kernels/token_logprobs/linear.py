@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import reference, sharded
+from . import linear_fused, reference, sharded
 from .row_pass import row_pass
 from .api import LinearTokenLogprobsOutput, TokenLogprobsOutput
 from .backends import REGISTRY
@@ -108,7 +108,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
 def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False, mask=None,
                           ignore_index=-100, chunk_size=None, backend="auto", ref_hidden=None, ref_weight=None,
-                          ref_bias=None, process_group=None):
+                          ref_bias=None, process_group=None, fused=False):
     r"""Per-token log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``,
     without materializing the ``[N, V]`` logits: tokens go ``chunk_size`` at a time (default: about
     16M logits a chunk), forward and backward (recomputed), so the extra memory is O(chunk x V).
@@ -138,6 +138,14 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
             ``hidden`` **this rank's share** ``d logits_r @ W_r``, as Megatron's vocab-parallel
             cross-entropy leaves it: all-reduce ``hidden``'s gradient over the group (Megatron's
             ``ColumnParallelLinear`` does). :mod:`kl_kernels.token_logprobs.sharded`.
+        fused: ``True`` runs the fused Triton kernels (:mod:`kl_kernels.token_logprobs.linear_fused`):
+            the logits tiles are formed on chip from ``hidden`` and ``weight`` tiles and folded into
+            per-token online sums, so no chunk of logits reaches memory in forward; backward walks the
+            vocabulary (a recomputed ``d logits`` slice, cuBLAS GEMMs writing ``d weight`` once). CUDA
+            tensors of float32/bfloat16/float16, no ``process_group``; otherwise a ``ValueError`` with the
+            reason. ``chunk_size`` and ``backend`` (the row pass's) do not apply to it. Default ``False``:
+            it has not yet been timed on a GPU against the default route (the next GPU run's
+            ``python -m kl_kernels.bench.linear_fused_ab`` decides).
 
     Returns:
         :class:`~kl_kernels.token_logprobs.TokenLogprobsOutput` ``(log_probs, entropy)``, ``[*S]``,
@@ -164,8 +172,19 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
     r = prepare(hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy, mask=mask,
                 ignore_index=ignore_index, chunk_size=chunk_size, backend=backend, ref_hidden=ref_hidden,
                 ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_token_logprobs", process_group=process_group)
-    lp, ent, _, ref_lp = _LinearTokenLogprobs.apply(r.hidden, r.weight, r.bias, r.labels, r.counted, r.temperature,
-                                                    return_entropy, r.chunk, r.backend, r.walk, r.shard, *r.ref)
+    if fused not in (True, False):
+        raise TypeError(f"fused must be True or False, got {fused!r}")
+    if fused:
+        why = "process_group is not supported" if r.shard else linear_fused.fused_reason(r.hidden, r.weight, r.bias,
+                                                                                          *r.ref)
+        if why is not None:
+            raise ValueError(f"linear_token_logprobs(fused=True) cannot run: {why}")
+        lp, ent, _, ref_lp = linear_fused.FusedLinearTokenLogprobs.apply(
+            r.hidden, r.weight, r.bias, r.labels, r.counted, r.temperature, return_entropy, *r.ref)
+    else:
+        lp, ent, _, ref_lp = _LinearTokenLogprobs.apply(r.hidden, r.weight, r.bias, r.labels, r.counted,
+                                                        r.temperature, return_entropy, r.chunk, r.backend, r.walk,
+                                                        r.shard, *r.ref)
     ent = ent.reshape(r.shape) if return_entropy else None
     if r.ref:
         return LinearTokenLogprobsOutput(lp.reshape(r.shape), ent, ref_lp.reshape(r.shape))
