@@ -132,10 +132,10 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto"):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(case=cases())
+@given(case=cases(), entropy=st.booleans())
 @settings(max_examples=60)
-def test_matches_the_oracle(case, backend):
-    _check(*case, backend=backend)
+def test_matches_the_oracle(case, entropy, backend):
+    _check(*case, entropy=entropy, backend=backend)
 
 
 @pytest.mark.triton

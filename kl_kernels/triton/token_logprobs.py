@@ -104,5 +104,9 @@ def token_logprobs_bwd_kernel(logits_ptr, labels_ptr, counted_ptr, lse_ptr, ent_
         d = lse - x * inv_t
         p = _exp(-d)
         g = tl.where(offs == y, gl * (1.0 - p), -gl * p) + gh * (p * (tl.where(d <= FAR, d, FAR) - h))
+        # an undefined row (the forward stored a NaN lse: NaN or +inf logits, all -inf, a label outside [0, V)) has
+        # a NaN gradient whatever the upstream terms: exp_row gives 0 for NaN, so without the entropy term nothing
+        # else would carry it
+        g = tl.where(lse == lse, g, float("nan"))
         g = tl.where(counted, g * inv_t, 0.0)
         tl.store(out + offs, g.to(out_ptr.dtype.element_ty), mask=ok)
