@@ -108,8 +108,9 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
   for (int j = 0; j < kPer; ++j) {
     const float d = from_bits<DT>(lp_raw[j]) - from_bits<DT>(ref_raw[j]);
     k[j] = w[j].counted ? kl_value(d, a.est) : 0.0f;  // exactly 0 where not counted
+    k[j] = w[j].bad ? NAN : k[j];  // invalid geometry (reported through the error word): NaN, also in kl_sum
     kl_out[j] = to_bits<DT>(k[j]);
-    ref_out[j] = w[j].counted ? ref_raw[j] : BitsOf<DT>(0);
+    ref_out[j] = w[j].bad ? to_bits<DT>(NAN) : w[j].counted ? ref_raw[j] : BitsOf<DT>(0);
     rw_out[j] = to_bits<RT>(base[j] - coef_of(a, w[j].seq) * k[j]);
   }
   if (VEC && full) {
@@ -226,6 +227,7 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
       last = wsp.last[b];
     }
     if (a.placement == kLast || a.placement == kLastValid) place_sequence_reward<DT, RT>(a, b, last);
+    if (geometry_bad(a, b)) kl_sum[b] = NAN;  // also when it holds no element
   };
   combine_sequences<1>(a.batch, range, slot, finish);
 }
@@ -276,6 +278,7 @@ __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
       glp[j] = g * kl_grad(d[j], a.est);
       gref[j] = (a.g_ref_out ? gro[j] : 0.0f) - glp[j];
     }
+    if (e.bad) glp[j] = gref[j] = NAN;
   }
   if (full) {
     Pack<BitsOf<DT>> pl, pr;
