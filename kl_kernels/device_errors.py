@@ -95,11 +95,11 @@ class ErrorWord:
         return ctypes.c_int64.from_address(self.host + 8 * _SLOT[name])
 
     def pending(self) -> bool:
-        return self._slot("kind").value != 0
+        return self.host != 0 and self._slot("kind").value != 0
 
     def take(self) -> dict | None:
         """What was recorded (kind, arg, index, value, bound, extra), clearing the word; None if nothing."""
-        kind = self._slot("kind").value
+        kind = self._slot("kind").value if self.host else 0
         if kind == 0:
             return None
         got = {s: self._slot(s).value for s in ("arg", "index", "value", "bound", "extra")}
@@ -117,7 +117,7 @@ _WORDS: dict[tuple[str, int | None], ErrorWord] = {}
 def _key(device) -> tuple[str, int | None]:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return device.type, device.index
 
 
@@ -128,17 +128,22 @@ def word(device) -> ErrorWord:
     if found is not None:
         return found
     dev = torch.device(*key) if key[1] is not None else torch.device(key[0])
-    if key[0] == "cuda":
+    if key[0] == "cuda" and torch.cuda.is_available():
         from . import _extensions  # not at import time: the package imports without extensions
 
-        module, reason = _extensions.load("_cuda")
-        if module is None:
-            raise RuntimeError(f"kl_kernels: no error word on {dev}: {reason}")
-        host, address = module.error_word_alloc(key[1])
-        if host == 0:
-            raise RuntimeError(f"kl_kernels: cudaHostAlloc of the error word on {dev} failed")
+        module = _extensions.load("_cuda")[0]
+        if module is not None:  # mapped, portable pinned memory (csrc/cuda/ragged_checks.cu)
+            host, address = module.error_word_alloc(key[1])
+            if host == 0:
+                raise RuntimeError(f"kl_kernels: cudaHostAlloc of the error word on {dev} failed")
+            keep = None
+        else:  # no _cuda (Triton alone): torch's pinned memory, which unified addressing maps at the same address
+            keep = torch.zeros(codes.ERROR_WORD_SLOTS, dtype=torch.int64).pin_memory()
+            host = address = keep.data_ptr()
         tensor = torch.as_tensor(_CudaArray(address), device=dev)
-        found = ErrorWord(dev, host, address, tensor)
+        found = ErrorWord(dev, host, address, tensor, keep)
+    elif key[0] == "cuda":  # fake CUDA tensors on a CPU-only torch (tests/test_no_host_sync.py): traced, not kept
+        return ErrorWord(dev, 0, 0, torch.zeros(codes.ERROR_WORD_SLOTS, dtype=torch.int64, device=dev))
     else:  # CPU tensors (cuda-emulated, Triton's interpreter): host memory is the device's
         tensor = torch.zeros(codes.ERROR_WORD_SLOTS, dtype=torch.int64, device=dev)
         found = ErrorWord(dev, tensor.data_ptr(), tensor.data_ptr(), tensor, keep=tensor)

@@ -283,9 +283,9 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
 
 
 def _check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str) -> None:
+    device_errors.raise_pending(offsets.device)  # an earlier call's bad value on this device, before this call's
     if not checks_on_host(offsets):
         n = offsets.shape[0]
-        device_errors.raise_pending(offsets.device)  # an earlier call's bad value, before this call's
         if not kernel_check("offsets_valid", offsets, n - 1, num_tokens, name=name):
             # torch operations, in the host check's order: the first recorded wins (narrow/select rather than
             # Python indexing: they also trace under a fake CUDA mode on a CPU-only torch, which
@@ -334,8 +334,9 @@ def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "le
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
     if lengths.dtype != torch.int64:  # widened on its device: the kernels and checks read int64
         lengths = lengths.to(torch.int64)
+    if batch and values_checkable(lengths):
+        device_errors.raise_pending(lengths.device)  # an earlier call's bad value on this device
     if batch and values_checkable(lengths) and not checks_on_host(lengths):
-        device_errors.raise_pending(lengths.device)
         if not kernel_check("lengths_valid", lengths, batch, width, None, None, name=name):
             device_errors.record_where(lengths.lt(0), lengths, "below_zero", name, width)
             device_errors.record_where(lengths.gt(width), lengths, "above_bound", name, width)

@@ -64,7 +64,15 @@ def _as_on_a_gpu(monkeypatch, fn, **kw):
         mp.setattr(ragged, "checks_on_host", lambda t: False)
         mp.setattr(ragged, "kernel_check", on_the_emulator)
         mp.setattr(device_errors, "raise_pending", lambda device: None)
-        return fn(**kw)
+        try:
+            return fn(**kw)
+        except (RuntimeError, IndexError):
+            # torch's own operations (the torch backend: segment_reduce, index_add_) may refuse such values;
+            # only the fused kernels promise to run through them (on a GPU torch's may assert: the contract
+            # in python_api/README.md)
+            if kw.get("backend") != "torch":
+                raise
+            return None
 
 
 LENGTHS = [3, 2, 4, 3]
@@ -77,14 +85,15 @@ def _packed(dev):
     return lp.to(dev), ref.to(dev), ragged.lengths_to_offsets(torch.tensor(LENGTHS)).to(dev)
 
 
-# (name, offsets edit, the sequences whose geometry is bad)
+# (name, offsets edit, the sequences whose geometry is bad: their own offsets, or a decrease next to them;
+# with a decrease the sequence searches may put any token anywhere, so only monotone cases promise the rest)
 OFFSETS_CASES = [
-    ("decreasing", lambda o: torch.tensor([0, 3, 1, 9, 12]), [1]),
+    ("decreasing", lambda o: torch.tensor([0, 3, 1, 9, 12]), [0, 1, 2]),
     ("start-negative", lambda o: torch.cat([o[:1] - 2, o[1:]]), [0]),
     ("start-positive", lambda o: torch.cat([o[:1] + 1, o[1:]]), [0]),
     ("end-beyond", lambda o: torch.cat([o[:-1], o[-1:] + 5]), [3]),
     ("end-short", lambda o: torch.cat([o[:-1], o[-1:] - 2]), [3]),
-    ("huge", lambda o: torch.tensor([0, 2 ** 62, 5, 9, 12]), [0, 1]),
+    ("huge", lambda o: torch.tensor([0, 2 ** 62, 5, 9, 12]), [0, 1, 2]),
     ("negative-middle", lambda o: torch.tensor([0, -5, 5, 9, 12]), [0, 1]),
 ]
 
@@ -107,7 +116,7 @@ def test_bad_offsets_are_recorded_poisoned_and_raised(monkeypatch, backend, case
         for b in range(4):
             if b in bad:
                 assert math.isnan(out.kl_sum[b].item()), (b, out.kl_sum)
-            elif not any(x in bad for x in (b - 1, b + 1)):  # (a neighbour's bad bound moves this one's tokens)
+            elif bool((bad_offsets[1:] >= bad_offsets[:-1]).all()):  # monotone: the others computed as usual
                 assert torch.equal(out.kl_sum[b], good.kl_sum[b]), (b, out.kl_sum, good.kl_sum)
     with pytest.raises(ValueError) as e:
         check_errors("cpu")
@@ -147,11 +156,11 @@ def test_bad_lengths_and_prompt_lens(monkeypatch, backend, side):
             kw["prompt_lens"] = prompt.to(dev)
         cpu_kw = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         want = _host_message(kl_reward, log_probs=lp.cpu(), ref_log_probs=ref.cpu(), **dict(cpu_kw, backend="torch"))
+        good = kl_reward(lp, ref, **dict(kw, lengths=good_lengths, prompt_lens=None))
         out = _as_on_a_gpu(monkeypatch, kl_reward, log_probs=lp, ref_log_probs=ref, **kw)
         if backend != "torch":
             assert math.isnan(out.kl_sum[bad_row].item()) and out.kl[bad_row].isnan().all()
             others = [b for b in range(4) if b != bad_row]
-            good = kl_reward(lp, ref, **dict(kw, lengths=good_lengths, prompt_lens=None))
             assert torch.equal(out.kl_sum[others], good.kl_sum[others])
         with pytest.raises(ValueError) as e:
             check_errors("cpu")
@@ -167,7 +176,7 @@ def test_kl_penalty_loss_bad_offsets(monkeypatch, backend):
     out = _as_on_a_gpu(monkeypatch, kl_penalty_loss, log_probs=lp, old_log_probs=lp, advantages=torch.ones_like(lp),
                        offsets=bad, **kw)
     if backend != "torch":
-        assert math.isnan(out.loss.item())
+        assert math.isnan(out.loss.item())  # the bad sequences' NaN reaches the mean
     with pytest.raises(ValueError, match="offsets must be non-decreasing"):
         check_errors("cpu")
     assert kl_penalty_loss(lp, lp, torch.ones_like(lp), offsets=offsets, **kw).loss.isfinite()
@@ -181,7 +190,7 @@ def test_labels_outside_the_vocabulary(monkeypatch, backend):
     labels = torch.tensor([1, 9, -100, 3, 0], device=dev)
     want = _host_message(token_logprobs, logits=logits.cpu(), labels=labels.cpu(), backend="torch")
     out = _as_on_a_gpu(monkeypatch, token_logprobs, logits=logits, labels=labels, backend=backend)
-    assert math.isnan(out.log_probs[1].item()) and out.log_probs[[0, 3, 4]].isfinite().all()
+    assert out is not None and math.isnan(out.log_probs[1].item()) and out.log_probs[[0, 3, 4]].isfinite().all()
     with pytest.raises(ValueError) as e:
         check_errors("cpu")
     assert str(e.value).split(" (found on ")[0] == want

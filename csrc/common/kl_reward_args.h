@@ -109,6 +109,8 @@ KL_HD bool geometry_bad(const KLRewardArgs& a, int64_t b) {
     const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
     const int64_t lo = off[b], hi = off[b + 1];
     bad = lo < 0 || hi > a.total || hi < lo || (b == 0 && lo != 0) || (b == a.batch - 1 && hi != a.total);
+    // a decrease next to it moves tokens in or out of its range too
+    bad = bad || (b > 0 && off[b - 1] > lo) || (b + 1 < a.batch && off[b + 2] < hi);
     length = hi - lo;
   } else if (a.lengths) {
     length = reinterpret_cast<const int64_t*>(a.lengths)[b];

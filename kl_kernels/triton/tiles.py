@@ -171,6 +171,10 @@ def geometry_bad(offsets_ptr, lengths_ptr, prompt_ptr, seq, inb, total, batch, w
         lo = tl.load(offsets_ptr + seq, mask=inb, other=0)
         hi = tl.load(offsets_ptr + seq + 1, mask=inb, other=0)
         bad = (lo < 0) | (hi > total) | (hi < lo) | ((seq == 0) & (lo != 0)) | ((seq == batch - 1) & (hi != total))
+        # a decrease next to it moves tokens in or out of its range too
+        prev = tl.load(offsets_ptr + seq - 1, mask=inb & (seq > 0), other=0)
+        nxt = tl.load(offsets_ptr + seq + 2, mask=inb & (seq + 1 < batch), other=0)
+        bad = bad | ((seq > 0) & (prev > lo)) | ((seq + 1 < batch) & (nxt < hi))
         length = hi - lo
     elif HAS_LENGTHS:
         length = tl.load(lengths_ptr + seq, mask=inb, other=0)
