@@ -332,18 +332,20 @@ def hostile():
     off = torch.tensor([0, 3, 5, 9, 12], device=DEV)
     plp, pref = (-2 * torch.rand(4, 5, generator=g)).to(DEV), (-2 * torch.rand(4, 5, generator=g)).to(DEV)
     logits = torch.randn(6, 50, generator=g).to(DEV)
-    labels = torch.tensor([1, 49, -100, 3, 0, 7], device=DEV)
+    labels = torch.tensor([1, 50, -100, 3, 0, 7], device=DEV)  # 50: outside [0, V = 50)
+    def t(*values, dtype=torch.int64):
+        return torch.tensor(values, device=DEV, dtype=dtype)
+
+    packed_kw, padded_kw = dict(log_probs=lp, ref_log_probs=ref), dict(log_probs=plp, ref_log_probs=pref)
     reward_cases = [
-        ("offsets decreasing", "offsets", dict(log_probs=lp, ref_log_probs=ref, offsets=torch.tensor([0, 3, 1, 9, 12], device=DEV))),
-        ("offsets end beyond N", "offsets", dict(log_probs=lp, ref_log_probs=ref, offsets=torch.tensor([0, 3, 5, 9, 40], device=DEV))),
-        ("offsets huge", "offsets", dict(log_probs=lp, ref_log_probs=ref, offsets=torch.tensor([0, 2 ** 62, 5, 9, 12], device=DEV))),
-        ("offsets negative", "offsets", dict(log_probs=lp, ref_log_probs=ref, offsets=torch.tensor([0, -7, 5, 9, 12], device=DEV))),
-        ("lengths above T", "lengths", dict(log_probs=plp, ref_log_probs=pref, lengths=torch.tensor([3, 9, 0, 2], device=DEV))),
-        ("lengths negative", "lengths", dict(log_probs=plp, ref_log_probs=pref, lengths=torch.tensor([3, -4, 0, 2], device=DEV))),
-        ("prompt_lens above", "prompt_lens", dict(log_probs=lp, ref_log_probs=ref, offsets=off,
-                                                  prompt_lens=torch.tensor([0, 9, 0, 0], device=DEV))),
-        ("int32 offsets decreasing", "offsets", dict(log_probs=lp, ref_log_probs=ref,
-                                                     offsets=torch.tensor([0, 3, 1, 9, 12], device=DEV, dtype=torch.int32))),
+        ("offsets decreasing", "offsets", dict(packed_kw, offsets=t(0, 3, 1, 9, 12))),
+        ("offsets end beyond N", "offsets", dict(packed_kw, offsets=t(0, 3, 5, 9, 40))),
+        ("offsets huge", "offsets", dict(packed_kw, offsets=t(0, 2 ** 62, 5, 9, 12))),
+        ("offsets negative", "offsets", dict(packed_kw, offsets=t(0, -7, 5, 9, 12))),
+        ("lengths above T", "lengths", dict(padded_kw, lengths=t(3, 9, 0, 2))),
+        ("lengths negative", "lengths", dict(padded_kw, lengths=t(3, -4, 0, 2))),
+        ("prompt_lens above", "prompt_lens", dict(packed_kw, offsets=off, prompt_lens=t(0, 9, 0, 0))),
+        ("int32 offsets decreasing", "offsets", dict(packed_kw, offsets=t(0, 3, 1, 9, 12, dtype=torch.int32))),
     ]
     valid = dict(log_probs=lp, ref_log_probs=ref, offsets=off, reward=torch.ones(4, device=DEV), coef=0.1,
                  estimator="k3", reward_placement="last")

@@ -79,8 +79,12 @@ def header() -> str:
              "// regenerates this file and fails on any difference).",
              "#pragma once", "", "#include <cstdint>", "", "namespace kl {", ""]
     for enum, members in _ENUMS:
-        body = ", ".join(f"{name} = {code}" for name, code in members.items())
-        lines.append(f"enum {enum} : int32_t {{ {body} }};")
+        items = [f"{name} = {code}" for name, code in members.items()]
+        line = f"enum {enum} : int32_t {{ {', '.join(items)} }};"
+        if len(line) <= 120:
+            lines.append(line)
+        else:  # one member a line (the repository's 120-column rule)
+            lines += [f"enum {enum} : int32_t {{", *(f"  {item}," for item in items), "};"]
     lines += ["", f"constexpr float kLogRatioBound = {LOG_RATIO_BOUND!r}f;",
               f"constexpr float kRowFar = {ROW_FAR!r}f;  // the row ops' bound on lse - z (row_math.h)",
               f"constexpr int kErrorWordSlots = {ERROR_WORD_SLOTS};  // int64 slots of the error word", "",
