@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
                        ((e.lo >= t0 && e.hi - 1 <= t_last) ? 4u : 0u) | (e.lo <= t0 ? 8u : 0u) |
                        (e.hi - 1 >= t_last ? 16u : 0u) | (e.counted ? 32u : 0u) | (e.inb ? 64u : 0u);
     bits |= f << (7 * j);
-    bits |= static_cast<uint64_t>(e.bad ? 1u : 0u) << (56 + j);  // bits 56..63: invalid geometry (NaN)
+    bits |= static_cast<uint64_t>(e.inb && geometry_bad(g, e.seq) ? 1u : 0u) << (56 + j);  // 56..63: NaN (bad)
   }
 
   const float sign = a.ref ? 1.0f : -1.0f;
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs 
       glp[j] = gin * gr[j];
       gent[j] = -a.entropy_coef * gin;
     }
-    if (w[j].bad) glp[j] = gent[j] = NAN;
+    if (w[j].inb && geometry_bad(g, w[j].seq)) glp[j] = gent[j] = NAN;  // invalid geometry: NaN
   }
   if (full) {
     Pack<BitsOf<DT>> pl;

@@ -108,9 +108,8 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
   for (int j = 0; j < kPer; ++j) {
     const float d = from_bits<DT>(lp_raw[j]) - from_bits<DT>(ref_raw[j]);
     k[j] = w[j].counted ? kl_value(d, a.est) : 0.0f;  // exactly 0 where not counted
-    k[j] = w[j].bad ? NAN : k[j];  // invalid geometry (reported through the error word): NaN, also in kl_sum
     kl_out[j] = to_bits<DT>(k[j]);
-    ref_out[j] = w[j].bad ? to_bits<DT>(NAN) : w[j].counted ? ref_raw[j] : BitsOf<DT>(0);
+    ref_out[j] = w[j].counted ? ref_raw[j] : BitsOf<DT>(0);
     rw_out[j] = to_bits<RT>(base[j] - coef_of(a, w[j].seq) * k[j]);
   }
   if (VEC && full) {
@@ -227,7 +226,16 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
       last = wsp.last[b];
     }
     if (a.placement == kLast || a.placement == kLastValid) place_sequence_reward<DT, RT>(a, b, last);
-    if (geometry_bad(a, b)) kl_sum[b] = NAN;  // also when it holds no element
+    if (geometry_bad(a, b)) {
+      // Invalid geometry (reported through the error word): NaN over the sequence's outputs, written here
+      // on that path alone rather than tested per element in forward_tile (whose registers are full)
+      kl_sum[b] = NAN;
+      for (int64_t i = lo; i < hi; ++i) {
+        store<DT>(reinterpret_cast<void*>(a.kl), i, NAN);
+        store<RT>(reinterpret_cast<void*>(a.reward_out), i, NAN);
+        if (a.ref_out) store<DT>(reinterpret_cast<void*>(a.ref_out), i, NAN);
+      }
+    }
   };
   combine_sequences<1>(a.batch, range, slot, finish);
 }
@@ -278,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
       glp[j] = g * kl_grad(d[j], a.est);
       gref[j] = (a.g_ref_out ? gro[j] : 0.0f) - glp[j];
     }
-    if (e.bad) glp[j] = gref[j] = NAN;
+    if (e.inb && geometry_bad(a, e.seq)) glp[j] = gref[j] = NAN;  // invalid geometry: NaN
   }
   if (full) {
     Pack<BitsOf<DT>> pl, pr;

@@ -43,7 +43,6 @@ __device__ __forceinline__ T ld(uintptr_t base, int64_t i) {
 struct Where {
   int64_t seq, col, pos, lo, hi;
   bool inb, counted;
-  bool bad;  // its sequence's geometry is invalid (geometry_bad): outputs NaN
 };
 
 // The 8 consecutive elements of this thread, starting at flat index i0 (tile range [t0, t_last]).
@@ -93,7 +92,6 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
       e.pos = a.left_pad ? e.col - (a.width - length) : e.col;
       e.counted = e.inb && e.pos >= 0 && e.pos < length;
     }
-    e.bad = e.inb && geometry_bad(a, e.seq);
     if (e.counted && prompt) e.counted = e.pos >= prompt[e.seq];
     if (e.counted && mask) e.counted = mask[e.seq * a.mask_s0 + e.col * a.mask_s1] != 0;
   }
