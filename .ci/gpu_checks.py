@@ -6,6 +6,13 @@
                                          any host synchronization in our path raises
     python .ci/gpu_checks.py graph       both ops captured in a CUDA graph and replayed on new data
     python .ci/gpu_checks.py race        each CUDA kernel once on multi-tile rows (what the sanitizers run)
+    python .ci/gpu_checks.py hostile     bad values on CUDA tensors (issue 51): each bad offsets / lengths /
+                                         prompt_lens / label call returns without a device assert, the next
+                                         call or kl_kernels.check_errors() raises the ValueError naming the
+                                         argument, and a valid call right after matches the float64
+                                         reference (the context alive); then the adversarial module's calls
+                                         on CUDA tensors. Run it under compute-sanitizer --tool memcheck
+                                         (.ci/gpu: 0 errors expected)
 
 Each prints one line per case, "ok" or the reason, and exits 1 when any case failed.
 """
@@ -301,6 +308,118 @@ def graph():
         report(f"graph full_kl fwd+bwd {backend}", fullkl)
 
 
+def _raises_named(arg, fn):
+    """``fn`` raises a ValueError naming ``arg``, now or at check_errors() (the error word, issue 51)."""
+    from kl_kernels import check_errors
+
+    try:
+        fn()
+        check_errors()
+    except ValueError as exc:
+        if arg not in str(exc):
+            raise AssertionError(f"the ValueError does not name {arg}: {exc}") from exc
+        return
+    raise AssertionError(f"no ValueError naming {arg}")
+
+
+def hostile():
+    """Bad values on CUDA tensors through the cuda and triton backends, one after another in one process:
+    each must raise the named ValueError (at the next call or check_errors()), never a device-side assert,
+    and a valid call after each must still match the torch reference: the CUDA context survives."""
+    g = torch.Generator().manual_seed(12)
+    n, lens = 12, [3, 2, 4, 3]
+    lp, ref = (-2 * torch.rand(n, generator=g)).to(DEV), (-2 * torch.rand(n, generator=g)).to(DEV)
+    off = torch.tensor([0, 3, 5, 9, 12], device=DEV)
+    plp, pref = (-2 * torch.rand(4, 5, generator=g)).to(DEV), (-2 * torch.rand(4, 5, generator=g)).to(DEV)
+    logits = torch.randn(6, 50, generator=g).to(DEV)
+    labels = torch.tensor([1, 50, -100, 3, 0, 7], device=DEV)  # 50: outside [0, V = 50)
+    def t(*values, dtype=torch.int64):
+        return torch.tensor(values, device=DEV, dtype=dtype)
+
+    packed_kw, padded_kw = dict(log_probs=lp, ref_log_probs=ref), dict(log_probs=plp, ref_log_probs=pref)
+    reward_cases = [
+        ("offsets decreasing", "offsets", dict(packed_kw, offsets=t(0, 3, 1, 9, 12))),
+        ("offsets end beyond N", "offsets", dict(packed_kw, offsets=t(0, 3, 5, 9, 40))),
+        ("offsets huge", "offsets", dict(packed_kw, offsets=t(0, 2 ** 62, 5, 9, 12))),
+        ("offsets negative", "offsets", dict(packed_kw, offsets=t(0, -7, 5, 9, 12))),
+        ("lengths above T", "lengths", dict(padded_kw, lengths=t(3, 9, 0, 2))),
+        ("lengths negative", "lengths", dict(padded_kw, lengths=t(3, -4, 0, 2))),
+        ("prompt_lens above", "prompt_lens", dict(packed_kw, offsets=off, prompt_lens=t(0, 9, 0, 0))),
+        ("int32 offsets decreasing", "offsets", dict(packed_kw, offsets=t(0, 3, 1, 9, 12, dtype=torch.int32))),
+    ]
+    valid = dict(log_probs=lp, ref_log_probs=ref, offsets=off, reward=torch.ones(4, device=DEV), coef=0.1,
+                 estimator="k3", reward_placement="last")
+    want = kl_reward(**{k: (v.double().cpu() if torch.is_tensor(v) and v.is_floating_point() else
+                            v.cpu() if torch.is_tensor(v) else v) for k, v in valid.items()}, backend="torch")
+    for backend in BACKENDS:
+        for name, arg, kw in reward_cases:
+            def reward_case(kw=kw, arg=arg, backend=backend):
+                _raises_named(arg, lambda: kl_reward(**kw, backend=backend))
+                out = kl_reward(**valid, backend=backend)  # right after: the context is alive
+                torch.testing.assert_close(out.reward.double().cpu(), want.reward, rtol=1e-5, atol=1e-6)
+            report(f"hostile kl_reward {name} {backend}", reward_case)
+
+            def loss_case(kw=kw, arg=arg, backend=backend):
+                kw = {k: v for k, v in kw.items() if k != "prompt_lens"}
+                if arg == "prompt_lens":
+                    return
+                _raises_named(arg, lambda: kl_penalty_loss(kw["log_probs"], kw["log_probs"],
+                                                           torch.ones_like(kw["log_probs"]),
+                                                           **{k: v for k, v in kw.items() if k != "log_probs"},
+                                                           backend=backend).loss.backward())
+                assert torch.isfinite(kl_penalty_loss(lp, lp, torch.ones_like(lp), ref_log_probs=ref, offsets=off,
+                                                      backend=backend).loss)
+            report(f"hostile kl_penalty_loss {name} {backend}", loss_case)
+
+        def label_case(backend=backend):
+            _raises_named("labels", lambda: token_logprobs(logits, labels, backend=backend))
+            out = token_logprobs(logits, labels.clamp(0, 49), backend=backend)
+            want_lp = torch.log_softmax(logits.double(), -1).gather(1, labels.clamp(0, 49)[:, None])[:, 0]
+            torch.testing.assert_close(out.log_probs.double(), want_lp, rtol=1e-5, atol=1e-5)
+        report(f"hostile token_logprobs label outside [0, V) {backend}", label_case)
+    _adversarial_on_cuda()
+
+
+def _adversarial_on_cuda():
+    """The adversarial module's calls (tests/adversarial/catalogue.py) with their tensors moved to CUDA, in
+    this process one after another: each returns or raises a TypeError/ValueError (surfaced by
+    check_errors() when it was recorded on the device), never anything else; then a valid call works."""
+    import pathlib
+
+    from kl_kernels import check_errors
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    from adversarial import catalogue  # noqa: E402
+
+    def to_cuda(v):
+        if torch.is_tensor(v) and v.device.type == "cpu" and not v.is_nested and v.layout == torch.strided:
+            return v.to(DEV)
+        if isinstance(v, list) and all(torch.is_tensor(t) for t in v):
+            return [to_cuda(t) for t in v]
+        return v
+
+    from adversarial.worker import OPS  # noqa: E402
+
+    for call in catalogue.build_catalogue().values():
+        def one(call=call):
+            for backend in BACKENDS:
+                kw = {k: to_cuda(v) for k, v in call.build().items()}
+                kw.setdefault("backend", backend)
+                try:
+                    OPS[call.op](**kw)
+                    check_errors()
+                except (TypeError, ValueError) as exc:
+                    if call.expect == "ok":
+                        raise AssertionError(f"{backend}: a valid call raised {exc}") from exc
+                except Exception as exc:  # noqa: BLE001 - anything else (a device assert above all) fails
+                    if type(exc).__name__ != "BackendUnavailableError":
+                        raise AssertionError(f"{backend}: {type(exc).__name__}: {exc}") from exc
+                out = kl_reward(torch.zeros(3, device=DEV), torch.zeros(3, device=DEV),
+                                offsets=torch.tensor([0, 3], device=DEV), backend=backend)
+                assert out.kl.eq(0).all()  # the context is alive
+        report(f"hostile adversarial {call.name}", one)
+
+
 if __name__ == "__main__":
-    {"selfcheck": selfchecks, "nosync": nosync, "graph": graph, "race": race}[sys.argv[1]]()
+    {"selfcheck": selfchecks, "nosync": nosync, "graph": graph, "race": race, "hostile": hostile}[sys.argv[1]]()
     sys.exit(1 if failed else 0)

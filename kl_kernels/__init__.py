@@ -17,6 +17,9 @@ Public API:
   models' logits, chunked, with gradients to both; :func:`linear_full_kl` the same from both models'
   hidden states and LM heads, without either's ``[N, V]`` logits.
 * :mod:`kl_kernels.torchrl` (``torchrl`` extra): TorchRL drop-in KL transforms.
+* :func:`check_errors`: raise a bad value (offsets, lengths, prompt_lens, labels) that a kernel found on
+  an accelerator, after waiting for the queued work; without it such an error surfaces at the next call
+  of ours on that device (:mod:`kl_kernels.device_errors`: no host sync, the CUDA context survives).
 * :func:`info`: which backends (torch, cpu, cuda, triton) can run here, and why not.
 
 Importing never fails because a compiled extension is missing or cannot load; that is reported
@@ -25,6 +28,7 @@ by :func:`info` and by the dispatcher.
 
 from . import ragged
 from ._info import info
+from .device_errors import check_errors
 from .backends import BackendUnavailableError
 from .full_kl import full_kl, linear_full_kl
 from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, KLPenaltyLossOutput,
@@ -38,4 +42,5 @@ from .version import __version__
 __all__ = ["kl_reward", "KLRewardOutput", "ESTIMATORS", "PLACEMENTS", "ragged", "info",
            "BackendUnavailableError", "FixedKLController", "AdaptiveKLController", "ZieglerKLController",
            "kl_penalty_loss", "KLPenaltyLossOutput", "AGGREGATIONS", "token_logprobs", "linear_token_logprobs", "TokenLogprobsOutput",
-           "LinearTokenLogprobsOutput", "full_kl", "linear_full_kl", "linear_kl_penalty_loss", "__version__"]
+           "LinearTokenLogprobsOutput", "full_kl", "linear_full_kl", "linear_kl_penalty_loss", "check_errors",
+           "__version__"]

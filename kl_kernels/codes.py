@@ -36,17 +36,36 @@ LOG_RATIO_BOUND = 20.0
 # probability (the entropy's p (lse - z)). csrc/common/row_math.h and the Triton row kernels read it.
 ROW_FAR = 88.0
 
+# Bad values found on the device (kl_kernels/device_errors.py): a kernel that finds one records it in the
+# device's error word instead of asserting, and the next call of ours on that device (or
+# kl_kernels.check_errors()) raises the ValueError the host check gives for the same input. The word is
+# ERROR_WORD_SLOTS int64 in host-mapped memory; the first kernel to claim it (an integer atomicCAS on slot
+# "claim") writes what it found, then "kind" last, which the host polls.
+ERROR_WORD_SLOTS = 8
+ERROR_SLOTS = {"claim": 0, "kind": 1, "arg": 2, "index": 3, "value": 4, "bound": 5, "extra": 6}
+# what was wrong (0: nothing recorded)
+VALUE_ERROR_CODES = {"none": 0, "offsets_start": 1, "offsets_decreasing": 2, "offsets_end": 3, "below_zero": 4,
+                     "above_bound": 5, "above_sequence": 6, "label_range": 7}
+# which argument held it (0: unnamed)
+ARG_CODES = {"": 0, "offsets": 1, "lengths": 2, "prompt_lens": 3, "labels": 4}
+
 _ENUMS = (
     ("Estimator", {"kK1": 0, "kAbs": 1, "kK2": 2, "kK3": 3}),
     ("Placement", {"kNoReward": 0, "kToken": 1, "kSequence": 2, "kLast": 3, "kLastValid": 4}),
     ("Layout", {"kPacked": 0, "kPadded": 1}),
     ("DType", {"kFloat32": 0, "kBFloat16": 1, "kFloat16": 2}),
     ("CoefMode", {"kCoefScalar": 0, "kCoefTensor0d": 1, "kCoefPerSeq": 2}),
+    ("ErrorSlot", {"kSlotClaim": 0, "kSlotKind": 1, "kSlotArg": 2, "kSlotIndex": 3, "kSlotValue": 4,
+                   "kSlotBound": 5, "kSlotExtra": 6}),
+    ("ValueErrorKind", {"kErrNone": 0, "kErrOffsetsStart": 1, "kErrOffsetsDecreasing": 2, "kErrOffsetsEnd": 3,
+                        "kErrBelowZero": 4, "kErrAboveBound": 5, "kErrAboveSequence": 6, "kErrLabelRange": 7}),
+    ("ArgCode", {"kArgNone": 0, "kArgOffsets": 1, "kArgLengths": 2, "kArgPromptLens": 3, "kArgLabels": 4}),
 )
 
 # The C++ names above are spelled out for readability; they must carry this table's values.
 _SOURCES = {"Estimator": ESTIMATOR_CODES, "Placement": PLACEMENT_CODES, "Layout": LAYOUT_CODES,
-            "DType": DTYPE_CODES, "CoefMode": COEF_MODE_CODES}
+            "DType": DTYPE_CODES, "CoefMode": COEF_MODE_CODES, "ErrorSlot": ERROR_SLOTS,
+            "ValueErrorKind": VALUE_ERROR_CODES, "ArgCode": ARG_CODES}
 
 
 def header() -> str:
@@ -60,10 +79,15 @@ def header() -> str:
              "// regenerates this file and fails on any difference).",
              "#pragma once", "", "#include <cstdint>", "", "namespace kl {", ""]
     for enum, members in _ENUMS:
-        body = ", ".join(f"{name} = {code}" for name, code in members.items())
-        lines.append(f"enum {enum} : int32_t {{ {body} }};")
+        items = [f"{name} = {code}" for name, code in members.items()]
+        line = f"enum {enum} : int32_t {{ {', '.join(items)} }};"
+        if len(line) <= 120:
+            lines.append(line)
+        else:  # one member a line (the repository's 120-column rule)
+            lines += [f"enum {enum} : int32_t {{", *(f"  {item}," for item in items), "};"]
     lines += ["", f"constexpr float kLogRatioBound = {LOG_RATIO_BOUND!r}f;",
-              f"constexpr float kRowFar = {ROW_FAR!r}f;  // the row ops' bound on lse - z (row_math.h)", "",
+              f"constexpr float kRowFar = {ROW_FAR!r}f;  // the row ops' bound on lse - z (row_math.h)",
+              f"constexpr int kErrorWordSlots = {ERROR_WORD_SLOTS};  // int64 slots of the error word", "",
               "}  // namespace kl", ""]
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import _extensions, codes
+from . import _extensions, codes, device_errors
 
 # The kernels' codes, from the one table (kl_kernels/codes.py, which csrc/common/codes.h is generated from).
 DTYPE_CODES = {getattr(torch, name): code for name, code in codes.DTYPE_CODES.items()}
@@ -146,7 +146,9 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
     ``workspace_bytes(args)`` bytes of scratch from torch's caching allocator when the kernel takes a
     workspace (the CUDA forwards, real or emulated; no host sync). The CPU kernels take none: there
     ``workspace_bytes`` is not called (``_C`` has no such function). Error codes become RuntimeErrors
-    naming ``what``."""
+    naming ``what``. First, a bad value an earlier kernel recorded in the device's error word
+    (:mod:`kl_kernels.device_errors`) is raised as its ValueError (a plain read of host memory)."""
+    device_errors.raise_pending(device)
     if getattr(module, "EMULATED", False):
         # The CUDA entry points on CPU memory: a CPU workspace, and stream 0, since CPU tensors have
         # no stream (the emulation runs each launch to completion before returning).

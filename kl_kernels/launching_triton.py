@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from . import device_errors
+
 # (BLOCK, num_warps) pairs the tile kernels are tuned over on a GPU: 4 elements per thread.
 GPU_CONFIGS = ((512, 4), (1024, 8))
 # The forward kernels' pairs by the log-probs' element size in bytes: 16 bytes per thread, so a flat
@@ -91,7 +93,9 @@ def or_dummy(x, dummy):
 
 def launch_tiles(kernel, total: int, args, flags) -> int:
     """Launch a tile kernel, one program per ``BLOCK`` elements of the flat token space: the
-    autotuned ``BLOCK`` on a GPU, the interpreter's tile otherwise. Returns the ``BLOCK`` used."""
+    autotuned ``BLOCK`` on a GPU, the interpreter's tile otherwise. Returns the ``BLOCK`` used. First, a
+    bad value recorded in the device's error word (kl_kernels.device_errors) is raised (no sync)."""
+    device_errors.raise_pending(args[0].device)
     if tuned(kernel):
         kernel[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
         return kernel.best_config.kwargs["BLOCK"]

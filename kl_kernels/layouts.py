@@ -228,7 +228,7 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
                              "for one sequence pass offsets=torch.tensor([0, N])")
         if lengths is not None:
             raise ValueError("lengths is for the padded layout [B, T]; the packed layout takes offsets only")
-        ragged.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
+        offsets = ragged.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
         kind = "packed"
     elif log_probs.dim() == 2:
         if offsets is not None:

@@ -48,6 +48,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from . import device_errors
 from ._compat import torch as torch_compat
 
 __all__ = [
@@ -196,54 +197,70 @@ SYNC_CHECKS_ENV = "KL_KERNELS_SYNC_CHECKS"
 def checks_on_host(t: torch.Tensor) -> bool:
     """Whether the value checks of ``t`` read its values on the host, raising ``ValueError``: always
     for CPU tensors; for accelerator tensors only with ``KL_KERNELS_SYNC_CHECKS=1`` (one host
-    synchronization per call, for debugging). Otherwise they are enqueued on the device with
-    :func:`device_check`: no host synchronization, CUDA-graph capturable."""
+    synchronization per call, for debugging). Otherwise they run on the device and record a bad value in
+    its error word (:mod:`kl_kernels.device_errors`): no host synchronization, CUDA-graph capturable, the
+    ``ValueError`` raised at the next call of ours on the device or at ``kl_kernels.check_errors()``."""
     return t.device.type == "cpu" or os.environ.get(SYNC_CHECKS_ENV, "").strip() == "1"
 
 
 def device_check(ok: torch.Tensor, message: str) -> None:
     """Assert ``ok`` (a bool tensor on an accelerator) without reading it on the host
-    (``torch._assert_async``): a violation surfaces as a device-side assertion naming ``message``
-    at the next synchronization, after which the CUDA context is unusable (set
-    ``KL_KERNELS_SYNC_CHECKS=1`` to get a ``ValueError`` instead, at the cost of a sync)."""
+    (``torch._assert_async``): a device-side assertion, after which the CUDA context is unusable. Left
+    only for the checks that have no error-word kind (a mismatch of two tensors' sequence lengths); value
+    checks record in the error word instead (:func:`kernel_check`, :func:`device_errors.record_where`)."""
     torch_compat.assert_async(ok, f"kl_kernels: {message}")
 
 
-def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per_sequence) -> torch.Tensor | None:
-    """The value check ``kernel`` (``"offsets_valid"`` or ``"lengths_valid"``, csrc/cuda/ragged_checks.cu)
-    of CUDA tensor ``values`` (int64, contiguous), enqueued on the current stream: an int32 0-d tensor,
-    1 when the values are valid, for :func:`device_check`. ``lengths_valid`` takes two more:
-    ``offsets`` and ``seq_lengths`` (each a tensor or None), the per-sequence bounds of a packed or
-    padded batch's ``prompt_lens`` (else ``bound``). One launch where the same check in torch
-    operations takes five or six. None when it cannot run (not contiguous int64 CUDA tensors, no
-    ``_cuda`` kernel): the caller checks with torch operations."""
+def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per_sequence, name: str,
+                 bound_kind: int = -1) -> bool:
+    """Enqueue the value check ``kernel`` (``"offsets_valid"`` or ``"lengths_valid"``,
+    csrc/cuda/ragged_checks.cu) of CUDA tensor ``values`` (int64, contiguous) on the current stream; a bad
+    value is recorded in the device's error word as argument ``name`` (kl_kernels.device_errors).
+    ``lengths_valid`` takes two more: ``offsets`` and ``seq_lengths`` (each a tensor or None), the
+    per-sequence bounds of a packed or padded batch's ``prompt_lens`` (else ``bound``), and
+    ``bound_kind`` (prompt_lens: the index of their bound in ``device_errors.SEQUENCE_BOUNDS``). One
+    launch where the same check in torch operations takes five or six. False when it cannot run (not
+    contiguous int64 CUDA tensors, no ``_cuda`` kernel): the caller checks with torch operations."""
     given = [t for t in (values, *per_sequence) if t is not None]
     if any(t.device.type != "cuda" or t.dtype != torch.int64 or not t.is_contiguous() for t in given):
-        return None
+        return False
     from . import _extensions  # not at import time: kl_kernels.ragged must import without the extension
     from .launching import raise_for
 
     fn, reason = _extensions.kernel("_cuda", kernel)
     if reason:
-        return None
+        return False
     with torch.cuda.device(values.device):
-        ok, code = launch_check(fn, values, batch, bound, *per_sequence,
-                                stream=torch.cuda.current_stream(values.device).cuda_stream)
+        code = launch_check(fn, values, batch, bound, *per_sequence, name=name, bound_kind=bound_kind,
+                            stream=torch.cuda.current_stream(values.device).cuda_stream)
     raise_for(code, _extensions.load("_cuda")[0], f"the {kernel} check")  # the kernels' one table of codes
-    return ok
+    return True
 
 
-def launch_check(fn, values: torch.Tensor, batch: int, bound: int, *per_sequence, stream: int):
-    """Call check kernel ``fn`` (a ``_cuda`` or ``_cuda_emu`` binding) the way :func:`kernel_check`
-    does: ``(ok, error code)``, ``ok`` a fresh int32 0-d tensor on ``values``' device. Shared so that
-    the tests run every call site's arguments through the emulated kernels on the CPU."""
-    ok = torch.empty((), dtype=torch.int32, device=values.device)
-    extra = [0 if t is None else t.data_ptr() for t in per_sequence]
-    return ok, fn(values.data_ptr(), batch, bound, *extra, ok.data_ptr(), stream)
+def launch_check(fn, values: torch.Tensor, batch: int, bound: int, *per_sequence, name: str, bound_kind: int = -1,
+                 stream: int) -> int:
+    """Call check kernel ``fn`` (a ``_cuda`` or ``_cuda_emu`` binding) the way :func:`kernel_check` does,
+    recording into the error word of ``values``' device: the launch's error code. Shared so that the tests
+    run every call site's arguments through the emulated kernels on the CPU."""
+    from . import codes, device_errors
+
+    errors = device_errors.word(values.device).address
+    arg = codes.ARG_CODES.get(name, 0)
+    if per_sequence:
+        extra = [0 if t is None else t.data_ptr() for t in per_sequence]
+        return fn(values.data_ptr(), batch, bound, *extra, errors, arg, bound_kind, stream)
+    return fn(values.data_ptr(), batch, bound, errors, arg, stream)
 
 
-def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> None:
-    """Raise if ``offsets`` is not a valid ``[B + 1]`` int64 offsets vector for ``num_tokens``.
+# The integer dtypes index tensors (offsets, lengths, prompt_lens, labels) may have: int32 is what
+# flash-attention's unpadding and verl's remove-padding path produce as cu_seqlens. They are widened
+# to int64 on their device (one cast kernel, no host sync) before anything reads them.
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=None) -> torch.Tensor:
+    """Raise if ``offsets`` is not a valid ``[B + 1]`` int64 or int32 offsets vector for ``num_tokens``;
+    return it as int64 (int32 widened on its device: a new tensor, the input unchanged).
 
     Structure (type, dtype, rank, device) is always checked; the values (start at 0,
     non-decreasing, end at ``num_tokens``) too: on the host for CPU tensors, on the device for
@@ -252,24 +269,33 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
     """
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D int64 tensor [B + 1], got {type(offsets).__name__}")
-    if offsets.dtype != torch.int64:
-        raise TypeError(f"{name} must be int64 (cu_seqlens as int64), got {offsets.dtype}")
+    if offsets.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int64 or int32 tensor (cu_seqlens), got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.shape[0] < 1:
         raise ValueError(f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(offsets.shape)}")
     if device is not None and offsets.device != torch.device(device):
         raise ValueError(f"{name} must be on {device} like the values, got {offsets.device}")
-    if not values_checkable(offsets):
-        return
+    if offsets.dtype != torch.int64:
+        offsets = offsets.to(torch.int64)
+    if values_checkable(offsets):
+        _check_offset_values(offsets, num_tokens, name)
+    return offsets
+
+
+def _check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str) -> None:
+    device_errors.raise_pending(offsets.device)  # an earlier call's bad value on this device, before this call's
     if not checks_on_host(offsets):
-        # (narrow/select rather than Python indexing: the same ops, and they also trace under a fake
-        # CUDA mode on a CPU-only torch, which tests/test_no_host_sync.py uses)
         n = offsets.shape[0]
-        ok = kernel_check("offsets_valid", offsets, n - 1, num_tokens)
-        if ok is None:
-            ok = offsets.select(0, 0).eq(0) & offsets.select(0, n - 1).eq(num_tokens)
+        if not kernel_check("offsets_valid", offsets, n - 1, num_tokens, name=name):
+            # torch operations, in the host check's order: the first recorded wins (narrow/select rather than
+            # Python indexing: they also trace under a fake CUDA mode on a CPU-only torch, which
+            # tests/test_no_host_sync.py uses)
+            first, last = offsets.narrow(0, 0, 1), offsets.narrow(0, n - 1, 1)
+            device_errors.record_where(first.ne(0), first, "offsets_start", name, num_tokens)
             if n > 1:
-                ok = ok & offsets.narrow(0, 1, n - 1).ge(offsets.narrow(0, 0, n - 1)).all()
-        device_check(ok, f"{name} must start at 0, be non-decreasing and end at N = {num_tokens}")
+                dips = offsets.narrow(0, 1, n - 1).lt(offsets.narrow(0, 0, n - 1))
+                device_errors.record_where(dips, offsets.narrow(0, 1, n - 1), "offsets_decreasing", name, num_tokens)
+            device_errors.record_where(last.ne(num_tokens), last, "offsets_end", name, num_tokens)
         return
     facts = _int64_facts_cpu(offsets)
     if facts is not None:
@@ -283,11 +309,11 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
         first_v, last_v, decreasing_v = torch.stack(
             [first, last, decreasing.to(torch.int64).to(offsets.device)]).tolist()
     if first_v != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0] = {first_v}")
+        raise ValueError(device_errors.value_error_message("offsets_start", name, first_v, num_tokens))
     if decreasing_v:
-        raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0)")
+        raise ValueError(device_errors.value_error_message("offsets_decreasing", name))
     if last_v != num_tokens:
-        raise ValueError(f"{name} must end at the number of tokens N = {num_tokens}, got {name}[-1] = {last_v}")
+        raise ValueError(device_errors.value_error_message("offsets_end", name, last_v, num_tokens))
 
 
 def _check_padding_side(padding_side) -> None:
@@ -306,17 +332,21 @@ def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "le
         raise TypeError(f"{name} must be an integer tensor [B], got {lengths.dtype}")
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
+    if lengths.dtype != torch.int64:  # widened on its device: the kernels and checks read int64
+        lengths = lengths.to(torch.int64)
+    if batch and values_checkable(lengths):
+        device_errors.raise_pending(lengths.device)  # an earlier call's bad value on this device
     if batch and values_checkable(lengths) and not checks_on_host(lengths):
-        ok = kernel_check("lengths_valid", lengths, batch, width, None, None)
-        device_check(((lengths >= 0) & (lengths <= width)).all() if ok is None else ok,
-                     f"{name} must be in [0, T = {width}]")
+        if not kernel_check("lengths_valid", lengths, batch, width, None, None, name=name):
+            device_errors.record_where(lengths.lt(0), lengths, "below_zero", name, width)
+            device_errors.record_where(lengths.gt(width), lengths, "above_bound", name, width)
     elif batch and values_checkable(lengths):
         facts = _int64_facts_cpu(lengths)
         lo, hi = facts[2:4] if facts is not None else torch.stack([lengths.min(), lengths.max()]).tolist()
         if lo < 0:
-            raise ValueError(f"{name} must be >= 0, got a length of {lo}")
+            raise ValueError(device_errors.value_error_message("below_zero", name, lo, width))
         if hi > width:
-            raise ValueError(f"{name} must be <= T = {width} (the padded width), got a length of {hi}")
+            raise ValueError(device_errors.value_error_message("above_bound", name, hi, width))
     return lengths if lengths.dtype == torch.int64 else lengths.to(torch.int64)
 
 
@@ -575,7 +605,7 @@ def pack(x, *, offsets: torch.Tensor | None = None, lengths: torch.Tensor | None
         kind = "nested_jagged" if x.layout == torch.jagged else "nested_strided"
         return r, RaggedLayout(kind, r.offsets)
     if offsets is not None:
-        check_offsets(offsets, x.shape[0], device=x.device)
+        offsets = check_offsets(offsets, x.shape[0], device=x.device)
         return Ragged(x, offsets), RaggedLayout("packed", offsets)
     if x.dim() < 2:
         raise ValueError(f"a 1-D tensor needs offsets [B + 1] (packed layout); got shape {tuple(x.shape)}")

@@ -59,9 +59,19 @@ def test_no_local_memory_or_stack(usage):
     assert not bad, f"kernels with spills or a stack frame: {bad}"
 
 
+# The one atomic allowed: the integer compare-and-swap that claims the device error word (csrc/cuda/errors.cuh,
+# kl_kernels/device_errors.py), in the value checks alone, on the bad-value path; results never depend on it.
+ERROR_WORD_KERNELS = {"offsets_valid", "lengths_valid"}
+
+
 def test_no_atomics(sass):
-    bad = sorted((k, sorted(o for o in ops if o.startswith(("ATOM", "RED")))) for k, ops in sass.items()
-                 if any(o.startswith(("ATOM", "RED")) for o in ops))
+    def atomics(k, ops):
+        found = sorted(o for o in ops if o.startswith(("ATOM", "RED")))
+        if k[1] in ERROR_WORD_KERNELS:  # a 64-bit integer CAS (ATOMG.E.CAS.64... or ATOMG.E.64 with .CAS folded)
+            found = [o for o in found if not (o.startswith("ATOMG") and ".ADD" not in o and ".F" not in o)]
+        return found
+
+    bad = sorted((k, atomics(k, ops)) for k, ops in sass.items() if atomics(k, ops))
     assert not bad, f"atomics in: {bad}"
 
 

@@ -73,8 +73,8 @@ CATALOGUE = [
     ("mask-list-lengths", lambda: listed(mask=[torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.bool)]),
      ValueError, r"mask must have the sequence lengths of log_probs"),
     # offsets
-    ("offsets-int32", lambda: packed(offsets=torch.tensor([0, 3, 3, 7], dtype=torch.int32)), TypeError,
-     r"offsets must be int64"),
+    ("offsets-int16", lambda: packed(offsets=torch.tensor([0, 3, 3, 7], dtype=torch.int16)), TypeError,
+     r"offsets must be an int64 or int32 tensor"),  # (int32 is accepted: tests/test_int32_indices.py)
     ("offsets-2d", lambda: packed(offsets=torch.tensor([[0, 3, 3, 7]])), ValueError, r"offsets must be 1-D"),
     ("offsets-empty", lambda: packed(offsets=torch.zeros(0, dtype=torch.int64)), ValueError, r"offsets must be 1-D with B \+ 1 >= 1"),
     ("offsets-not-zero-start", lambda: packed(offsets=torch.tensor([1, 3, 3, 7])), ValueError, r"offsets must start at 0"),

@@ -2,9 +2,10 @@
 call on CUDA tensors enqueues instead of six torch operations per check (``ragged.kernel_check``).
 
 Run here under the host emulation (``kl_kernels._cuda_emu``, the same source): on random offsets and
-lengths, valid or broken at one place, across the block's 256 threads (B up to 700), the kernel's
-verdict equals the host check's (``ragged.check_offsets`` / ``check_lengths`` on CPU tensors, which
-raise ``ValueError``). On a GPU, ``.ci/gpu`` runs the calls that use it.
+lengths, valid or broken at one place, across the block's 256 threads (B up to 700), what the kernel
+records in the error word (kl_kernels/device_errors.py) raises the host check's ``ValueError``, word for
+word (``ragged.check_offsets`` / ``check_lengths`` on CPU tensors), and nothing when the host check
+passes. On a GPU, ``.ci/gpu`` and ``.ci/gpu_checks.py`` run the calls that use it.
 """
 
 from __future__ import annotations
@@ -15,28 +16,40 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from batches import LAYOUTS, check
-from kl_kernels import _extensions, ragged
+from kl_kernels import _extensions, codes, device_errors, ragged
 from strategies import cases
 from test_kl_reward_oracle import _auto_is_ambiguous
 
 pytestmark = pytest.mark.cuda_emulated
 
 
-def _kernel_says(kernel: str, values: torch.Tensor, batch: int, bound: int, *per_sequence) -> bool:
+def _recorded(values: torch.Tensor) -> str | None:
+    """The message of the error recorded on ``values``' device (the CPU's word, the emulated kernels'),
+    clearing it; None when none."""
+    try:
+        device_errors.raise_pending(values.device)
+    except ValueError as e:
+        return str(e).split(" (found on ")[0]
+    return None
+
+
+def _kernel_says(kernel: str, values: torch.Tensor, batch: int, bound: int, *per_sequence, name: str,
+                 bound_kind: int = -1) -> str | None:
+    """The emulated kernel's finding as the message it raises (None: valid)."""
     module = _extensions.load("_cuda_emu")[0]
-    ok = torch.full((), -1, dtype=torch.int32)  # poisoned: the kernel must write it
-    extra = [0 if t is None else t.data_ptr() for t in per_sequence]
-    assert getattr(module, kernel)(values.data_ptr(), batch, bound, *extra, ok.data_ptr(), 0) == 0
-    assert int(ok) in (0, 1)
-    return bool(ok)
+    assert _recorded(values) is None  # nothing left over
+    code = ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+                               bound_kind=bound_kind, stream=0)
+    assert code == 0
+    return _recorded(values)
 
 
-def _host_says(check, *args) -> bool:
+def _host_says(check, *args) -> str | None:
     try:
         check(*args)
-    except ValueError:
-        return False
-    return True
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 @st.composite
@@ -64,7 +77,7 @@ def _offsets(draw):
 def test_offsets_kernel_agrees_with_the_host_check(case):
     offsets, total = case
     want = _host_says(ragged.check_offsets, offsets, total)
-    assert _kernel_says("offsets_valid", offsets, offsets.shape[0] - 1, total) == want
+    assert _kernel_says("offsets_valid", offsets, offsets.shape[0] - 1, total, name="offsets") == want
 
 
 @given(lengths=st.lists(st.integers(-2, 40), min_size=0, max_size=700), width=st.integers(0, 38))
@@ -72,7 +85,14 @@ def test_offsets_kernel_agrees_with_the_host_check(case):
 def test_lengths_kernel_agrees_with_the_host_check(lengths, width):
     t = torch.tensor(lengths, dtype=torch.int64)
     want = _host_says(ragged.check_lengths, t, len(lengths), width)
-    assert _kernel_says("lengths_valid", t, len(lengths), width, None, None) == want
+    got = _kernel_says("lengths_valid", t, len(lengths), width, None, None, name="lengths")
+    # one bad value each side at most is the host's report (it names the smallest / largest); the kernel
+    # names the first bad one: the same message when there is one of a kind
+    below, above = (t < 0).sum().item(), (t > width).sum().item()
+    if below <= 1 and (below == 1 or above <= 1):
+        assert got == want
+    else:
+        assert (got is None) == (want is None)
 
 
 @given(data=st.data())
@@ -91,33 +111,38 @@ def test_prompt_lens_kernel_agrees_with_the_host_check(data):
         shape = (int(offsets[-1]),) if packed else (len(lens), width)
         try:
             kl_reward(torch.zeros(shape), torch.zeros(shape), prompt_lens=prompt, backend="torch", **kw)
-            want = True
-        except ValueError:
-            want = False
+            want = None
+        except ValueError as e:
+            want = str(e)
         got = _kernel_says("lengths_valid", prompt, len(lens), width, offsets if packed else None,
-                           None if packed else lengths)
-        assert got == want, (packed, lens, prompt.tolist())
+                           None if packed else lengths, name="prompt_lens", bound_kind=0 if packed else 1)
+        if ((prompt < 0).sum() + (prompt > lengths).sum()) <= 1:  # one bad value: the same message
+            assert got == want, (packed, lens, prompt.tolist())
+        else:
+            assert (got is None) == (want is None), (packed, lens, prompt.tolist())
 
 
 def test_kernel_check_falls_back_where_it_cannot_run():
-    """CPU tensors, other dtypes and strided values are not the kernels': None, and the caller uses
+    """CPU tensors, other dtypes and strided values are not the kernels': False, and the caller uses
     torch operations (or the host check, for CPU tensors)."""
-    assert ragged.kernel_check("offsets_valid", torch.tensor([0, 1]), 1, 1) is None
-    assert ragged.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3) is None
+    assert ragged.kernel_check("offsets_valid", torch.tensor([0, 1]), 1, 1, name="offsets") is False
+    assert ragged.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3, None, None,
+                               name="lengths") is False
 
 
 def _checks_as_on_a_gpu(monkeypatch) -> list:
     """Make the value checks take their accelerator path on CPU tensors: ``checks_on_host`` False,
-    ``kernel_check`` run by the emulated kernels through the same argument marshalling. Returns the
-    list the kernels' names are appended to, call by call."""
+    ``kernel_check`` run by the emulated kernels through the same argument marshalling, recording into the
+    CPU's error word. Returns the list the kernels' names are appended to, call by call."""
     module = _extensions.load("_cuda_emu")[0]
     calls = []
 
-    def on_the_emulator(kernel, values, batch, bound, *per_sequence):
+    def on_the_emulator(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
         calls.append(kernel)
-        ok, code = ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, stream=0)
+        code = ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+                                   bound_kind=bound_kind, stream=0)
         assert code == 0
-        return ok
+        return True
 
     monkeypatch.setattr(ragged, "checks_on_host", lambda t: False)
     monkeypatch.setattr(ragged, "kernel_check", on_the_emulator)
@@ -128,8 +153,9 @@ def test_every_call_site_passes_what_the_kernels_take(monkeypatch):
     """The eager calls that enqueue a value check on a GPU, run here through the emulated kernels
     (``checks_on_host`` made False, ``kernel_check`` routed to ``_cuda_emu`` by the same argument
     marshalling): each passes arguments the binding accepts, valid batches pass and a bad
-    ``prompt_lens`` trips the assertion. A packed batch's ``prompt_lens`` check once passed
-    ``width=None``, a TypeError on every packed GPU call with ``prompt_lens`` (first H100 run)."""
+    ``prompt_lens`` is recorded, raised by the next call as the host's ValueError, after which calls work.
+    A packed batch's ``prompt_lens`` check once passed ``width=None``, a TypeError on every packed GPU call
+    with ``prompt_lens`` (first H100 run)."""
     from kl_kernels import kl_penalty_loss, kl_reward
 
     calls = _checks_as_on_a_gpu(monkeypatch)
@@ -143,8 +169,11 @@ def test_every_call_site_passes_what_the_kernels_take(monkeypatch):
         assert out.reward.isfinite().all()
         kl_penalty_loss(x, x * 0.5, torch.ones_like(x), ref_log_probs=x * 0.25, backend="torch", **kw)
     assert set(calls) == {"offsets_valid", "lengths_valid"}
-    with pytest.raises(RuntimeError, match="prompt_lens must be in"):
-        kl_reward(packed, packed, prompt_lens=torch.tensor([4, 0, 0]), offsets=offsets, backend="torch")
+    kl_reward(packed, packed, prompt_lens=torch.tensor([4, 0, 0]), offsets=offsets, backend="torch")  # no raise here
+    with pytest.raises(ValueError, match="prompt_lens must be <= the sequence lengths: sequence 0 has prompt_lens 4 "
+                                         "but only 3 tokens"):
+        kl_reward(packed, packed, offsets=offsets, backend="torch")  # the next call
+    assert kl_reward(packed, packed, offsets=offsets, backend="torch").kl.eq(0).all()  # and then calls work
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -12,8 +12,29 @@ enum Placement : int32_t { kNoReward = 0, kToken = 1, kSequence = 2, kLast = 3, 
 enum Layout : int32_t { kPacked = 0, kPadded = 1 };
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum CoefMode : int32_t { kCoefScalar = 0, kCoefTensor0d = 1, kCoefPerSeq = 2 };
+enum ErrorSlot : int32_t {
+  kSlotClaim = 0,
+  kSlotKind = 1,
+  kSlotArg = 2,
+  kSlotIndex = 3,
+  kSlotValue = 4,
+  kSlotBound = 5,
+  kSlotExtra = 6,
+};
+enum ValueErrorKind : int32_t {
+  kErrNone = 0,
+  kErrOffsetsStart = 1,
+  kErrOffsetsDecreasing = 2,
+  kErrOffsetsEnd = 3,
+  kErrBelowZero = 4,
+  kErrAboveBound = 5,
+  kErrAboveSequence = 6,
+  kErrLabelRange = 7,
+};
+enum ArgCode : int32_t { kArgNone = 0, kArgOffsets = 1, kArgLengths = 2, kArgPromptLens = 3, kArgLabels = 4 };
 
 constexpr float kLogRatioBound = 20.0f;
 constexpr float kRowFar = 88.0f;  // the row ops' bound on lse - z (row_math.h)
+constexpr int kErrorWordSlots = 8;  // int64 slots of the error word
 
 }  // namespace kl

@@ -82,6 +82,44 @@ KL_HD float coef_of(const KLRewardArgs& a, int64_t b) {
   return a.coef_mode == kCoefPerSeq ? c[b] : c[0];
 }
 
+// ---------------------------------------------------------------- geometry under any values
+// On the CPU the host checks offsets / lengths / prompt_lens before a kernel runs. On a GPU they are checked
+// on the device while the kernels already run (kl_kernels/device_errors.py: a bad value is recorded, never
+// asserted), so every index the kernels derive from them is clamped into the buffers (offsets into [0, total],
+// lengths into [0, width]): memory-safe under any values, and for valid ones the same numbers.
+
+KL_HD int64_t clamp_to(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// offsets[b] clamped into [0, total].
+KL_HD int64_t offset_at(const KLRewardArgs& a, int64_t b) {
+  return clamp_to(reinterpret_cast<const int64_t*>(a.offsets)[b], 0, a.total);
+}
+
+// The length of padded row b clamped into [0, width] (all T without lengths).
+KL_HD int64_t length_at(const KLRewardArgs& a, int64_t b) {
+  const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
+  return len ? clamp_to(len[b], 0, a.width) : a.width;
+}
+
+// Whether sequence b's geometry is invalid (what the value checks report): its outputs are then NaN.
+KL_HD bool geometry_bad(const KLRewardArgs& a, int64_t b) {
+  int64_t length = a.width;
+  bool bad = false;
+  if (a.layout == kPacked) {
+    const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+    const int64_t lo = off[b], hi = off[b + 1];
+    bad = lo < 0 || hi > a.total || hi < lo || (b == 0 && lo != 0) || (b == a.batch - 1 && hi != a.total);
+    // a decrease next to it moves tokens in or out of its range too
+    bad = bad || (b > 0 && off[b - 1] > lo) || (b + 1 < a.batch && off[b + 2] < hi);
+    length = hi - lo;
+  } else if (a.lengths) {
+    length = reinterpret_cast<const int64_t*>(a.lengths)[b];
+    bad = length < 0 || length > a.width;
+  }
+  const int64_t* pl = reinterpret_cast<const int64_t*>(a.prompt_lens);
+  return bad || (pl && (pl[b] < 0 || pl[b] > length));
+}
+
 // Geometry of sequence b: its length and, for padded rows, the column of its first valid token.
 struct SeqGeom {
   int64_t length;
@@ -93,13 +131,11 @@ KL_HD SeqGeom seq_geom(const KLRewardArgs& a, int64_t b) {
   SeqGeom g{};
   const int64_t* pl = reinterpret_cast<const int64_t*>(a.prompt_lens);
   g.prompt = pl ? pl[b] : 0;
-  if (a.layout == kPacked) {
-    const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
-    g.first_col = off[b];
-    g.length = off[b + 1] - off[b];
+  if (a.layout == kPacked) {  // (clamped: a negative length when the offsets decrease)
+    g.first_col = offset_at(a, b);
+    g.length = offset_at(a, b + 1) - g.first_col;
   } else {
-    const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
-    g.length = len ? len[b] : a.width;
+    g.length = length_at(a, b);
     g.first_col = a.left_pad ? a.width - g.length : 0;
   }
   return g;
@@ -107,9 +143,10 @@ KL_HD SeqGeom seq_geom(const KLRewardArgs& a, int64_t b) {
 
 // Flat range [*lo, *hi) of sequence b's row (packed: its tokens; padded: the whole row, padding included).
 KL_HD void flat_range(const KLRewardArgs& a, int64_t b, int64_t* lo, int64_t* hi) {
-  if (a.layout == kPacked) {
-    *lo = reinterpret_cast<const int64_t*>(a.offsets)[b];
-    *hi = reinterpret_cast<const int64_t*>(a.offsets)[b + 1];
+  if (a.layout == kPacked) {  // clamped, and empty where the offsets decrease
+    *lo = offset_at(a, b);
+    *hi = offset_at(a, b + 1);
+    *hi = *hi < *lo ? *lo : *hi;
   } else {
     *lo = b * a.width;
     *hi = *lo + a.width;
@@ -135,7 +172,7 @@ template <int32_t DT, int32_t RT>
 KL_HD void place_last(const KLRewardArgs& a, int64_t b, int64_t last_counted) {
   const SeqGeom g = seq_geom(a, b);
   const int64_t pos = last_counted >= 0 ? last_counted : g.length - 1;
-  if (pos < 0) return;
+  if (pos < 0 || pos >= g.length) return;  // (>=: only under invalid geometry, whose outputs are NaN)
   const int64_t row = a.layout == kPacked ? 0 : b, col = g.first_col + pos;
   const int64_t out = a.layout == kPacked ? col : b * a.width + col;
   float k = 0.0f;

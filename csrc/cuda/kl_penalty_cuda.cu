@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
   // sequence in this tile), the segment's first lane, where its sum goes (the whole sequence is in
   // the tile; it continues from the previous tile; into the next), whether it is counted and in
   // bounds, and its sequence relative to the tile's first.
-  uint64_t bits = 0;  // per element j, 7 bits from 7 * j: starts, ends, whole, head, tail, counted, inb
+  uint64_t bits = 0;  // per element j, 7 bits from 7 * j: starts, ends, whole, head, tail, counted, inb; bad
   const int64_t seq0 = w[0].seq;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
@@ -98,6 +98,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
                        ((e.lo >= t0 && e.hi - 1 <= t_last) ? 4u : 0u) | (e.lo <= t0 ? 8u : 0u) |
                        (e.hi - 1 >= t_last ? 16u : 0u) | (e.counted ? 32u : 0u) | (e.inb ? 64u : 0u);
     bits |= f << (7 * j);
+    bits |= static_cast<uint64_t>(e.inb && geometry_bad(g, e.seq) ? 1u : 0u) << (56 + j);  // 56..63: NaN (bad)
   }
 
   const float sign = a.ref ? 1.0f : -1.0f;
@@ -148,6 +149,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
     }
+    if ((bits >> (56 + j)) & 1u) loss = obj = kl = gr = NAN;  // invalid geometry, reported by the error word
     vals[0][j] = loss, vals[1][j] = obj, vals[2][j] = kl, vals[3][j] = ent, vals[4][j] = ratio, vals[5][j] = clipped;
     if (!full && inb) grad[i0 + j] = gr;
     if (inb && tok) {
@@ -241,8 +243,9 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   // A row inside one tile was finished by its tile; an empty one gets zeros.
   combine_sequences<kSums>(g.batch, range, slot, [&](int64_t b, int64_t lo, int64_t hi, bool spans,
                                                      const SlotTotals<kSums>& t) {
+    if (geometry_bad(g, b)) seq_loss[b] = NAN;  // also when it holds no element
     if (hi > lo && !spans) return;
-    seq_loss[b] = static_cast<float>(t.sum[0]);
+    seq_loss[b] = geometry_bad(g, b) ? NAN : static_cast<float>(t.sum[0]);
     for (int v = 1; v < kSums; ++v) stats[b * kStatColumns + (v - 1)] = static_cast<float>(t.sum[v]);
     count[b] = t.count;
   });
@@ -325,6 +328,7 @@ __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs 
       glp[j] = gin * gr[j];
       gent[j] = -a.entropy_coef * gin;
     }
+    if (w[j].inb && geometry_bad(g, w[j].seq)) glp[j] = gent[j] = NAN;  // invalid geometry: NaN
   }
   if (full) {
     Pack<BitsOf<DT>> pl;

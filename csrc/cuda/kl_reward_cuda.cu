@@ -226,6 +226,16 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
       last = wsp.last[b];
     }
     if (a.placement == kLast || a.placement == kLastValid) place_sequence_reward<DT, RT>(a, b, last);
+    if (geometry_bad(a, b)) {
+      // Invalid geometry (reported through the error word): NaN over the sequence's outputs, written here
+      // on that path alone rather than tested per element in forward_tile (whose registers are full)
+      kl_sum[b] = NAN;
+      for (int64_t i = lo; i < hi; ++i) {
+        store<DT>(reinterpret_cast<void*>(a.kl), i, NAN);
+        store<RT>(reinterpret_cast<void*>(a.reward_out), i, NAN);
+        if (a.ref_out) store<DT>(reinterpret_cast<void*>(a.ref_out), i, NAN);
+      }
+    }
   };
   combine_sequences<1>(a.batch, range, slot, finish);
 }
@@ -276,6 +286,7 @@ __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
       glp[j] = g * kl_grad(d[j], a.est);
       gref[j] = (a.g_ref_out ? gro[j] : 0.0f) - glp[j];
     }
+    if (e.inb && geometry_bad(a, e.seq)) glp[j] = gref[j] = NAN;  // invalid geometry: NaN
   }
   if (full) {
     Pack<BitsOf<DT>> pl, pr;

@@ -113,14 +113,23 @@ PYBIND11_MODULE(KL_CUDA_MODULE, m) {
         "Fused full_kl backward (the gradients to both logits), enqueued on `stream`; same return codes as the "
         "forward.");
   m.def("offsets_valid", &kl::kl_offsets_valid_cuda, py::arg("offsets"), py::arg("batch"), py::arg("total"),
-        py::arg("ok"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-        "Enqueue the value check of offsets [B + 1] (int64): *ok (int32) = 1 when they start at 0, never decrease "
-        "and end at total, else 0. Returns 0 or 1000 + a cudaError_t.");
+        py::arg("errors"), py::arg("arg"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "Enqueue the value check of offsets [B + 1] (int64): start at 0, never decrease, end at total; the "
+        "first bad value is recorded in the error word `errors` as argument `arg` (no assert). Returns 0 or "
+        "1000 + a cudaError_t.");
   m.def("lengths_valid", &kl::kl_lengths_valid_cuda, py::arg("lengths"), py::arg("batch"), py::arg("width"),
-        py::arg("offsets"), py::arg("seq_lengths"), py::arg("ok"), py::arg("stream"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Enqueue the value check of lengths [B] (int64): *ok (int32) = 1 when 0 <= lengths[b] <= the bound of b "
-        "(offsets[b + 1] - offsets[b] with offsets, else seq_lengths[b] with seq_lengths, else width), else 0.");
+        py::arg("offsets"), py::arg("seq_lengths"), py::arg("errors"), py::arg("arg"), py::arg("bound_kind"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "Enqueue the value check of lengths [B] (int64): 0 <= lengths[b] <= the bound of b (offsets[b + 1] - "
+        "offsets[b] with offsets, else seq_lengths[b] with seq_lengths, else width); the first bad value is "
+        "recorded in the error word `errors` (no assert).");
+  m.def("error_word_alloc", [](int device) {
+        uintptr_t host = 0, dev = 0;
+        kl::kl_error_word_alloc(device, &host, &dev);
+        return py::make_tuple(host, dev);
+      }, py::arg("device"),
+        "A zeroed device error word (kl_kernels.device_errors) in mapped pinned memory: (host address, device "
+        "address), (0, 0) on failure. Never freed: one per device per process.");
   m.def("error_string", [](int code) { return std::string(kl_probe_error_string(code)); }, py::arg("code"),
         "The CUDA runtime's message for a cudaError_t.");
 #if defined(KL_CUDA_EMULATED)

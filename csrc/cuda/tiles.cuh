@@ -48,7 +48,7 @@ struct Where {
 // The 8 consecutive elements of this thread, starting at flat index i0 (tile range [t0, t_last]).
 __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_t b_lo, int64_t b_hi,
                                        Where (&w)[kPer]) {
-  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);  // raw: compared only, never an index
   const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
   const int64_t* prompt = reinterpret_cast<const int64_t*>(a.prompt_lens);
   const uint8_t* mask = reinterpret_cast<const uint8_t*>(a.mask);
@@ -74,8 +74,11 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
     if (a.layout == kPacked) {
       while (e.inb && seq + 1 < a.batch && off[seq + 1] <= i) ++seq;  // skips empty sequences
       e.seq = seq;
-      e.lo = off[seq];
-      e.hi = off[seq + 1];
+      // clamped, and widened to hold i: under invalid offsets the tile's lanes stay in the tile
+      e.lo = offset_at(a, seq);
+      e.hi = offset_at(a, seq + 1);
+      e.lo = e.lo > i ? i : e.lo;
+      e.hi = e.hi <= i ? i + 1 : e.hi;
       e.col = i;
       e.pos = i - e.lo;
       e.counted = e.inb;
@@ -85,7 +88,7 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
       e.lo = seq * a.width;
       e.hi = e.lo + a.width;
       e.col = i - e.lo;
-      const int64_t length = (e.inb && len) ? len[seq] : a.width;
+      const int64_t length = (e.inb && len) ? clamp_to(len[seq], 0, a.width) : a.width;
       e.pos = a.left_pad ? e.col - (a.width - length) : e.col;
       e.counted = e.inb && e.pos >= 0 && e.pos < length;
     }

@@ -135,6 +135,16 @@ Counters counters();
 
 inline void __syncthreads() { kl_emu::syncthreads(); }
 
+// Integer atomics and fences (the device error word, cuda/errors.cuh). Launches are serialized and a
+// block's fibers switch only at barriers, so a compare-and-swap needs no more; the builtins keep it
+// honest against another OS thread reading the word (the host side of kl_kernels.device_errors).
+inline unsigned long long atomicCAS(unsigned long long* address, unsigned long long compare,
+                                    unsigned long long value) {
+  __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return compare;  // the old value (compare_exchange wrote it there when it differed)
+}
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
 template <typename T>
 inline uint64_t kl_emu_bits(T v) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffles move register-sized values");

@@ -96,7 +96,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
         combine[(triton_cdiv(batch, PENALTY_COMBINE_BLOCK),)](
-            or_dummy(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, width, PACKED=packed,
+            or_dummy(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, total, width, PACKED=packed,
             TILE=block, BLOCK_B=PENALTY_COMBINE_BLOCK, CHUNK=COMBINE_CHUNK)
     return seq_loss, stats, count, tok, grad
 

@@ -96,7 +96,7 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
         combine[(triton_cdiv(batch, REWARD_COMBINE_BLOCK),)](
             log_probs, ref_log_probs, or_dummy(reward, dummy), or_dummy(c["coef"], kl_sum), or_dummy(c["offsets"], count),
             or_dummy(c["lengths"], count), reward_out, kl_sum, count, last, slot_sum, slot_count, slot_last,
-            batch, c["width"], *c["lp_s"], *c["ref_s"], rw_s0, c["coef_scalar"], lo, hi, olo, ohi,
+            batch, total, c["width"], *c["lp_s"], *c["ref_s"], rw_s0, c["coef_scalar"], lo, hi, olo, ohi,
             **c["flags"], PLACE_LAST=placement in (3, 4), LAST_VALID=placement == 4, TILE=block,
             BLOCK_B=REWARD_COMBINE_BLOCK, CHUNK=COMBINE_CHUNK)
     return kl, reward_out, ref_out, kl_sum, count

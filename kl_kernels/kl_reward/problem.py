@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _checks, codes, ragged
+from .. import _checks, codes, device_errors, ragged
 # The layout rules both ops share (kl_kernels/layouts.py), under the names this module has always used.
 from ..layouts import _FLOAT_DTYPES, NativeLayout, TokenLayout, and_not_nan
 from ..layouts import check_device as _check_device
@@ -319,10 +319,8 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
     prompt_lens = _int_vector(prompt_lens, "prompt_lens", batch, device)
     if batch and ragged.values_checkable(prompt_lens):
         padded = kind == "padded"
-        if padded:
-            what = "lengths" if lengths is not None else f"T = {width}"
-        else:
-            what = "the sequence lengths"
+        # what bounds them, as an index into device_errors.SEQUENCE_BOUNDS (one message for host and device)
+        bound_kind = (1 if lengths is not None else 2) if padded else 0
 
         def seq_lengths():  # the bounds as a tensor: the torch operations' check (the kernel reads them itself)
             if padded:
@@ -330,19 +328,22 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
             return ragged.offsets_to_lengths(offsets)
         if not ragged.checks_on_host(prompt_lens):
             # (packed: the kernel bounds each sequence by its offsets and reads no width; the binding takes an int)
-            ok = ragged.kernel_check("lengths_valid", prompt_lens, batch, width if padded else 0,
-                                     None if padded else offsets, lengths if padded else None)
-            ragged.device_check(((prompt_lens >= 0) & (prompt_lens <= seq_lengths())).all() if ok is None else ok,
-                                f"prompt_lens must be in [0, {what}]")
+            if not ragged.kernel_check("lengths_valid", prompt_lens, batch, width if padded else 0,
+                                       None if padded else offsets, lengths if padded else None,
+                                       name="prompt_lens", bound_kind=bound_kind):
+                device_errors.record_where(prompt_lens.lt(0), prompt_lens, "below_zero", "prompt_lens", 0)
+                bound = seq_lengths()
+                device_errors.record_where(prompt_lens.gt(bound), prompt_lens, "above_sequence", "prompt_lens",
+                                           bound, bound_kind)
             return prompt_lens
         seq_len = seq_lengths()
         negative, too_long = torch.stack([(prompt_lens < 0).any(), (prompt_lens > seq_len).any()]).tolist()
         if negative:
-            raise ValueError("prompt_lens must be >= 0")
+            raise ValueError(device_errors.value_error_message("below_zero", "prompt_lens", int(prompt_lens.min())))
         if too_long:
             b = int((prompt_lens > seq_len).nonzero()[0, 0])
-            raise ValueError(f"prompt_lens must be <= {what}: sequence {b} has prompt_lens {int(prompt_lens[b])} "
-                             f"but only {int(seq_len[b])} tokens")
+            raise ValueError(device_errors.value_error_message("above_sequence", "prompt_lens", int(prompt_lens[b]),
+                                                               int(seq_len[b]), bound_kind, b))
     return prompt_lens
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ragged
+from .. import device_errors, ragged
 from ..vocab_rows import LOGIT_DTYPES, RowsProblem, check_logits
 
 __all__ = ["LOGIT_DTYPES", "TokenLogprobsProblem", "build_problem"]
@@ -81,9 +81,12 @@ def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_i
     elif ragged.checks_on_host(labels):
         if labels.numel() and bool(bad.any()):
             first = labels[bad].reshape(-1)[0].item()
-            raise ValueError(f"labels must be in [0, {vocab}) (the vocabulary) or ignore_index={int(ignore_index)} "
-                             f"at counted tokens, got {first}")
+            raise ValueError(device_errors.value_error_message("label_range", "labels", first, vocab,
+                                                               int(ignore_index)))
     else:
-        ragged.device_check(~bad.any(), f"token_logprobs: labels outside [0, {vocab}) at counted tokens")
+        # no assert: recorded in the device's error word, raised at the next call or check_errors(); the
+        # kernels give NaN for such a row and never read outside it
+        device_errors.raise_pending(labels.device)
+        device_errors.record_where(bad, labels, "label_range", "labels", vocab, int(ignore_index))
     return TokenLogprobsProblem(logits=logits, labels=labels, counted=counted, temperature=float(temperature),
                                 return_entropy=return_entropy, inplace_backward=inplace_backward)

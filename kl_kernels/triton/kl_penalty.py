@@ -25,7 +25,7 @@ import triton.language as tl
 from .. import codes
 
 from .kl_math import clamp, exp_bounded, inside, kl_grad, kl_value, segment_sum
-from .tiles import coef_of, combine_rows, frame, later_tiles, segment_places
+from .tiles import coef_of, combine_rows, frame, geometry_bad, later_tiles, segment_places
 
 # Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
 # clipped; 8 for the combine's power-of-two 2-D block).
@@ -152,6 +152,11 @@ def kl_penalty_fwd_kernel(
     obj = tl.where(counted, obj, 0.0)
     kl = tl.where(counted, kl, 0.0)
     ratio = tl.where(counted, ratio, 0.0)
+    # invalid geometry (reported through the error word, kl_kernels/device_errors.py): NaN, also in the sums
+    bad = geometry_bad(offsets_ptr, lengths_ptr, lengths_ptr, seq, inb, total, batch, width, PACKED, HAS_LENGTHS,
+                       False)
+    grad = tl.where(bad, float("nan"), grad)
+    loss = tl.where(bad, float("nan"), loss)
     tl.store(grad_ptr + offs, grad, mask=inb)
     if TOKEN_OUT:
         tl.store(tok_ptr + offs, loss, mask=inb)
@@ -189,13 +194,13 @@ def kl_penalty_fwd_kernel(
     tl.store(slot_count_ptr + 2 * pid + 1 + tl.zeros_like(first), s_cnt, mask=tail)
 
 
-@triton.jit(do_not_specialize=("batch", "width"))
+@triton.jit(do_not_specialize=("batch", "total", "width"))
 def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, slot_sum_ptr, slot_count_ptr,
-                              batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr,
+                              batch, total, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr,
                               CHUNK: tl.constexpr):
     """Per sequence: finish the sums of sequences that span tiles (fp64; CHUNK later tiles a step,
     ``later_tiles``); zero the empty ones."""
-    b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
+    b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, total, PACKED, TILE, BLOCK_B)
     c = tl.arange(0, 8)
     used = c < 6
     m2 = spans[:, None] & used[None, :]
@@ -213,6 +218,8 @@ def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, s
     acc = tl.where(spans[:, None], acc, 0.0).to(tl.float32)
     loss = tl.sum(tl.where(c[None, :] == 0, acc, 0.0), axis=1)
     tl.store(seq_loss_ptr + b, loss, mask=write)
+    bad = geometry_bad(offsets_ptr, offsets_ptr, offsets_ptr, b, inb, total, batch, width, PACKED, False, False)
+    tl.store(seq_loss_ptr + b, tl.zeros_like(loss) + float("nan"), mask=bad)  # also when empty
     stat = write[:, None] & (c[None, :] >= 1) & used[None, :]
     tl.store(stats_ptr + b[:, None] * 5 + (c[None, :] - 1), acc, mask=stat)
     tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=write)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .kl_math import kl_grad, kl_value, segment_sum
-from .tiles import coef_of, combine_rows, frame, later_tiles, segment_places
+from .tiles import coef_of, combine_rows, frame, geometry_bad, later_tiles, segment_places
 
 # Runtime integers that change from batch to batch: no specialization on their values.
 _SIZES = ("total", "batch", "width", "lp_s0", "ref_s0", "mask_s0", "rw_s0")
@@ -73,9 +73,14 @@ def kl_reward_fwd_kernel(
         ref = tl.load(ref_at, mask=counted, other=0.0)
     k = kl_value(lp - ref.to(tl.float32), in_lo, in_hi, out_lo, out_hi, EST)
     k = tl.where(counted, k, 0.0)  # exactly 0 where not counted, whatever the clamps say
+    # invalid geometry (reported through the error word, kl_kernels/device_errors.py): NaN, also in the sums
+    bad = geometry_bad(offsets_ptr, lengths_ptr, prompt_ptr, seq, inb, total, batch, width, PACKED, HAS_LENGTHS,
+                       HAS_PROMPT)
+    k = tl.where(bad, float("nan"), k)
     tl.store(kl_ptr + offs, k.to(kl_ptr.dtype.element_ty), mask=inb)
     if RETURN_REF:
-        tl.store(ref_out_ptr + offs, tl.where(counted, ref, tl.zeros_like(ref)), mask=inb)
+        ref_kept = tl.where(counted, ref, tl.zeros_like(ref))
+        tl.store(ref_out_ptr + offs, tl.where(bad, float("nan"), ref_kept.to(tl.float32)).to(ref.dtype), mask=inb)
 
     c = coef_of(coef_ptr, coef_scalar, seq, inb, COEF_MODE)
     if PLACEMENT == 1:    # per-token reward
@@ -117,18 +122,18 @@ def _store_slot_counts(slot_count_ptr, slot_last_ptr, slot, member, end, is_last
     tl.store(slot_last_ptr + at, pos, mask=member & is_last_counted)
 
 
-@triton.jit(do_not_specialize=("batch", "width", "lp_s0", "ref_s0", "rw_s0"))
+@triton.jit(do_not_specialize=("batch", "total", "width", "lp_s0", "ref_s0", "rw_s0"))
 def kl_reward_combine_kernel(
         lp_ptr, ref_ptr, reward_ptr, coef_ptr, offsets_ptr, lengths_ptr, rw_out_ptr,
         kl_sum_ptr, count_ptr, last_ptr, slot_sum_ptr, slot_count_ptr, slot_last_ptr,
-        batch, width, lp_s0, lp_s1, ref_s0, ref_s1, rw_s0,
+        batch, total, width, lp_s0, lp_s1, ref_s0, ref_s1, rw_s0,
         coef_scalar, in_lo, in_hi, out_lo, out_hi,
         PACKED: tl.constexpr, LEFT_PAD: tl.constexpr, HAS_LENGTHS: tl.constexpr, PLACE_LAST: tl.constexpr,
         LAST_VALID: tl.constexpr, COEF_MODE: tl.constexpr, EST: tl.constexpr, TILE: tl.constexpr,
         BLOCK_B: tl.constexpr, CHUNK: tl.constexpr):
     """Per sequence: finish the sums of sequences spanning tiles (fp64; CHUNK later tiles a step,
     ``later_tiles``), zero the empty ones, and put a ``"last"``-placed (``LAST_VALID``: ``"last_valid"``) reward on its token."""
-    b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, PACKED, TILE, BLOCK_B)
+    b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, total, PACKED, TILE, BLOCK_B)
     # The sequence is the last segment of its first tile, then the first segment of the others.
     acc = tl.load(slot_sum_ptr + 2 * k0 + 1, mask=spans, other=0.0)
     cnt = tl.load(slot_count_ptr + 2 * k0 + 1, mask=spans, other=0).to(tl.int64)
@@ -142,18 +147,20 @@ def kl_reward_combine_kernel(
     empty = inb & (n == 0)
     tl.store(kl_sum_ptr + b, tl.where(spans, acc, 0.0).to(tl.float32), mask=spans | empty)
     tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=spans | empty)
+    bad = geometry_bad(offsets_ptr, lengths_ptr, offsets_ptr, b, inb, total, batch, width, PACKED, HAS_LENGTHS, False)
+    tl.store(kl_sum_ptr + b, tl.zeros_like(acc).to(tl.float32) + float("nan"), mask=bad)  # also when empty
     if PLACE_LAST:
         last = tl.where(spans, lst, tl.load(last_ptr + b, mask=inb & (n > 0) & ~spans, other=-1))
         if PACKED:
             length = n
         elif HAS_LENGTHS:
-            length = tl.load(lengths_ptr + b, mask=inb, other=0)
+            length = tl.minimum(tl.maximum(tl.load(lengths_ptr + b, mask=inb, other=0), 0), width)  # (clamped)
         else:
             length = tl.zeros_like(b) + width
         if LAST_VALID:  # the last valid token, counted exactly when it is the last counted one
             last = tl.where(last == length - 1, last, -1)
         pos = tl.where(last >= 0, last, length - 1)
-        has = inb & (pos >= 0)  # an empty sequence has no slot
+        has = inb & (pos >= 0) & (pos < length)  # an empty sequence has no slot (>=: only under bad geometry)
         if PACKED:
             col = lo + pos
             out = col
@@ -212,5 +219,9 @@ def kl_reward_bwd_kernel(
         g_ref = tl.where(counted, tl.load(g_ro_ptr + offs, mask=counted, other=0.0).to(tl.float32) - g_lp, 0.0)
     else:
         g_ref = 0.0 - g_lp
+    bad = geometry_bad(offsets_ptr, lengths_ptr, prompt_ptr, seq, inb, total, batch, width, PACKED, HAS_LENGTHS,
+                       HAS_PROMPT)
+    g_lp = tl.where(bad, float("nan"), g_lp)
+    g_ref = tl.where(bad, float("nan"), g_ref)
     tl.store(g_lp_ptr + offs, g_lp.to(g_lp_ptr.dtype.element_ty), mask=inb)
     tl.store(g_ref_ptr + offs, g_ref.to(g_ref_ptr.dtype.element_ty), mask=inb)

@@ -61,8 +61,10 @@ def frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, 
         b0 = last_leq(offsets_ptr, t0, 0, batch)
         b1 = last_leq(offsets_ptr, t_last, b0, batch)
         seq = last_leq_vec(offsets_ptr, tl.minimum(offs, t_last), b0, b1)
-        seq_lo = tl.load(offsets_ptr + seq)
-        seq_hi = tl.load(offsets_ptr + seq + 1)
+        # Clamped into [0, total] and widened to hold the element: memory-safe under any offsets (bad ones
+        # are reported through the error word, kl_kernels/device_errors.py; for valid ones a no-op)
+        seq_lo = tl.minimum(tl.minimum(tl.maximum(tl.load(offsets_ptr + seq), 0), total), offs)
+        seq_hi = tl.maximum(tl.minimum(tl.maximum(tl.load(offsets_ptr + seq + 1), 0), total), offs + 1)
         col = offs
         pos = offs - seq_lo
         valid = inb
@@ -85,7 +87,7 @@ def frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, 
         seq_lo = seq * width
         seq_hi = seq_lo + width
         if HAS_LENGTHS:
-            length = tl.load(lengths_ptr + seq, mask=inb, other=0)
+            length = tl.minimum(tl.maximum(tl.load(lengths_ptr + seq, mask=inb, other=0), 0), width)  # (clamped)
         else:
             length = width
         if LEFT_PAD:
@@ -132,14 +134,15 @@ def coef_of(coef_ptr, coef_scalar, seq, inb, COEF_MODE: tl.constexpr):
 
 
 @triton.jit
-def combine_rows(offsets_ptr, batch, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+def combine_rows(offsets_ptr, batch, width, total, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
     """This combine program's sequences b: (b, in batch, flat row [lo, hi), length n, first and last
     tile k0, k1, spans = non-empty and over more than one tile)."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     inb = b < batch
     if PACKED:
-        lo = tl.load(offsets_ptr + b, mask=inb, other=0)
-        hi = tl.load(offsets_ptr + b + 1, mask=inb, other=0)
+        # clamped into [0, total], empty where they decrease (valid offsets: unchanged)
+        lo = tl.minimum(tl.maximum(tl.load(offsets_ptr + b, mask=inb, other=0), 0), total)
+        hi = tl.maximum(tl.minimum(tl.maximum(tl.load(offsets_ptr + b + 1, mask=inb, other=0), 0), total), lo)
     else:
         lo = b * width
         hi = lo + width
@@ -157,3 +160,29 @@ def later_tiles(k0, k1, spans, j0, CHUNK: tl.constexpr):
     a chain of span / CHUNK dependent steps instead of span; the order depends on the row alone."""
     t = k0[:, None] + j0 + tl.arange(0, CHUNK)[None, :]
     return t, spans[:, None] & (t <= k1[:, None])
+
+
+@triton.jit
+def geometry_bad(offsets_ptr, lengths_ptr, prompt_ptr, seq, inb, total, batch, width, PACKED: tl.constexpr,
+                 HAS_LENGTHS: tl.constexpr, HAS_PROMPT: tl.constexpr):
+    """Whether sequence ``seq``'s geometry is invalid (csrc/common/kl_reward_args.h's geometry_bad): its
+    outputs are NaN. The value checks report such values through the device error word."""
+    if PACKED:
+        lo = tl.load(offsets_ptr + seq, mask=inb, other=0)
+        hi = tl.load(offsets_ptr + seq + 1, mask=inb, other=0)
+        bad = (lo < 0) | (hi > total) | (hi < lo) | ((seq == 0) & (lo != 0)) | ((seq == batch - 1) & (hi != total))
+        # a decrease next to it moves tokens in or out of its range too
+        prev = tl.load(offsets_ptr + seq - 1, mask=inb & (seq > 0), other=0)
+        nxt = tl.load(offsets_ptr + seq + 2, mask=inb & (seq + 1 < batch), other=0)
+        bad = bad | ((seq > 0) & (prev > lo)) | ((seq + 1 < batch) & (nxt < hi))
+        length = hi - lo
+    elif HAS_LENGTHS:
+        length = tl.load(lengths_ptr + seq, mask=inb, other=0)
+        bad = (length < 0) | (length > width)
+    else:
+        length = seq * 0 + width
+        bad = seq < 0
+    if HAS_PROMPT:
+        p = tl.load(prompt_ptr + seq, mask=inb, other=0)
+        bad = bad | (p < 0) | (p > length)
+    return inb & bad

@@ -382,7 +382,8 @@ def _mutations(op):
     add(("mask-wider", PADDED, _with("mask", lambda t: torch.cat([t, t[:, :1]], 1)), ("error", "mask"), BOTH))
     add(("mask-list-vs-dense", ("list",), _with("mask", lambda t: torch.cat(t)), ("error", "mask"), BOTH))
     # offsets of every wrong kind
-    add(("offsets-int32", ("packed",), _offsets(lambda t: t.to(torch.int32)), ("error", "offsets"), BOTH))
+    add(("offsets-int32", ("packed",), _offsets(lambda t: t.to(torch.int32)), "ok", BOTH))  # cu_seqlens as int32
+    add(("offsets-int16", ("packed",), _offsets(lambda t: t.to(torch.int16)), ("error", "offsets"), BOTH))
     add(("offsets-float", ("packed",), _offsets(lambda t: t.double()), ("error", "offsets"), BOTH))
     add(("offsets-list", ("packed",), _offsets(lambda t: t.tolist()), ("error", "offsets"), BOTH))
     add(("offsets-2d", ("packed",), _offsets(lambda t: t.unsqueeze(0)), ("error", "offsets"), BOTH))

@@ -1,0 +1,212 @@
+"""Bad values on an accelerator (issue 51): recorded in the device's error word, never asserted.
+
+What a GPU call does with a bad ``offsets`` / ``lengths`` / ``prompt_lens`` / label, run here on CPU tensors
+through the same machinery: ``checks_on_host`` made False (the accelerator path of the checks), the check
+kernels run by the CUDA emulation (``_cuda_emu``, the same source as ``_cuda``) or, for the Triton
+interpreter and the torch backend, the torch-operation checks, each recording into the CPU's error word
+(``kl_kernels.device_errors``). For each case:
+
+* the bad call returns (nothing asserts, nothing reads outside its buffers: the ASan lane runs this module),
+  with NaN in the affected sequences' outputs and the valid sequences' outputs as a valid call gives them;
+* ``kl_kernels.check_errors()`` (or the next call) raises the ``ValueError`` the host check gives for the
+  same input, word for word, and clears the word;
+* a valid call right after works.
+
+Inside the bad call the emulation has already recorded the error (it runs synchronously, where a GPU would
+still be running the check), so the launchers' read of the word is switched off for that call alone: the
+outputs are what a GPU call returns before the error surfaces.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import backend_device
+from kl_kernels import check_errors, codes, device_errors, kl_penalty_loss, kl_reward, ragged, token_logprobs
+
+EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.cuda_emulated)
+TRITON = pytest.param("triton", marks=pytest.mark.triton)
+BACKENDS = ["torch", EMULATED, TRITON]
+
+
+@pytest.fixture(autouse=True)
+def _clean_word():
+    device_errors.word("cpu").tensor.zero_()
+    yield
+    device_errors.word("cpu").tensor.zero_()
+
+
+def _host_message(fn, **kw) -> str:
+    """The ValueError the host checks (CPU tensors) give for the call."""
+    with pytest.raises(ValueError) as e:
+        fn(**kw)
+    return str(e.value)
+
+
+def _as_on_a_gpu(monkeypatch, fn, **kw):
+    """``fn(**kw)`` with the value checks on their accelerator path and the launchers' read of the error
+    word off (see the module doc): the outputs a GPU call returns before its error surfaces."""
+    from kl_kernels import _extensions
+
+    module = _extensions.load("_cuda_emu")[0]
+
+    def on_the_emulator(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
+        if module is None:
+            return False
+        assert ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+                                   bound_kind=bound_kind, stream=0) == 0
+        return True
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        mp.setattr(ragged, "kernel_check", on_the_emulator)
+        mp.setattr(device_errors, "raise_pending", lambda device: None)
+        try:
+            return fn(**kw)
+        except (RuntimeError, IndexError):
+            # torch's own operations (the torch backend: segment_reduce, index_add_) may refuse such values;
+            # only the fused kernels promise to run through them (on a GPU torch's may assert: the contract
+            # in python_api/README.md)
+            if kw.get("backend") != "torch":
+                raise
+            return None
+
+
+LENGTHS = [3, 2, 4, 3]
+
+
+def _packed(dev):
+    g = torch.Generator().manual_seed(5)
+    n = sum(LENGTHS)
+    lp, ref = -torch.rand(n, generator=g) * 2, -torch.rand(n, generator=g) * 2
+    return lp.to(dev), ref.to(dev), ragged.lengths_to_offsets(torch.tensor(LENGTHS)).to(dev)
+
+
+# (name, offsets edit, the sequences whose geometry is bad: their own offsets, or a decrease next to them;
+# with a decrease the sequence searches may put any token anywhere, so only monotone cases promise the rest)
+OFFSETS_CASES = [
+    ("decreasing", lambda o: torch.tensor([0, 3, 1, 9, 12]), [0, 1, 2]),
+    ("start-negative", lambda o: torch.cat([o[:1] - 2, o[1:]]), [0]),
+    ("start-positive", lambda o: torch.cat([o[:1] + 1, o[1:]]), [0]),
+    ("end-beyond", lambda o: torch.cat([o[:-1], o[-1:] + 5]), [3]),
+    ("end-short", lambda o: torch.cat([o[:-1], o[-1:] - 2]), [3]),
+    ("huge", lambda o: torch.tensor([0, 2 ** 62, 5, 9, 12]), [0, 1, 2]),
+    ("negative-middle", lambda o: torch.tensor([0, -5, 5, 9, 12]), [0, 1]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", OFFSETS_CASES, ids=[c[0] for c in OFFSETS_CASES])
+def test_bad_offsets_are_recorded_poisoned_and_raised(monkeypatch, backend, case):
+    _, edit, bad = case
+    dev = backend_device(backend)
+    lp, ref, offsets = _packed(dev)
+    bad_offsets = edit(offsets.cpu()).to(dev)
+    score = torch.arange(4.0, device=dev)
+    kw = dict(coef=0.1, estimator="k3", reward_placement="last", backend=backend)
+    want_message = _host_message(kl_reward, log_probs=lp.cpu(), ref_log_probs=ref.cpu(), reward=score.cpu(),
+                                 offsets=bad_offsets.cpu(), **dict(kw, backend="torch"))
+    good = kl_reward(lp, ref, score, offsets=offsets, **kw)
+    out = _as_on_a_gpu(monkeypatch, kl_reward, log_probs=lp, ref_log_probs=ref, reward=score, offsets=bad_offsets,
+                       **kw)
+    if backend != "torch":  # the fused kernels: NaN in the affected sequences, the rest as a valid call gives
+        for b in range(4):
+            if b in bad:
+                assert math.isnan(out.kl_sum[b].item()), (b, out.kl_sum)
+            elif bool((bad_offsets[1:] >= bad_offsets[:-1]).all()):  # monotone: the others computed as usual
+                assert torch.equal(out.kl_sum[b], good.kl_sum[b]), (b, out.kl_sum, good.kl_sum)
+    with pytest.raises(ValueError) as e:
+        check_errors("cpu")
+    assert str(e.value).split(" (found on ")[0] == want_message
+    check_errors("cpu")  # cleared: nothing more
+    again = kl_reward(lp, ref, score, offsets=offsets, **kw)
+    assert torch.equal(again.kl, good.kl) and torch.equal(again.kl_sum, good.kl_sum)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_next_call_raises_and_the_one_after_works(monkeypatch, backend):
+    dev = backend_device(backend)
+    lp, ref, offsets = _packed(dev)
+    bad = torch.tensor([0, 3, 1, 9, 12], device=dev)
+    _as_on_a_gpu(monkeypatch, kl_reward, log_probs=lp, ref_log_probs=ref, offsets=bad, backend=backend)
+    assert device_errors.word("cpu").pending()
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing \(sequence lengths >= 0\) \(found on cpu"):
+        kl_reward(lp, ref, offsets=offsets, backend=backend)
+    assert not device_errors.word("cpu").pending()
+    out = kl_reward(lp, ref, offsets=offsets, backend=backend)
+    assert out.kl_sum.isfinite().all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_bad_lengths_and_prompt_lens(monkeypatch, backend, side):
+    dev = backend_device(backend)
+    g = torch.Generator().manual_seed(6)
+    lp, ref = (-torch.rand(4, 5, generator=g)).to(dev), (-torch.rand(4, 5, generator=g)).to(dev)
+    good_lengths = torch.tensor([3, 5, 0, 2], device=dev)
+    for lengths, prompt, bad_row in ((torch.tensor([3, 7, 0, 2]), None, 1),       # above T
+                                     (torch.tensor([3, 5, -1, 2]), None, 2),      # below 0
+                                     (good_lengths.cpu(), torch.tensor([0, 6, 0, 0]), 1)):  # prompt above length
+        lengths = lengths.to(dev)
+        kw = dict(lengths=lengths, padding_side=side, estimator="k1", backend=backend)
+        if prompt is not None:
+            kw["prompt_lens"] = prompt.to(dev)
+        cpu_kw = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        want = _host_message(kl_reward, log_probs=lp.cpu(), ref_log_probs=ref.cpu(), **dict(cpu_kw, backend="torch"))
+        good = kl_reward(lp, ref, **dict(kw, lengths=good_lengths, prompt_lens=None))
+        out = _as_on_a_gpu(monkeypatch, kl_reward, log_probs=lp, ref_log_probs=ref, **kw)
+        if backend != "torch":
+            assert math.isnan(out.kl_sum[bad_row].item()) and out.kl[bad_row].isnan().all()
+            others = [b for b in range(4) if b != bad_row]
+            assert torch.equal(out.kl_sum[others], good.kl_sum[others])
+        with pytest.raises(ValueError) as e:
+            check_errors("cpu")
+        assert str(e.value).split(" (found on ")[0] == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_penalty_loss_bad_offsets(monkeypatch, backend):
+    dev = backend_device(backend)
+    lp, ref, offsets = _packed(dev)
+    bad = torch.tensor([0, 3, 1, 9, 12], device=dev)
+    kw = dict(ref_log_probs=ref, beta=0.1, estimator="k3", aggregation="seq-mean-token-mean", backend=backend)
+    out = _as_on_a_gpu(monkeypatch, kl_penalty_loss, log_probs=lp, old_log_probs=lp, advantages=torch.ones_like(lp),
+                       offsets=bad, **kw)
+    if backend != "torch":
+        assert math.isnan(out.loss.item())  # the bad sequences' NaN reaches the mean
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+        check_errors("cpu")
+    assert kl_penalty_loss(lp, lp, torch.ones_like(lp), offsets=offsets, **kw).loss.isfinite()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", EMULATED, TRITON])
+def test_labels_outside_the_vocabulary(monkeypatch, backend):
+    dev = backend_device(backend)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 7, generator=g).to(dev)
+    labels = torch.tensor([1, 9, -100, 3, 0], device=dev)
+    want = _host_message(token_logprobs, logits=logits.cpu(), labels=labels.cpu(), backend="torch")
+    out = _as_on_a_gpu(monkeypatch, token_logprobs, logits=logits, labels=labels, backend=backend)
+    assert out is not None and math.isnan(out.log_probs[1].item()) and out.log_probs[[0, 3, 4]].isfinite().all()
+    with pytest.raises(ValueError) as e:
+        check_errors("cpu")
+    assert str(e.value).split(" (found on ")[0] == want
+    assert token_logprobs(logits, labels.clamp(0, 6), backend=backend).log_probs.isfinite().all()
+
+
+def test_first_error_wins_and_the_word_layout_is_the_tables():
+    """Two bad values: the first recorded is reported; the word's slots are codes.py's table."""
+    w = device_errors.word("cpu")
+    assert w.tensor.shape == (codes.ERROR_WORD_SLOTS,) and w.tensor.dtype == torch.int64
+    x = torch.tensor([5, -1, 7])
+    device_errors.record_where(x.lt(0), x, "below_zero", "lengths", 4)
+    device_errors.record_where(x.gt(4), x, "above_bound", "lengths", 4)
+    t = w.tensor.tolist()
+    assert t[codes.ERROR_SLOTS["kind"]] == codes.VALUE_ERROR_CODES["below_zero"]
+    assert t[codes.ERROR_SLOTS["index"]] == 1 and t[codes.ERROR_SLOTS["value"]] == -1
+    with pytest.raises(ValueError, match=r"lengths must be >= 0, got -1 \(found on cpu.*at index 1\)"):
+        check_errors("cpu")
+    assert w.tensor.eq(0).all()
