@@ -98,8 +98,9 @@ def run_fused(p: KLRewardProblem, triton: bool = False, emulated: bool = False) 
     needs_graph = torch.is_grad_enabled() and (p.log_probs.requires_grad or p.ref_log_probs.requires_grad)
     if p.layout == "list" or p.mask_nan:
         # Only built for eager calls without autograd on the CPU (problem.py): the launcher reads
-        # the per-sequence tensors in place and masks NaN pads itself.
-        kl, reward, ref_out, kl_sum, count = launch.forward(*args, mask_nan=p.mask_nan)
+        # the per-sequence tensors in place and masks NaN pads itself; it writes into the caller's
+        # out= buffers too (lists take no out=), so no per-call [B, T] temporary is made and copied.
+        kl, reward, ref_out, kl_sum, count = launch.forward(*args, mask_nan=p.mask_nan, out=p.out)
     elif needs_graph or torch.compiler.is_compiling():
         op = (torch.ops.kl_kernels.kl_reward_triton_fwd if triton else
               torch.ops.kl_kernels.kl_reward_cuda_emu_fwd if emulated else torch.ops.kl_kernels.kl_reward_fwd)
