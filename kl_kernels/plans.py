@@ -47,6 +47,16 @@ def environment() -> str | None:
     return os.environ.get(ENV_VAR)
 
 
+class Unplanned:
+    """The entry of a signature whose calls take the general path: no plan is attempted for it again
+    (while the op's registry is ``registry``)."""
+
+    __slots__ = ("registry",)
+
+    def __init__(self, registry):
+        self.registry = registry
+
+
 class PlanCache:
     """An op's plans by signature (a dict; bounded, thread-safe for its single reads and writes)."""
 

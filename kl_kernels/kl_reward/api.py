@@ -11,6 +11,7 @@ import torch
 from .. import backends as _dispatch
 from .. import plans, ragged
 from .. import full_estimator
+from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
 from ..reference_math import final_mask, token_frame
 from .backends import REGISTRY
 from .launch import ForwardPlan
@@ -156,7 +157,10 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
             key = None
         plan = _PLANS.get(key)
         if plan is not None and plan.registry is REGISTRY:
-            return plan(log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out)
+            if type(plan) is plans.Unplanned:
+                key = None  # (seen: no plan for it)
+            else:
+                return plan(log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out)
     return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
@@ -231,8 +235,8 @@ def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1",
     if plan_key is not None:
         plan = _DirectPlan.of(problem, layout, impl, detach, (log_probs, ref_log_probs, reward, mask, offsets, lengths,
                                                               prompt_lens, coef), out)
+        _PLANS.put(plan_key, plans.Unplanned(REGISTRY) if plan is None else plan)
         if plan is not None:
-            _PLANS.put(plan_key, plan)
             return plan(log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out)
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)
@@ -263,7 +267,7 @@ def _full(logits, ref_logits, reward, *, coef, mask, offsets, lengths, padding_s
         clamp_output=clamp_output, return_ref=False, detach=detach, mask_nan=False, out=None)
     counted = final_mask(problem, *token_frame(problem)[:3]).reshape(tokens.shape)
     with torch.no_grad() if detach else nullcontext():
-        kl = full_estimator.per_token(logits, ref_logits, counted, temperature=temperature, backend=backend)
+        kl = full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend)
     return _kl_reward(kl, torch.zeros_like(kl), reward, coef=coef, estimator="k1", mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_output=clamp_output, detach=detach, backend=backend,
