@@ -190,3 +190,126 @@ def test_the_reused_struct_holds_what_the_launcher_fills_for_the_same_tensors():
         if field == "coef":  # (make_args's own float32 copy of the coefficient: another address, same values)
             continue
         assert g == w, field
+
+
+# --------------------------------------------------------------------------- kl_penalty_loss
+
+# Python-level calls of one planned eager loss forward + backward (the caller's .backward() included), B = 8,
+# padded with lengths as verl's actor step: 133-134 at this commit (d51469c: ~460). Issue 49 asks for 120: of
+# the rest, torch's autograd (Function.apply, Tensor.backward) takes ~45 and the lengths' value check ~15.
+LOSS_BUDGET = 140
+
+
+def _loss_call(layout, g, beta=0.05, out=None, **over):
+    lp, old, ref = (-torch.rand(B, T, generator=g) for _ in range(3))
+    adv, mask = torch.randn(B, T, generator=g), torch.rand(B, T, generator=g) < 0.8
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    geo = dict(lengths=lengths, padding_side="left")
+    if layout == "packed":
+        lp, old, ref, adv, mask = (x.reshape(-1) for x in (lp, old, ref, adv, mask))
+        geo = dict(offsets=torch.arange(B + 1) * T)
+    kw = dict(ref_log_probs=ref, beta=beta, estimator="k3", mask=mask, clip_epsilon=0.2, dual_clip=3.0, **geo)
+    kw.update(over)
+    return lp.requires_grad_(), old, adv, kw
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_planned_loss_forward_backward_stays_within_its_call_budget(layout):
+    from kl_kernels import kl_penalty_loss
+
+    lp, old, adv, kw = _loss_call(layout, torch.Generator().manual_seed(0))
+
+    def call():
+        kl_penalty_loss(lp, old, adv, **kw).loss.backward()
+    call(), call()
+    n = _count(call)
+    assert n <= LOSS_BUDGET, f"{n} Python-level calls (budget {LOSS_BUDGET})"
+
+
+@pytest.mark.parametrize("beta", ["float", "tensor"])
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_planned_loss_calls_on_fresh_tensors_match_the_reference(layout, with_out, beta):
+    from kl_kernels import kl_penalty_loss
+
+    plans.clear()
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        b = float(torch.rand((), generator=g)) if beta == "float" else torch.rand((), generator=g)
+        lp, old, adv, kw = _loss_call(layout, g, beta=b)
+        ref_lp = lp.detach().clone().requires_grad_()
+        want = kl_penalty_loss(ref_lp, old, adv, backend="torch", **kw)
+        out = torch.full(lp.shape, math.nan) if with_out else None
+        got = kl_penalty_loss(lp, old, adv, out=out, **kw)
+        for field, gv, wv in zip(want._fields, got, want):
+            torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-6, msg=f"seed {seed} {field}")
+        (g_got,) = torch.autograd.grad(got.loss, lp)
+        (g_want,) = torch.autograd.grad(want.loss, ref_lp)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
+
+
+def _loss_bad_values():
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    yield ("offsets", dict(layout="packed"), dict(offsets=(torch.arange(B + 1) * T).flip(0)), "offsets must start at 0")
+    yield ("lengths", dict(layout="padded"), dict(lengths=torch.full((B,), T + 1)), "lengths must be <= T")
+    yield ("beta nan", dict(layout="padded"), dict(beta=math.nan), "beta must be finite")
+    yield ("beta tensor inf", dict(layout="padded", beta=torch.tensor(0.1)), dict(beta=torch.tensor(math.inf)),
+           "beta must be finite")
+    del g
+
+
+@pytest.mark.parametrize("name, valid, bad, message", list(_loss_bad_values()), ids=[c[0] for c in _loss_bad_values()])
+def test_a_planned_loss_call_checks_every_value_as_the_first_call_does(name, valid, bad, message):
+    from kl_kernels import kl_penalty_loss
+
+    plans.clear()
+    valid = dict(valid)
+    layout = valid.pop("layout")
+    lp, old, adv, kw = _loss_call(layout, torch.Generator().manual_seed(0), **valid)
+    bad_kw = dict(kw, **bad)
+    with pytest.raises(ValueError, match=message) as cold:
+        kl_penalty_loss(lp, old, adv, **bad_kw)
+    kl_penalty_loss(lp, old, adv, **kw), kl_penalty_loss(lp, old, adv, **kw)  # planned
+    with pytest.raises(ValueError, match=message) as warm:
+        kl_penalty_loss(lp, old, adv, **bad_kw)
+    assert str(warm.value) == str(cold.value)
+    out = torch.empty(lp.shape)
+    kl_penalty_loss(lp, old, adv, out=out, **kw), kl_penalty_loss(lp, old, adv, out=out, **kw)
+    with pytest.raises(ValueError, match="out overlaps old_log_probs"):
+        kl_penalty_loss(lp, old, adv, out=old, **kw)
+
+
+def test_the_copied_loss_struct_holds_what_the_launcher_fills_for_the_same_tensors():
+    from kl_kernels.kl_penalty import launch
+    from kl_kernels.kl_penalty.ops import _fused_args
+    from kl_kernels.kl_penalty.problem import build_problem
+
+    def problem(seed):
+        lp, old, adv, kw = _loss_call("padded", torch.Generator().manual_seed(seed), beta=torch.tensor(0.3))
+        opts = dict(offsets=None, lengths=None, padding_side="left", clip_epsilon=None, entropy=None,
+                    entropy_coef=0.0, aggregation="token-mean", norm_length=None)
+        opts.update(kw)
+        return build_problem(lp, old, adv, **opts)[0]
+
+    first, second = problem(0), problem(1)
+    plan = launch.TotalsPlan(_fused_args(first, cpu_kernel=True))
+    fb = _fused_args(second, cpu_kernel=True)
+    grad, _, got, _ = plan(*fb[:8], fb[8], fb[19])
+    _, want, _ = launch._prepare_forward(*fb)
+    want.grad = grad.data_ptr()
+
+    def fields(x):
+        return {f: getattr(x, f) for f in dir(x) if not f.startswith("_") and not callable(getattr(x, f))}
+    g, w = fields(got), fields(want)
+    for name in w:
+        if name in ("g", "est"):
+            continue
+        if name == "beta":  # (_prepare_forward's own float32 copy of a beta tensor: same values)
+            continue
+        assert g[name] == w[name], name
+    gg, wg = fields(got.g), fields(want.g)
+    for name in wg:
+        if name == "est":
+            assert fields(got.g.est) == fields(want.g.est)
+        else:
+            assert gg[name] == wg[name], f"g.{name}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 from .. import backends as _dispatch
 import torch
@@ -189,7 +188,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                    tuple(map(type, clamp_output)) if type(clamp_output) is tuple else None,
                    type(entropy_coef), type(dual_clip), type(weight_kl), type(kl_times_ratio), type(norm_length),
                    type(temperature), logits is None, ref_logits is None, torch.is_grad_enabled(),
-                   os.environ.get(plans.ENV_VAR),
+                   plans.ENVIRON.get(plans.ENV_KEY),
                    plans.facts(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, entropy,
                                weights, beta, out))
         except Exception:  # (e.g. a nested tensor's strides: such calls take the general path)

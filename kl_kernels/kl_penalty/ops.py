@@ -210,6 +210,7 @@ class _EagerTotal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, num_global_tokens, planned, *args):
         # planned: a call plan's launcher (launch.TotalsPlan, kl_kernels/plans.py), else the launcher's full filling
+        ctx.planned = planned is not None
         if planned is None:
             grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
         else:
@@ -241,6 +242,8 @@ class _EagerTotal(torch.autograd.Function):
             else:
                 g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, scale, lp_dtype, entropy_grad,
                                                         aux_dtype)
+        if ctx.planned:  # _PlannedTotal: (p, planned, log_probs, args)
+            return None, None, g_lp, None
         return (None, None, None, g_lp, None, None, None, g_ent) + (None,) * 20
 
 
@@ -266,10 +269,22 @@ def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLos
     return KLPenaltyLossOutput(loss, *rest.unbind(), count)
 
 
+class _PlannedTotal(torch.autograd.Function):
+    """:class:`_EagerTotal` for a call plan, its 25 arguments handed over as one tuple next to the
+    log-probs (the only input a plan's call differentiates: no entropy): autograd's ``apply`` then
+    walks 4 arguments instead of 28 (~60 Python-level calls less per call)."""
+
+    @staticmethod
+    def forward(ctx, p, planned, log_probs, args):
+        return _EagerTotal.forward(ctx, p, None, planned, *args)
+
+    backward = _EagerTotal.backward  # (its gradients, in this forward's argument positions: see _plan_grads)
+
+
 def run_planned_total(agg, planned, args) -> KLPenaltyLossOutput:
     """:func:`run_fused_aggregated` for a call plan (kl_kernels/plans.py): ``args`` the 25 arguments of the
-    fused forward, ``agg`` what the aggregation reads of the problem (:class:`PlannedTotals`)."""
-    loss, rest, count = _EagerTotal.apply(agg, None, planned, *args)
+    fused forward (no entropy), ``agg`` what the aggregation reads of the problem (:class:`PlannedTotals`)."""
+    loss, rest, count = _PlannedTotal.apply(agg, planned, args[0], args)
     return KLPenaltyLossOutput(loss, *rest.unbind(), count)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from typing import Callable
 
@@ -150,7 +149,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
                    type(return_ref), type(detach), type(mask_nan), backend, kl_dtype, temperature, type(temperature),
                    tuple(map(type, clamp_input)) if type(clamp_input) is tuple else None,
                    tuple(map(type, clamp_output)) if type(clamp_output) is tuple else None,
-                   type(out), torch.is_grad_enabled(), os.environ.get(plans.ENV_VAR),
+                   type(out), torch.is_grad_enabled(), plans.ENVIRON.get(plans.ENV_KEY),
                    plans.facts(log_probs, ref_log_probs, reward, mask, offsets, lengths, prompt_lens, coef,
                                *(out if type(out) in (tuple, KLRewardOutput) else ())))
         except Exception:  # (e.g. a nested tensor's strides: such calls take the general path)
