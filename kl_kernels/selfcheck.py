@@ -12,6 +12,10 @@ a failure is logged once (logger ``kl_kernels``) with every reason, and ``"auto"
 next backend. A backend named explicitly runs without the check (the user asked for it).
 
 ``kl-kernels info --check`` runs the check for every backend available here, on demand.
+
+This module is the machinery below the ops (the verdict cache, the canonical batches, the comparison):
+each op's own check lives in its package (``kl_kernels/<op>/self_check.py``) and is handed over by its
+``backends.py`` (:func:`register`), so that nothing here imports an op.
 """
 
 from __future__ import annotations
