@@ -13,7 +13,8 @@ revision, alternating (``--rounds``), and each figure is the best round's: the m
 and alternating keeps both revisions under the same load. ``--base`` is another checkout of the package
 (built in place), e.g. ``git worktree add ../base d51469c`` and its ``_C`` built or copied.
 
-Run: ``python -m kl_kernels.bench.per_call --base /path/to/base [--sizes tiny medium large] [--rounds 3]``.
+Run: ``python -m kl_kernels.bench.per_call --base /path/to/base [--sizes tiny medium large] [--rounds 3]
+[--threads 1]``.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ TREE = HERE.parents[2]
 CALLS = {"tiny": 300, "small": 100, "medium": 60, "large": 12}
 
 
-def _worker(sizes: list[str]) -> dict:
+def _worker(sizes: list[str], threads: int | None = None) -> dict:
     """Run in a worker process (``kl_kernels`` is whichever tree ``PYTHONPATH`` names)."""
     import resource
     import statistics
     import time
 
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     import kl_kernels
     from kl_kernels import kl_penalty_loss, kl_reward
@@ -105,10 +109,11 @@ def _worker(sizes: list[str]) -> dict:
     return {"kl_kernels": kl_kernels.__file__, "rows": rows}
 
 
-def _run(tree: Path, sizes: list[str]) -> dict:
+def _run(tree: Path, sizes: list[str], threads: int | None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, str(HERE), "--worker", "--sizes", *sizes], env=env, capture_output=True,
-                         text=True, check=True, cwd=str(tree))
+    extra = ["--threads", str(threads)] if threads else []
+    out = subprocess.run([sys.executable, str(HERE), "--worker", "--sizes", *sizes, *extra], env=env,
+                         capture_output=True, text=True, check=True, cwd=str(tree))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -117,10 +122,13 @@ def main(argv=None) -> int:
     p.add_argument("--base", type=Path, help="another checkout of the package (built in place)")
     p.add_argument("--sizes", nargs="+", default=["tiny", "medium", "large"], choices=sorted(CALLS))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in the workers (default: torch's; 1 keeps a loaded machine's scheduler out of "
+                        "the kernels' barriers)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(_worker(args.sizes)))
+        print(json.dumps(_worker(args.sizes, args.threads)))
         return 0
     trees = {"this tree": TREE}
     if args.base is not None:
@@ -128,14 +136,14 @@ def main(argv=None) -> int:
     best: dict = {}
     for _ in range(args.rounds):
         for label, tree in trees.items():  # alternating: both revisions under the same load
-            got = _run(tree, args.sizes)
+            got = _run(tree, args.sizes, args.threads)
             for row, v in got["rows"].items():
                 have = best.setdefault(label, {}).setdefault(row, v)
                 for k in ("median_us", "min_us", "faults_per_call"):
                     if k in v:
                         have[k] = min(have[k], v[k])
     labels = list(trees)
-    print(f"# {sys.executable}; {args.rounds} alternating rounds, best round's median/min per call (us); "
+    print(f"# {sys.executable}; threads {args.threads or 'default'}; {args.rounds} alternating rounds, best round's median/min per call (us); "
           "calls: sys.setprofile call+c_call events of one call; faults: minor page faults per out= call")
     print("row | " + " | ".join(f"{lb} median / min us | {lb} calls" for lb in labels)
           + (" | this / base (median)" if len(labels) == 2 else ""))
