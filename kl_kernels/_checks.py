@@ -20,7 +20,7 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 def finite_scalar(name: str, value: float) -> float:
     """``value`` (a float) if it is finite in float32, else a ValueError naming ``name``."""
-    if math.isnan(value) or math.isinf(value) or abs(value) > FLOAT32_MAX:
+    if not -FLOAT32_MAX <= value <= FLOAT32_MAX:  # (NaN compares false: caught too)
         raise ValueError(f"{name} must be finite and within float32's range (|{name}| <= {FLOAT32_MAX:.4g}), "
                          f"got {value}")
     return value

@@ -108,7 +108,7 @@ class Backend:
         """Whether "auto" may use it on ``device``: no self-check needed there, or it passed."""
         if device.type not in self.self_check_devices:
             return True
-        from . import selfcheck  # not at import time: it imports the ops
+        from . import selfcheck  # (below the ops: each op registers its own check there)
 
         return selfcheck.passed(op, self.name, device)
 

@@ -6,8 +6,10 @@ logits over the vocabulary and takes, per counted token, ``KL(pi || pi_ref)`` fr
 (fused, no ``[N, V]`` float32 copy, gradients to the logits). The ops then treat that value as they
 treat a sampled estimate: masked, clamped by ``clamp_output``, times ``coef`` / ``beta``, aggregated.
 
-A shared module (it belongs to neither op; both call it, and it calls the ``full_kl`` op's public
-function). The rules that belong to ``"full"`` alone are written here, once, for both ops: which layouts take
+A shared module (it belongs to neither op; both call it; it imports no op: each op computes the values
+with the ``full_kl`` op's public function, which it imports itself, a dependency downwards that
+tests/test_structure.py keeps acyclic). The rules that belong to ``"full"`` alone are written here,
+once, for both ops: which layouts take
 logits (dense ones: packed ``[N, V]`` with ``offsets``, padded ``[B, T, V]``; a list or nested batch
 of ``[n_b, V]`` rows would need an ``[N, V]`` copy to pack, which is what this path avoids), which
 options have no meaning for it (``clamp_input``: there is no log-ratio to clamp), and the
@@ -20,8 +22,6 @@ import math
 import numbers
 
 import torch
-
-from .full_kl import full_kl
 
 FULL = "full"
 
@@ -67,11 +67,3 @@ def check_unused(estimator: str, **given) -> None:
                 raise ValueError(f"{name} has no meaning for estimator='full' (the exact KL reads logits, not a "
                                  f"log-ratio): leave it unset")
             raise ValueError(f"{name} is read by estimator='full' only, got estimator={estimator!r}")
-
-
-def per_token(logits: torch.Tensor, ref_logits: torch.Tensor, counted: torch.Tensor, *, temperature: float,
-              backend: str) -> torch.Tensor:
-    """``KL(pi || pi_ref)`` per token, 0 (and no gradient) where ``counted`` is False: ``[*S]``
-    float32 (float64 for float64 logits). ``backend`` is the op's: every name an op takes is also
-    one of :func:`full_kl`'s."""
-    return full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend)

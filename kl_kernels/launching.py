@@ -169,7 +169,8 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
                 code = kernel(args, ptr(workspace), stream)
             else:
                 code = kernel(args, stream)
-    raise_for(code, module, what)
+    if code:  # (0: success; the common case costs no further call)
+        raise_for(code, module, what)
 
 
 def raise_for(code: int, module, what: str) -> None:

@@ -12,6 +12,10 @@ a failure is logged once (logger ``kl_kernels``) with every reason, and ``"auto"
 next backend. A backend named explicitly runs without the check (the user asked for it).
 
 ``kl-kernels info --check`` runs the check for every backend available here, on demand.
+
+This module is the machinery below the ops (the verdict cache, the canonical batches, the comparison):
+each op's own check lives in its package (``kl_kernels/<op>/self_check.py``) and is handed over by its
+``backends.py`` (:func:`register`), so that nothing here imports an op.
 """
 
 from __future__ import annotations
@@ -86,79 +90,6 @@ def _compare(what, got, want, dtype, failures):
                         f"{got.flatten()[bad].tolist()} vs {want.flatten()[bad].tolist()}")
 
 
-def _check_kl_reward(backend, device) -> list:
-    from .kl_reward import kl_reward
-    failures = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for layout, kw, coef in _batches(device, dtype):
-            for estimator, placement, coef_arg in (("k1", "token", 0.1), ("k3", "last", coef), ("k2", "sequence", 0.3),
-                                                   ("abs", "last_valid", 0.0), ("k3+", "token", coef)):
-                b = coef.shape[0]
-                n_tok = kw["log_probs"].shape
-                reward = torch.randn(n_tok) if placement == "token" else torch.randn(b)
-                args = _to(dict(kw, reward=reward.to(dtype) if placement == "token" else reward, coef=coef_arg,
-                                estimator=estimator, reward_placement=placement,
-                                clamp_input=(-20, 20) if estimator == "k3" else None), device)
-                lp = args["log_probs"].clone().requires_grad_()
-                lp_ref = args["log_probs"].clone().requires_grad_()
-                what = f"kl_reward[{backend}] {layout} {str(dtype)[6:]} {estimator}/{placement}"
-                try:
-                    got = kl_reward(**dict(args, log_probs=lp), detach=False, backend=backend)
-                    want = kl_reward(**dict(args, log_probs=lp_ref), detach=False, backend="torch")
-                except Exception as exc:  # a crash of the backend is a failure, not an error of ours
-                    failures.append(f"{what}: raised {type(exc).__name__}: {exc}")
-                    continue
-                for field in ("kl", "reward", "kl_sum", "count"):
-                    _compare(f"{what} {field}", getattr(got, field), getattr(want, field), dtype, failures)
-                weights = torch.linspace(-1, 1, lp.numel(), device=lp.device).reshape(lp.shape)
-                g_got = torch.autograd.grad((got.kl.float().nan_to_num(0, 0, 0) * weights).sum(), lp)[0]
-                g_want = torch.autograd.grad((want.kl.float().nan_to_num(0, 0, 0) * weights).sum(), lp_ref)[0]
-                _compare(f"{what} grad", g_got.nan_to_num(0, 0, 0), g_want.nan_to_num(0, 0, 0), dtype, failures)
-    return failures
-
-
-def _check_kl_penalty_loss(backend, device) -> list:
-    from .kl_penalty import kl_penalty_loss
-    failures = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for layout, kw, coef in _batches(device, dtype):
-            b = coef.shape[0]
-            old = kw["ref_log_probs"]
-            for aggregation, estimator, options in (
-                    ("token-mean", "k3", {}), ("seq-mean-token-mean", "k1", {}), ("sum", "k2", {}),
-                    # dual clip, per-token weights (on both terms) and verl's clamped k3; ratios far from 1
-                    # so the cap binds
-                    ("token-mean", "k3", {"dual_clip": 1.5, "weight_kl": True, "clamp_input": (-20.0, 20.0),
-                                          "clamp_output": (-10.0, 10.0)}),
-                    # GSPO: the sequence's log-ratio for every token (a pre-pass the kernels read)
-                    ("seq-mean-token-mean", "k1", {"importance_sampling_level": "sequence"})):
-                adv = torch.linspace(-1, 1, b)
-                if options:
-                    options = dict(options, weights=torch.linspace(0.5, 1.5, old.numel()).reshape(old.shape))
-                    old = (old.double() - 1.0).to(dtype)
-                args = _to(dict(kw, old_log_probs=old, advantages=adv.unsqueeze(1) if layout == "packed" else adv,
-                                beta=coef, estimator=estimator, aggregation=aggregation, clip_epsilon=0.2, **options),
-                           device)
-                del args["ref_log_probs"]
-                # the NaN batch: a NaN log-prob makes the loss NaN everywhere alike; compare all the same
-                lp = args["log_probs"].clone().requires_grad_()
-                lp_ref = args["log_probs"].clone().requires_grad_()
-                what = f"kl_penalty_loss[{backend}] {layout} {str(dtype)[6:]} {aggregation}/{estimator}"
-                try:
-                    got = kl_penalty_loss(**dict(args, log_probs=lp), backend=backend)
-                    want = kl_penalty_loss(**dict(args, log_probs=lp_ref), backend="torch")
-                except Exception as exc:
-                    failures.append(f"{what}: raised {type(exc).__name__}: {exc}")
-                    continue
-                for field in got._fields:
-                    _compare(f"{what} {field}", getattr(got, field), getattr(want, field), torch.float32, failures)
-                if got.loss.requires_grad and want.loss.requires_grad:
-                    g_got = torch.autograd.grad(got.loss, lp)[0]
-                    g_want = torch.autograd.grad(want.loss, lp_ref)[0]
-                    _compare(f"{what} grad", g_got, g_want, dtype, failures)
-    return failures
-
-
 def _logits_cases(dtype):
     """Logits and labels for token_logprobs: V = 1, a block's edges (1023-1025), a long row; a masked
     vocabulary entry (-inf), a one-hot row, a NaN row, ignored labels, labels 0 and V-1; [N, V] rows and
@@ -179,67 +110,14 @@ def _logits_cases(dtype):
         yield f"V={vocab} slabs", x.to(dtype)[:, :-1], y[:, :-1], mask[:, :-1]
 
 
-def _check_token_logprobs(backend, device) -> list:
-    from .token_logprobs import token_logprobs
-    failures = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, x, y, mask in _logits_cases(dtype):
-            x, y, mask = x.to(device), y.to(device), mask.to(device)
-            what = f"token_logprobs[{backend}] {name} {str(dtype)[6:]}"
-            leaf, leaf_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
-            try:
-                got = token_logprobs(leaf, y, temperature=0.7, return_entropy=True, mask=mask, backend=backend)
-                want = token_logprobs(leaf_ref, y, temperature=0.7, return_entropy=True, mask=mask, backend="torch")
-            except Exception as exc:
-                failures.append(f"{what}: raised {type(exc).__name__}: {exc}")
-                continue
-            _compare(f"{what} log_probs", got.log_probs, want.log_probs, torch.float32, failures)
-            _compare(f"{what} entropy", got.entropy, want.entropy, torch.float32, failures)
-            up = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
-
-            def total(out):
-                return ((out.log_probs.nan_to_num(0, 0, 0) + 0.5 * out.entropy.nan_to_num(0, 0, 0)) * up).sum()
-            g_got = torch.autograd.grad(total(got), leaf)[0]
-            g_want = torch.autograd.grad(total(want), leaf_ref)[0]
-            _compare(f"{what} grad", g_got, g_want, dtype, failures)
-    return failures
+# op -> its check(backend, device) -> failures: each op registers its own (kl_kernels/<op>/self_check.py, from
+# its backends.py), so that this module, below the ops, imports none of them.
+CHECKS: dict[str, Callable[[str, torch.device], list]] = {}
 
 
-def _check_full_kl(backend, device) -> list:
-    from .full_kl import full_kl
-    failures = []
-    g = torch.Generator().manual_seed(8765)
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, x, _y, mask in _logits_cases(dtype):
-            # the reference: the policy's logits shifted by a constant (cancels in the KL) plus noise, with
-            # the policy's -inf entries and a -inf of its own where the policy has mass (KL = +inf)
-            r = x.double() + 3.0 + torch.randn(x.shape, generator=g, dtype=torch.float64)
-            if x.shape[-1] > 1:
-                r[0, 1, 0] = -math.inf
-            x, r, mask = x.to(device), r.to(dtype).to(device), mask.to(device)
-            what = f"full_kl[{backend}] {name} {str(dtype)[6:]}"
-            leaves = [t.clone().requires_grad_() for t in (x, r, x, r)]
-            try:
-                got = full_kl(leaves[0], leaves[1], temperature=0.7, mask=mask, backend=backend)
-                want = full_kl(leaves[2], leaves[3], temperature=0.7, mask=mask, backend="torch")
-            except Exception as exc:
-                failures.append(f"{what}: raised {type(exc).__name__}: {exc}")
-                continue
-            _compare(f"{what} kl", got, want, torch.float32, failures)
-            up = torch.linspace(-1, 1, got.numel(), device=device).reshape(got.shape)
-            g_got = torch.autograd.grad((got.nan_to_num(0, 0, 0) * up).sum(), leaves[:2])
-            g_want = torch.autograd.grad((want.nan_to_num(0, 0, 0) * up).sum(), leaves[2:])
-            _compare(f"{what} grad logits", g_got[0], g_want[0], dtype, failures)
-            _compare(f"{what} grad ref_logits", g_got[1], g_want[1], dtype, failures)
-    return failures
-
-
-CHECKS: dict[str, Callable[[str, torch.device], list]] = {
-    "kl_reward": _check_kl_reward,
-    "kl_penalty_loss": _check_kl_penalty_loss,
-    "token_logprobs": _check_token_logprobs,
-    "full_kl": _check_full_kl,
-}
+def register(op: str, check: Callable[[str, torch.device], list]) -> None:
+    """Make ``check(backend, device) -> failures`` the self-check of ``op`` (an op's backends.py calls this)."""
+    CHECKS[op] = check
 
 
 def _key(op, backend, device):
@@ -250,7 +128,8 @@ def _key(op, backend, device):
 
 
 def run(op: str, backend: str, device) -> list:
-    """Run the check now (no cache); return the failures (empty: passed)."""
+    """Run the check now (no cache); return the failures (empty: passed). ``op``'s package must have
+    been imported (its backends register its check)."""
     _RUNNING.active = True
     try:
         with torch.enable_grad():
@@ -289,6 +168,10 @@ def verdicts() -> dict:
 
 
 def clear() -> None:
-    """Forget every verdict (tests; a process that swapped its extension)."""
+    """Forget every verdict (tests; a process that swapped its extension), and the call plans that were
+    dispatched under them (kl_kernels/plans.py)."""
+    from . import plans
+
     with _LOCK:
         _VERDICTS.clear()
+    plans.clear()

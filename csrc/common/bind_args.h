@@ -27,6 +27,8 @@ inline void bind_args(pybind11::module_& m) {
       .def_readwrite("out_hi", &EstimatorParams::out_hi);
   py::class_<KLRewardArgs> c(m, "KLRewardArgs", py::module_local());
   c.def(py::init<>());
+  // A copy of a filled struct, in one call: kl_kernels/plans.py fills one per call signature and copies it.
+  c.def("__copy__", [](const KLRewardArgs& self) { return self; });
 #define KL_FIELD(name) c.def_readwrite(#name, &KLRewardArgs::name)
   KL_FIELD(layout); KL_FIELD(batch); KL_FIELD(width); KL_FIELD(total); KL_FIELD(offsets); KL_FIELD(lengths);
   KL_FIELD(left_pad); KL_FIELD(prompt_lens); KL_FIELD(dtype); KL_FIELD(reward_dtype); KL_FIELD(lp);
@@ -44,6 +46,7 @@ inline void bind_penalty_args(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<KLPenaltyArgs> c(m, "KLPenaltyArgs", py::module_local());
   c.def(py::init<>());
+  c.def("__copy__", [](const KLPenaltyArgs& self) { return self; });  // (as KLRewardArgs')
 #define KL_FIELD(name) c.def_readwrite(#name, &KLPenaltyArgs::name)
   KL_FIELD(g); KL_FIELD(old); KL_FIELD(ref); KL_FIELD(adv); KL_FIELD(ent); KL_FIELD(old_s0); KL_FIELD(old_s1);
   KL_FIELD(ref_s0); KL_FIELD(ref_s1); KL_FIELD(adv_s0); KL_FIELD(adv_s1); KL_FIELD(ent_s0); KL_FIELD(ent_s1);

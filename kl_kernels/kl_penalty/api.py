@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+
 from .. import backends as _dispatch
 import torch
 
-from .. import ragged
+from .. import plans, ragged
 from .. import full_estimator
+from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
 from ..reference_math import final_mask, token_frame
 from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host, run_split
 from .backends import REGISTRY
-from .ops import run_fused_aggregated, run_fused_on_device
-from .problem import _num_global_tokens, build_problem
+from .launch import TotalsPlan
+from .ops import PlannedTotals, _fused_args, run_fused, run_fused_aggregated, run_fused_on_device, run_planned_total
+from .problem import CallChecks, _num_global_tokens, build_problem
+
+_PLANS = plans.PlanCache("kl_penalty_loss")
 
 
 def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None, beta=1.0, estimator="k1", mask=None,
@@ -170,6 +175,30 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         >>> lp.grad[0]  # left padding: no gradient at column 0
         tensor([ 0.0000, -0.2410, -0.2200])
     """
+    key = None
+    if not torch.compiler.is_compiling():
+        # The call's signature (kl_kernels/plans.py; see kl_reward's): options, with the types of those whose
+        # == does not tell bool, int and float apart, tensors' facts, grad mode, the backend override.
+        try:
+            key = (estimator, aggregation, padding_side, clip_epsilon, entropy_coef, dual_clip, weight_kl, clamp_input,
+                   clamp_output, importance_sampling_level, kl_times_ratio, kl_aggregation, entropy_aggregation,
+                   num_sequences, norm_length, num_global_tokens, process_group, backend, temperature,
+                   tuple(map(type, clip_epsilon)) if type(clip_epsilon) is tuple else type(clip_epsilon),
+                   tuple(map(type, clamp_input)) if type(clamp_input) is tuple else None,
+                   tuple(map(type, clamp_output)) if type(clamp_output) is tuple else None,
+                   type(entropy_coef), type(dual_clip), type(weight_kl), type(kl_times_ratio), type(norm_length),
+                   type(temperature), logits is None, ref_logits is None, torch.is_grad_enabled(),
+                   plans.ENVIRON.get(plans.ENV_KEY),
+                   plans.facts(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, entropy,
+                               weights, beta, out))
+        except Exception:  # (e.g. a nested tensor's strides: such calls take the general path)
+            key = None
+        plan = _PLANS.get(key)
+        if plan is not None and plan.registry is REGISTRY:
+            if type(plan) is plans.Unplanned:
+                key = None  # (seen: no plan for it)
+            else:
+                return plan(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out)
     temperature = full_estimator.check_temperature(temperature, estimator)
     full = estimator == full_estimator.FULL
     if full:
@@ -199,10 +228,20 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         problem.kl_values = _full_kl_term(problem, kind, logits, ref_logits, temperature, backend)
     num_global_tokens = _num_global_tokens(num_global_tokens, problem, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
+    if key is not None and not (impl.name == "cpu" and on_host(problem, process_group)):
+        _PLANS.put(key, plans.Unplanned(REGISTRY))  # (the plans are of the calls the CPU kernel aggregates)
     if problem.split_terms:
         return run_split(problem, impl, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
                          process_group=process_group)
     if impl.name == "cpu" and on_host(problem, process_group):  # the C++ kernel sums the batch too
+        plan = None
+        if key is not None and impl.run is run_fused and num_global_tokens is None and kind in ("packed", "padded"):
+            plan = _TotalsPlan.of(problem, (log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets,
+                                            lengths, entropy, weights, beta, logits, ref_logits, num_sequences))
+        if key is not None:
+            _PLANS.put(key, plans.Unplanned(REGISTRY) if plan is None else plan)
+        if plan is not None:
+            return plan(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out)
         return run_fused_aggregated(problem, num_global_tokens)
     if impl.name in ("cuda", "cuda-emulated", "triton") and on_device(problem, process_group):  # and on a device
         return run_fused_on_device(problem, num_global_tokens, emulated=impl.name == "cuda-emulated",
@@ -223,10 +262,62 @@ def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend):
     full_estimator.check_logits("logits", logits, problem.log_probs.shape, problem.device)
     full_estimator.check_logits("ref_logits", ref_logits, problem.log_probs.shape, problem.device)
     counted = final_mask(problem, *token_frame(problem)[:3])
-    kl = full_estimator.per_token(logits, ref_logits, counted, temperature=temperature, backend=backend)
+    kl = full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend)
     if problem.clamp_output is not None:
         lo, hi = problem.clamp_output
         kl = kl.clamp(min=lo, max=hi)
     if problem.weight_kl:
         kl = torch.where(counted, kl * problem.weights.to(kl.dtype), torch.zeros((), dtype=kl.dtype, device=kl.device))
     return kl
+
+
+class _TotalsPlan:
+    """A plan (kl_kernels/plans.py) for eager calls of one signature that the CPU kernel aggregates itself
+    (:func:`~kl_kernels.kl_penalty.aggregate.on_host`): problem.py's value checks
+    (:class:`~kl_kernels.kl_penalty.problem.CallChecks`), then the folded forward
+    (:class:`~kl_kernels.kl_penalty.ops._EagerTotal`) through the launcher's
+    :class:`~kl_kernels.kl_penalty.launch.TotalsPlan`. tests/test_plans.py holds its call budget."""
+
+    __slots__ = ("registry", "checks", "launch", "constants", "agg")
+
+    @classmethod
+    def of(cls, problem, args) -> "_TotalsPlan | None":
+        """The plan of the call just validated into ``problem``, or None (the general path every time):
+        only the common call (no entropy, weights, logits, GSPO, sequence count; dense plain tensors
+        that no launcher converts, none requiring grad but the log-probs, a float or float32 0-d beta)."""
+        lp, old, adv, ref, mask, offsets, lengths, entropy, weights, beta, logits, ref_logits, num_sequences = args
+        fa = _fused_args(problem, cpu_kernel=True)
+        tensors = [t for t in (lp, old, adv, ref, mask, offsets, lengths) if t is not None]
+        if (any(x is not None for x in (entropy, weights, logits, ref_logits, num_sequences))
+                or problem.importance_sampling_level != "token" or problem.batch_size == 0
+                or problem.num_tokens == 0 or problem.device_free
+                or any(type(t) is not torch.Tensor or t.is_neg() for t in tensors)
+                or any(t.requires_grad for t in (old, adv, ref) if t is not None)
+                or fa[3].dtype != adv.dtype
+                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous()) for t in (offsets, lengths))
+                or (problem.lengths is not None and problem.lengths is not lengths)
+                or not (type(beta) in (float, int) or (type(beta) is torch.Tensor and beta.dtype == torch.float32
+                                                       and beta.dim() == 0))):
+            return None
+        launcher = TotalsPlan(fa)
+        if not hasattr(launcher.template, "__copy__"):  # (an extension built before it had one)
+            return None
+        plan = cls()
+        plan.registry = REGISTRY
+        plan.checks = CallChecks(problem)
+        plan.launch = launcher
+        plan.constants = fa[10:]
+        plan.agg = PlannedTotals.constants(problem)
+        return plan
+
+    def __call__(self, log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out):
+        inputs = ()
+        if out is not None:
+            inputs = (("log_probs", log_probs), ("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs),
+                      ("advantages", advantages), ("mask", mask), ("offsets", offsets), ("lengths", lengths),
+                      ("beta", beta))
+        lengths, beta = self.checks(offsets, lengths, beta, out, inputs)
+        tensor_beta = type(beta) is torch.Tensor
+        args = (log_probs, old_log_probs, ref_log_probs, advantages, None, mask, offsets, lengths,
+                beta if tensor_beta else None, 0.0 if tensor_beta else beta, *self.constants)
+        return run_planned_total(PlannedTotals(self.agg, beta, out), self.launch, args)

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import selfcheck
 from ..backends import BOTH_LAYOUTS, HALF_AND_SINGLE, Backend, fused_backends
 from .ops import run_fused
+from . import self_check
 from .reference import kl_penalty_reference
 
 
@@ -49,3 +51,7 @@ REGISTRY: list[Backend] = fused_backends("kl_penalty_forward", run_fused, _same_
             kl_penalty_reference, notes="vectorized torch reference (float64-capable)",
             requires=_no_gradient_buffer),
 ]
+
+
+# This op's first-use self-check, handed to the shared machinery (which imports no op).
+selfcheck.register("kl_penalty_loss", self_check.check)

@@ -239,4 +239,50 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     return g_lp, g_ent
 
 
+class TotalsPlan:
+    """:func:`forward_with_totals` for the calls of one signature (``kl_kernels/plans.py``): the argument
+    struct filled once by :func:`_prepare_forward` from the first call and copied per call (its
+    ``__copy__``: the backward keeps each call's own), with the addresses (inputs, gradient buffer,
+    totals, a beta tensor) and a scalar beta rewritten. For inputs the kernel reads as they are (int64
+    contiguous offsets and lengths, no negative bit, a float32 contiguous beta tensor, a non-empty
+    batch), which the plan's signature keeps so. ``tests/test_plans.py`` holds every field to what
+    :func:`_prepare_forward` writes for the same tensors."""
+
+    def __init__(self, forward_args):
+        module, a, _ = _prepare_forward(*forward_args)
+        a.g.lp = a.g.mask = a.g.offsets = a.g.lengths = a.old = a.ref = a.adv = a.ent = a.wt = a.beta = 0
+        self.module, self.template = module, a  # (no address of the first call's tensors is kept)
+        self.shape = forward_args[0].shape
+
+    def __call__(self, log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
+                 weights, grad_out=None):
+        """(grad, totals, args, keep) as :func:`forward_with_totals`; ``beta`` a float or a float32 tensor."""
+        a = self.template.__copy__()
+        g = a.g
+        g.lp, a.old, a.adv = log_probs.data_ptr(), old_log_probs.data_ptr(), advantages.data_ptr()
+        if ref_log_probs is not None:
+            a.ref = ref_log_probs.data_ptr()
+        if entropy is not None:
+            a.ent = entropy.data_ptr()
+        if weights is not None:
+            a.wt = weights.data_ptr()
+        if mask is not None:
+            g.mask = mask.data_ptr()
+        if offsets is not None:
+            g.offsets = offsets.data_ptr()
+        if lengths is not None:
+            g.lengths = lengths.data_ptr()
+        if type(beta) is torch.Tensor:
+            a.beta = beta.data_ptr()
+        else:
+            a.beta_scalar = beta
+        grad = torch.empty(self.shape, dtype=torch.float32) if grad_out is None else grad_out
+        totals = torch.empty(TOTALS, dtype=torch.float64)
+        a.grad, a.totals = grad.data_ptr(), totals.data_ptr()
+        module = self.module
+        launch_kernel(module, module.kl_penalty_forward, a, grad.device, "kl_penalty_loss")
+        a.totals = 0
+        return grad, totals.tolist(), a, [beta]
+
+
 emulated = ExtensionLauncher(EMULATED, forward, backward)  # the cuda-emulated backend's launcher (ops.py)

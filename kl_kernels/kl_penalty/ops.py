@@ -208,8 +208,14 @@ class _EagerTotal(torch.autograd.Function):
     CI VM, a step's fixed cost went from ~650 to ~490 us (of ~1.3 ms at B=256, 137k tokens)."""
 
     @staticmethod
-    def forward(ctx, p, num_global_tokens, *args):
-        grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
+    def forward(ctx, p, num_global_tokens, planned, *args):
+        # planned: a call plan's launcher (launch.TotalsPlan, kl_kernels/plans.py), else the launcher's full filling
+        ctx.planned = planned is not None
+        if planned is None:
+            grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
+        else:
+            grad, totals, kernel_args, keep = planned(*args[:8], args[9] if args[8] is None else args[8], args[19],
+                                                      grad_out=p.grad_out)
         _claim(p.grad_out)
         w, parts = uniform_parts(p, totals[1:], num_global_tokens)
         _save_folded(ctx, args, (grad,), kernel_args, keep)
@@ -236,7 +242,9 @@ class _EagerTotal(torch.autograd.Function):
             else:
                 g_lp, g_ent = launch.backward_with_args(ctx.kernel_args, grad, scale, lp_dtype, entropy_grad,
                                                         aux_dtype)
-        return (None, None, g_lp, None, None, None, g_ent) + (None,) * 20
+        if ctx.planned:  # _PlannedTotal: (p, planned, log_probs, args)
+            return None, None, g_lp, None
+        return (None, None, None, g_lp, None, None, None, g_ent) + (None,) * 20
 
 
 def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
@@ -257,8 +265,42 @@ def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLos
     (:func:`~kl_kernels.kl_penalty.aggregate.on_host`), through the C++ kernel with the aggregation
     folded in (:class:`_EagerTotal`). Same values as ``aggregate(p, run_fused(p))`` up to the
     rounding of the per-sequence sums (summed in float64 here, float32 there)."""
-    loss, rest, count = _EagerTotal.apply(p, num_global_tokens, *_fused_args(p, cpu_kernel=True))
+    loss, rest, count = _EagerTotal.apply(p, num_global_tokens, None, *_fused_args(p, cpu_kernel=True))
     return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+
+
+class _PlannedTotal(torch.autograd.Function):
+    """:class:`_EagerTotal` for a call plan, its 25 arguments handed over as one tuple next to the
+    log-probs (the only input a plan's call differentiates: no entropy): autograd's ``apply`` then
+    walks 4 arguments instead of 28 (~60 Python-level calls less per call)."""
+
+    @staticmethod
+    def forward(ctx, p, planned, log_probs, args):
+        return _EagerTotal.forward(ctx, p, None, planned, *args)
+
+    backward = _EagerTotal.backward  # (its gradients, in this forward's argument positions: see _plan_grads)
+
+
+def run_planned_total(agg, planned, args) -> KLPenaltyLossOutput:
+    """:func:`run_fused_aggregated` for a call plan (kl_kernels/plans.py): ``args`` the 25 arguments of the
+    fused forward (no entropy), ``agg`` what the aggregation reads of the problem (:class:`PlannedTotals`)."""
+    loss, rest, count = _PlannedTotal.apply(agg, planned, args[0], args)
+    return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+
+
+class PlannedTotals:
+    """What :func:`~kl_kernels.kl_penalty.aggregate.uniform_parts` and :class:`_EagerTotal` read of a
+    problem, for one planned call: the plan's constants and this call's beta and gradient buffer."""
+
+    __slots__ = ("aggregation", "norm_length", "batch_size", "entropy_coef", "beta", "grad_out")
+
+    def __init__(self, constants: tuple, beta, grad_out):
+        self.aggregation, self.norm_length, self.batch_size, self.entropy_coef = constants
+        self.beta, self.grad_out = beta, grad_out
+
+    @staticmethod
+    def constants(p: KLPenaltyProblem) -> tuple:
+        return p.aggregation, p.norm_length, p.batch_size, p.entropy_coef
 
 
 class _EagerOnDevice(torch.autograd.Function):

@@ -292,6 +292,31 @@ def _check_out(out, lp, inputs) -> torch.Tensor:
     return out
 
 
+class CallChecks:
+    """The checks of :func:`build_problem` that read values, for the later calls of a plan (one call
+    signature, ``kl_kernels/plans.py``): offsets and lengths within bounds, a finite beta, a gradient
+    buffer that overlaps no input; by the same functions (a float beta build_problem would accept is
+    taken as it is; any other goes through :func:`_beta`, for its exact error)."""
+
+    __slots__ = ("num_tokens", "batch", "width", "device")
+
+    def __init__(self, problem: KLPenaltyProblem):
+        self.device, self.num_tokens, self.batch = problem.device, problem.num_tokens, problem.batch_size
+        self.width = problem.log_probs.shape[1] if problem.layout == "padded" else None
+
+    def __call__(self, offsets, lengths, beta, out=None, inputs=()):
+        """``(lengths, beta)`` as build_problem normalizes them, or its error."""
+        if offsets is not None:
+            ragged.check_offsets(offsets, self.num_tokens, device=self.device)
+        if lengths is not None:
+            lengths = ragged.check_lengths(lengths, self.batch, self.width)
+        if type(beta) is not float or not -_checks.FLOAT32_MAX <= beta <= _checks.FLOAT32_MAX:
+            beta = _beta(beta, self.batch, self.device)
+        if out is not None:
+            _checks.no_overlap([("out", out)], inputs)
+        return lengths, beta
+
+
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
                   padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
                   dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None,

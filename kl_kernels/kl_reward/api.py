@@ -8,12 +8,16 @@ from typing import Callable
 import torch
 
 from .. import backends as _dispatch
-from .. import ragged
+from .. import plans, ragged
 from .. import full_estimator
+from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
 from ..reference_math import final_mask, token_frame
 from .backends import REGISTRY
-from .ops import run_fused_list
-from .problem import KLRewardOutput, RawOutputs, build_problem, widened
+from .launch import ForwardPlan
+from .ops import forward_args, run_fused, run_fused_list
+from .problem import CallChecks, KLRewardOutput, RawOutputs, build_problem, widened
+
+_PLANS = plans.PlanCache("kl_reward")
 
 
 def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None,
@@ -136,11 +140,31 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         >>> out.count
         tensor([2, 3])
     """
+    key = None
+    if not torch.compiler.is_compiling():
+        # The call's signature (kl_kernels/plans.py): the options (with the types of those whose == does
+        # not tell bool, int and float apart), the tensors' facts, the grad mode and the backend override.
+        try:
+            key = (estimator, reward_placement, padding_side, clamp_input, clamp_output, return_ref, detach, mask_nan,
+                   type(return_ref), type(detach), type(mask_nan), backend, kl_dtype, temperature, type(temperature),
+                   tuple(map(type, clamp_input)) if type(clamp_input) is tuple else None,
+                   tuple(map(type, clamp_output)) if type(clamp_output) is tuple else None,
+                   type(out), torch.is_grad_enabled(), plans.ENVIRON.get(plans.ENV_KEY),
+                   plans.facts(log_probs, ref_log_probs, reward, mask, offsets, lengths, prompt_lens, coef,
+                               *(out if type(out) in (tuple, KLRewardOutput) else ())))
+        except Exception:  # (e.g. a nested tensor's strides: such calls take the general path)
+            key = None
+        plan = _PLANS.get(key)
+        if plan is not None and plan.registry is REGISTRY:
+            if type(plan) is plans.Unplanned:
+                key = None  # (seen: no plan for it)
+            else:
+                return plan(log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out)
     return _kl_reward(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
                       return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, out=out,
-                      kl_dtype=kl_dtype, temperature=temperature)
+                      kl_dtype=kl_dtype, temperature=temperature, plan_key=key)
 
 
 def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_log_probs, reward=None, *, coef=1.0,
@@ -161,7 +185,7 @@ def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_lo
 def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
                lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
                clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
-               store=None, out=None, kl_dtype=None, temperature=1.0) -> KLRewardOutput:
+               store=None, out=None, kl_dtype=None, temperature=1.0, plan_key=None) -> KLRewardOutput:
     temperature = full_estimator.check_temperature(temperature, estimator)
     if estimator == full_estimator.FULL:
         return _full(log_probs, ref_log_probs, reward, coef=coef, mask=mask, offsets=offsets, lengths=lengths,
@@ -179,13 +203,14 @@ def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1
     return _general(log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
                     lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                     reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
-                    return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, store=store, out=out)
+                    return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, store=store, out=out,
+                    plan_key=plan_key if kl_dtype is None and store is None else None)
 
 
 def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
              lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
              clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
-             store=None, out=None) -> KLRewardOutput:
+             store=None, out=None, plan_key=None) -> KLRewardOutput:
     """kl_reward's general path: validate and normalize (problem.py), dispatch, run, restore the layout."""
     problem, layout = build_problem(
         log_probs, ref_log_probs, reward, coef=coef, estimator=estimator, mask=mask, offsets=offsets,
@@ -206,6 +231,12 @@ def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1",
         done = []
         run_fused_list(problem, lambda raw: done.append(_restore(layout, raw, store)))
         return done[0]
+    if plan_key is not None:
+        plan = _DirectPlan.of(problem, layout, impl, detach, (log_probs, ref_log_probs, reward, mask, offsets, lengths,
+                                                              prompt_lens, coef), out)
+        _PLANS.put(plan_key, plans.Unplanned(REGISTRY) if plan is None else plan)
+        if plan is not None:
+            return plan(log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out)
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)
     if problem.out is None:
@@ -235,7 +266,7 @@ def _full(logits, ref_logits, reward, *, coef, mask, offsets, lengths, padding_s
         clamp_output=clamp_output, return_ref=False, detach=detach, mask_nan=False, out=None)
     counted = final_mask(problem, *token_frame(problem)[:3]).reshape(tokens.shape)
     with torch.no_grad() if detach else nullcontext():
-        kl = full_estimator.per_token(logits, ref_logits, counted, temperature=temperature, backend=backend)
+        kl = full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend)
     return _kl_reward(kl, torch.zeros_like(kl), reward, coef=coef, estimator="k1", mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_output=clamp_output, detach=detach, backend=backend,
@@ -253,3 +284,60 @@ def _restore(layout, raw, store):
     if store is not None:
         store(out)
     return out
+
+
+class _DirectPlan:
+    """A plan (kl_kernels/plans.py) for eager calls of one signature that the C++ kernels run without
+    autograd: the value checks of problem.py (:class:`~kl_kernels.kl_reward.problem.CallChecks`), then
+    the launcher's :class:`~kl_kernels.kl_reward.launch.ForwardPlan`; the results in the caller's
+    (packed or padded) layout, in its ``out=`` buffers where given. ~35 Python-level calls instead of
+    ~250 (tests/test_plans.py holds the budget)."""
+
+    __slots__ = ("registry", "checks", "launch", "trailing", "cast", "return_ref", "given")
+
+    @classmethod
+    def of(cls, problem, layout, impl, detach, args, out) -> "_DirectPlan | None":
+        """The plan of the call just validated into ``problem`` and dispatched to ``impl``, or None where
+        the call takes the general path every time: other backends than the C++ kernels' ``cpu`` and
+        ``cuda`` rows (``impl.run is run_fused``: a row a test swapped in is not), autograd, lists and
+        nested tensors, tensor subclasses, negative bits, inputs the launcher would convert, empty batches."""
+        lp, ref = problem.log_probs, problem.ref_log_probs
+        graph = not detach and torch.is_grad_enabled() and (lp.requires_grad or ref.requires_grad)
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        if (impl.run is not run_fused or graph or problem.layout not in ("packed", "padded")
+                or problem.device_free or problem.batch_size == 0 or problem.num_tokens == 0
+                or any(type(t) is not torch.Tensor or t.is_neg() for t in tensors)
+                or any(t is not None and type(t) is not torch.Tensor for t in args[:7])
+                or type(args[7]) not in (float, int, torch.Tensor)
+                or (problem.mask_nan and problem.device.type != "cpu")
+                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
+                       for t in (problem.offsets, problem.lengths, problem.prompt_lens))
+                or (problem.lengths is not None and problem.lengths is not args[5])
+                or (problem.prompt_lens is not None and problem.prompt_lens is not args[6])):
+            return None
+        plan = cls()
+        plan.registry = REGISTRY
+        plan.checks = CallChecks(problem)
+        fa = forward_args(problem)
+        plan.launch = ForwardPlan(fa[0], fa[1], fa[6], problem.coef, *fa[9:], mask_nan=problem.mask_nan)
+        plan.trailing = layout.reward_trailing
+        reward = args[2]
+        plan.cast = None if reward is None or reward.dtype == problem.reward_dtype else problem.reward_dtype
+        plan.return_ref = problem.return_ref
+        plan.given = out is not None
+        return plan
+
+    def __call__(self, log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out):
+        inputs = ()
+        if out is not None:
+            inputs = (("log_probs", log_probs), ("ref_log_probs", ref_log_probs), ("mask", mask), ("reward", reward),
+                      ("offsets", offsets), ("lengths", lengths), ("prompt_lens", prompt_lens), ("coef", coef))
+        lengths, prompt_lens, coef = self.checks(offsets, lengths, prompt_lens, coef, out, inputs)
+        if self.cast is not None:
+            reward = reward.to(self.cast)
+        kl, reward_out, ref_out, kl_sum, count = self.launch(log_probs, ref_log_probs, mask, offsets, lengths,
+                                                             prompt_lens, reward, coef, out)
+        if out is not None:  # the caller's own tensors (a reward buffer keeps its trailing dim)
+            return KLRewardOutput(*(r if o is None else o for o, r in zip(out, (kl, reward_out, ref_out, kl_sum,
+                                                                                count))))
+        return KLRewardOutput(kl, reward_out.unsqueeze(-1) if self.trailing else reward_out, ref_out, kl_sum, count)

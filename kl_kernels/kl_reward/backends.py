@@ -29,8 +29,10 @@ import dataclasses
 
 import torch
 
+from .. import selfcheck
 from ..backends import BOTH_LAYOUTS, HALF_AND_SINGLE, Backend, fused_backends
 from .ops import run_fused
+from . import self_check
 from .reference import kl_reward_reference
 
 KERNEL_FORWARD = "kl_reward_forward"  # symbol the compiled extensions will export
@@ -68,3 +70,7 @@ REGISTRY: list[Backend] = _kl_reward_fused_backends() + [
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
             kl_reward_reference, notes="vectorized torch reference (float64-capable)"),
 ]
+
+
+# This op's first-use self-check, handed to the shared machinery (which imports no op).
+selfcheck.register("kl_reward", self_check.check)

@@ -8,6 +8,8 @@ contiguous in the layout's shape. Everything here has already been validated by 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, geometry_args,
@@ -138,6 +140,78 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     launch_kernel(module, module.kl_reward_backward, args, log_probs.device, "kl_reward")
     del keep, grads
     return g_lp, g_ref
+
+
+class ForwardPlan:
+    """:func:`forward` for the calls of one signature (``kl_kernels/plans.py``): the argument struct is
+    filled once per thread by :func:`make_args`, from that thread's first call, and each later call
+    rewrites only its addresses (inputs, outputs, a coefficient tensor) and a scalar coefficient. For
+    inputs the kernel reads as they are (int64 contiguous offsets, lengths and prompt lengths; no
+    negative bit; a non-empty batch), which the plan's signature keeps so: dtypes, strides, shapes
+    and flags are the struct's other fields. ``tests/test_plans.py`` holds every field to what
+    :func:`make_args` writes for the same tensors."""
+
+    def __init__(self, log_probs, ref_log_probs, reward, coef, layout, left_pad, placement, estimator,
+                 straight_through, clamp, return_ref, reward_dtype, mask_nan=False, ext=None):
+        self.module = kernel_module(log_probs.device, "kl_reward_forward", "kl_reward", ext)
+        self.constants = (layout, left_pad, placement, estimator, straight_through, clamp, mask_nan)
+        self.shape, self.dtype, self.device = log_probs.shape, log_probs.dtype, log_probs.device
+        self.ref_dtype, self.reward_dtype, self.return_ref = ref_log_probs.dtype, reward_dtype, return_ref
+        self.coef_cast = isinstance(coef, torch.Tensor) and not (coef.dtype == torch.float32 and coef.is_contiguous())
+        # the CUDA forwards (real or emulated) take a workspace; _C has no such function
+        self.workspace_bytes = getattr(self.module, "kl_reward_workspace_bytes", None)
+        self.local = threading.local()
+
+    def __call__(self, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, out=None):
+        """Run the forward: (kl, reward_out, ref_out or None, kl_sum, count). ``coef``: a float or a tensor
+        (as the first call's); ``out`` as :func:`forward`'s."""
+        tensor_coef = type(coef) is torch.Tensor
+        if tensor_coef and self.coef_cast:
+            coef = coef.to(torch.float32).contiguous()
+        try:
+            a = self.local.args
+        except AttributeError:  # this thread's first call: the launcher's own filling
+            layout, left_pad, placement, estimator, straight_through, clamp, mask_nan = self.constants
+            a, _ = make_args(self.module, log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask,
+                             offsets=offsets, lengths=lengths, prompt_lens=prompt_lens, reward=reward,
+                             coef=coef if tensor_coef else None, coef_scalar=0.0 if tensor_coef else coef,
+                             layout=layout, left_pad=left_pad, placement=placement, estimator=estimator,
+                             straight_through=straight_through, clamp=clamp, mask_nan=mask_nan)
+            self.local.args = a
+        a.lp, a.ref = log_probs.data_ptr(), ref_log_probs.data_ptr()
+        if mask is not None:
+            a.mask = mask.data_ptr()
+        if offsets is not None:
+            a.offsets = offsets.data_ptr()
+        if lengths is not None:
+            a.lengths = lengths.data_ptr()
+        if prompt_lens is not None:
+            a.prompt_lens = prompt_lens.data_ptr()
+        if reward is not None:
+            a.reward = reward.data_ptr()
+        if tensor_coef:
+            a.coef = coef.data_ptr()
+        else:
+            a.coef_scalar = coef
+        kl, reward_out, ref_out, kl_sum, count = out if out is not None else (None,) * 5
+        shape, device = self.shape, self.device
+        if kl is None:
+            kl = torch.empty(shape, dtype=self.dtype, device=device)
+        if reward_out is None:
+            reward_out = torch.empty(shape, dtype=self.reward_dtype, device=device)
+        if self.return_ref:
+            if ref_out is None:
+                ref_out = torch.empty(shape, dtype=self.ref_dtype, device=device)
+            a.ref_out = ref_out.data_ptr()
+        if kl_sum is None:
+            kl_sum = torch.empty(a.batch, dtype=torch.float32, device=device)
+        if count is None:
+            count = torch.empty(a.batch, dtype=torch.int64, device=device)
+        a.kl, a.reward_out, a.kl_sum, a.count = kl.data_ptr(), reward_out.data_ptr(), kl_sum.data_ptr(), count.data_ptr()
+        module = self.module
+        launch_kernel(module, module.kl_reward_forward, a, device, "kl_reward",
+                      workspace_bytes=self.workspace_bytes)
+        return kl, reward_out, ref_out, kl_sum, count
 
 
 emulated = ExtensionLauncher(EMULATED, forward, backward)

@@ -94,12 +94,13 @@ def run_fused(p: KLRewardProblem, triton: bool = False, emulated: bool = False) 
     """The fused backends' entry point: a normalized problem through ``kl_kernels::kl_reward_fwd``
     (C++ kernels), ``kl_kernels::kl_reward_triton_fwd`` (``triton=True``) or
     ``kl_kernels::kl_reward_cuda_emu_fwd`` (``emulated=True``: the CUDA kernels on CPU tensors)."""
-    args = _forward_args(p)
+    args = forward_args(p)
     needs_graph = torch.is_grad_enabled() and (p.log_probs.requires_grad or p.ref_log_probs.requires_grad)
     if p.layout == "list" or p.mask_nan:
         # Only built for eager calls without autograd on the CPU (problem.py): the launcher reads
-        # the per-sequence tensors in place and masks NaN pads itself.
-        kl, reward, ref_out, kl_sum, count = launch.forward(*args, mask_nan=p.mask_nan)
+        # the per-sequence tensors in place and masks NaN pads itself; it writes into the caller's
+        # out= buffers too (lists take no out=), so no per-call [B, T] temporary is made and copied.
+        kl, reward, ref_out, kl_sum, count = launch.forward(*args, mask_nan=p.mask_nan, out=p.out)
     elif needs_graph or torch.compiler.is_compiling():
         op = (torch.ops.kl_kernels.kl_reward_triton_fwd if triton else
               torch.ops.kl_kernels.kl_reward_cuda_emu_fwd if emulated else torch.ops.kl_kernels.kl_reward_fwd)
@@ -112,7 +113,7 @@ def run_fused(p: KLRewardProblem, triton: bool = False, emulated: bool = False) 
     return _raw(p, (kl, reward, ref_out, kl_sum, count))
 
 
-def _forward_args(p: KLRewardProblem) -> tuple:
+def forward_args(p: KLRewardProblem) -> tuple:
     """The 17 arguments of ``kl_kernels::kl_reward_fwd`` (and of the launchers' forward) for ``p``."""
     coef_tensor = p.coef if isinstance(p.coef, torch.Tensor) else None
     coef_scalar = 0.0 if coef_tensor is not None else float(p.coef)
@@ -133,5 +134,5 @@ def run_fused_list(p: KLRewardProblem, during: Callable[[RawOutputs], None]) -> 
     """The cpu backend on the ``"list"`` layout, calling ``during(raw)`` while the kernel runs on
     torch's other threads: ``raw``'s tensors are not yet written, ``during`` may only make views
     of them and store those (see ``launch.forward_during``)."""
-    outputs = launch.forward_during(lambda outputs: during(_raw(p, outputs)), *_forward_args(p), mask_nan=p.mask_nan)
+    outputs = launch.forward_during(lambda outputs: during(_raw(p, outputs)), *forward_args(p), mask_nan=p.mask_nan)
     return _raw(p, outputs)

@@ -385,6 +385,35 @@ def _check_out(out, kind, lp, ref, reward_dtype, trailing, batch, return_ref, gr
     return RawOutputs(kl, reward, ref_out, kl_sum, count)
 
 
+class CallChecks:
+    """The checks of :func:`build_problem` that read values, for the later calls of a plan (one call
+    signature, ``kl_kernels/plans.py``): everything else it decided holds for them by their equal
+    signature. The same functions as build_problem's: offsets (start at 0, non-decreasing, end at N),
+    lengths and prompt_lens within bounds, a finite coefficient, result buffers that overlap nothing."""
+
+    __slots__ = ("num_tokens", "batch", "width", "layout", "device")
+
+    def __init__(self, problem: KLRewardProblem):
+        self.layout, self.device, self.num_tokens = problem.layout, problem.device, problem.num_tokens
+        self.batch = problem.batch_size
+        self.width = problem.log_probs.shape[1] if problem.layout == "padded" else None
+
+    def __call__(self, offsets, lengths, prompt_lens, coef, out=None, inputs=()):
+        """``(lengths, prompt_lens, coef)`` as build_problem normalizes them, or its error."""
+        if offsets is not None:
+            ragged.check_offsets(offsets, self.num_tokens, device=self.device)
+        if lengths is not None:
+            lengths = ragged.check_lengths(lengths, self.batch, self.width)
+        if prompt_lens is not None:
+            prompt_lens = _check_prompt_lens(prompt_lens, self.layout, offsets, lengths, self.width, self.batch,
+                                             self.device)
+        coef = _checks.finite_scalar("coef", coef) if type(coef) is float else \
+            _normalize_coef(coef, self.batch, self.device)
+        if out is not None:
+            _checks.no_overlap([(f"out.{n}", t) for n, t in zip(KLRewardOutput._fields, out)], inputs)
+        return lengths, prompt_lens, coef
+
+
 def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
                   prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach, mask_nan=False,
                   out=None):

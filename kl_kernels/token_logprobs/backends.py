@@ -27,8 +27,10 @@ import functools
 import torch
 
 from ..triton import interpreting
+from .. import selfcheck
 from ..backends import GPU_SELF_CHECK, HALF_AND_SINGLE, Backend, _cuda_reasons, _extension_reasons, _triton_reasons
 from .ops import run_fused, run_torch, run_triton
+from . import self_check
 
 _ROWS = frozenset({"packed"})
 
@@ -60,3 +62,7 @@ REGISTRY: list[Backend] = [
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, _ROWS, lambda: [], run_torch,
             notes="chunked torch math (float64-capable)"),
 ]
+
+
+# This op's first-use self-check, handed to the shared machinery (which imports no op).
+selfcheck.register("token_logprobs", self_check.check)
