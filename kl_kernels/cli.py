@@ -59,26 +59,14 @@ def cmd_check(include_named_only: bool = False) -> int:
 
 
 def cmd_info(args) -> int:
-    from . import info
+    from ._info import format_info, info
     if args.check:
         return cmd_check(include_named_only=args.all)
     data = info()
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"kl_kernels {data['version']}  torch {data['torch']}  python {data['python']}")
-    print(f"platform   {data['platform']}")
-    if data["backend_override"]:
-        print(f"KL_KERNELS_BACKEND={data['backend_override']}")
-    for name, ext in data["extensions"].items():
-        state = "loaded" if ext.get("loaded") else "not loaded"
-        extra = f" ({ext['error']})" if ext.get("error") else ""
-        archs = f", archs {ext['cuda_archs']}" if ext.get("cuda_archs") else ""
-        print(f"extension  {name}: {state}{archs}{extra}")
-    print("backends (auto order: cuda, triton, cpu, torch):")
-    for name, b in data["backends"].items():
-        status = f"available: {b['notes']}" if b["available"] else f"unavailable: {b['reason']}"
-        print(f"  {name:7s} {','.join(b['devices']):9s} {','.join(b['dtypes']):34s} {status}")
+    print(format_info(data))
     return 0
 
 

@@ -33,6 +33,45 @@ def test_info_text_explains_unavailable_backends():
     assert "torch" in res.stdout and "available" in res.stdout
 
 
+def _info_data(cuda_report):
+    backend = dict(available=True, reason=None, devices=["cpu"], dtypes=["bfloat16", "float32"], layouts=[], notes="")
+    cuda = dict(backend, available=False, devices=["cuda"],
+                reason="CUDA runtime of kl_kernels._cuda: CUDA driver version is insufficient for CUDA runtime "
+                       "version; torch 2.13.0+cpu is a CPU-only build (no CUDA)")
+    backends = {"torch": backend, "cpu": backend, "cuda": cuda, "cuda-emulated": backend}
+    return dict(version="0", torch="2.13.0+cpu", torch_cuda=None, python="3.11", platform="Linux", backend_override=None,
+                extensions={"_C": {"loaded": True}, "_cuda": cuda_report,
+                            "_cuda_emu": {"loaded": True, "cuda_archs": "emulated", "error": None}},
+                backends=backends, kl_penalty_loss_backends=backends, token_logprobs_backends=backends,
+                full_kl_backends=backends)
+
+
+def test_info_table_is_aligned_and_says_plainly_why_a_built_extension_cannot_run():
+    """Issue 50 item 5: _cuda built but no driver reads as a plain state, not an error; every column of
+    the extension and backend tables starts at the same place (the long 'cuda-emulated' name included)."""
+    from kl_kernels._info import extension_status, format_info
+
+    no_driver = {"loaded": True, "cuda_archs": "80;90", "driver_version": 0, "cuda_runtime_compiled": 13000,
+                 "error": "CUDA driver version is insufficient for CUDA runtime version"}
+    assert extension_status(no_driver) == ("built (sm_80, sm_90)", "not usable here: no CUDA driver")
+    old_driver = dict(no_driver, driver_version=12040)
+    assert extension_status(old_driver)[1] == ("not usable here: the CUDA driver (12.4) is older than the CUDA "
+                                               "runtime it was built with (13.0)")
+    assert extension_status({"loaded": False, "error": "kl_kernels._cuda is not built (no nvcc)"})[0] == "not built"
+    text = format_info(_info_data(no_driver))
+    assert "insufficient" not in text and "no CUDA driver" in text
+    lines = text.splitlines()
+    ext = lines[lines.index("compiled extensions:") + 1:][:3]
+    assert [line.split()[0] for line in ext] == ["_C", "_cuda", "_cuda_emu"]
+    assert len({line.index(line.split()[1]) for line in ext}) == 1  # the state column is aligned
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["backend"])
+    table = lines[start:start + 5]
+    assert [line.split()[0] for line in table] == ["backend", "torch", "cpu", "cuda", "cuda-emulated"]
+    for column in ("devices", "dtypes", "status"):
+        at = table[0].index(column)
+        assert all(line[at - 2:at] == "  " and line[at] != " " for line in table), column
+
+
 @pytest.mark.slow
 def test_bench_tiny_writes_results(tmp_path):
     res = _cli("bench", "--quick", "--sizes", "tiny", "--device", "cpu", "--out", str(tmp_path))
