@@ -112,7 +112,15 @@ def test_bench_tiny_writes_results(tmp_path):
             assert row["x_vs_baseline_p10"] <= row["x_vs_baseline_p90"]
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert len(rows) == len(data["rows"]) and "round_ms" not in rows[0] and "x_vs_compile_p90" in rows[0]
-    assert "x baseline (p10-p90)" in res.stdout and "% copy BW" in res.stdout
+    # the full tables go to tables.txt; the screen gets the short summary (issue 50 item 4)
+    assert "x baseline (p10-p90)" in (tmp_path / "tables.txt").read_text()
+    out = res.stdout.splitlines()
+    assert len(out) < 80 and max(map(len, out)) <= 100, res.stdout
+    assert out[-1].startswith(f"Results in {tmp_path.resolve()}/") and "/tmp/tmp" not in res.stdout.replace(
+        str(tmp_path), "")
+    assert "x eager" in res.stdout and "x compile" in res.stdout and "% copy" in res.stdout and "ms tuned" in res.stdout
+    assert res.stderr == ""  # no progress spam, no warnings, when stderr is not a terminal
+    assert (tmp_path / "results.png").exists() and (tmp_path / "summary.txt").read_text() in res.stdout
 
 
 def test_bench_rejects_unknown_size(tmp_path):
@@ -214,7 +222,7 @@ def test_bench_runs_the_hidden_state_path_on_the_cpu_but_not_with_quick(tmp_path
 
     calls = []
 
-    def fake_run(sizes, dtype, repeats, task):
+    def fake_run(sizes, dtype, repeats, task, **kwargs):
         calls.append((tuple(sizes), dtype, task))
         return dict(machine={}, rows=[dict(contender=c, ms=1.0) for c in (
             linear_logprobs.LOSS_CONTENDERS if task == "loss" else linear_logprobs.CONTENDERS)])
@@ -241,7 +249,7 @@ def test_bench_times_token_logprobs_in_own_processes_without_quick(tmp_path, mon
     from kl_kernels.bench import token_logprobs as tlp
 
     seen = []
-    monkeypatch.setattr(tlp, "run", lambda sizes, dtype: seen.append(("own", sizes)) or dict(rows=[]))
+    monkeypatch.setattr(tlp, "run", lambda sizes, dtype, **k: seen.append(("own", sizes)) or dict(rows=[]))
     monkeypatch.setattr(tlp, "run_here", lambda sizes, *a, **k: seen.append(("here", sizes)) or [])
     args = argparse.Namespace(quick=False, no_compile=False, dtype="bf16", out=str(tmp_path))
     cli._bench_token_logprobs(args, torch.device("cpu"), {}, print)

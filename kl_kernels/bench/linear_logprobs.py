@@ -151,7 +151,9 @@ def line(r: dict) -> str:
     return f"{head}: {r['ms']:10.1f} ms  peak +{r['peak_extra_mib']:9.1f} MiB"
 
 
-def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3, task: str = "logprobs") -> dict:
+def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3, task: str = "logprobs",
+        progress=lambda text: print(text, flush=True)) -> dict:
+    """Every contender of ``task`` at every size, each in a fresh process; ``progress`` gets a line per row."""
     ctx = mp.get_context("spawn")
     rows = []
     for n, hid, vocab in sizes:
@@ -162,7 +164,7 @@ def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3, task: st
             proc.join(timeout=1800)
             rows.append(queue.get() if not queue.empty() else dict(contender=name, n=n, hidden=hid, vocab=vocab,
                                                                   dtype=dtype, error=f"exit code {proc.exitcode}"))
-            print(line(rows[-1]), flush=True)
+            progress(line(rows[-1]))
     return dict(machine=describe(torch.device("cpu")), temperature=TEMPERATURE, rows=rows)
 
 
