@@ -106,6 +106,7 @@ def _bench_child(args, say) -> list | None:
 
 
 def cmd_bench(args) -> int:
+    import textwrap
     import warnings
 
     import torch
@@ -169,7 +170,8 @@ def cmd_bench(args) -> int:
         print((out / "tables.txt").read_text())
     print((out / "summary.txt").read_text(), end="")
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".csv", ".png", ".txt"))
-    print(f"\nFiles: {', '.join(files)} (tables.txt: every column; JSON/CSV: every number)")
+    print("\n" + textwrap.fill(f"Files: {', '.join(files)} (tables.txt: every column of every table; JSON/CSV: "
+                              "every number)", 100, subsequent_indent="  "))
     print(f"Results in {out.resolve()}/")
     return 0
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import subprocess
 import sys
 
@@ -15,8 +14,9 @@ from kl_kernels.bench.torchrl_transforms import FLOOR
 
 
 def _cli(*args, timeout=600):
-    exe = shutil.which("kl-kernels")
-    cmd = [exe, *args] if exe else [sys.executable, "-m", "kl_kernels.cli", *args]
+    # python -m from the repository root: the tree under test, not whichever checkout an installed
+    # kl-kernels script imports (an editable install of another worktree ran that one's code)
+    cmd = [sys.executable, "-m", "kl_kernels.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
