@@ -124,7 +124,14 @@ class Backend:
         }
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing torch._dynamo (1-2 s) at import time:
+    the decorator only marks ``fn`` (tests/test_import.py checks that it still marks it the same way)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _unavailable_reasons(availability: Callable[[], list]) -> tuple:
     """Run a backend's availability probe eagerly, also while torch.compile traces a caller.
 

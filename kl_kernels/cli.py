@@ -14,14 +14,24 @@ REPEATS = 30
 
 
 def _progress():
-    """A progress callback: rich if installed, else one line per step on stderr."""
-    try:
-        from rich.console import Console
-        from rich.markup import escape
-        console = Console(stderr=True)
-        return lambda msg: console.log(escape(msg))  # "kl_reward[torch]" is not markup
-    except ImportError:
-        return lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)
+    """A progress callback: one line on stderr rewritten in place when stderr is a terminal, nothing
+    otherwise (a log or a pipe gets the summary only)."""
+    if not sys.stderr.isatty():
+        return lambda msg: None
+    import shutil
+
+    width = shutil.get_terminal_size((100, 20)).columns - 1
+
+    def say(msg: str) -> None:
+        sys.stderr.write("\r\033[K" + msg[:width])
+        sys.stderr.flush()
+    return say
+
+
+def _clear_progress() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
 
 
 def cmd_check(include_named_only: bool = False) -> int:
@@ -59,53 +69,52 @@ def cmd_check(include_named_only: bool = False) -> int:
 
 
 def cmd_info(args) -> int:
-    from . import info
+    from ._info import format_info, info
     if args.check:
         return cmd_check(include_named_only=args.all)
     data = info()
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"kl_kernels {data['version']}  torch {data['torch']}  python {data['python']}")
-    print(f"platform   {data['platform']}")
-    if data["backend_override"]:
-        print(f"KL_KERNELS_BACKEND={data['backend_override']}")
-    for name, ext in data["extensions"].items():
-        state = "loaded" if ext.get("loaded") else "not loaded"
-        extra = f" ({ext['error']})" if ext.get("error") else ""
-        archs = f", archs {ext['cuda_archs']}" if ext.get("cuda_archs") else ""
-        print(f"extension  {name}: {state}{archs}{extra}")
-    print("backends (auto order: cuda, triton, cpu, torch):")
-    for name, b in data["backends"].items():
-        status = f"available: {b['notes']}" if b["available"] else f"unavailable: {b['reason']}"
-        print(f"  {name:7s} {','.join(b['devices']):9s} {','.join(b['dtypes']):34s} {status}")
+    print(format_info(data))
     return 0
 
 
 def _bench_child(args, say) -> list | None:
-    """Run this bench with glibc's default allocator in a child process (its tables print as they
-    come); return its rows, or None if it failed."""
+    """Run this bench with glibc's default allocator in a child process (quiet: its rows come back through
+    a temporary folder); return its rows, or None if it failed (its output is shown then)."""
+    import os
     import subprocess
     import tempfile
     argv = [sys.executable, "-m", "kl_kernels.cli", "bench", "--malloc", "default", "--dtype", args.dtype,
-            "--seed", str(args.seed)]
+            "--seed", str(args.seed), "--child"]
     argv += ["--quick"] if args.quick else []
     argv += ["--sizes", *args.sizes] if args.sizes else []
     argv += ["--device", args.device] if args.device else []
     argv += ["--no-compile"] if args.no_compile else []
-    argv += ["--no-token-logprobs"]  # once, in the parent
+    say("glibc's default allocator first (a child process), then the tuned one here")
     with tempfile.TemporaryDirectory() as tmp:
-        say("first with glibc's default allocator (a child process), then tuned")
-        if subprocess.run(argv + ["--out", tmp]).returncode != 0:
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        done = subprocess.run(argv + ["--out", tmp], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env)
+        if done.returncode != 0:
+            _clear_progress()
+            print(done.stdout, file=sys.stderr)
+            print("kl-kernels bench: the run under glibc's default allocator failed (above)", file=sys.stderr)
             return None
         return json.loads((Path(tmp) / "results.json").read_text())["rows"]
 
 
 def cmd_bench(args) -> int:
+    import textwrap
+    import warnings
+
     import torch
 
     from .bench import batches, kl_penalty, kl_reward as cases, machine, report, torchrl_transforms
 
+    # Library warnings (torch.compile's, nested tensors' prototype notice) are not results: keep the report short.
+    warnings.filterwarnings("ignore")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = args.sizes or (["small", "medium"] if args.quick else ["medium", "large"])
     unknown = [s for s in sizes if s not in batches.SIZES]
@@ -113,7 +122,12 @@ def cmd_bench(args) -> int:
         print(f"unknown size(s) {unknown}; choose from {list(batches.SIZES)}", file=sys.stderr)
         return 2
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    say = _progress()
+    say = _progress() if not args.child else (lambda msg: None)
+    out = Path(args.out)
+    if out.is_dir():  # a summary of this run only: what an earlier run left here would be read with it
+        for old in ("results.json", "results.csv", "results.png", "tables.txt", "summary.txt", "token_logprobs.json",
+                    "hidden_states_logprobs.json", "hidden_states_loss.json"):
+            (out / old).unlink(missing_ok=True)
     mode = "default" if args.system_malloc else args.malloc
     earlier = []
     if mode == "both":
@@ -128,29 +142,37 @@ def cmd_bench(args) -> int:
     copy_gbs = machine.copy_bandwidth_gbs(device, nbytes=(64 if args.quick else 256) * 2**20)
     facts = {**machine.describe(device), "malloc": malloc}
     rows = []
+    repeats, budget_s = (3, 1.0) if args.quick else (REPEATS, 3.0)
     for name in sizes:
         batch = batches.make_batch(batches.SIZES[name], dtype=dtype, device=device, seed=args.seed)
-        say(f"size {name}: B={batch.size.batch}, {batch.num_tokens:,} tokens")
-        rows += cases.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile,
-                          repeats=3 if args.quick else REPEATS, budget_s=1.0 if args.quick else 3.0,
-                          progress=lambda msg, n=name: say(f"[{n}] {msg}"))
-        rows += torchrl_transforms.run(batch, copy_gbs=copy_gbs, repeats=3 if args.quick else REPEATS,
-                                       budget_s=1.0 if args.quick else 3.0,
-                                       progress=lambda msg, n=name: say(f"[{n}] {msg}"))
-        rows += kl_penalty.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile,
-                               repeats=3 if args.quick else REPEATS, budget_s=1.0 if args.quick else 3.0,
-                               progress=lambda msg, n=name: say(f"[{n}] {msg}"))
+        step = lambda msg, n=name: say(f"[{n}, malloc {mode}] {msg}")  # noqa: E731
+        step(f"B={batch.size.batch}, {batch.num_tokens:,} tokens")
+        rows += cases.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile, repeats=repeats,
+                          budget_s=budget_s, progress=step)
+        rows += torchrl_transforms.run(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=step)
+        rows += kl_penalty.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile, repeats=repeats,
+                               budget_s=budget_s, progress=step)
     for r in rows:
         r["malloc"] = malloc
-    report.print_tables(rows, facts, copy_gbs)
     if earlier:
         facts["malloc"] = f"both: {earlier[0]['malloc']} (rows first) and {malloc}"
-    paths = report.write(earlier + rows, facts, copy_gbs, Path(args.out))
+    report.write(earlier + rows, facts, copy_gbs, out)
+    if args.child:
+        return 0
     if not args.no_token_logprobs:
-        paths.append(_bench_token_logprobs(args, device, facts, say))
+        _bench_token_logprobs(args, device, facts, say)
         if device.type == "cpu":
-            paths += _bench_hidden_states(args, say)
-    print("\nwrote " + ", ".join(str(p) for p in paths))
+            _bench_hidden_states(args, say)
+    say("writing the summary and the plot")
+    report.finish(out)
+    _clear_progress()
+    if args.details:
+        print((out / "tables.txt").read_text())
+    print((out / "summary.txt").read_text(), end="")
+    files = sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".csv", ".png", ".txt"))
+    print("\n" + textwrap.fill(f"Files: {', '.join(files)} (tables.txt: every column of every table; JSON/CSV: "
+                              "every number)", 100, subsequent_indent="  "))
+    print(f"Results in {out.resolve()}/")
     return 0
 
 
@@ -165,13 +187,10 @@ def _bench_token_logprobs(args, device, facts, say) -> Path:
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
     say(f"token_logprobs: N={size[0]}, V={size[1]}, {dtype} logits, forward + backward (time, peak extra memory)")
     own_process = device.type == "cpu" and not args.quick and not args.no_compile
-    print("\ntoken_logprobs vs log_softmax().gather + entropy (" + (
-        "each contender in its own process):" if own_process else
-        "peaks in this process; see python -m kl_kernels.bench.token_logprobs for clean ones):"))
-    if own_process:
-        rows = tlp.run([size], dtype)["rows"]
+    if own_process:  # each contender in its own process: clean memory peaks
+        rows = tlp.run([size], dtype, progress=say)["rows"]
     else:  # --quick: no torch.compile contender here (its compile alone takes longer than the rest)
-        rows = tlp.run_here([size], dtype, device, with_compile=not (args.no_compile or args.quick), progress=print)
+        rows = tlp.run_here([size], dtype, device, with_compile=not (args.no_compile or args.quick), progress=say)
     path = Path(args.out) / "token_logprobs.json"
     path.write_text(json.dumps(dict(machine=facts, temperature=tlp.TEMPERATURE, rows=rows), indent=1))
     return path
@@ -186,19 +205,16 @@ def _bench_hidden_states(args, say) -> list:
     runs it alone, at any size)."""
     from .bench import linear_logprobs
 
-    if args.quick:
-        print("\nhidden-state path: not with --quick (python -m kl_kernels.bench.linear_logprobs runs it)")
+    if args.quick:  # (python -m kl_kernels.bench.linear_logprobs runs it alone)
         return []
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    if dtype == "float16":
-        print("\nhidden-state path: float32 or bfloat16 only (Liger's CPU path and ours' bench); skipped for fp16")
+    if dtype == "float16":  # float32 or bfloat16 only (Liger's CPU path and ours' bench)
         return []
     paths = []
     for task, size in (("logprobs", (2048, 512, 32768)), ("loss", (2048, 512, 32768))):
         say(f"hidden-state path ({task}): N={size[0]}, H={size[1]}, V={size[2]}, {dtype}, forward + backward, "
             "each contender in its own process")
-        print(f"\nhidden-state path, {task} (time, peak extra memory of one step, each in its own process):")
-        result = linear_logprobs.run([size], dtype, repeats=3, task=task)
+        result = linear_logprobs.run([size], dtype, repeats=3, task=task, progress=say)
         result["task"] = task
         path = Path(args.out) / f"hidden_states_{task}.json"
         path.write_text(json.dumps(result, indent=1))
@@ -233,7 +249,11 @@ def main(argv=None) -> int:
                               "re-faulted, what a user's process has), tuned (mmap threshold 32 MiB, no trimming), "
                               "or both, the default first (default: both)")
     p_bench.add_argument("--system-malloc", action="store_true", help="the same as --malloc default")
-    p_bench.add_argument("--out", default="kl_kernels_bench", help="folder for results.json/.csv/.png")
+    p_bench.add_argument("--out", default="kl_kernels_bench",
+                         help="folder for the results: summary.txt, tables.txt, results.json/.csv/.png, ...")
+    p_bench.add_argument("--details", action="store_true",
+                         help="also print the full tables (every column, p10-p90 spreads, both allocators)")
+    p_bench.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the default-allocator run
     p_bench.add_argument("--no-token-logprobs", action="store_true",
                          help="skip the token_logprobs rows (log-probs from logits, kl_kernels.bench.token_logprobs) "
                               "and the hidden-state path's (kl_kernels.bench.linear_logprobs; CPU, not with --quick)")

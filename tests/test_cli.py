@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import subprocess
 import sys
 
@@ -15,8 +14,9 @@ from kl_kernels.bench.torchrl_transforms import FLOOR
 
 
 def _cli(*args, timeout=600):
-    exe = shutil.which("kl-kernels")
-    cmd = [exe, *args] if exe else [sys.executable, "-m", "kl_kernels.cli", *args]
+    # python -m from the repository root: the tree under test, not whichever checkout an installed
+    # kl-kernels script imports (an editable install of another worktree ran that one's code)
+    cmd = [sys.executable, "-m", "kl_kernels.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -31,6 +31,45 @@ def test_info_text_explains_unavailable_backends():
     res = _cli("info")
     assert res.returncode == 0, res.stderr
     assert "torch" in res.stdout and "available" in res.stdout
+
+
+def _info_data(cuda_report):
+    backend = dict(available=True, reason=None, devices=["cpu"], dtypes=["bfloat16", "float32"], layouts=[], notes="")
+    cuda = dict(backend, available=False, devices=["cuda"],
+                reason="CUDA runtime of kl_kernels._cuda: CUDA driver version is insufficient for CUDA runtime "
+                       "version; torch 2.13.0+cpu is a CPU-only build (no CUDA)")
+    backends = {"torch": backend, "cpu": backend, "cuda": cuda, "cuda-emulated": backend}
+    return dict(version="0", torch="2.13.0+cpu", torch_cuda=None, python="3.11", platform="Linux", backend_override=None,
+                extensions={"_C": {"loaded": True}, "_cuda": cuda_report,
+                            "_cuda_emu": {"loaded": True, "cuda_archs": "emulated", "error": None}},
+                backends=backends, kl_penalty_loss_backends=backends, token_logprobs_backends=backends,
+                full_kl_backends=backends)
+
+
+def test_info_table_is_aligned_and_says_plainly_why_a_built_extension_cannot_run():
+    """Issue 50 item 5: _cuda built but no driver reads as a plain state, not an error; every column of
+    the extension and backend tables starts at the same place (the long 'cuda-emulated' name included)."""
+    from kl_kernels._info import extension_status, format_info
+
+    no_driver = {"loaded": True, "cuda_archs": "80;90", "driver_version": 0, "cuda_runtime_compiled": 13000,
+                 "error": "CUDA driver version is insufficient for CUDA runtime version"}
+    assert extension_status(no_driver) == ("built (sm_80, sm_90)", "not usable here: no CUDA driver")
+    old_driver = dict(no_driver, driver_version=12040)
+    assert extension_status(old_driver)[1] == ("not usable here: the CUDA driver (12.4) is older than the CUDA "
+                                               "runtime it was built with (13.0)")
+    assert extension_status({"loaded": False, "error": "kl_kernels._cuda is not built (no nvcc)"})[0] == "not built"
+    text = format_info(_info_data(no_driver))
+    assert "insufficient" not in text and "no CUDA driver" in text
+    lines = text.splitlines()
+    ext = lines[lines.index("compiled extensions:") + 1:][:3]
+    assert [line.split()[0] for line in ext] == ["_C", "_cuda", "_cuda_emu"]
+    assert len({line.index(line.split()[1]) for line in ext}) == 1  # the state column is aligned
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["backend"])
+    table = lines[start:start + 5]
+    assert [line.split()[0] for line in table] == ["backend", "torch", "cpu", "cuda", "cuda-emulated"]
+    for column in ("devices", "dtypes", "status"):
+        at = table[0].index(column)
+        assert all(line[at - 2:at] == "  " and line[at] != " " for line in table), column
 
 
 @pytest.mark.slow
@@ -73,7 +112,15 @@ def test_bench_tiny_writes_results(tmp_path):
             assert row["x_vs_baseline_p10"] <= row["x_vs_baseline_p90"]
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert len(rows) == len(data["rows"]) and "round_ms" not in rows[0] and "x_vs_compile_p90" in rows[0]
-    assert "x baseline (p10-p90)" in res.stdout and "% copy BW" in res.stdout
+    # the full tables go to tables.txt; the screen gets the short summary (issue 50 item 4)
+    assert "x baseline (p10-p90)" in (tmp_path / "tables.txt").read_text()
+    out = res.stdout.splitlines()
+    assert len(out) < 80 and max(map(len, out)) <= 100, res.stdout
+    assert out[-1].startswith(f"Results in {tmp_path.resolve()}/") and "/tmp/tmp" not in res.stdout.replace(
+        str(tmp_path), "")
+    assert "x eager" in res.stdout and "x compile" in res.stdout and "% copy" in res.stdout and "ms tuned" in res.stdout
+    assert res.stderr == ""  # no progress spam, no warnings, when stderr is not a terminal
+    assert (tmp_path / "results.png").exists() and (tmp_path / "summary.txt").read_text() in res.stdout
 
 
 def test_bench_rejects_unknown_size(tmp_path):
@@ -175,7 +222,7 @@ def test_bench_runs_the_hidden_state_path_on_the_cpu_but_not_with_quick(tmp_path
 
     calls = []
 
-    def fake_run(sizes, dtype, repeats, task):
+    def fake_run(sizes, dtype, repeats, task, **kwargs):
         calls.append((tuple(sizes), dtype, task))
         return dict(machine={}, rows=[dict(contender=c, ms=1.0) for c in (
             linear_logprobs.LOSS_CONTENDERS if task == "loss" else linear_logprobs.CONTENDERS)])
@@ -202,7 +249,7 @@ def test_bench_times_token_logprobs_in_own_processes_without_quick(tmp_path, mon
     from kl_kernels.bench import token_logprobs as tlp
 
     seen = []
-    monkeypatch.setattr(tlp, "run", lambda sizes, dtype: seen.append(("own", sizes)) or dict(rows=[]))
+    monkeypatch.setattr(tlp, "run", lambda sizes, dtype, **k: seen.append(("own", sizes)) or dict(rows=[]))
     monkeypatch.setattr(tlp, "run_here", lambda sizes, *a, **k: seen.append(("here", sizes)) or [])
     args = argparse.Namespace(quick=False, no_compile=False, dtype="bf16", out=str(tmp_path))
     cli._bench_token_logprobs(args, torch.device("cpu"), {}, print)

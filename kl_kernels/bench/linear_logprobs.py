@@ -153,9 +153,10 @@ def line(r: dict) -> str:
 
 
 def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3, task: str = "logprobs", contenders=None,
-        rounds: int = 1) -> dict:
+        rounds: int = 1, progress=lambda text: print(text, flush=True)) -> dict:
     """Each contender in a fresh process; ``rounds`` > 1 alternates them round by round (a noisy machine:
-    compare each contender's best round) and keeps every round's row (``round``)."""
+    compare each contender's best round) and keeps every round's row (``round``); ``progress`` gets a line per
+    row."""
     ctx = mp.get_context("spawn")
     rows = []
     names = [c for c in (LOSS_CONTENDERS if task == "loss" else CONTENDERS) if contenders is None or c in contenders]
@@ -169,15 +170,15 @@ def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", repeats: int = 3, task: st
                 rows.append(queue.get() if not queue.empty() else dict(contender=name, n=n, hidden=hid, vocab=vocab,
                                                                       dtype=dtype, error=f"exit code {proc.exitcode}"))
                 rows[-1]["round"] = k
-                print(line(rows[-1]), flush=True)
+                progress(line(rows[-1]))
     if rounds > 1:
         for n, hid, vocab in sizes:
             for name in names:
                 ok = [r for r in rows if r["contender"] == name and (r["n"], r["hidden"], r["vocab"]) == (n, hid, vocab)
                       and "error" not in r]
                 if ok:
-                    print(f"best of {len(ok)} rounds: {line(min(ok, key=lambda r: r['min_ms']))} "
-                          f"(min {min(r['min_ms'] for r in ok):.1f} ms)")
+                    progress(f"best of {len(ok)} rounds: {line(min(ok, key=lambda r: r['min_ms']))} "
+                             f"(min {min(r['min_ms'] for r in ok):.1f} ms)")
     return dict(machine=describe(torch.device("cpu")), temperature=TEMPERATURE, rows=rows)
 
 

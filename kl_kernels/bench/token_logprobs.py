@@ -128,13 +128,14 @@ def copy_floor(n: int, vocab: int, dtype: str, device: torch.device) -> dict:
                 logits_mib=round(src.numel() * src.element_size() / 2**20, 1))
 
 
-def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16") -> dict:
-    """Every contender at every size, each in a fresh process (CPU), and the copy floor."""
+def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", progress=print) -> dict:
+    """Every contender at every size, each in a fresh process (CPU), and the copy floor; ``progress`` gets a
+    line per row as it comes (``kl-kernels bench`` passes its status line)."""
     ctx = mp.get_context("spawn")
     rows = []
     for n, vocab in sizes:
         rows.append(copy_floor(n, vocab, dtype, torch.device("cpu")))
-        print(_line(rows[-1]), flush=True)
+        progress(_line(rows[-1]))
         for name in contenders(torch.device("cpu")):
             queue = ctx.Queue()
             proc = ctx.Process(target=_child, args=(name, n, vocab, dtype, queue))
@@ -142,7 +143,7 @@ def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16") -> dict:
             proc.join(timeout=900)
             rows.append(queue.get() if not queue.empty() else dict(contender=name, n=n, vocab=vocab, dtype=dtype,
                                                                   error=f"exit code {proc.exitcode}"))
-            print(_line(rows[-1]), flush=True)
+            progress(_line(rows[-1]))
     return dict(machine=describe(torch.device("cpu")), temperature=TEMPERATURE, rows=rows)
 
 
@@ -187,7 +188,7 @@ def main(argv=None) -> None:
         result = dict(machine=describe(device), temperature=TEMPERATURE,
                       rows=run_here(sizes, args.dtype, device, progress=lambda m: print(m, flush=True)))
     else:
-        result = run(sizes, args.dtype)
+        result = run(sizes, args.dtype, progress=lambda m: print(m, flush=True))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

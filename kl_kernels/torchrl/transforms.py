@@ -35,6 +35,14 @@ _ATTENTION_MASK = ("masks", "all_attention_mask")
 _PROMPT_TOKENS = ("tokens", "prompt")
 
 
+def _is_llm_wrapper(obj) -> bool:
+    """A TorchRL LLM wrapper (``TransformersWrapper``, ``vLLMWrapper``, ...: ``LLMWrapperBase``), or a
+    module shaped like one (an ``input_mode``, as every LLM wrapper has and no probabilistic actor does)."""
+    from torchrl.modules.llm.policies.common import LLMWrapperBase
+
+    return isinstance(obj, LLMWrapperBase) or (isinstance(obj, torch.nn.Module) and hasattr(obj, "input_mode"))
+
+
 def _check_pair(a: Batch, b: Batch, what: str, hint: str = "") -> None:
     """Same number of samples and same per-sample shapes, with TorchRL's wording."""
     if a.batch_size != b.batch_size:
@@ -194,14 +202,18 @@ class KLRewardTransform(_TrlKLRewardTransform):
     """
 
     def __new__(cls, *args, **kwargs):
-        # One name for both TorchRL signatures: KLRewardTransform(actor, coef=1.0, in_keys=None,
-        # out_keys=None, requires_grad=False) (TorchRL <= 0.10, classic control) builds the
-        # actor-based transform; anything else is the LLM form below.
+        # One name for both signatures. TorchRL 0.14's is KLRewardTransform(ref_model=None, *,
+        # ref_model_factory=None, ...): an LLM wrapper, positional or ref_model=, is this LLM form.
+        # The seeds' TorchRL <= 0.10 form, KLRewardTransform(actor, coef=1.0, in_keys=None, out_keys=None,
+        # requires_grad=False) (classic control), builds the actor-based transform: for actor=, or a
+        # positional probabilistic actor that is not an LLM wrapper (TorchRL's LLM wrappers have
+        # get_dist, in_keys and out_keys too, so the duck-typed actor check alone cannot tell them apart).
         first = args[0] if args else kwargs.get("actor", kwargs.get("ref_model"))
-        if cls is KLRewardTransform and is_probabilistic_actor(first):
+        llm_form = "ref_model" in kwargs or "ref_model_factory" in kwargs or _is_llm_wrapper(first)
+        actor_form = "actor" in kwargs or (bool(args) and not llm_form)
+        if cls is KLRewardTransform and actor_form and is_probabilistic_actor(first):
             if "actor" not in kwargs and args:
                 kwargs["actor"], args = args[0], args[1:]
-            kwargs.pop("ref_model", None) if "ref_model" in kwargs and kwargs["ref_model"] is first else None
             return ActorKLRewardTransform(*args, **kwargs)
         if "actor" in kwargs:
             raise TypeError(f"KLRewardTransform(actor=...) needs a probabilistic actor with get_dist, got "
