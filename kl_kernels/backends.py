@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from . import _extensions
+from ._compat import torch as _compat_torch
 
 ENV_VAR = "KL_KERNELS_BACKEND"
 BACKEND_NAMES = ("torch", "cpu", "cuda", "triton", "cuda-emulated")
@@ -124,14 +125,7 @@ class Backend:
         }
 
 
-def _assume_constant_result(fn):
-    """``torch.compiler.assume_constant_result`` without importing torch._dynamo (1-2 s) at import time:
-    the decorator only marks ``fn`` (tests/test_import.py checks that it still marks it the same way)."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_assume_constant_result
+@_compat_torch.assume_constant_result  # (torch.compiler's, without importing dynamo at import time)
 def _unavailable_reasons(availability: Callable[[], list]) -> tuple:
     """Run a backend's availability probe eagerly, also while torch.compile traces a caller.
 

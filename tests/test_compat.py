@@ -62,6 +62,28 @@ def test_assert_async_fallback(monkeypatch):
         torch_compat.assert_async(torch.tensor(False), "broken rule")
 
 
+def test_assume_constant_result_mark_and_fallback(monkeypatch):
+    """The mark set without dynamo equals torch's own decorator's; without the mark (a torch before 2.1) the
+    fallback is that decorator itself."""
+    def probe():
+        return []
+
+    def probe2():
+        return []
+
+    want = {k: v for k, v in vars(torch.compiler.assume_constant_result(probe)).items() if not k.startswith("__")}
+    assert want and torch_compat._MARKS_CONSTANTS
+    ours = torch_compat.assume_constant_result(probe2)
+    assert ours is probe2 and all(getattr(ours, k, None) == v for k, v in want.items())
+    monkeypatch.setattr(torch_compat, "_MARKS_CONSTANTS", False)
+
+    def probe3():
+        return []
+
+    marked = torch_compat.assume_constant_result(probe3)
+    assert all(getattr(marked, k, None) == v for k, v in want.items())
+
+
 def test_inductor_fallback(monkeypatch):
     import builtins
     real_import = builtins.__import__
