@@ -63,6 +63,7 @@ __device__ __forceinline__ float read(uintptr_t base, int64_t s0, int64_t s1, co
 // uniform branch per token, where template parameters made 8x the instantiations of this kernel.
 template <int32_t DT, int32_t AT, bool VEC>
 __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArgs a, uintptr_t ws) {
+  KL_SPILL_TO_SHARED();
   __shared__ double prefix[kCudaTile];  // segmented inclusive sums of one of the six values (fp64)
   __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
   __shared__ double wsum[kWarps];
@@ -279,6 +280,7 @@ __global__ void __launch_bounds__(kThreads) penalty_totals(KLPenaltyArgs a) {
 
 template <int32_t DT, int32_t AT, bool VEC>
 __global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs a) {
+  KL_SPILL_TO_SHARED();
   __shared__ int64_t seq_range[2];
   const KLRewardArgs& g = a.g;
   int64_t t0, t_last, i0;
