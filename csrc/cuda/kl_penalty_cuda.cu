@@ -63,7 +63,6 @@ __device__ __forceinline__ float read(uintptr_t base, int64_t s0, int64_t s1, co
 // uniform branch per token, where template parameters made 8x the instantiations of this kernel.
 template <int32_t DT, int32_t AT, bool VEC>
 __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArgs a, uintptr_t ws) {
-  KL_SPILL_TO_SHARED();
   __shared__ double prefix[kCudaTile];  // segmented inclusive sums of one of the six values (fp64)
   __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
   __shared__ double wsum[kWarps];
@@ -278,9 +277,11 @@ __global__ void __launch_bounds__(kThreads) penalty_totals(KLPenaltyArgs a) {
   }
 }
 
+// At least 3 blocks per SM: a register cap (80) that it fits in. Without one, CUDA 13's ptxas aimed sm_100 and
+// sm_120 at full occupancy (64 registers) and spilled 8 bytes per thread to a stack frame; at 3 it takes
+// 66-67 registers and no stack there, and sm_80/sm_90 (54-60 registers) are below the cap anyway.
 template <int32_t DT, int32_t AT, bool VEC>
-__global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs a) {
-  KL_SPILL_TO_SHARED();
+__global__ void __launch_bounds__(kThreads, 3) penalty_backward_tile(KLPenaltyArgs a) {
   __shared__ int64_t seq_range[2];
   const KLRewardArgs& g = a.g;
   int64_t t0, t_last, i0;
