@@ -242,6 +242,17 @@ class BuildExt(build_ext):
                     stale.unlink()
 
     def build_extension(self, ext):
+        # setuptools skips an up-to-date extension only after this method's own compiles (nvcc's, the emulated
+        # build's) have run: check first, so that a rebuild (an editable reinstall, a wheel from a tree whose
+        # build/ is current: .ci/wheel) recompiles nothing.
+        try:
+            from setuptools.modified import newer_group
+        except ImportError:  # setuptools < 69
+            from distutils.dep_util import newer_group
+        if not self.force and not newer_group([*ext.sources, *(ext.depends or [])], self.get_ext_fullpath(ext.name),
+                                              "newer"):
+            print(f"{ext.name} is up to date", flush=True)
+            return
         _compile_sources_in_parallel(self.compiler)
         if getattr(ext, "emulated_cuda", False):
             sources, ext.sources = ext.sources, []
