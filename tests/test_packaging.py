@@ -141,7 +141,8 @@ def _fake_tools(tmp_path, gpus=None, smi_fails=False):
     if gpus is not None:
         body = "exit 9" if smi_fails else "\n".join(f"echo {g}" for g in gpus)
         (bin_dir / "nvidia-smi").write_text(
-            '#!/bin/sh\n[ "$1" = --query-gpu=compute_cap ] && [ "$2" = --format=csv,noheader ] || exit 2\n' + body + "\n")
+            '#!/bin/sh\n[ "$1" = --query-gpu=compute_cap ] && [ "$2" = --format=csv,noheader ] || exit 2\n'
+            + body + "\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return str(bin_dir)
@@ -194,7 +195,8 @@ def test_the_summary_reaches_the_terminal_when_pip_hides_stderr(tmp_path):
     stderr thrown away, as pip's capture would: the line must still reach the terminal."""
     code = ("import ast, os, sys; t = ast.parse(open('setup.py').read()); "
             "m = ast.Module(body=[n for n in t.body if isinstance(n, (ast.Import, ast.ImportFrom)) or "
-            "getattr(n, 'name', '') == '_announce'], type_ignores=[]); ns = {}; exec(compile(m, 'setup.py', 'exec'), ns); "
+            "getattr(n, 'name', '') == '_announce'], type_ignores=[]); ns = {}; "
+            "exec(compile(m, 'setup.py', 'exec'), ns); "
             "ns['_announce']('kl_kernels build: the line')")
     env = {k: v for k, v in os.environ.items() if k != "KL_KERNELS_BUILD_QUIET"}
     res = subprocess.run(["script", "-qec", f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} 2> /dev/null",
