@@ -126,9 +126,9 @@ def _cuda_plan() -> tuple[Path | None, str | None, str]:
         return None, None, "_cuda skipped (KL_KERNELS_BUILD_CUDA=0)"
     nvcc = _find_nvcc()
     if nvcc is None:
-        if flag is True:
-            sys.exit("kl_kernels build: KL_KERNELS_BUILD_CUDA=1 but nvcc was not found "
-                     "(put it on PATH or set CUDA_HOME)")
+        if flag is True or archs:  # asked for: a missing nvcc is an error, not a silent skip
+            asked = "KL_KERNELS_BUILD_CUDA=1" if flag is True else "KL_KERNELS_CUDA_ARCHS is set"
+            sys.exit(f"kl_kernels build: {asked} but nvcc was not found (put it on PATH or set CUDA_HOME)")
         return None, None, "_cuda skipped: no nvcc (put it on PATH or set CUDA_HOME to build it)"
     if archs:
         return nvcc, archs, f"_cuda for {_parse_archs(archs)} (KL_KERNELS_CUDA_ARCHS; 'all' = {DEFAULT_CUDA_ARCHS})"

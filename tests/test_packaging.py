@@ -186,6 +186,9 @@ def test_cuda_build_without_nvcc_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     nvcc, spec, why = _setup_function("_cuda_plan", "_env_flag", "_find_nvcc", "_visible_gpu_archs")()
     assert nvcc is None and "no nvcc" in why and "CUDA_HOME" in why
+    monkeypatch.setenv("KL_KERNELS_CUDA_ARCHS", "90")  # asked for: an error, not a silent skip
+    with pytest.raises(SystemExit, match="KL_KERNELS_CUDA_ARCHS is set but nvcc was not found"):
+        _setup_function("_cuda_plan", "_env_flag", "_find_nvcc", "_visible_gpu_archs")()
 
 
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux's script (a pseudo-terminal)")
