@@ -1,12 +1,16 @@
 """Build the two pybind11 extensions of kl_kernels.
 
 * ``kl_kernels._C``    C++17, compiled by the host compiler: always built.
-* ``kl_kernels._cuda`` CUDA, compiled by nvcc: built when nvcc is found, forced with
-  ``KL_KERNELS_BUILD_CUDA=1`` (then a missing nvcc is an error), skipped with
-  ``KL_KERNELS_BUILD_CUDA=0``. Architectures come from ``KL_KERNELS_CUDA_ARCHS``
-  (``;``-separated compute capabilities, default ``80;86;89;90;100;120``); PTX of the
-  newest is embedded too, so newer GPUs can JIT it. An entry ``compute_80`` embeds PTX only (no
-  machine code: the driver compiles it on first load; a build without ptxas's time).
+* ``kl_kernels._cuda`` CUDA, compiled by nvcc, for what this machine can use (as PyTorch's extension
+  builds do): with nvcc and a visible GPU (``nvidia-smi --query-gpu=compute_cap``), that GPU's
+  architecture only; without a GPU, skipped unless asked. ``KL_KERNELS_CUDA_ARCHS`` names the targets
+  (``;``-separated compute capabilities; ``all`` is the release list ``80;86;89;90;100;120``) and
+  builds it; ``KL_KERNELS_BUILD_CUDA=1`` builds it too (the visible GPU's arch, else the release list;
+  a missing nvcc is then an error); ``KL_KERNELS_BUILD_CUDA=0`` skips it. PTX of the newest target is
+  embedded too, so newer GPUs can JIT it. An entry ``compute_80`` embeds PTX only (no machine code: the
+  driver compiles it on first load; a build without ptxas's time). Release wheels:
+  ``KL_KERNELS_CUDA_ARCHS=all``. The build prints one line saying what it builds and how to change it
+  (to the terminal too: pip hides a build's output unless ``-v``).
 
 * ``kl_kernels._cuda_emu`` the same CUDA sources (``csrc/cuda/*.cu`` and ``module.cpp``) compiled
   as C++ by the host compiler against the host emulation of CUDA in ``csrc/emu`` (each CUDA thread
@@ -94,16 +98,64 @@ def _cuda_arch_flags(spec: str) -> list[str]:
     return flags
 
 
-def _cuda_requested() -> Path | None:
-    """Decide whether to build ``_cuda``; returns nvcc's path when it is built."""
+def _visible_gpu_archs() -> list[str]:
+    """Compute capabilities of the GPUs ``nvidia-smi`` sees (``['90']``), or ``[]`` without one (no
+    nvidia-smi, no driver, no device). Never torch: the build does not import it."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        res = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if res.returncode != 0:
+        return []
+    caps = {line.strip().replace(".", "") for line in res.stdout.splitlines()}
+    return sorted((c for c in caps if c.isdigit()), key=int)
+
+
+def _cuda_plan() -> tuple[Path | None, str | None, str]:
+    """What to do about ``_cuda``: ``(nvcc, arch spec, why)``; nvcc is None when it is skipped. ``why`` ends
+    the build's one-line summary (what it builds and how to change it)."""
     flag = _env_flag("KL_KERNELS_BUILD_CUDA")
+    archs = os.environ.get("KL_KERNELS_CUDA_ARCHS", "").strip()
+    if archs.lower() == "all":
+        archs = DEFAULT_CUDA_ARCHS
     if flag is False:
-        return None
+        return None, None, "_cuda skipped (KL_KERNELS_BUILD_CUDA=0)"
     nvcc = _find_nvcc()
-    if nvcc is None and flag is True:
-        sys.exit("kl_kernels build: KL_KERNELS_BUILD_CUDA=1 but nvcc was not found "
-                 "(put it on PATH or set CUDA_HOME)")
-    return nvcc
+    if nvcc is None:
+        if flag is True or archs:  # asked for: a missing nvcc is an error, not a silent skip
+            asked = "KL_KERNELS_BUILD_CUDA=1" if flag is True else "KL_KERNELS_CUDA_ARCHS is set"
+            sys.exit(f"kl_kernels build: {asked} but nvcc was not found (put it on PATH or set CUDA_HOME)")
+        return None, None, "_cuda skipped: no nvcc (put it on PATH or set CUDA_HOME to build it)"
+    if archs:
+        return nvcc, archs, f"_cuda for {_parse_archs(archs)} (KL_KERNELS_CUDA_ARCHS; 'all' = {DEFAULT_CUDA_ARCHS})"
+    gpus = _visible_gpu_archs()
+    if gpus:
+        return nvcc, ";".join(gpus), (f"_cuda for this machine's GPU ({';'.join(gpus)}); "
+                                      f"KL_KERNELS_CUDA_ARCHS=all builds {DEFAULT_CUDA_ARCHS}, "
+                                      "KL_KERNELS_BUILD_CUDA=0 skips it")
+    if flag is True:
+        return nvcc, DEFAULT_CUDA_ARCHS, (f"_cuda for {DEFAULT_CUDA_ARCHS} (KL_KERNELS_BUILD_CUDA=1, no GPU visible; "
+                                          "KL_KERNELS_CUDA_ARCHS picks others)")
+    return None, None, (f"_cuda skipped: nvcc found but no GPU visible (KL_KERNELS_BUILD_CUDA=1 builds it for "
+                        f"{DEFAULT_CUDA_ARCHS}, ~10 minutes on 2 cores; KL_KERNELS_CUDA_ARCHS=90 for one arch)")
+
+
+def _announce(line: str) -> None:
+    """Print the build's summary line on stderr and, when stderr is not a terminal (pip captures a build's
+    output and shows it only with -v), on the controlling terminal too, so that a user running
+    ``pip install .`` sees what is compiled before a long, otherwise silent build."""
+    print(line, file=sys.stderr, flush=True)
+    if os.environ.get("KL_KERNELS_BUILD_QUIET") or sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line + "\n")
+    except OSError:
+        pass  # no terminal (CI, a container without one): stderr above is all there is
 
 
 def _cuda_emu_requested() -> bool:
@@ -177,6 +229,7 @@ class BuildExt(build_ext):
             self.parallel = max(1, os.cpu_count() or 1)
 
     def run(self):
+        _announce(BUILD_SUMMARY)
         super().run()
         # A skipped _cuda (or _cuda_emu) must not survive from an earlier build (in build/ or, for
         # editable installs, next to the sources): the wheel would ship it and imports would load it.
@@ -189,6 +242,17 @@ class BuildExt(build_ext):
                     stale.unlink()
 
     def build_extension(self, ext):
+        # setuptools skips an up-to-date extension only after this method's own compiles (nvcc's, the emulated
+        # build's) have run: check first, so that a rebuild (an editable reinstall, a wheel from a tree whose
+        # build/ is current: .ci/wheel) recompiles nothing.
+        try:
+            from setuptools.modified import newer_group
+        except ImportError:  # setuptools < 69
+            from distutils.dep_util import newer_group
+        if not self.force and not newer_group([*ext.sources, *(ext.depends or [])], self.get_ext_fullpath(ext.name),
+                                              "newer"):
+            print(f"{ext.name} is up to date", flush=True)
+            return
         _compile_sources_in_parallel(self.compiler)
         if getattr(ext, "emulated_cuda", False):
             sources, ext.sources = ext.sources, []
@@ -261,7 +325,7 @@ def _extensions() -> list[Extension]:
             language="c++",
         )
     ]
-    nvcc = _cuda_requested()
+    nvcc, arch_spec, cuda_why = _cuda_plan()
     if nvcc is not None:
         cuda_home = _find_cuda_home(nvcc)
         lib_dirs = [d for d in (cuda_home / "lib64", cuda_home / "targets" / "x86_64-linux" / "lib")
@@ -282,7 +346,6 @@ def _extensions() -> list[Extension]:
             extra_compile_args=cxx_flags,
             language="c++",
         )
-        arch_spec = os.environ.get("KL_KERNELS_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
         cuda_ext.nvcc = nvcc
         cuda_ext.cuda_arch_flags = _cuda_arch_flags(arch_spec)
         # Recorded in the module so `kl-kernels info` can say what the wheel runs on.
@@ -308,8 +371,13 @@ def _extensions() -> list[Extension]:
         )
         emu_ext.emulated_cuda = True
         exts.append(emu_ext)
+    built = ["_C"] + [e.name.split(".")[-1] for e in exts[1:]]
+    global BUILD_SUMMARY
+    BUILD_SUMMARY = f"kl_kernels build: {', '.join(built)}; {cuda_why}"
     return exts
 
+
+BUILD_SUMMARY = ""  # set by _extensions(), printed once when the extensions are built (BuildExt.run)
 
 setup(
     packages=find_packages(include=["kl_kernels", "kl_kernels.*"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -117,15 +118,94 @@ def test_cuda_arch_spec_accepts_ptx_only_entries():
         flags("sm_80")
 
 
-def _setup_function(name):
-    """One function of setup.py, without running setup() (setup.py never imports torch)."""
+def _setup_function(name, *helpers):
+    """One function of setup.py (with the ``helpers`` it calls and the module's constants), without running
+    setup() (setup.py never imports torch)."""
     tree = ast.parse((REPO / "setup.py").read_text())
-    wanted = {"_parse_archs", name}
+    wanted = {"_parse_archs", name, *helpers}
     module = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-                              or (isinstance(n, ast.FunctionDef) and n.name in wanted)], type_ignores=[])
+                              or (isinstance(n, ast.FunctionDef) and n.name in wanted)
+                              or (isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper()
+                                                                    for t in n.targets))], type_ignores=[])
     namespace: dict = {"__file__": str(REPO / "setup.py")}
     exec(compile(module, "setup.py", "exec"), namespace)
     return namespace[name]
+
+
+def _fake_tools(tmp_path, gpus=None, smi_fails=False):
+    """A PATH with a fake ``nvcc`` and, when ``gpus`` is given, a fake ``nvidia-smi`` printing those compute
+    capabilities (``["9.0"]``) the way ``--query-gpu=compute_cap --format=csv,noheader`` does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nvcc").write_text("#!/bin/sh\nexit 0\n")
+    if gpus is not None:
+        body = "exit 9" if smi_fails else "\n".join(f"echo {g}" for g in gpus)
+        (bin_dir / "nvidia-smi").write_text(
+            '#!/bin/sh\n[ "$1" = --query-gpu=compute_cap ] && [ "$2" = --format=csv,noheader ] || exit 2\n'
+            + body + "\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize("env, gpus, built, archs, says", [
+    # nvcc and a GPU: that GPU's arch only (two GPUs of two kinds: both)
+    ({}, ["9.0"], True, "90", "this machine's GPU (90)"),
+    ({}, ["8.6", "12.0", "8.6"], True, "86;120", "this machine's GPU (86;120)"),
+    # nvcc, no GPU (no nvidia-smi, or one that fails: no driver): skipped, and the line says how to build it
+    ({}, None, False, None, "no GPU visible (KL_KERNELS_BUILD_CUDA=1 builds it for 80;86;89;90;100;120"),
+    ({}, "fails", False, None, "no GPU visible"),
+    # asked: the release list without a GPU, the GPU's arch with one; an arch list wins; all = the release list
+    ({"KL_KERNELS_BUILD_CUDA": "1"}, None, True, "80;86;89;90;100;120", "KL_KERNELS_BUILD_CUDA=1, no GPU visible"),
+    ({"KL_KERNELS_BUILD_CUDA": "1"}, ["8.9"], True, "89", "this machine's GPU (89)"),
+    ({"KL_KERNELS_CUDA_ARCHS": "100"}, ["9.0"], True, "100", "KL_KERNELS_CUDA_ARCHS"),
+    ({"KL_KERNELS_CUDA_ARCHS": "all"}, None, True, "80;86;89;90;100;120", "KL_KERNELS_CUDA_ARCHS"),
+    ({"KL_KERNELS_BUILD_CUDA": "0", "KL_KERNELS_CUDA_ARCHS": "90"}, ["9.0"], False, None, "KL_KERNELS_BUILD_CUDA=0"),
+])
+def test_cuda_build_follows_the_machine(tmp_path, monkeypatch, env, gpus, built, archs, says):
+    """setup.py builds _cuda for what this machine can use (a fake nvcc, a fake nvidia-smi): the visible GPU's
+    arch; without a GPU nothing unless asked; the release list when asked without a GPU or with ``all``."""
+    for var in ("CUDA_HOME", "CUDA_PATH", "KL_KERNELS_BUILD_CUDA", "KL_KERNELS_CUDA_ARCHS"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    path = _fake_tools(tmp_path, gpus=None if gpus in (None, "fails") else gpus, smi_fails=gpus == "fails")
+    if gpus == "fails":
+        _fake_tools(tmp_path, gpus=[], smi_fails=True)
+    monkeypatch.setenv("PATH", path)
+    plan = _setup_function("_cuda_plan", "_env_flag", "_find_nvcc", "_visible_gpu_archs")
+    nvcc, spec, why = plan()
+    assert (nvcc is not None) == built, why
+    assert spec == archs
+    assert says in why
+
+
+def test_cuda_build_without_nvcc_says_so(tmp_path, monkeypatch):
+    for var in ("CUDA_HOME", "CUDA_PATH", "KL_KERNELS_BUILD_CUDA", "KL_KERNELS_CUDA_ARCHS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    nvcc, spec, why = _setup_function("_cuda_plan", "_env_flag", "_find_nvcc", "_visible_gpu_archs")()
+    assert nvcc is None and "no nvcc" in why and "CUDA_HOME" in why
+    monkeypatch.setenv("KL_KERNELS_CUDA_ARCHS", "90")  # asked for: an error, not a silent skip
+    with pytest.raises(SystemExit, match="KL_KERNELS_CUDA_ARCHS is set but nvcc was not found"):
+        _setup_function("_cuda_plan", "_env_flag", "_find_nvcc", "_visible_gpu_archs")()
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux's script (a pseudo-terminal)")
+def test_the_summary_reaches_the_terminal_when_pip_hides_stderr(tmp_path):
+    """pip captures a build's stdout and stderr and shows them only with -v (or on failure): the summary line
+    goes to the controlling terminal as well, once. Here a pseudo-terminal (script) runs _announce with its
+    stderr thrown away, as pip's capture would: the line must still reach the terminal."""
+    code = ("import ast, os, sys; t = ast.parse(open('setup.py').read()); "
+            "m = ast.Module(body=[n for n in t.body if isinstance(n, (ast.Import, ast.ImportFrom)) or "
+            "getattr(n, 'name', '') == '_announce'], type_ignores=[]); ns = {}; "
+            "exec(compile(m, 'setup.py', 'exec'), ns); "
+            "ns['_announce']('kl_kernels build: the line')")
+    env = {k: v for k, v in os.environ.items() if k != "KL_KERNELS_BUILD_QUIET"}
+    res = subprocess.run(["script", "-qec", f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} 2> /dev/null",
+                          "/dev/null"], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.replace("\r", "").splitlines().count("kl_kernels build: the line") == 1, res.stdout
 
 
 def test_forcing_cuda_without_nvcc_fails_clearly(tmp_path):

@@ -280,8 +280,11 @@ __global__ void __launch_bounds__(kThreads) penalty_totals(KLPenaltyArgs a) {
   }
 }
 
+// At least 3 blocks per SM: a register cap (80) that it fits in. Without one, CUDA 13's ptxas aimed sm_100 and
+// sm_120 at full occupancy (64 registers) and spilled 8 bytes per thread to a stack frame; at 3 it takes
+// 66-67 registers and no stack there, and sm_80/sm_90 (54-60 registers) are below the cap anyway.
 template <int32_t DT, int32_t AT, bool VEC>
-__global__ void __launch_bounds__(kThreads) penalty_backward_tile(KLPenaltyArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) penalty_backward_tile(KLPenaltyArgs a) {
   __shared__ int64_t seq_range[2];
   const KLRewardArgs& g = a.g;
   int64_t t0, t_last, i0;

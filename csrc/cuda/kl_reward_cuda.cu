@@ -55,6 +55,7 @@ __host__ __device__ inline Workspace carve(const KLRewardArgs& a, uintptr_t ws) 
 
 template <int32_t DT, int32_t RT, bool VEC>
 __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr_t ws) {
+  KL_SPILL_TO_SHARED();
   __shared__ double prefix[kCudaTile];  // segmented inclusive sums of the tile's kl values (fp64)
   __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
   __shared__ double wsum[kWarps];

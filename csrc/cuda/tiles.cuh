@@ -13,6 +13,17 @@
 #include "common/kl_reward_args.h"
 #include "cuda/kl_reward_cuda.h"  // kCudaTile
 
+// sm_100 and sm_120 (CUDA 13's ptxas): kl_reward's forward_tile sits at 128 registers (2 blocks of kThreads
+// per SM) and there ptxas spilled 8-24 bytes per thread to a stack frame in local memory; this lets it spill
+// to shared memory instead (PTX ISA 9.0, CUDA 13: up to 6 KB more per block, 2 blocks per SM kept).
+// sm_80..sm_90 need no spill: their code is unchanged. (penalty_forward_tile does not take it: ptxas keeps
+// its stack frame there, tests/test_cuda_static.py.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 13
+#define KL_SPILL_TO_SHARED() asm volatile(".pragma \"enable_smem_spilling\";")
+#else
+#define KL_SPILL_TO_SHARED() ((void)0)
+#endif
+
 namespace kl {
 namespace {
 

@@ -1,6 +1,7 @@
 """torch's private Python APIs that kl_kernels uses, each with a safe fallback.
 
-Checked on torch 2.13.0 and 2.14.1 (CI). Each lookup happens once, at import; a torch without the
+Checked on torch 2.11.0, 2.13.0, 2.14.1 and 2.15.0 (CI: the whole suite on 2.13.0, .ci/torch-versions on the
+others; each internal below is present on all four). Each lookup happens once, at import; a torch without the
 internal gets the fallback, which is always correct and at worst slower:
 
 * ``saved_tensors_hooks_active()``: whether a ``torch.autograd.graph.saved_tensors_hooks`` context is
@@ -26,7 +27,7 @@ import contextlib
 
 import torch
 
-CHECKED_ON = ("2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
 _autograd = getattr(torch._C, "_autograd", None)
 _TOP_SAVED_TENSORS_HOOKS = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
