@@ -11,6 +11,11 @@ reference log-probs returned. Contenders, timed side by side in one process:
 * ``torch.compile(reference)``: the torch reference compiled with ``fullgraph=True``; its cold
   compile time (inductor caches off) is reported separately and excluded from the steady state.
 
+A second task, verl's (``TASK_VERL``, issue 49): ``apply_kl_penalty`` on the padded ``[B, T]`` batch with its
+response mask, k1, the score on each row's last response token, ``reward - coef * kl``: verl's code as written
+(eager), ``torch.compile`` of it, ``kl_reward`` per backend, and ``kl_reward`` called inside a compiled function
+(default and, on CUDA, ``mode="reduce-overhead"``: CUDA graphs), which is what a compiled trainer gets.
+
 Before timing, each contender's outputs are checked against the eager reference.
 GB/s counts the bytes the op must move at least (inputs read once, outputs written once).
 """
@@ -129,6 +134,75 @@ def contenders(batch: RLHFBatch, *, with_compile: bool = True, progress=None) ->
     return found
 
 
+def verl_apply_kl_penalty(lp, ref, response_mask, score, coef):
+    """verl 0.9.1's ``apply_kl_penalty`` (``verl/trainer/ppo/ray_trainer.py``) with k1, as it computes it, the
+    score first placed on each row's last response token as verl's reward manager places it
+    (``token_level_scores``); verl's ``.item()`` of the batch KL (a host sync) is left to the caller:
+    returns ``(kld, token_level_rewards, current_kl)``."""
+    width = response_mask.shape[1]
+    last = (width - 1) - response_mask.flip(-1).int().argmax(-1)  # the last response token of each row
+    placed = torch.where(response_mask.any(-1), score, torch.zeros_like(score))
+    token_level_scores = torch.zeros_like(lp).scatter_(1, last.unsqueeze(1), placed.unsqueeze(1))
+    kld = (lp - ref) * response_mask  # k1
+    token_level_rewards = token_level_scores - coef * kld
+    per_row = (kld * response_mask).sum(-1) / response_mask.sum(-1).clamp_min(1)  # verl's masked_mean(axis=-1)
+    return kld, token_level_rewards, per_row.mean()
+
+
+def _verl_call(batch: RLHFBatch):
+    return (batch.lp_padded, batch.ref_padded, batch.score), dict(
+        mask=batch.mask_padded, lengths=batch.lengths, padding_side="left", coef=COEF, reward_placement="last")
+
+
+def run_verl(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10,
+             budget_s: float = 3.0, progress=None) -> list[dict]:
+    """verl's KL-penalized reward (module doc): its code eager and compiled against ``kl_reward``, eager and
+    inside a compiled function, padded ``[B, T]``; the per-token kl and rewards checked against the reference."""
+    args, kw = _verl_call(batch)
+    mask = batch.mask_padded
+
+    def verl_eager():
+        return verl_apply_kl_penalty(batch.lp_padded, batch.ref_padded, mask, batch.score, COEF)
+
+    def ours(backend):
+        return lambda: tuple(kl_reward(*args, backend=backend, **kw))
+
+    found = [Contender("verl apply_kl_penalty (eager)", "padded", verl_eager)]
+    problem = build_problem(*args, estimator="k1", prompt_lens=None, clamp_input=None, clamp_output=None, detach=True,
+                            offsets=None, return_ref=False, **kw)[0]
+    for backend in REGISTRY:
+        if not backend.auto_rejection_reasons(problem):
+            found.append(Contender(f"kl_reward[{backend.name}]", "padded", ours(backend.name)))
+    if with_compile:
+        modes = ["default"] + (["reduce-overhead"] if batch.lp.device.type == "cuda" else [])
+        torch._dynamo.reset()
+        verl_compiled = torch.compile(verl_eager, fullgraph=True)
+        found.append(Contender("torch.compile(verl apply_kl_penalty)", "padded", verl_compiled,
+                               cold_compile_seconds(verl_compiled, batch.lp.device)))
+        for mode in modes:
+            inside = torch.compile(lambda: tuple(kl_reward(*args, **kw)), fullgraph=True,
+                                   mode=None if mode == "default" else mode)
+            found.append(Contender(f"kl_reward inside torch.compile ({mode})", "padded", inside,
+                                   cold_compile_seconds(inside, batch.lp.device)))
+    want = tuple(kl_reward(*args, backend="torch", **kw))[:2]
+    refs = {"padded": (want[0], want[1], None)}
+    for c in found:
+        if c.name.startswith(("verl", "torch.compile(verl")):
+            c.extract = lambda out: (out[0], out[1], None)
+    elems, s = batch.lp_padded.numel(), batch.lp.element_size()
+    nbytes = elems * (2 * s + 1) + elems * 2 * s + batch.size.batch * (4 + 8)  # read lp, ref, mask; write kl, reward
+    rows = _time_rows(batch, TASK_VERL, found, refs, lambda layout: nbytes, copy_gbs, repeats, budget_s, progress,
+                      "verl apply_kl_penalty (eager)")
+    baseline = rows[0]
+    compiled = next((r for r in rows if r["impl"].startswith("torch.compile(verl")), None)
+    for r in rows:
+        if not is_copy(r):
+            set_speedup(r, "x_vs_baseline", baseline)
+            set_speedup(r, "x_vs_compile", compiled)
+    return rows
+
+
+TASK_VERL = "verl apply_kl_penalty task"
 TASK_TRANSFORM = "KLRewardTransform task"
 TASK_KLCOMPUTATION = "TorchRL KLComputation task"
 
@@ -162,7 +236,9 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
             continue
         set_speedup(r, "x_vs_baseline", baseline)
         set_speedup(r, "x_vs_compile", compiled.get(r["layout"]))
-    return rows + run_klcomputation(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=progress)
+    return (rows + run_klcomputation(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=progress)
+            + run_verl(batch, copy_gbs=copy_gbs, with_compile=with_compile, repeats=repeats, budget_s=budget_s,
+                       progress=progress))
 
 
 # --------------------------------------------------------------------------- TorchRL KLComputation
