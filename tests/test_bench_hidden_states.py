@@ -45,3 +45,20 @@ def test_budget_and_out_of_memory_are_rows(monkeypatch):
     rows = hs.run([(16, 4, 10)], "cpu", contenders=["ours", "eager"], tasks=("logprobs",), repeats=1)
     assert [r["contender"] for r in rows] == ["ours", "eager"]
     assert all("do not fit" in r["error"] for r in rows)
+
+
+def test_the_verl_import_leaves_no_stub_behind():
+    """verl's kernel is imported with ray/transformers/codetiming stubbed when absent; the stubs must be gone
+    afterwards, or later imports (tests/peers.py, TorchRL's ray service, a transformers check) see a fake package."""
+    import importlib.util
+    import sys
+
+    from kl_kernels.bench import hidden_states
+
+    absent = [r for r in ("ray", "transformers", "codetiming")
+              if r not in sys.modules and importlib.util.find_spec(r) is None]
+    with hidden_states._stubbed(("ray", "transformers", "codetiming")):
+        for root in absent:
+            __import__(root + ".sub")
+    assert not [n for n in sys.modules if n.partition(".")[0] in absent]
+    assert all(importlib.util.find_spec(r) is None for r in absent)

@@ -117,7 +117,8 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 @contextlib.contextmanager
 def _stubbed(roots):
     """The absent ones of ``roots`` importable as empty stubs while the body runs (verl's import chain
-    names ray, transformers and codetiming at import time only)."""
+    names ray, transformers and codetiming at import time only), removed from ``sys.modules`` after it: the
+    modules imported meanwhile keep what they bound, and the rest of the process still sees them absent."""
     missing = [r for r in roots if r not in sys.modules and importlib.util.find_spec(r) is None]
     finder = _StubFinder(missing)
     sys.meta_path.append(finder)
@@ -125,6 +126,8 @@ def _stubbed(roots):
         yield
     finally:
         sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.partition(".")[0] in finder.roots]:
+            del sys.modules[name]
 
 
 def _verl_logprobs():
