@@ -313,3 +313,19 @@ def test_the_copied_loss_struct_holds_what_the_launcher_fills_for_the_same_tenso
             assert fields(got.g.est) == fields(want.g.est)
         else:
             assert gg[name] == wg[name], f"g.{name}"
+
+
+def test_nested_tensors_are_never_planned():
+    """A strided nested tensor is a plain ``torch.Tensor`` whose signature (plans.facts) is its type alone:
+    a plan made from one call would run another nested batch of other lengths with the first's geometry
+    (and without offsets). Every nested call takes the general path and matches the reference."""
+    plans.clear()
+    for lengths in ([3, 0, 4], [1], [5, 2], [0]):
+        g = torch.Generator().manual_seed(len(lengths))
+        lp, ref = ([-torch.rand(n, generator=g) for n in lengths] for _ in range(2))
+        nlp, nref = (torch.nested.nested_tensor(x, layout=torch.strided) for x in (lp, ref))
+        got = kl_reward(nlp, nref, coef=0.5, estimator="k3")
+        want = kl_reward(nlp, nref, coef=0.5, estimator="k3", backend="torch")
+        torch.testing.assert_close(got.kl_sum, want.kl_sum)
+        for a, b in zip(got.kl.unbind(), want.kl.unbind()):
+            torch.testing.assert_close(a, b)

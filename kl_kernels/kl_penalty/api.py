@@ -294,8 +294,10 @@ class _TotalsPlan:
                 or any(type(t) is not torch.Tensor or t.is_neg() for t in tensors)
                 or any(t.requires_grad for t in (old, adv, ref) if t is not None)
                 or fa[3].dtype != adv.dtype
-                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous()) for t in (offsets, lengths))
-                or (problem.lengths is not None and problem.lengths is not lengths)
+                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
+                       for t in (problem.offsets, problem.lengths))
+                or (problem.lengths is not None and problem.lengths is not lengths
+                    and not (type(lengths) is torch.Tensor and lengths.dtype == torch.int32))
                 or not (type(beta) in (float, int) or (type(beta) is torch.Tensor and beta.dtype == torch.float32
                                                        and beta.dim() == 0))):
             return None
@@ -316,7 +318,8 @@ class _TotalsPlan:
             inputs = (("log_probs", log_probs), ("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs),
                       ("advantages", advantages), ("mask", mask), ("offsets", offsets), ("lengths", lengths),
                       ("beta", beta))
-        lengths, beta = self.checks(offsets, lengths, beta, out, inputs)
+        # the index tensors as the kernel reads them: int64 (an int32 argument widened by the checks)
+        offsets, lengths, beta = self.checks(offsets, lengths, beta, out, inputs)
         tensor_beta = type(beta) is torch.Tensor
         args = (log_probs, old_log_probs, ref_log_probs, advantages, None, mask, offsets, lengths,
                 beta if tensor_beta else None, 0.0 if tensor_beta else beta, *self.constants)

@@ -399,9 +399,10 @@ class CallChecks:
         self.width = problem.log_probs.shape[1] if problem.layout == "padded" else None
 
     def __call__(self, offsets, lengths, prompt_lens, coef, out=None, inputs=()):
-        """``(lengths, prompt_lens, coef)`` as build_problem normalizes them, or its error."""
+        """``(offsets, lengths, prompt_lens, coef)`` as build_problem normalizes them (int32 index tensors
+        widened to int64: what the kernel must read), or its error."""
         if offsets is not None:
-            ragged.check_offsets(offsets, self.num_tokens, device=self.device)
+            offsets = ragged.check_offsets(offsets, self.num_tokens, device=self.device)
         if lengths is not None:
             lengths = ragged.check_lengths(lengths, self.batch, self.width)
         if prompt_lens is not None:
@@ -411,7 +412,7 @@ class CallChecks:
             _normalize_coef(coef, self.batch, self.device)
         if out is not None:
             _checks.no_overlap([(f"out.{n}", t) for n, t in zip(KLRewardOutput._fields, out)], inputs)
-        return lengths, prompt_lens, coef
+        return offsets, lengths, prompt_lens, coef
 
 
 def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
