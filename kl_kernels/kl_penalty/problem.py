@@ -307,10 +307,12 @@ class CallChecks:
     def __call__(self, offsets, lengths, beta, out=None, inputs=()):
         """``(offsets, lengths, beta)`` as build_problem normalizes them (int32 index tensors widened to
         int64: what the kernel must read), or its error."""
+        # (the structure checks of ragged.check_offsets / check_lengths hold by the equal signature: type,
+        # dtype, shape, device; only the values are checked again)
         if offsets is not None:
-            offsets = ragged.check_offsets(offsets, self.num_tokens, device=self.device)
+            offsets = ragged.check_offset_values(offsets, self.num_tokens)
         if lengths is not None:
-            lengths = ragged.check_lengths(lengths, self.batch, self.width)
+            lengths = ragged.check_length_values(lengths, self.batch, self.width)
         if type(beta) is not float or not -_checks.FLOAT32_MAX <= beta <= _checks.FLOAT32_MAX:
             beta = _beta(beta, self.batch, self.device)
         if out is not None:

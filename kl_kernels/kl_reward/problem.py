@@ -401,10 +401,12 @@ class CallChecks:
     def __call__(self, offsets, lengths, prompt_lens, coef, out=None, inputs=()):
         """``(offsets, lengths, prompt_lens, coef)`` as build_problem normalizes them (int32 index tensors
         widened to int64: what the kernel must read), or its error."""
+        # (the structure checks of ragged.check_offsets / check_lengths hold by the equal signature: type,
+        # dtype, shape, device; only the values are checked again)
         if offsets is not None:
-            offsets = ragged.check_offsets(offsets, self.num_tokens, device=self.device)
+            offsets = ragged.check_offset_values(offsets, self.num_tokens)
         if lengths is not None:
-            lengths = ragged.check_lengths(lengths, self.batch, self.width)
+            lengths = ragged.check_length_values(lengths, self.batch, self.width)
         if prompt_lens is not None:
             prompt_lens = _check_prompt_lens(prompt_lens, self.layout, offsets, lengths, self.width, self.batch,
                                              self.device)
