@@ -166,13 +166,17 @@ def padded_validity(lengths: torch.Tensor | None, batch: int, width: int, paddin
 # --------------------------------------------------------------------------- validation
 
 
-def _int64_facts_cpu(v: torch.Tensor):
+def _int64_facts_cpu(v: torch.Tensor, plain: bool = False):
     """``(first, last, min, max, non_decreasing)`` of a non-empty contiguous int64 CPU vector, read
     by the CPU extension in one call (instead of five torch ops: these checks run on every call), or
     ``None`` where torch ops must do it (other devices, strided or other dtypes, no extension, and a
-    tensor with torch's negative bit, whose memory holds the negation of its values)."""
+    tensor with torch's negative bit, whose memory holds the negation of its values). ``plain``: the
+    caller knows ``v`` is a non-empty contiguous int64 tensor without the negative bit (a call plan's
+    checks: its signature and its builder's conditions hold that), so only the device is looked at."""
+    if v.device.type != "cpu":
+        return None
     n = v.numel()
-    if v.device.type != "cpu" or v.dtype != torch.int64 or not v.is_contiguous() or n == 0 or v.is_neg():
+    if not plain and (v.dtype != torch.int64 or not v.is_contiguous() or n == 0 or v.is_neg()):
         return None
     fn = _int64_facts_kernel()
     return None if fn is None else fn(v.data_ptr(), n)
@@ -281,10 +285,12 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
     return offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
 
 
-def check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str = "offsets") -> torch.Tensor:
+def check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str = "offsets", *,
+                        plain: bool = False) -> torch.Tensor:
     """:func:`check_offsets`' value checks alone, for offsets whose structure is known to be right (an int64
     or int32 ``[B + 1]`` tensor on the values' device, values readable: a call plan's signature holds all
-    that, kl_kernels/plans.py); returns them as int64 (int32 widened on the device) like check_offsets."""
+    that, kl_kernels/plans.py); returns them as int64 (int32 widened on the device) like check_offsets.
+    ``plain``: as :func:`_int64_facts_cpu`'s, for the int64 tensor."""
     if offsets.dtype != torch.int64:
         offsets = offsets.to(torch.int64)
     device_errors.raise_pending(offsets.device)  # an earlier call's bad value on this device, before this call's
@@ -301,7 +307,7 @@ def check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str = "off
                 device_errors.record_where(dips, offsets.narrow(0, 1, n - 1), "offsets_decreasing", name, num_tokens)
             device_errors.record_where(last.ne(num_tokens), last, "offsets_end", name, num_tokens)
         return offsets
-    facts = _int64_facts_cpu(offsets)
+    facts = _int64_facts_cpu(offsets, plain)
     if facts is not None:
         first_v, last_v, decreasing_v = facts[0], facts[1], not facts[4]
     else:
@@ -342,10 +348,12 @@ def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "le
     return lengths if lengths.dtype == torch.int64 else lengths.to(torch.int64)
 
 
-def check_length_values(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths") -> torch.Tensor:
+def check_length_values(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths", *,
+                        plain: bool = False) -> torch.Tensor:
     """:func:`check_lengths`' value checks alone, for lengths whose structure is known to be right (an
     integer ``[B]`` tensor, values readable: a call plan's signature holds that, kl_kernels/plans.py);
-    returns them as int64 (widened on their device) like check_lengths."""
+    returns them as int64 (widened on their device) like check_lengths. ``plain``: as
+    :func:`_int64_facts_cpu`'s, for the int64 tensor."""
     if lengths.dtype != torch.int64:  # widened on its device: the kernels and checks read int64
         lengths = lengths.to(torch.int64)
     if not batch:
@@ -356,7 +364,7 @@ def check_length_values(lengths: torch.Tensor, batch: int, width: int, name: str
             device_errors.record_where(lengths.lt(0), lengths, "below_zero", name, width)
             device_errors.record_where(lengths.gt(width), lengths, "above_bound", name, width)
         return lengths
-    facts = _int64_facts_cpu(lengths)
+    facts = _int64_facts_cpu(lengths, plain)
     lo, hi = facts[2:4] if facts is not None else torch.stack([lengths.min(), lengths.max()]).tolist()
     if lo < 0:
         raise ValueError(device_errors.value_error_message("below_zero", name, lo, width))

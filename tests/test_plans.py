@@ -195,9 +195,12 @@ def test_the_reused_struct_holds_what_the_launcher_fills_for_the_same_tensors():
 # --------------------------------------------------------------------------- kl_penalty_loss
 
 # Python-level calls of one planned eager loss forward + backward (the caller's .backward() included), B = 8,
-# padded with lengths as verl's actor step: 133-134 at this commit (d51469c: ~460). Issue 49 asks for 120: of
-# the rest, torch's autograd (Function.apply, Tensor.backward) takes ~45 and the lengths' value check ~15.
-LOSS_BUDGET = 140
+# padded with lengths as verl's actor step (packed the same): 127 at this commit (d51469c: ~460; 147 right after
+# the merge of the int32 index work, whose checks the plans now repeat in their value-only form). Issue 49 asks
+# for 120: not reached. Of the 127, torch's autograd (Function.apply, Tensor.backward, the saved-tensor hooks
+# probe) takes ~45, the signature (plans.facts: 2 per tensor) 14, the lengths' value check 7, the folded
+# aggregation's weight and parts ~10, the backward's in-place test 5. The budget is what is reached.
+LOSS_BUDGET = 127
 
 
 def _loss_call(layout, g, beta=0.05, out=None, **over):

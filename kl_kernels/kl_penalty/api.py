@@ -13,7 +13,7 @@ from ..reference_math import final_mask, token_frame
 from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host, run_split
 from .backends import REGISTRY
 from .launch import TotalsPlan
-from .ops import PlannedTotals, _fused_args, run_fused, run_fused_aggregated, run_fused_on_device, run_planned_total
+from .ops import PlannedTotals, _fused_args, _PlannedTotal, run_fused, run_fused_aggregated, run_fused_on_device
 from .problem import CallChecks, _num_global_tokens, build_problem
 
 _PLANS = plans.PlanCache("kl_penalty_loss")
@@ -323,4 +323,6 @@ class _TotalsPlan:
         tensor_beta = type(beta) is torch.Tensor
         args = (log_probs, old_log_probs, ref_log_probs, advantages, None, mask, offsets, lengths,
                 beta if tensor_beta else None, 0.0 if tensor_beta else beta, *self.constants)
-        return run_planned_total(PlannedTotals(self.agg, beta, out), self.launch, args)
+        # (ops._PlannedTotal applied here, not through a helper: one Python-level call less per step)
+        loss, rest, count = _PlannedTotal.apply(PlannedTotals(self.agg, beta, out), self.launch, log_probs, args)
+        return KLPenaltyLossOutput(loss, *rest.unbind(), count)

@@ -402,11 +402,13 @@ class CallChecks:
         """``(offsets, lengths, prompt_lens, coef)`` as build_problem normalizes them (int32 index tensors
         widened to int64: what the kernel must read), or its error."""
         # (the structure checks of ragged.check_offsets / check_lengths hold by the equal signature: type,
-        # dtype, shape, device; only the values are checked again)
+        # dtype, shape, device; only the values are checked again. plain: the plan is made only for
+        # int64 contiguous index tensors (int32 ones widened into those) without the negative bit and a
+        # non-empty batch: api.py's plan builder)
         if offsets is not None:
-            offsets = ragged.check_offset_values(offsets, self.num_tokens)
+            offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
         if lengths is not None:
-            lengths = ragged.check_length_values(lengths, self.batch, self.width)
+            lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
         if prompt_lens is not None:
             prompt_lens = _check_prompt_lens(prompt_lens, self.layout, offsets, lengths, self.width, self.batch,
                                              self.device)
