@@ -86,10 +86,13 @@ class ErrorWord:
     the same memory) and ``tensor`` (an int64 ``[ERROR_WORD_SLOTS]`` tensor on the device over it, for
     Triton kernels and torch operations)."""
 
-    __slots__ = ("device", "host", "address", "tensor", "_keep")
+    __slots__ = ("device", "host", "address", "tensor", "_keep", "kind")
 
     def __init__(self, device: torch.device, host: int, address: int, tensor: torch.Tensor, keep=None):
         self.device, self.host, self.address, self.tensor, self._keep = device, host, address, tensor, keep
+        # the slot that says whether anything is recorded (0: nothing), read by raise_pending at every call of
+        # ours: one attribute read instead of a method and a ctypes view per read (None: no host memory)
+        self.kind = self._slot("kind") if host else None
 
     def _slot(self, name: str) -> ctypes.c_int64:
         return ctypes.c_int64.from_address(self.host + 8 * _SLOT[name])
@@ -148,14 +151,42 @@ def word(device) -> ErrorWord:
         tensor = torch.zeros(codes.ERROR_WORD_SLOTS, dtype=torch.int64, device=dev)
         found = ErrorWord(dev, tensor.data_ptr(), tensor.data_ptr(), tensor, keep=tensor)
     _WORDS[key] = found
+    _BY_ARGUMENT.clear()  # (it may remember this device as having no word)
+    return found
+
+
+# raise_pending's lookups by the ``device`` argument itself (a torch.device, a string, an ErrorWord): the
+# word or None, for arguments whose meaning does not depend on the current CUDA device. It runs at every
+# call of ours (twice in a planned one), so a hit costs one dict read; word() clears it when it adds a word.
+_BY_ARGUMENT: dict = {}
+
+
+def _word_of(device) -> "ErrorWord | None":
+    """raise_pending's slow lookup: the existing word of ``device`` (or ``device`` itself, an ErrorWord),
+    remembered in _BY_ARGUMENT unless ``device`` means "the current CUDA device"."""
+    if isinstance(device, ErrorWord):
+        found = device
+    else:
+        key = _key(device)
+        found = _WORDS.get(key)
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            return found
+    try:
+        _BY_ARGUMENT[device] = found
+    except TypeError:  # (unhashable: looked up every time)
+        pass
     return found
 
 
 def raise_pending(device) -> None:
     """Raise the ValueError recorded on ``device``'s error word, if any, and clear it. A plain read of host
     memory: no sync (an error still being recorded by a running kernel surfaces at a later call)."""
-    found = _WORDS.get(_key(device)) if not isinstance(device, ErrorWord) else device
-    if found is None:
+    try:
+        found = _BY_ARGUMENT[device]
+    except (KeyError, TypeError):
+        found = _word_of(device)
+    if found is None or found.kind is None or found.kind.value == 0:  # (nothing recorded: no call)
         return
     got = found.take()
     if got is not None:

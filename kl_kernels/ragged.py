@@ -166,15 +166,20 @@ def padded_validity(lengths: torch.Tensor | None, batch: int, width: int, paddin
 # --------------------------------------------------------------------------- validation
 
 
-def _int64_facts_cpu(v: torch.Tensor):
+def _int64_facts_cpu(v: torch.Tensor, plain: bool = False):
     """``(first, last, min, max, non_decreasing)`` of a non-empty contiguous int64 CPU vector, read
     by the CPU extension in one call (instead of five torch ops: these checks run on every call), or
     ``None`` where torch ops must do it (other devices, strided or other dtypes, no extension, and a
-    tensor with torch's negative bit, whose memory holds the negation of its values)."""
-    if v.device.type != "cpu" or v.dtype != torch.int64 or not v.is_contiguous() or v.numel() == 0 or v.is_neg():
+    tensor with torch's negative bit, whose memory holds the negation of its values). ``plain``: the
+    caller knows ``v`` is a non-empty contiguous int64 tensor without the negative bit (a call plan's
+    checks: its signature and its builder's conditions hold that), so only the device is looked at."""
+    if v.device.type != "cpu":
+        return None
+    n = v.numel()
+    if not plain and (v.dtype != torch.int64 or not v.is_contiguous() or n == 0 or v.is_neg()):
         return None
     fn = _int64_facts_kernel()
-    return None if fn is None else fn(v.data_ptr(), v.numel())
+    return None if fn is None else fn(v.data_ptr(), n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,14 +280,19 @@ def check_offsets(offsets, num_tokens: int, *, name: str = "offsets", device=Non
         raise ValueError(f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(offsets.shape)}")
     if device is not None and offsets.device != torch.device(device):
         raise ValueError(f"{name} must be on {device} like the values, got {offsets.device}")
+    if values_checkable(offsets):
+        return check_offset_values(offsets, num_tokens, name)
+    return offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
+
+
+def check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str = "offsets", *,
+                        plain: bool = False) -> torch.Tensor:
+    """:func:`check_offsets`' value checks alone, for offsets whose structure is known to be right (an int64
+    or int32 ``[B + 1]`` tensor on the values' device, values readable: a call plan's signature holds all
+    that, kl_kernels/plans.py); returns them as int64 (int32 widened on the device) like check_offsets.
+    ``plain``: as :func:`_int64_facts_cpu`'s, for the int64 tensor."""
     if offsets.dtype != torch.int64:
         offsets = offsets.to(torch.int64)
-    if values_checkable(offsets):
-        _check_offset_values(offsets, num_tokens, name)
-    return offsets
-
-
-def _check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str) -> None:
     device_errors.raise_pending(offsets.device)  # an earlier call's bad value on this device, before this call's
     if not checks_on_host(offsets):
         n = offsets.shape[0]
@@ -296,8 +306,8 @@ def _check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str) -> N
                 dips = offsets.narrow(0, 1, n - 1).lt(offsets.narrow(0, 0, n - 1))
                 device_errors.record_where(dips, offsets.narrow(0, 1, n - 1), "offsets_decreasing", name, num_tokens)
             device_errors.record_where(last.ne(num_tokens), last, "offsets_end", name, num_tokens)
-        return
-    facts = _int64_facts_cpu(offsets)
+        return offsets
+    facts = _int64_facts_cpu(offsets, plain)
     if facts is not None:
         first_v, last_v, decreasing_v = facts[0], facts[1], not facts[4]
     else:
@@ -314,6 +324,7 @@ def _check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str) -> N
         raise ValueError(device_errors.value_error_message("offsets_decreasing", name))
     if last_v != num_tokens:
         raise ValueError(device_errors.value_error_message("offsets_end", name, last_v, num_tokens))
+    return offsets
 
 
 def _check_padding_side(padding_side) -> None:
@@ -332,22 +343,34 @@ def check_lengths(lengths: torch.Tensor, batch: int, width: int, name: str = "le
         raise TypeError(f"{name} must be an integer tensor [B], got {lengths.dtype}")
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(lengths.shape)}")
+    if values_checkable(lengths):
+        return check_length_values(lengths, batch, width, name)
+    return lengths if lengths.dtype == torch.int64 else lengths.to(torch.int64)
+
+
+def check_length_values(lengths: torch.Tensor, batch: int, width: int, name: str = "lengths", *,
+                        plain: bool = False) -> torch.Tensor:
+    """:func:`check_lengths`' value checks alone, for lengths whose structure is known to be right (an
+    integer ``[B]`` tensor, values readable: a call plan's signature holds that, kl_kernels/plans.py);
+    returns them as int64 (widened on their device) like check_lengths. ``plain``: as
+    :func:`_int64_facts_cpu`'s, for the int64 tensor."""
     if lengths.dtype != torch.int64:  # widened on its device: the kernels and checks read int64
         lengths = lengths.to(torch.int64)
-    if batch and values_checkable(lengths):
-        device_errors.raise_pending(lengths.device)  # an earlier call's bad value on this device
-    if batch and values_checkable(lengths) and not checks_on_host(lengths):
+    if not batch:
+        return lengths
+    device_errors.raise_pending(lengths.device)  # an earlier call's bad value on this device
+    if not checks_on_host(lengths):
         if not kernel_check("lengths_valid", lengths, batch, width, None, None, name=name):
             device_errors.record_where(lengths.lt(0), lengths, "below_zero", name, width)
             device_errors.record_where(lengths.gt(width), lengths, "above_bound", name, width)
-    elif batch and values_checkable(lengths):
-        facts = _int64_facts_cpu(lengths)
-        lo, hi = facts[2:4] if facts is not None else torch.stack([lengths.min(), lengths.max()]).tolist()
-        if lo < 0:
-            raise ValueError(device_errors.value_error_message("below_zero", name, lo, width))
-        if hi > width:
-            raise ValueError(device_errors.value_error_message("above_bound", name, hi, width))
-    return lengths if lengths.dtype == torch.int64 else lengths.to(torch.int64)
+        return lengths
+    facts = _int64_facts_cpu(lengths, plain)
+    lo, hi = facts[2:4] if facts is not None else torch.stack([lengths.min(), lengths.max()]).tolist()
+    if lo < 0:
+        raise ValueError(device_errors.value_error_message("below_zero", name, lo, width))
+    if hi > width:
+        raise ValueError(device_errors.value_error_message("above_bound", name, hi, width))
+    return lengths
 
 
 # --------------------------------------------------------------------------- padded

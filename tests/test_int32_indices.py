@@ -104,3 +104,80 @@ def test_check_offsets_widens_int32_without_changing_the_input():
         ragged.check_offsets(torch.tensor([0, 3, 2, 5], dtype=torch.int32), 5)
     with pytest.raises(TypeError, match="offsets must be an int64 or int32"):
         ragged.check_offsets(torch.tensor([0, 2], dtype=torch.int16), 2)
+
+
+
+def _planned(op) -> int:
+    """How many plans (not Unplanned marks) ``op``'s plan cache (kl_kernels/plans.py) holds."""
+    import importlib
+
+    from kl_kernels import plans
+
+    cache = importlib.import_module(f"kl_kernels.{op}.api")._PLANS
+    return sum(type(p) is not plans.Unplanned for p in cache.plans.values())
+
+
+def _lengths(seed):
+    return torch.tensor(LENGTHS)[torch.randperm(len(LENGTHS), generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.mark.parametrize("prompt", [None, "int32"])
+@pytest.mark.parametrize("layout", ["packed", "padded-left", "padded-right"])
+def test_planned_kl_reward_calls_read_the_widened_int32_indices(layout, prompt):
+    """The calls after the first of an int32 signature run its plan (kl_kernels/plans.py), which must hand
+    the kernel the checks' widened int64 offsets, lengths and prompt_lens, not the caller's int32 tensors
+    (the kernel would read them as int64: garbage sums). New index values every call, one signature; then
+    each compared bitwise with the int64 call and closely with the torch reference."""
+    from kl_kernels import plans
+
+    def call(seed, dt, **kw):
+        lens = _lengths(seed)
+        if layout == "packed":
+            lp, ref, _, _ = _packed(seed)
+            geo = dict(offsets=ragged.lengths_to_offsets(lens).to(dt))
+        else:
+            lp, ref, _, _ = _padded(seed)
+            geo = dict(lengths=lens.to(dt), padding_side=layout.split("-")[1])
+        prompt_lens = None if prompt is None else ((lens // 2) * (seed % 2)).to(dt)
+        score = torch.arange(len(LENGTHS), dtype=torch.float32) + seed
+        return kl_reward(lp, ref, score, prompt_lens=prompt_lens, coef=0.1 + seed, estimator="k3",
+                         reward_placement="last", **geo, **kw)
+
+    plans.clear()
+    got = [call(seed, torch.int32) for seed in range(4)]
+    assert _planned("kl_reward") == 1, "the int32 calls were not planned: this test would not cover the plan"
+    for seed, g in enumerate(got):
+        _same(call(seed, torch.int64), g)
+        torch.testing.assert_close(tuple(g), tuple(call(seed, torch.int64, backend="torch")), rtol=1e-6, atol=1e-6,
+                                   msg=f"call {seed}")
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_planned_kl_penalty_loss_calls_read_the_widened_int32_indices(layout):
+    """As the kl_reward test above, for kl_penalty_loss's plan (offsets, lengths), loss and gradient."""
+    from kl_kernels import plans
+
+    def call(seed, dt, **kw):
+        lens = _lengths(seed)
+        if layout == "packed":
+            lp, ref, old, _ = _packed(seed)
+            geo = dict(offsets=ragged.lengths_to_offsets(lens).to(dt))
+        else:
+            lp, ref, old, _ = _padded(seed)
+            geo = dict(lengths=lens.to(dt))
+        adv = torch.linspace(-1, 1 + seed, lp.numel()).reshape(lp.shape)
+        x = lp.requires_grad_()
+        out = kl_penalty_loss(x, old, adv, ref_log_probs=ref, beta=0.1, estimator="k3", clip_epsilon=0.2, **geo,
+                              **kw)  # (token-mean: a planned aggregation)
+        return out, torch.autograd.grad(out.loss, x)[0]
+
+    plans.clear()
+    got = [call(seed, torch.int32) for seed in range(4)]
+    assert _planned("kl_penalty") == 1, "the int32 calls were not planned: this test would not cover the plan"
+    for seed, (out, grad) in enumerate(got):
+        same, g_same = call(seed, torch.int64)
+        _same(same, out)
+        assert torch.equal(g_same, grad)
+        want, g_want = call(seed, torch.int64, backend="torch")
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"call {seed}")
+        torch.testing.assert_close(grad, g_want, rtol=1e-5, atol=1e-6, msg=f"call {seed}")

@@ -195,9 +195,12 @@ def test_the_reused_struct_holds_what_the_launcher_fills_for_the_same_tensors():
 # --------------------------------------------------------------------------- kl_penalty_loss
 
 # Python-level calls of one planned eager loss forward + backward (the caller's .backward() included), B = 8,
-# padded with lengths as verl's actor step: 133-134 at this commit (d51469c: ~460). Issue 49 asks for 120: of
-# the rest, torch's autograd (Function.apply, Tensor.backward) takes ~45 and the lengths' value check ~15.
-LOSS_BUDGET = 140
+# padded with lengths as verl's actor step (packed the same): 127 at this commit (d51469c: ~460; 147 right after
+# the merge of the int32 index work, whose checks the plans now repeat in their value-only form). Issue 49 asks
+# for 120: not reached. Of the 127, torch's autograd (Function.apply, Tensor.backward, the saved-tensor hooks
+# probe) takes ~45, the signature (plans.facts: 2 per tensor) 14, the lengths' value check 7, the folded
+# aggregation's weight and parts ~10, the backward's in-place test 5. The budget is what is reached.
+LOSS_BUDGET = 127
 
 
 def _loss_call(layout, g, beta=0.05, out=None, **over):
@@ -313,3 +316,19 @@ def test_the_copied_loss_struct_holds_what_the_launcher_fills_for_the_same_tenso
             assert fields(got.g.est) == fields(want.g.est)
         else:
             assert gg[name] == wg[name], f"g.{name}"
+
+
+def test_nested_tensors_are_never_planned():
+    """A strided nested tensor is a plain ``torch.Tensor`` whose signature (plans.facts) is its type alone:
+    a plan made from one call would run another nested batch of other lengths with the first's geometry
+    (and without offsets). Every nested call takes the general path and matches the reference."""
+    plans.clear()
+    for lengths in ([3, 0, 4], [1], [5, 2], [0]):
+        g = torch.Generator().manual_seed(len(lengths))
+        lp, ref = ([-torch.rand(n, generator=g) for n in lengths] for _ in range(2))
+        nlp, nref = (torch.nested.nested_tensor(x, layout=torch.strided) for x in (lp, ref))
+        got = kl_reward(nlp, nref, coef=0.5, estimator="k3")
+        want = kl_reward(nlp, nref, coef=0.5, estimator="k3", backend="torch")
+        torch.testing.assert_close(got.kl_sum, want.kl_sum)
+        for a, b in zip(got.kl.unbind(), want.kl.unbind()):
+            torch.testing.assert_close(a, b)

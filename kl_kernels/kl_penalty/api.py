@@ -13,7 +13,7 @@ from ..reference_math import final_mask, token_frame
 from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host, run_split
 from .backends import REGISTRY
 from .launch import TotalsPlan
-from .ops import PlannedTotals, _fused_args, run_fused, run_fused_aggregated, run_fused_on_device, run_planned_total
+from .ops import PlannedTotals, _fused_args, _PlannedTotal, run_fused, run_fused_aggregated, run_fused_on_device
 from .problem import CallChecks, _num_global_tokens, build_problem
 
 _PLANS = plans.PlanCache("kl_penalty_loss")
@@ -294,8 +294,10 @@ class _TotalsPlan:
                 or any(type(t) is not torch.Tensor or t.is_neg() for t in tensors)
                 or any(t.requires_grad for t in (old, adv, ref) if t is not None)
                 or fa[3].dtype != adv.dtype
-                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous()) for t in (offsets, lengths))
-                or (problem.lengths is not None and problem.lengths is not lengths)
+                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
+                       for t in (problem.offsets, problem.lengths))
+                or (problem.lengths is not None and problem.lengths is not lengths
+                    and not (type(lengths) is torch.Tensor and lengths.dtype == torch.int32))
                 or not (type(beta) in (float, int) or (type(beta) is torch.Tensor and beta.dtype == torch.float32
                                                        and beta.dim() == 0))):
             return None
@@ -316,8 +318,11 @@ class _TotalsPlan:
             inputs = (("log_probs", log_probs), ("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs),
                       ("advantages", advantages), ("mask", mask), ("offsets", offsets), ("lengths", lengths),
                       ("beta", beta))
-        lengths, beta = self.checks(offsets, lengths, beta, out, inputs)
+        # the index tensors as the kernel reads them: int64 (an int32 argument widened by the checks)
+        offsets, lengths, beta = self.checks(offsets, lengths, beta, out, inputs)
         tensor_beta = type(beta) is torch.Tensor
         args = (log_probs, old_log_probs, ref_log_probs, advantages, None, mask, offsets, lengths,
                 beta if tensor_beta else None, 0.0 if tensor_beta else beta, *self.constants)
-        return run_planned_total(PlannedTotals(self.agg, beta, out), self.launch, args)
+        # (ops._PlannedTotal applied here, not through a helper: one Python-level call less per step)
+        loss, rest, count = _PlannedTotal.apply(PlannedTotals(self.agg, beta, out), self.launch, log_probs, args)
+        return KLPenaltyLossOutput(loss, *rest.unbind(), count)

@@ -272,20 +272,15 @@ def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLos
 class _PlannedTotal(torch.autograd.Function):
     """:class:`_EagerTotal` for a call plan, its 25 arguments handed over as one tuple next to the
     log-probs (the only input a plan's call differentiates: no entropy): autograd's ``apply`` then
-    walks 4 arguments instead of 28 (~60 Python-level calls less per call)."""
+    walks 4 arguments instead of 28 (~60 Python-level calls less per call). Applied by api.py's
+    ``_TotalsPlan`` as ``_PlannedTotal.apply(PlannedTotals(...), planned, log_probs, args)``: ``args`` the 25
+    arguments of the fused forward (no entropy), ``planned`` the plan's launcher (launch.TotalsPlan)."""
 
     @staticmethod
     def forward(ctx, p, planned, log_probs, args):
         return _EagerTotal.forward(ctx, p, None, planned, *args)
 
     backward = _EagerTotal.backward  # (its gradients, in this forward's argument positions: see _plan_grads)
-
-
-def run_planned_total(agg, planned, args) -> KLPenaltyLossOutput:
-    """:func:`run_fused_aggregated` for a call plan (kl_kernels/plans.py): ``args`` the 25 arguments of the
-    fused forward (no entropy), ``agg`` what the aggregation reads of the problem (:class:`PlannedTotals`)."""
-    loss, rest, count = _PlannedTotal.apply(agg, planned, args[0], args)
-    return KLPenaltyLossOutput(loss, *rest.unbind(), count)
 
 
 class PlannedTotals:

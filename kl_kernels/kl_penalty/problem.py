@@ -305,16 +305,21 @@ class CallChecks:
         self.width = problem.log_probs.shape[1] if problem.layout == "padded" else None
 
     def __call__(self, offsets, lengths, beta, out=None, inputs=()):
-        """``(lengths, beta)`` as build_problem normalizes them, or its error."""
+        """``(offsets, lengths, beta)`` as build_problem normalizes them (int32 index tensors widened to
+        int64: what the kernel must read), or its error."""
+        # (the structure checks of ragged.check_offsets / check_lengths hold by the equal signature: type,
+        # dtype, shape, device; only the values are checked again. plain: the plan is made only for
+        # int64 contiguous index tensors (int32 ones widened into those) without the negative bit and a
+        # non-empty batch: api.py's plan builder)
         if offsets is not None:
-            ragged.check_offsets(offsets, self.num_tokens, device=self.device)
+            offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
         if lengths is not None:
-            lengths = ragged.check_lengths(lengths, self.batch, self.width)
+            lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
         if type(beta) is not float or not -_checks.FLOAT32_MAX <= beta <= _checks.FLOAT32_MAX:
             beta = _beta(beta, self.batch, self.device)
         if out is not None:
             _checks.no_overlap([("out", out)], inputs)
-        return lengths, beta
+        return offsets, lengths, beta
 
 
 def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,

@@ -286,6 +286,12 @@ def _restore(layout, raw, store):
     return out
 
 
+def _widened(t) -> bool:
+    """Whether the caller's index argument ``t`` is an int32 tensor, which the checks widen to int64 (a new
+    tensor per call: the plan passes the checks' result to the kernel, never ``t``)."""
+    return type(t) is torch.Tensor and t.dtype == torch.int32
+
+
 class _DirectPlan:
     """A plan (kl_kernels/plans.py) for eager calls of one signature that the C++ kernels run without
     autograd: the value checks of problem.py (:class:`~kl_kernels.kl_reward.problem.CallChecks`), then
@@ -306,14 +312,15 @@ class _DirectPlan:
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         if (impl.run is not run_fused or graph or problem.layout not in ("packed", "padded")
                 or problem.device_free or problem.batch_size == 0 or problem.num_tokens == 0
-                or any(type(t) is not torch.Tensor or t.is_neg() for t in tensors)
+                or any(type(t) is not torch.Tensor or t.is_neg() or t.is_nested for t in tensors)
                 or any(t is not None and type(t) is not torch.Tensor for t in args[:7])
                 or type(args[7]) not in (float, int, torch.Tensor)
                 or (problem.mask_nan and problem.device.type != "cpu")
                 or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
                        for t in (problem.offsets, problem.lengths, problem.prompt_lens))
-                or (problem.lengths is not None and problem.lengths is not args[5])
-                or (problem.prompt_lens is not None and problem.prompt_lens is not args[6])):
+                or (problem.lengths is not None and problem.lengths is not args[5] and not _widened(args[5]))
+                or (problem.prompt_lens is not None and problem.prompt_lens is not args[6]
+                    and not _widened(args[6]))):
             return None
         plan = cls()
         plan.registry = REGISTRY
@@ -332,7 +339,8 @@ class _DirectPlan:
         if out is not None:
             inputs = (("log_probs", log_probs), ("ref_log_probs", ref_log_probs), ("mask", mask), ("reward", reward),
                       ("offsets", offsets), ("lengths", lengths), ("prompt_lens", prompt_lens), ("coef", coef))
-        lengths, prompt_lens, coef = self.checks(offsets, lengths, prompt_lens, coef, out, inputs)
+        # the index tensors as the kernel reads them: int64 (an int32 argument widened by the checks)
+        offsets, lengths, prompt_lens, coef = self.checks(offsets, lengths, prompt_lens, coef, out, inputs)
         if self.cast is not None:
             reward = reward.to(self.cast)
         kl, reward_out, ref_out, kl_sum, count = self.launch(log_probs, ref_log_probs, mask, offsets, lengths,

@@ -399,11 +399,16 @@ class CallChecks:
         self.width = problem.log_probs.shape[1] if problem.layout == "padded" else None
 
     def __call__(self, offsets, lengths, prompt_lens, coef, out=None, inputs=()):
-        """``(lengths, prompt_lens, coef)`` as build_problem normalizes them, or its error."""
+        """``(offsets, lengths, prompt_lens, coef)`` as build_problem normalizes them (int32 index tensors
+        widened to int64: what the kernel must read), or its error."""
+        # (the structure checks of ragged.check_offsets / check_lengths hold by the equal signature: type,
+        # dtype, shape, device; only the values are checked again. plain: the plan is made only for
+        # int64 contiguous index tensors (int32 ones widened into those) without the negative bit and a
+        # non-empty batch: api.py's plan builder)
         if offsets is not None:
-            ragged.check_offsets(offsets, self.num_tokens, device=self.device)
+            offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
         if lengths is not None:
-            lengths = ragged.check_lengths(lengths, self.batch, self.width)
+            lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
         if prompt_lens is not None:
             prompt_lens = _check_prompt_lens(prompt_lens, self.layout, offsets, lengths, self.width, self.batch,
                                              self.device)
@@ -411,7 +416,7 @@ class CallChecks:
             _normalize_coef(coef, self.batch, self.device)
         if out is not None:
             _checks.no_overlap([(f"out.{n}", t) for n, t in zip(KLRewardOutput._fields, out)], inputs)
-        return lengths, prompt_lens, coef
+        return offsets, lengths, prompt_lens, coef
 
 
 def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
