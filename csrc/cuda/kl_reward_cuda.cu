@@ -171,8 +171,8 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
     const Where& e = w[j];
     if (!e.inb) continue;
     const int lane = lane0 + j;
-    const int first = static_cast<int>((e.lo > t0 ? e.lo : t0) - t0);
-    const int last_lane = static_cast<int>((e.hi - 1 < t_last ? e.hi - 1 : t_last) - t0);
+    const int first = first_lane(e, t0 + lane, t0);
+    const int last_lane = last_lane_of(e, t0 + lane, t_last, t0);
     const bool end = lane == last_lane;
     const bool last_counted = e.counted && cprefix[last_lane] == cprefix[lane];
     if (!end && !last_counted) continue;
@@ -241,12 +241,16 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   combine_sequences<1>(a.batch, range, slot, finish);
 }
 
+// At least 2 blocks per SM (a 128-register cap it stays well under): without a minimum, CUDA 13's ptxas held
+// sm_100's vector variants at 80 registers with an 8-byte stack frame; with it they take 74-78 and no stack
+// (sm_80..sm_90 are unchanged: below the cap either way).
 template <int32_t DT, int32_t RT, bool VEC>
-__global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) backward_tile(KLRewardArgs a) {
   __shared__ int64_t seq_range[2];
   int64_t t0, t_last, i0;
   Where w[kPer];
   locate_tile(a, seq_range, &t0, &t_last, &i0, w);
+  const unsigned bad = bad_bits(a, w);  // invalid geometry: NaN
   const void* lp = reinterpret_cast<const void*>(a.lp);
   const void* ref = reinterpret_cast<const void*>(a.ref);
   const float* g_sum = reinterpret_cast<const float*>(a.g_kl_sum);
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
       glp[j] = g * kl_grad(d[j], a.est);
       gref[j] = (a.g_ref_out ? gro[j] : 0.0f) - glp[j];
     }
-    if (e.inb && geometry_bad(a, e.seq)) glp[j] = gref[j] = NAN;  // invalid geometry: NaN
+    if ((bad >> j) & 1u) glp[j] = gref[j] = NAN;
   }
   if (full) {
     Pack<BitsOf<DT>> pl, pr;
