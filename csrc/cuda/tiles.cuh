@@ -86,8 +86,8 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
       while (e.inb && seq + 1 < a.batch && off[seq + 1] <= i) ++seq;  // skips empty sequences
       e.seq = seq;
       // Raw, as the search reads them: the kernels compare lo and hi with the tile's ends and clamp what they
-      // index with (the segment's first and last lanes into [t0, i] and [i, t_last]: first_lane, last_lane_of), so under
-      // any offsets the tile's lanes stay in the tile. pos is only compared or recorded (a last position, checked
+      // index with (the segment's first and last lanes into [t0, i] and [i, t_last]: first_lane, last_lane_of),
+      // so under any offsets the tile's lanes stay in the tile. pos is only compared or recorded (a last position, checked
       // against the clamped length before use: place_last). Widening lo and hi here instead cost sm_120's
       // penalty_forward_tile 8 bytes more stack (40 for 32).
       e.lo = off[seq];
