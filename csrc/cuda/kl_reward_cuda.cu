@@ -241,11 +241,17 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   combine_sequences<1>(a.batch, range, slot, finish);
 }
 
-// At least 2 blocks per SM (a 128-register cap it stays well under): without a minimum, CUDA 13's ptxas held
-// sm_100's vector variants at 80 registers with an 8-byte stack frame; with it they take 74-78 and no stack
-// (sm_80..sm_90 are unchanged: below the cap either way).
+// A minimum of blocks per SM, per arch: without one, CUDA 13's ptxas held sm_100's vector variants at 80 registers
+// with an 8-byte stack frame (74-78 and no stack at 2 blocks, a 128 cap). At 2, sm_80..sm_89 took 80-103 registers
+// (2 blocks); at 3 (an 80 cap) they take 78-80 and no stack, as before the invalid-geometry NaN (72-78, 3 blocks),
+// where sm_90's vector variants (79-80) and sm_100's scalar ones (80) spill 8-24 bytes: those stay at 2.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KL_BACKWARD_MIN_BLOCKS 3
+#else
+#define KL_BACKWARD_MIN_BLOCKS 2
+#endif
 template <int32_t DT, int32_t RT, bool VEC>
-__global__ void __launch_bounds__(kThreads, 2) backward_tile(KLRewardArgs a) {
+__global__ void __launch_bounds__(kThreads, KL_BACKWARD_MIN_BLOCKS) backward_tile(KLRewardArgs a) {
   __shared__ int64_t seq_range[2];
   int64_t t0, t_last, i0;
   Where w[kPer];
