@@ -86,7 +86,8 @@ KL_HD float coef_of(const KLRewardArgs& a, int64_t b) {
 // On the CPU the host checks offsets / lengths / prompt_lens before a kernel runs. On a GPU they are checked
 // on the device while the kernels already run (kl_kernels/device_errors.py: a bad value is recorded, never
 // asserted), so every index the kernels derive from them is clamped into the buffers (offsets into [0, total],
-// lengths into [0, width]): memory-safe under any values, and for valid ones the same numbers.
+// lengths into [0, width]; in the CUDA tiles, a segment's first and last lanes into the tile: tiles.cuh's
+// first_lane / last_lane_of): memory-safe under any values, and for valid ones the same numbers.
 
 KL_HD int64_t clamp_to(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 

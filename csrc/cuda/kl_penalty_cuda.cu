@@ -85,20 +85,21 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
   // sequence in this tile), the segment's first lane, where its sum goes (the whole sequence is in
   // the tile; it continues from the previous tile; into the next), whether it is counted and in
   // bounds, and its sequence relative to the tile's first.
-  uint64_t bits = 0;  // per element j, 7 bits from 7 * j: starts, ends, whole, head, tail, counted, inb; bad
+  // (Invalid geometry is not tested here: penalty_combine writes its NaN, as kl_reward's combine does. Tested
+  // per element, it pushed sm_120's vector variants from the 32-byte stack frame allowed to 40-56 bytes.)
+  uint64_t bits = 0;  // per element j, 7 bits from 7 * j: starts, ends, whole, head, tail, counted, inb
   const int64_t seq0 = w[0].seq;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const Where& e = w[j];
     const int lane = lane0 + j;
-    const int last_lane = static_cast<int>((e.hi - 1 < t_last ? e.hi - 1 : t_last) - t0);
-    first_of[lane] = static_cast<int16_t>((e.lo > t0 ? e.lo : t0) - t0);  // < kCudaTile
+    const int last_lane = last_lane_of(e, i0 + j, t_last, t0);
+    first_of[lane] = static_cast<int16_t>(first_lane(e, i0 + j, t0));  // <= lane
     seq_rel[lane] = static_cast<int32_t>(e.seq - seq0);
     const uint64_t f = (starts_segment(e, i0 + j) ? 1u : 0u) | ((e.inb && lane == last_lane) ? 2u : 0u) |
                        ((e.lo >= t0 && e.hi - 1 <= t_last) ? 4u : 0u) | (e.lo <= t0 ? 8u : 0u) |
                        (e.hi - 1 >= t_last ? 16u : 0u) | (e.counted ? 32u : 0u) | (e.inb ? 64u : 0u);
     bits |= f << (7 * j);
-    bits |= static_cast<uint64_t>(e.inb && geometry_bad(g, e.seq) ? 1u : 0u) << (56 + j);  // 56..63: NaN (bad)
   }
 
   const float sign = a.ref ? 1.0f : -1.0f;
@@ -149,7 +150,6 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
       loss = obj + beta * kl - ec * ent;
     }
-    if ((bits >> (56 + j)) & 1u) loss = obj = kl = gr = NAN;  // invalid geometry, reported by the error word
     vals[0][j] = loss, vals[1][j] = obj, vals[2][j] = kl, vals[3][j] = ent, vals[4][j] = ratio, vals[5][j] = clipped;
     if (!full && inb) grad[i0 + j] = gr;
     if (inb && tok) {
@@ -243,11 +243,26 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   // A row inside one tile was finished by its tile; an empty one gets zeros.
   combine_sequences<kSums>(g.batch, range, slot, [&](int64_t b, int64_t lo, int64_t hi, bool spans,
                                                      const SlotTotals<kSums>& t) {
-    if (geometry_bad(g, b)) seq_loss[b] = NAN;  // also when it holds no element
-    if (hi > lo && !spans) return;
-    seq_loss[b] = geometry_bad(g, b) ? NAN : static_cast<float>(t.sum[0]);
-    for (int v = 1; v < kSums; ++v) stats[b * kStatColumns + (v - 1)] = static_cast<float>(t.sum[v]);
-    count[b] = t.count;
+    const bool bad = geometry_bad(g, b);
+    if (hi > lo && !spans) {
+      if (bad) seq_loss[b] = NAN;
+    } else {
+      seq_loss[b] = bad ? NAN : static_cast<float>(t.sum[0]);
+      for (int v = 1; v < kSums; ++v) stats[b * kStatColumns + (v - 1)] = static_cast<float>(t.sum[v]);
+      count[b] = t.count;
+    }
+    if (bad) {
+      // Invalid geometry (reported through the error word): NaN in the loss, the objective and KL sums and
+      // over the sequence's per-token outputs (its loss, objective and KL terms, the gradient), written here
+      // on that path alone rather than tested per element in penalty_forward_tile (whose registers are full)
+      stats[b * kStatColumns + 0] = stats[b * kStatColumns + 1] = NAN;
+      float* grad = reinterpret_cast<float*>(a.grad);
+      float* tok = reinterpret_cast<float*>(a.token_out);
+      for (int64_t i = lo; i < hi; ++i) {
+        grad[i] = NAN;
+        if (tok) tok[i] = tok[g.total + i] = tok[2 * g.total + i] = NAN;
+      }
+    }
   });
 }
 
@@ -290,6 +305,7 @@ __global__ void __launch_bounds__(kThreads, 3) penalty_backward_tile(KLPenaltyAr
   int64_t t0, t_last, i0;
   Where w[kPer];
   locate_tile(g, seq_range, &t0, &t_last, &i0, w);
+  const unsigned bad = bad_bits(g, w);  // invalid geometry: NaN
   const float* grad = reinterpret_cast<const float*>(a.grad);
   const float* g_seq = reinterpret_cast<const float*>(a.g_seq);
   const float* g_tok = reinterpret_cast<const float*>(a.g_tok);
@@ -331,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 3) penalty_backward_tile(KLPenaltyAr
       glp[j] = gin * gr[j];
       gent[j] = -a.entropy_coef * gin;
     }
-    if (w[j].inb && geometry_bad(g, w[j].seq)) glp[j] = gent[j] = NAN;  // invalid geometry: NaN
+    if ((bad >> j) & 1u) glp[j] = gent[j] = NAN;
   }
   if (full) {
     Pack<BitsOf<DT>> pl;

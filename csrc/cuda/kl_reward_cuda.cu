@@ -171,8 +171,8 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
     const Where& e = w[j];
     if (!e.inb) continue;
     const int lane = lane0 + j;
-    const int first = static_cast<int>((e.lo > t0 ? e.lo : t0) - t0);
-    const int last_lane = static_cast<int>((e.hi - 1 < t_last ? e.hi - 1 : t_last) - t0);
+    const int first = first_lane(e, t0 + lane, t0);
+    const int last_lane = last_lane_of(e, t0 + lane, t_last, t0);
     const bool end = lane == last_lane;
     const bool last_counted = e.counted && cprefix[last_lane] == cprefix[lane];
     if (!end && !last_counted) continue;
@@ -241,12 +241,22 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   combine_sequences<1>(a.batch, range, slot, finish);
 }
 
+// A minimum of blocks per SM, per arch: without one, CUDA 13's ptxas held sm_100's vector variants at 80 registers
+// with an 8-byte stack frame (74-78 and no stack at 2 blocks, a 128 cap). At 2, sm_80..sm_89 took 80-103 registers
+// (2 blocks); at 3 (an 80 cap) they take 78-80 and no stack, as before the invalid-geometry NaN (72-78, 3 blocks),
+// where sm_90's vector variants (79-80) and sm_100's scalar ones (80) spill 8-24 bytes: those stay at 2.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KL_BACKWARD_MIN_BLOCKS 3
+#else
+#define KL_BACKWARD_MIN_BLOCKS 2
+#endif
 template <int32_t DT, int32_t RT, bool VEC>
-__global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
+__global__ void __launch_bounds__(kThreads, KL_BACKWARD_MIN_BLOCKS) backward_tile(KLRewardArgs a) {
   __shared__ int64_t seq_range[2];
   int64_t t0, t_last, i0;
   Where w[kPer];
   locate_tile(a, seq_range, &t0, &t_last, &i0, w);
+  const unsigned bad = bad_bits(a, w);  // invalid geometry: NaN
   const void* lp = reinterpret_cast<const void*>(a.lp);
   const void* ref = reinterpret_cast<const void*>(a.ref);
   const float* g_sum = reinterpret_cast<const float*>(a.g_kl_sum);
@@ -287,7 +297,7 @@ __global__ void __launch_bounds__(kThreads) backward_tile(KLRewardArgs a) {
       glp[j] = g * kl_grad(d[j], a.est);
       gref[j] = (a.g_ref_out ? gro[j] : 0.0f) - glp[j];
     }
-    if (e.inb && geometry_bad(a, e.seq)) glp[j] = gref[j] = NAN;  // invalid geometry: NaN
+    if ((bad >> j) & 1u) glp[j] = gref[j] = NAN;
   }
   if (full) {
     Pack<BitsOf<DT>> pl, pr;

@@ -85,11 +85,13 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
     if (a.layout == kPacked) {
       while (e.inb && seq + 1 < a.batch && off[seq + 1] <= i) ++seq;  // skips empty sequences
       e.seq = seq;
-      // clamped, and widened to hold i: under invalid offsets the tile's lanes stay in the tile
-      e.lo = offset_at(a, seq);
-      e.hi = offset_at(a, seq + 1);
-      e.lo = e.lo > i ? i : e.lo;
-      e.hi = e.hi <= i ? i + 1 : e.hi;
+      // Raw, as the search reads them: the kernels compare lo and hi with the tile's ends and clamp what they
+      // index with (the segment's first and last lanes into [t0, i] and [i, t_last]: first_lane, last_lane_of),
+      // so under any offsets the tile's lanes stay in the tile. pos is only compared or recorded (a last position, checked
+      // against the clamped length before use: place_last). Widening lo and hi here instead cost sm_120's
+      // penalty_forward_tile 8 bytes more stack (40 for 32).
+      e.lo = off[seq];
+      e.hi = off[seq + 1];
       e.col = i;
       e.pos = i - e.lo;
       e.counted = e.inb;
@@ -106,6 +108,27 @@ __device__ __forceinline__ void locate(const KLRewardArgs& a, int64_t i0, int64_
     if (e.counted && prompt) e.counted = e.pos >= prompt[e.seq];
     if (e.counted && mask) e.counted = mask[e.seq * a.mask_s0 + e.col * a.mask_s1] != 0;
   }
+}
+
+// Bit j set: this thread's element j is in bounds and its sequence's geometry is invalid (geometry_bad,
+// common/kl_reward_args.h: its outputs are NaN, the value checks report it through the error word).
+// geometry_bad is evaluated once per distinct sequence among the 8 consecutive elements (their sequences
+// are non-decreasing: usually one call per thread), each in a branch of its own, and the result is one
+// register: evaluated per element, its 8 x 5 loads were in flight next to the tile's values and cost
+// sm_100 a stack frame (backward_tile, penalty_backward_tile; the forwards leave it to their combines).
+__device__ __forceinline__ unsigned bad_bits(const KLRewardArgs& a, const Where (&w)[kPer]) {
+  unsigned bits = 0;
+  int64_t seq = -1;
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (w[j].inb && w[j].seq != seq) {
+      seq = w[j].seq;
+      bad = geometry_bad(a, seq);
+    }
+    bits |= (w[j].inb && bad ? 1u : 0u) << j;
+  }
+  return bits;
 }
 
 // seq_of (common/kl_reward_args.h) for the packed layout, by a whole warp: each step the 32 lanes
@@ -199,6 +222,17 @@ __device__ __forceinline__ void block_segmented_scan(double v, bool starts, int 
   const int ec = __shfl_up_sync(0xffffffffu, ic, 1);
   *carry = lane > 0 ? (ef ? ev : wv + ev) : wv;
   *before_c = lane > 0 ? wc + ec : wc;
+}
+
+// The first and last lanes of element i's segment in the tile [t0, t_last] (lanes from t0), clamped to hold
+// i's own lane: under invalid offsets (raw lo/hi, locate) they stay in [0, i - t0] and [i - t0, t_last - t0].
+__device__ __forceinline__ int first_lane(const Where& e, int64_t i, int64_t t0) {
+  const int64_t f = e.lo > t0 ? e.lo : t0;
+  return static_cast<int>((f < i ? f : i) - t0);
+}
+__device__ __forceinline__ int last_lane_of(const Where& e, int64_t i, int64_t t_last, int64_t t0) {
+  const int64_t l = e.hi - 1 < t_last ? e.hi - 1 : t_last;
+  return static_cast<int>((l > i ? l : i) - t0);
 }
 
 // Whether flat element i starts a segment of the tile's segmented sums: its sequence's first element.

@@ -96,8 +96,9 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
         block = launch_tiles(fwd, total, args, flags)
     if batch > 0:
         combine[(triton_cdiv(batch, PENALTY_COMBINE_BLOCK),)](
-            or_dummy(offsets, count), seq_loss, stats, count, slot_sum, slot_count, batch, total, width, PACKED=packed,
-            TILE=block, BLOCK_B=PENALTY_COMBINE_BLOCK, CHUNK=COMBINE_CHUNK)
+            or_dummy(offsets, count), or_dummy(lengths, count), seq_loss, stats, count, slot_sum, slot_count, grad,
+            tok if token_out else grad, batch, total, width, PACKED=packed, HAS_LENGTHS=lengths is not None,
+            TOKEN_OUT=bool(token_out), TILE=block, BLOCK_B=PENALTY_COMBINE_BLOCK, CHUNK=COMBINE_CHUNK)
     return seq_loss, stats, count, tok, grad
 
 

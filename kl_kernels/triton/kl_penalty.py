@@ -152,11 +152,8 @@ def kl_penalty_fwd_kernel(
     obj = tl.where(counted, obj, 0.0)
     kl = tl.where(counted, kl, 0.0)
     ratio = tl.where(counted, ratio, 0.0)
-    # invalid geometry (reported through the error word, kl_kernels/device_errors.py): NaN, also in the sums
-    bad = geometry_bad(offsets_ptr, lengths_ptr, lengths_ptr, seq, inb, total, batch, width, PACKED, HAS_LENGTHS,
-                       False)
-    grad = tl.where(bad, float("nan"), grad)
-    loss = tl.where(bad, float("nan"), loss)
+    # Invalid geometry is not tested here: kl_penalty_combine_kernel writes its NaN (tested per element, its
+    # four offset loads took kl_penalty_fwd_kernel from 128 to 152 registers at fp32 512x4 with weights).
     tl.store(grad_ptr + offs, grad, mask=inb)
     if TOKEN_OUT:
         tl.store(tok_ptr + offs, loss, mask=inb)
@@ -195,11 +192,13 @@ def kl_penalty_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=("batch", "total", "width"))
-def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, slot_sum_ptr, slot_count_ptr,
-                              batch, total, width, PACKED: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr,
-                              CHUNK: tl.constexpr):
+def kl_penalty_combine_kernel(offsets_ptr, lengths_ptr, seq_loss_ptr, stats_ptr, count_ptr, slot_sum_ptr,
+                              slot_count_ptr, grad_ptr, tok_ptr, batch, total, width, PACKED: tl.constexpr,
+                              HAS_LENGTHS: tl.constexpr, TOKEN_OUT: tl.constexpr, TILE: tl.constexpr,
+                              BLOCK_B: tl.constexpr, CHUNK: tl.constexpr):
     """Per sequence: finish the sums of sequences that span tiles (fp64; CHUNK later tiles a step,
-    ``later_tiles``); zero the empty ones."""
+    ``later_tiles``); zero the empty ones; NaN over a sequence of invalid geometry (its loss, and its
+    row of the gradient and of the per-token loss)."""
     b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, total, PACKED, TILE, BLOCK_B)
     c = tl.arange(0, 8)
     used = c < 6
@@ -218,8 +217,19 @@ def kl_penalty_combine_kernel(offsets_ptr, seq_loss_ptr, stats_ptr, count_ptr, s
     acc = tl.where(spans[:, None], acc, 0.0).to(tl.float32)
     loss = tl.sum(tl.where(c[None, :] == 0, acc, 0.0), axis=1)
     tl.store(seq_loss_ptr + b, loss, mask=write)
-    bad = geometry_bad(offsets_ptr, offsets_ptr, offsets_ptr, b, inb, total, batch, width, PACKED, False, False)
+    # invalid geometry (reported through the error word, kl_kernels/device_errors.py): NaN, written here on
+    # that path alone (a loop of no steps otherwise) rather than tested per element in the forward tiles
+    bad = geometry_bad(offsets_ptr, lengths_ptr, offsets_ptr, b, inb, total, batch, width, PACKED, HAS_LENGTHS,
+                       False)
     tl.store(seq_loss_ptr + b, tl.zeros_like(loss) + float("nan"), mask=bad)  # also when empty
+    longest = tl.max(tl.where(bad, hi - lo, 0), axis=0)
+    for j0 in range(0, longest, CHUNK):
+        t = lo[:, None] + j0 + tl.arange(0, CHUNK)[None, :]
+        m = bad[:, None] & (t < hi[:, None])
+        nan = tl.full([BLOCK_B, CHUNK], float("nan"), tl.float32)
+        tl.store(grad_ptr + t, nan, mask=m)
+        if TOKEN_OUT:
+            tl.store(tok_ptr + t, nan, mask=m)
     stat = write[:, None] & (c[None, :] >= 1) & used[None, :]
     tl.store(stats_ptr + b[:, None] * 5 + (c[None, :] - 1), acc, mask=stat)
     tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=write)
