@@ -65,3 +65,17 @@ def test_plot_has_a_panel_per_table(folder):
     path = report.plot(folder)
     width, height = Image.open(path).size
     assert width <= 1400 and height < 2000
+
+
+def test_a_contender_that_did_not_run_keeps_the_table_narrow():
+    """A contender that could not run (a peer not installed) is a "not run" row; its reason goes below the tables,
+    so a long message does not widen the table past the summary's width."""
+    why = "liger-kernel not installed (No module named 'liger_kernel'); pip install liger-kernel==0.8.5 " * 2
+    groups = [dict(table="GRPO step", name="liger", impl="liger", layout="", error=why, ms=None, ms_other=None,
+                   x_eager=None, x_compile=None, pct_copy=None, eager="eager loss"),
+              dict(table="GRPO step", name="eager loss", impl="eager loss", layout="", ms=7341.0, ms_other=None,
+                   x_eager=1.0, x_compile=None, pct_copy=None, eager="eager loss")]
+    lines = report.summary_lines(groups)
+    assert max(map(len, lines)) <= report.WIDTH
+    assert any(line.startswith("liger") and "not run" in line for line in lines)
+    assert any("liger-kernel not installed" in line for line in lines[lines.index("Not run here:"):])

@@ -176,7 +176,7 @@ def logprob_rows(result: dict, title: str) -> list[dict]:
 def summary_lines(groups: list[dict], other_label: str | None = None) -> list[str]:
     """One compact table per group (``table``/``eager`` of its rows), then the notes: each of ours that is
     slower than a contender that is not ours, and why where known."""
-    lines, notes = [], []
+    lines, notes, not_run = [], [], []
     for title in dict.fromkeys(g["table"] for g in groups):
         sel = [g for g in groups if g["table"] == title]
         peak = any(g.get("peak_mib") is not None for g in sel)
@@ -184,8 +184,9 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
         head += ["x eager", "x compile", "% copy"] + (["peak MiB"] if peak else [])
         body = []
         for g in sel:
-            if g.get("error"):
-                body.append([_short(g["name"], 46), "error: " + _short(g["error"], 40)] + [""] * (len(head) - 2))
+            if g.get("error"):  # (its reason below the tables: a long cell would widen the ms column)
+                body.append([_short(g["name"], 46), "not run"] + [""] * (len(head) - 2))
+                not_run.append(f"- {_short(title, 40)}: {g['name']}: {g['error']}")
                 continue
             cells = [_short(g["name"], 46), _ms(g["ms"])]
             if len(head) > (5 + peak):
@@ -197,6 +198,8 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
         notes += _slower(sel)
     if notes:
         lines += ["", "Where one of ours is slower than another contender:"] + notes
+    if not_run:
+        lines += ["", "Not run here:"] + [_short(line, WIDTH) for line in not_run]
     return lines
 
 
