@@ -58,6 +58,21 @@ except AttributeError:  # pragma: no cover (another Python's os.environ)
     ENVIRON, ENV_KEY = os.environ, ENV_VAR
 
 
+# What a signature may hold: values and the types of arguments (a plan cache is module state, so whatever
+# its keys reference lives as long as the process). An object among the options (a process group, a
+# tensor-valued count) would be kept alive by the cache: a ProcessGroup past destroy_process_group, torn
+# down at interpreter exit after gloo's threads (std::terminate, seen on torch 2.15.0), or a CUDA tensor.
+_PLAIN = (type(None), bool, int, float, str, type, torch.dtype, torch.device, torch.layout)
+
+
+def plain(key) -> bool:
+    """Whether ``key`` holds only plain values (tuples of them included): a key the cache may keep.
+    Checked once per signature, when its first call stores a plan (or its absence)."""
+    if type(key) in (tuple, torch.Size):
+        return all(plain(k) for k in key)
+    return type(key) in _PLAIN
+
+
 class Unplanned:
     """The entry of a signature whose calls take the general path: no plan is attempted for it again
     (while the op's registry is ``registry``)."""
@@ -85,12 +100,13 @@ class PlanCache:
             return None
 
     def put(self, key, plan) -> None:
+        """Keep ``plan`` for ``key``, unless the key holds an object (see :func:`plain`): such calls take
+        the general path every time."""
+        if not plain(key):
+            return
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
-        try:
-            self.plans[key] = plan
-        except TypeError:
-            pass
+        self.plans[key] = plan
 
     def clear(self) -> None:
         self.plans.clear()

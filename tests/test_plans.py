@@ -332,3 +332,32 @@ def test_nested_tensors_are_never_planned():
         torch.testing.assert_close(got.kl_sum, want.kl_sum)
         for a, b in zip(got.kl.unbind(), want.kl.unbind()):
             torch.testing.assert_close(a, b)
+
+
+def test_a_call_keeps_no_reference_to_its_process_group_or_tensor_counts():
+    """A plan signature holds only values (options, tensors' facts): a process group or a tensor-valued count
+    kept in an op's plan cache would outlive the call. The group would outlive ``destroy_process_group``
+    and be torn down at interpreter exit, after gloo's threads (``terminate called without an active
+    exception``: the 2-rank test's workers aborted that way on torch 2.15.0), and a CUDA count tensor
+    would stay allocated."""
+    import torch.distributed as dist
+
+    from kl_kernels import kl_penalty_loss
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this torch build")
+    lp, old, adv, kw = _loss_call("padded", torch.Generator().manual_seed(5))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        before = sys.getrefcount(group)
+        for _ in range(3):
+            kl_penalty_loss(lp, old, adv, **kw, process_group=group).loss.backward()
+        assert sys.getrefcount(group) == before, "a kl_penalty_loss call kept a reference to its process_group"
+    finally:
+        dist.destroy_process_group()
+    n = torch.tensor(1000)
+    before = sys.getrefcount(n)
+    for _ in range(3):
+        kl_penalty_loss(lp, old, adv, **kw, num_global_tokens=n).loss.backward()
+    assert sys.getrefcount(n) == before, "a kl_penalty_loss call kept a reference to its num_global_tokens tensor"
