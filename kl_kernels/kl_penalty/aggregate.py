@@ -88,7 +88,10 @@ _ON_HOST = _UNIFORM  # aggregations that CPU tensors take through _aggregate_on_
 
 
 def _at_least_one(x):
-    return max(x, 1.0) if isinstance(x, float) else x.clamp_min(1.0)
+    # max(x, 1.0) for a float without the two builtin calls (NaN stays NaN, as with max); per planned call
+    if x.__class__ is float or not isinstance(x, torch.Tensor):
+        return x if not x < 1.0 else 1.0
+    return x.clamp_min(1.0)
 
 
 def _uniform_weight(p: KLPenaltyProblem, n_tokens, n_seqs, aggregation=None):
@@ -225,7 +228,7 @@ def uniform_parts(p: KLPenaltyProblem, totals, num_global_tokens) -> tuple[float
     obj_total, kl_total, ent_total, ratio_total, clip_total, n_tokens = totals
     n = float(num_global_tokens) if num_global_tokens is not None else n_tokens
     w = _uniform_weight(p, n, float(p.batch_size))
-    denom = max(n_tokens, 1.0)
+    denom = n_tokens if not n_tokens < 1.0 else 1.0  # (a float: _at_least_one's, inline)
     return w, [obj_total * w, kl_total * w * float(p.beta), ent_total * w * -p.entropy_coef + 0.0, kl_total / denom,
                ratio_total / denom, clip_total / denom]
 

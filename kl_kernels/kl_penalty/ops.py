@@ -209,26 +209,7 @@ class _EagerTotal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, num_global_tokens, planned, *args):
-        # planned: a call plan's launcher (launch.TotalsPlan, kl_kernels/plans.py), else the launcher's full filling
-        ctx.planned = planned is not None
-        if planned is None:
-            grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
-        else:
-            grad, totals, kernel_args, keep = planned(*args[:8], args[9] if args[8] is None else args[8], args[19],
-                                                      grad_out=p.grad_out)
-        _claim(p.grad_out)
-        w, parts = uniform_parts(p, totals[1:], num_global_tokens)
-        _save_folded(ctx, args, (grad,), kernel_args, keep)
-        ctx.w = w
-        # Saved-tensor hooks (offloading, checkpointing tools) may keep the buffer they were handed:
-        # then the backward must not write into it.
-        ctx.plain_saved = not torch_compat.saved_tensors_hooks_active()
-        # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
-        loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
-        rest = torch.frombuffer(array.array("f", parts), dtype=torch.float32)  # rounded as torch.tensor would
-        count = torch.scalar_tensor(int(totals[-1]), dtype=torch.int64)  # the last total: the token count
-        ctx.mark_non_differentiable(rest, count)
-        return loss, rest, count
+        return _total_forward(ctx, p, planned, None, args, num_global_tokens)
 
     @staticmethod
     def backward(ctx, g_loss, _g_rest, _g_count):
@@ -247,6 +228,33 @@ class _EagerTotal(torch.autograd.Function):
         return (None, None, None, g_lp, None, None, None, g_ent) + (None,) * 20
 
 
+def _total_forward(ctx, p, planned, log_probs, args, num_global_tokens=None):
+    """:class:`_EagerTotal`'s forward, and :class:`_PlannedTotal`'s itself (one Python-level call less
+    per planned call): ``args`` the fused forward's arguments, ``planned`` a call plan's launcher
+    (launch.TotalsPlan, kl_kernels/plans.py) or None for the launcher's full filling; ``log_probs`` is
+    ``args[0]`` (unused here: _PlannedTotal's differentiable input)."""
+    ctx.planned = planned is not None
+    if planned is None:
+        grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
+    else:
+        grad, totals, kernel_args, keep = planned(*args[:8], args[9] if args[8] is None else args[8], args[19],
+                                                  grad_out=p.grad_out)
+    if p.grad_out is not None:  # (tested here: no call per step without out=)
+        _claim(p.grad_out)
+    w, parts = uniform_parts(p, totals[1:], num_global_tokens)
+    _save_folded(ctx, args, (grad,), kernel_args, keep)
+    ctx.w = w
+    # Saved-tensor hooks (offloading, checkpointing tools) may keep the buffer they were handed:
+    # then the backward must not write into it.
+    ctx.plain_saved = not torch_compat.saved_tensors_hooks_active()
+    # scalar_tensor and frombuffer: half the cost of torch.tensor, which parses a Python list
+    loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
+    rest = torch.frombuffer(array.array("f", parts), dtype=torch.float32)  # rounded as torch.tensor would
+    count = torch.scalar_tensor(int(totals[-1]), dtype=torch.int64)  # the last total: the token count
+    ctx.mark_non_differentiable(rest, count)
+    return loss, rest, count
+
+
 def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
     """Whether :class:`_EagerTotal`'s backward may return its gradient buffer scaled in place
     instead of a new tensor from the backward kernel: the same values bit for bit (the buffer is
@@ -256,8 +264,10 @@ def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
     ``.grad``, as the caller still holds it, and hands it on through a non-leaf). Only when nothing
     can read the buffer again: this backward is the graph's last (no ``retain_graph``: the saved
     buffer is released right after) and no saved-tensor hook may hold it. Float32 log-probs only (the buffer is float32)."""
-    return (lp_dtype == torch.float32 and not entropy_grad and ctx.plain_saved and math.isfinite(scale)
-            and math.copysign(1.0, scale) > 0 and not torch_compat.graph_keeps_graph())
+    # finite with a + sign: 0 < scale < inf, or +0.0 (copysign only then: two builtin calls less per call)
+    return (lp_dtype == torch.float32 and not entropy_grad and ctx.plain_saved
+            and (0.0 < scale < math.inf or (scale == 0.0 and math.copysign(1.0, scale) > 0))
+            and not torch_compat.graph_keeps_graph())
 
 
 def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLossOutput:
@@ -276,9 +286,7 @@ class _PlannedTotal(torch.autograd.Function):
     ``_TotalsPlan`` as ``_PlannedTotal.apply(PlannedTotals(...), planned, log_probs, args)``: ``args`` the 25
     arguments of the fused forward (no entropy), ``planned`` the plan's launcher (launch.TotalsPlan)."""
 
-    @staticmethod
-    def forward(ctx, p, planned, log_probs, args):
-        return _EagerTotal.forward(ctx, p, None, planned, *args)
+    forward = staticmethod(_total_forward)  # (ctx, p, planned, log_probs, args)
 
     backward = _EagerTotal.backward  # (its gradients, in this forward's argument positions: see _plan_grads)
 
