@@ -362,3 +362,38 @@ def test_a_call_keeps_no_reference_to_its_process_group_or_tensor_counts():
     for _ in range(3):
         kl_penalty_loss(lp, old, adv, **kw, num_global_tokens=n).loss.backward()
     assert sys.getrefcount(n) == before, "a kl_penalty_loss call kept a reference to its num_global_tokens tensor"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name", CASES[:4])
+def test_the_launchers_plan_under_autograd_and_compile_matches_the_reference(name, compiled, monkeypatch):
+    """kl_reward's launcher keeps a ForwardPlan per signature (kl_reward/launch.py's forward): what the op
+    ``kl_kernels::kl_reward_fwd`` runs under autograd and inside a torch.compile'd graph, where api.py's
+    plans do not reach. On fresh tensors and values of one signature: the reference's values and gradients,
+    and from the second call on the struct is not filled again (make_args runs for the first call only)."""
+    from kl_kernels.kl_reward import launch
+
+    plans.clear()
+    filled = []
+    real = launch.make_args
+    monkeypatch.setattr(launch, "make_args", lambda *a, **k: filled.append(1) or real(*a, **k))
+
+    def f(*args, **kw):
+        return kl_reward(*args, **kw)
+    run = torch.compile(f, dynamic=False) if compiled else f
+    for seed in range(4):
+        args, kw = _case(name, torch.Generator().manual_seed(seed))
+        lp = args[0].clone().requires_grad_()
+        lp_ref = args[0].clone().requires_grad_()
+        got = run(lp, *args[1:], detach=False, **kw)
+        want = kl_reward(lp_ref, *args[1:], backend="torch", detach=False, **kw)
+        torch.testing.assert_close(got.reward, want.reward, rtol=1e-5, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(got.kl, want.kl, rtol=1e-5, atol=1e-6, equal_nan=True)
+        got.reward.sum().backward()
+        want.reward.sum().backward()
+        torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-5, atol=1e-6, equal_nan=True)
+        if seed == 0:
+            filled.clear()
+    # (the backward's launcher fills its struct every call: one make_args per backward; the packed case's
+    # token count differs per seed: a new signature, planned anew, every call)
+    assert len(filled) == (3 if name.startswith("padded") else 6), f"the forward's struct was filled again: {len(filled) - 3} times in 3 planned calls"

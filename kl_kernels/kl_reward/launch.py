@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from .. import plans
 from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, geometry_args,
                          kernel_module, launch_kernel, ptr, raise_for, resolved, set_input)
 
@@ -44,7 +45,27 @@ def forward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, rewar
     """Run the fused forward; returns (kl, reward_out, ref_out or empty, kl_sum, count). List inputs
     (:class:`~kl_kernels.ragged.SequenceList`) and ``mask_nan`` are for the CPU kernel, outside autograd.
     ``out``: checked result buffers (problem.py's ``_check_out``), written in place where given.
-    ``ext``: the extension to run (default: ``_C`` or ``_cuda`` by device)."""
+    ``ext``: the extension to run (default: ``_C`` or ``_cuda`` by device).
+
+    A call without ``out`` whose signature (the options and the tensors' facts, kl_kernels/plans.py)
+    was seen runs that signature's :class:`ForwardPlan`: this is what the op ``kl_kernels::kl_reward_fwd``
+    runs inside a ``torch.compile``d graph and under autograd, where api.py's call plans do not reach
+    (CPU, B = 8: ~25 us of host work per call before, ~9 after)."""
+    if out is None:
+        key = (ext, layout, left_pad, placement, estimator, straight_through, tuple(clamp), return_ref, reward_dtype,
+               mask_nan, plans.facts(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef))
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _launch_plan(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,
+                                layout, left_pad, placement, estimator, straight_through, clamp, return_ref,
+                                reward_dtype, mask_nan, ext)
+            _PLANS.put(key, plan)
+        if type(plan) is ForwardPlan:
+            kl, reward_out, ref_out, kl_sum, count = plan(log_probs, ref_log_probs, mask, offsets, lengths,
+                                                          prompt_lens, reward, coef_scalar if coef is None else coef)
+            if ref_out is None:  # the launchers always return five tensors
+                ref_out = torch.empty((0,), dtype=ref_log_probs.dtype, device=log_probs.device)
+            return kl, reward_out, ref_out, kl_sum, count
     outputs, args, module, keep = _prepare_forward(
         log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, coef_scalar, layout, left_pad,
         placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan, out, ext)
@@ -140,6 +161,29 @@ def backward(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, coef
     launch_kernel(module, module.kl_reward_backward, args, log_probs.device, "kl_reward")
     del keep, grads
     return g_lp, g_ref
+
+
+# The launcher's plans (forward without out=), by signature: see forward().
+_PLANS = plans.PlanCache("kl_reward launches")
+
+
+def _launch_plan(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef, layout, left_pad,
+                 placement, estimator, straight_through, clamp, return_ref, reward_dtype, mask_nan, ext):
+    """The :class:`ForwardPlan` of a :func:`forward` signature, or an :class:`~kl_kernels.plans.Unplanned`
+    where the launcher must fill the struct every call: inputs it would convert (a negative bit, offsets,
+    lengths or prompt lengths not int64 contiguous), lists, subclasses (fake tensors: tracing), empty
+    tensors, ``mask_nan`` on a device (the conditions of ForwardPlan's docstring, which the signature
+    then keeps for every call)."""
+    tensors = (log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
+    if (any(t is not None and (type(t) is not torch.Tensor or t.is_neg() or t.is_nested or t.numel() == 0)
+            for t in tensors)
+            or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
+                   for t in (offsets, lengths, prompt_lens))
+            or (mask_nan and log_probs.device.type != "cpu")
+            or (layout == 0 and offsets is None)):
+        return plans.Unplanned(None)
+    return ForwardPlan(log_probs, ref_log_probs, reward, coef, layout, left_pad, placement, estimator,
+                       straight_through, list(clamp), return_ref, reward_dtype, mask_nan=mask_nan, ext=ext)
 
 
 class ForwardPlan:
