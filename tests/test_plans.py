@@ -217,23 +217,34 @@ def _loss_call(layout, g, beta=0.05, out=None, **over):
     return lp.requires_grad_(), old, adv, kw
 
 
+# The same call through the CUDA kernels' host path (api.py's _DevicePlan; counted here through their host
+# emulation, the same Python as on a GPU): 146 at this commit, ~500 before the device plan (every call
+# validated in full). It is the CPU plan's plus the outputs the kernels aggregate into (8 allocations) and the
+# backward's launcher; on a GPU the lengths' check is one kernel launch instead of a host read.
+DEVICE_LOSS_BUDGET = 150
+LOSS_BACKENDS = ["auto", pytest.param("cuda-emulated", marks=pytest.mark.cuda_emulated)]
+
+
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_a_planned_loss_forward_backward_stays_within_its_call_budget(layout):
+def test_a_planned_loss_forward_backward_stays_within_its_call_budget(layout, backend):
     from kl_kernels import kl_penalty_loss
 
     lp, old, adv, kw = _loss_call(layout, torch.Generator().manual_seed(0))
 
     def call():
-        kl_penalty_loss(lp, old, adv, **kw).loss.backward()
+        kl_penalty_loss(lp, old, adv, backend=backend, **kw).loss.backward()
     call(), call()
     n = _count(call)
-    assert n <= LOSS_BUDGET, f"{n} Python-level calls (budget {LOSS_BUDGET})"
+    budget = LOSS_BUDGET if backend == "auto" else DEVICE_LOSS_BUDGET
+    assert n <= budget, f"{n} Python-level calls (budget {budget})"
 
 
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
 @pytest.mark.parametrize("beta", ["float", "tensor"])
 @pytest.mark.parametrize("with_out", [False, True])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_planned_loss_calls_on_fresh_tensors_match_the_reference(layout, with_out, beta):
+def test_planned_loss_calls_on_fresh_tensors_match_the_reference(layout, with_out, beta, backend):
     from kl_kernels import kl_penalty_loss
 
     plans.clear()
@@ -244,7 +255,7 @@ def test_planned_loss_calls_on_fresh_tensors_match_the_reference(layout, with_ou
         ref_lp = lp.detach().clone().requires_grad_()
         want = kl_penalty_loss(ref_lp, old, adv, backend="torch", **kw)
         out = torch.full(lp.shape, math.nan) if with_out else None
-        got = kl_penalty_loss(lp, old, adv, out=out, **kw)
+        got = kl_penalty_loss(lp, old, adv, out=out, backend=backend, **kw)
         for field, gv, wv in zip(want._fields, got, want):
             torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-6, msg=f"seed {seed} {field}")
         (g_got,) = torch.autograd.grad(got.loss, lp)
@@ -262,14 +273,16 @@ def _loss_bad_values():
     del g
 
 
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
 @pytest.mark.parametrize("name, valid, bad, message", list(_loss_bad_values()), ids=[c[0] for c in _loss_bad_values()])
-def test_a_planned_loss_call_checks_every_value_as_the_first_call_does(name, valid, bad, message):
+def test_a_planned_loss_call_checks_every_value_as_the_first_call_does(name, valid, bad, message, backend):
     from kl_kernels import kl_penalty_loss
 
     plans.clear()
     valid = dict(valid)
     layout = valid.pop("layout")
     lp, old, adv, kw = _loss_call(layout, torch.Generator().manual_seed(0), **valid)
+    kw["backend"] = backend
     bad_kw = dict(kw, **bad)
     with pytest.raises(ValueError, match=message) as cold:
         kl_penalty_loss(lp, old, adv, **bad_kw)
@@ -309,6 +322,48 @@ def test_the_copied_loss_struct_holds_what_the_launcher_fills_for_the_same_tenso
         if name in ("g", "est"):
             continue
         if name == "beta":  # (_prepare_forward's own float32 copy of a beta tensor: same values)
+            continue
+        assert g[name] == w[name], name
+    gg, wg = fields(got.g), fields(want.g)
+    for name in wg:
+        if name == "est":
+            assert fields(got.g.est) == fields(want.g.est)
+        else:
+            assert gg[name] == wg[name], f"g.{name}"
+
+
+@pytest.mark.cuda_emulated
+def test_the_copied_device_struct_holds_what_the_launcher_fills_for_the_same_tensors():
+    """api.py's _DevicePlan: the launcher's AggregatedPlan, built from one call, run for another call of
+    the same signature, leaves the struct (the backward's) as forward_aggregated fills it for that call's
+    tensors, but for the addresses of the outputs each allocates."""
+    from kl_kernels.kl_penalty import launch
+    from kl_kernels.kl_penalty.aggregate import device_weight
+    from kl_kernels.kl_penalty.ops import _fused_args
+    from kl_kernels.kl_penalty.problem import build_problem
+
+    def problem(seed):
+        lp, old, adv, kw = _loss_call("padded", torch.Generator().manual_seed(seed), beta=torch.tensor(0.3))
+        opts = dict(offsets=None, lengths=None, padding_side="left", clip_epsilon=None, entropy=None,
+                    entropy_coef=0.0, aggregation="token-mean", norm_length=None)
+        opts.update(kw)
+        return build_problem(lp, old, adv, **opts)[0]
+
+    first, second = problem(0), problem(1)
+    scale, per_token, seq_mean, _ = device_weight(first, None)
+    plan = launch.AggregatedPlan(_fused_args(first), scale, per_token, seq_mean, first.entropy_coef,
+                                 ext=launch.EMULATED)
+    fb = _fused_args(second)
+    loss, rest, n, weight, grad, got, _ = plan(*fb[:4], *fb[5:9], 0.0)
+    want_loss, want_rest, want_n, _, _, want, _ = launch.forward_aggregated(fb, scale, per_token, seq_mean, None, 0.0,
+                                                                           second.entropy_coef, ext=launch.EMULATED)
+    torch.testing.assert_close((loss, rest, n), (want_loss, want_rest, want_n))
+
+    def fields(x):
+        return {f: getattr(x, f) for f in dir(x) if not f.startswith("_") and not callable(getattr(x, f))}
+    g, w = fields(got), fields(want)
+    for name in w:
+        if name in ("g", "est", "grad", "count", "result_weight", "beta"):  # (outputs: each call's own)
             continue
         assert g[name] == w[name], name
     gg, wg = fields(got.g), fields(want.g)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 
-from .. import backends as _dispatch
 import torch
 
-from .. import plans, ragged
-from .. import full_estimator
+from .. import backends as _dispatch
+from .. import full_estimator, plans, ragged
 from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
+from ..launching import EMULATED
 from ..reference_math import final_mask, token_frame
-from .aggregate import KLPenaltyLossOutput, aggregate, on_device, on_host, run_split
+from .aggregate import KLPenaltyLossOutput, aggregate, device_weight, on_device, on_host, run_split
 from .backends import REGISTRY
-from .launch import TotalsPlan
-from .ops import PlannedTotals, _fused_args, _PlannedTotal, run_fused, run_fused_aggregated, run_fused_on_device
+from .launch import AggregatedPlan, TotalsPlan
+from .ops import (PlannedTotals, _fused_args, _PlannedOnDevice, _PlannedTotal, run_fused, run_fused_aggregated,
+                  run_fused_on_device)
 from .problem import CallChecks, _num_global_tokens, build_problem
 
 _PLANS = plans.PlanCache("kl_penalty_loss")
@@ -228,8 +230,18 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         problem.kl_values = _full_kl_term(problem, kind, logits, ref_logits, temperature, backend)
     num_global_tokens = _num_global_tokens(num_global_tokens, problem, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
+    if key is not None and impl.name in ("cuda", "cuda-emulated") and on_device(problem, process_group):
+        plan = None
+        if num_global_tokens is None and kind in ("packed", "padded") and _cuda_kernels(impl):
+            plan = _DevicePlan.of(problem, impl.name == "cuda-emulated",
+                                  (log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, entropy,
+                                   weights, beta, logits, ref_logits, num_sequences))
+        _PLANS.put(key, plans.Unplanned(REGISTRY) if plan is None else plan)
+        key = None
+        if plan is not None:
+            return plan(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out)
     if key is not None and not (impl.name == "cpu" and on_host(problem, process_group)):
-        _PLANS.put(key, plans.Unplanned(REGISTRY))  # (the plans are of the calls the CPU kernel aggregates)
+        _PLANS.put(key, plans.Unplanned(REGISTRY))  # (the plans are of the calls the kernels aggregate)
     if problem.split_terms:
         return run_split(problem, impl, kind=kind, offsets=offsets_of_kind, num_global_tokens=num_global_tokens,
                          process_group=process_group)
@@ -271,6 +283,35 @@ def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend):
     return kl
 
 
+def _cuda_kernels(impl) -> bool:
+    """Whether dispatch picked the CUDA kernels' own row, real or emulated (not a row a test swapped in)."""
+    run = impl.run
+    if impl.name == "cuda":
+        return run is run_fused
+    return type(run) is functools.partial and run.func is run_fused and run.keywords == {"emulated": True}
+
+
+def _plannable(problem, args, fa) -> bool:
+    """Whether a call plan (:class:`_TotalsPlan`, :class:`_DevicePlan`) may take the call just validated
+    into ``problem`` (``args``: the caller's arguments as api.py passes them, ``fa``: the fused forward's):
+    only the common call (no entropy, weights, logits, GSPO, sequence count; dense plain tensors that no
+    launcher converts, none requiring grad but the log-probs, a float or float32 0-d beta)."""
+    lp, old, adv, ref, mask, offsets, lengths, entropy, weights, beta, logits, ref_logits, num_sequences = args
+    tensors = [t for t in (lp, old, adv, ref, mask, offsets, lengths) if t is not None]
+    return not (any(x is not None for x in (entropy, weights, logits, ref_logits, num_sequences))
+                or problem.importance_sampling_level != "token" or problem.batch_size == 0
+                or problem.num_tokens == 0 or problem.device_free
+                or any(type(t) is not torch.Tensor or t.is_neg() for t in tensors)
+                or any(t.requires_grad for t in (old, adv, ref) if t is not None)
+                or fa[3].dtype != adv.dtype
+                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
+                       for t in (problem.offsets, problem.lengths))
+                or (problem.lengths is not None and problem.lengths is not lengths
+                    and not (type(lengths) is torch.Tensor and lengths.dtype == torch.int32))
+                or not (type(beta) in (float, int) or (type(beta) is torch.Tensor and beta.dtype == torch.float32
+                                                       and beta.dim() == 0)))
+
+
 class _TotalsPlan:
     """A plan (kl_kernels/plans.py) for eager calls of one signature that the CPU kernel aggregates itself
     (:func:`~kl_kernels.kl_penalty.aggregate.on_host`): problem.py's value checks
@@ -285,21 +326,8 @@ class _TotalsPlan:
         """The plan of the call just validated into ``problem``, or None (the general path every time):
         only the common call (no entropy, weights, logits, GSPO, sequence count; dense plain tensors
         that no launcher converts, none requiring grad but the log-probs, a float or float32 0-d beta)."""
-        lp, old, adv, ref, mask, offsets, lengths, entropy, weights, beta, logits, ref_logits, num_sequences = args
         fa = _fused_args(problem, cpu_kernel=True)
-        tensors = [t for t in (lp, old, adv, ref, mask, offsets, lengths) if t is not None]
-        if (any(x is not None for x in (entropy, weights, logits, ref_logits, num_sequences))
-                or problem.importance_sampling_level != "token" or problem.batch_size == 0
-                or problem.num_tokens == 0 or problem.device_free
-                or any(type(t) is not torch.Tensor or t.is_neg() for t in tensors)
-                or any(t.requires_grad for t in (old, adv, ref) if t is not None)
-                or fa[3].dtype != adv.dtype
-                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
-                       for t in (problem.offsets, problem.lengths))
-                or (problem.lengths is not None and problem.lengths is not lengths
-                    and not (type(lengths) is torch.Tensor and lengths.dtype == torch.int32))
-                or not (type(beta) in (float, int) or (type(beta) is torch.Tensor and beta.dtype == torch.float32
-                                                       and beta.dim() == 0))):
+        if not _plannable(problem, args, fa):
             return None
         launcher = TotalsPlan(fa)
         if not hasattr(launcher.template, "__copy__"):  # (an extension built before it had one)
@@ -325,4 +353,44 @@ class _TotalsPlan:
                 beta if tensor_beta else None, 0.0 if tensor_beta else beta, *self.constants)
         # (ops._PlannedTotal applied here, not through a helper: one Python-level call less per step)
         loss, rest, count = _PlannedTotal.apply(PlannedTotals(self.agg, beta, out), self.launch, log_probs, args)
+        return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+
+
+class _DevicePlan:
+    """A plan (kl_kernels/plans.py) for eager calls of one signature that the CUDA kernels (real or
+    emulated) aggregate themselves (:func:`~kl_kernels.kl_penalty.aggregate.on_device`): problem.py's
+    value checks (:class:`~kl_kernels.kl_penalty.problem.CallChecks`), then the kernels through the
+    launcher's :class:`~kl_kernels.kl_penalty.launch.AggregatedPlan` and one autograd node
+    (:class:`~kl_kernels.kl_penalty.ops._PlannedOnDevice`): the GPU's eager call without ~380 of its
+    ~500 Python-level calls (tests/test_plans.py holds its budget, through the emulated kernels)."""
+
+    __slots__ = ("registry", "checks", "launch")
+
+    @classmethod
+    def of(cls, problem, emulated: bool, args) -> "_DevicePlan | None":
+        """The plan of the call just validated into ``problem`` (the inputs :func:`_plannable` takes, an
+        aggregation with the batch's own token count), or None."""
+        fa = _fused_args(problem)
+        if not _plannable(problem, args, fa):
+            return None
+        scale, per_token, seq_mean, tokens = device_weight(problem, None)
+        plan = cls()
+        plan.registry = REGISTRY
+        plan.checks = CallChecks(problem)
+        plan.launch = AggregatedPlan(fa, scale, per_token, seq_mean, problem.entropy_coef,
+                                     ext=EMULATED if emulated else None)
+        return plan
+
+    def __call__(self, log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out):
+        inputs = ()
+        if out is not None:
+            inputs = (("log_probs", log_probs), ("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs),
+                      ("advantages", advantages), ("mask", mask), ("offsets", offsets), ("lengths", lengths),
+                      ("beta", beta))
+        # the index tensors as the kernel reads them: int64 (an int32 argument widened by the checks)
+        offsets, lengths, beta = self.checks(offsets, lengths, beta, out, inputs)
+        tensor_beta = type(beta) is torch.Tensor
+        args = (log_probs, old_log_probs, ref_log_probs, advantages, mask, offsets, lengths, beta,
+                0.0 if tensor_beta else float(beta))
+        loss, rest, count = _PlannedOnDevice.apply(out, self.launch, log_probs, args)
         return KLPenaltyLossOutput(loss, *rest.unbind(), count)

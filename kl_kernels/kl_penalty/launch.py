@@ -285,4 +285,62 @@ class TotalsPlan:
         return grad, totals.tolist(), a, [beta]
 
 
+class AggregatedPlan:
+    """:func:`forward_aggregated` (and its :func:`backward_aggregated`) for the calls of one signature
+    (``kl_kernels/plans.py``) on a device (``_cuda``, or ``_cuda_emu`` with ``ext``): the argument struct
+    filled once by :func:`_prepare_forward`, with the aggregation's constants, and copied per call (the
+    backward keeps each call's own), with the addresses (inputs, outputs, a beta tensor), a scalar beta
+    and the parts' beta rewritten. For the inputs :class:`TotalsPlan` takes. ``tests/test_plans.py``
+    holds every field to what :func:`forward_aggregated` writes for the same tensors."""
+
+    def __init__(self, forward_args, agg_scale, agg_per_token, agg_seq_mean, agg_entropy_coef, ext=None):
+        module, a, _ = _prepare_forward(*forward_args, ext=ext)
+        a.g.lp = a.g.mask = a.g.offsets = a.g.lengths = a.old = a.ref = a.adv = a.ent = a.wt = a.beta = 0
+        a.agg_scale, a.agg_per_token, a.agg_seq_mean = float(agg_scale), int(bool(agg_per_token)), int(bool(agg_seq_mean))
+        a.agg_entropy_coef, a.agg_tokens = float(agg_entropy_coef), 0
+        self.module, self.template, self.ext = module, a, ext  # (no address of the first call's tensors is kept)
+        self.shape, self.device, self.batch = forward_args[0].shape, forward_args[0].device, a.g.batch
+        self.workspace_bytes = module.kl_penalty_workspace_bytes
+
+    def __call__(self, log_probs, old_log_probs, ref_log_probs, advantages, mask, offsets, lengths, beta, agg_beta,
+                 grad_out=None):
+        """(loss, rest, count, weight, grad, args, keep) as :func:`forward_aggregated`; ``beta`` a float or a
+        float32 tensor (as the first call's), ``agg_beta`` the parts' beta (0.0 for a tensor beta)."""
+        a = self.template.__copy__()
+        g = a.g
+        g.lp, a.old, a.adv = log_probs.data_ptr(), old_log_probs.data_ptr(), advantages.data_ptr()
+        if ref_log_probs is not None:
+            a.ref = ref_log_probs.data_ptr()
+        if mask is not None:
+            g.mask = mask.data_ptr()
+        if offsets is not None:
+            g.offsets = offsets.data_ptr()
+        if lengths is not None:
+            g.lengths = lengths.data_ptr()
+        if type(beta) is torch.Tensor:
+            a.beta = beta.data_ptr()
+        else:
+            a.beta_scalar = beta
+        a.agg_beta = agg_beta
+        dev, batch = self.device, self.batch
+        seq_loss, stats = torch.empty(batch, dtype=torch.float32, device=dev), torch.empty(batch, 5, dtype=torch.float32,
+                                                                                           device=dev)
+        seq_count = torch.empty(batch, dtype=torch.int64, device=dev)
+        grad = torch.empty(self.shape, dtype=torch.float32, device=dev) if grad_out is None else grad_out
+        loss, rest = torch.empty((), dtype=torch.float32, device=dev), torch.empty(RESULTS, dtype=torch.float32,
+                                                                                   device=dev)
+        n, weight = torch.empty((), dtype=torch.int64, device=dev), torch.empty(1, dtype=torch.float64, device=dev)
+        a.seq_loss, a.stats, a.count, a.grad = seq_loss.data_ptr(), stats.data_ptr(), seq_count.data_ptr(), grad.data_ptr()
+        a.result, a.result_loss, a.result_count, a.result_weight = (rest.data_ptr(), loss.data_ptr(), n.data_ptr(),
+                                                                    weight.data_ptr())
+        module = self.module
+        launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss", workspace_bytes=self.workspace_bytes)
+        a.seq_loss = a.stats = a.result = a.result_loss = a.result_count = 0  # (dead from here: forward_aggregated)
+        return loss, rest, n, weight, grad, a, [seq_count, beta]
+
+    def backward(self, args, grad, weight, g_loss, lp_dtype, aux_dtype):
+        """:func:`backward_aggregated` of a call of this plan (no entropy gradient: the plan takes no entropy)."""
+        return backward_aggregated(args, grad, weight, g_loss, lp_dtype, False, aux_dtype, ext=self.ext)[0]
+
+
 emulated = ExtensionLauncher(EMULATED, forward, backward)  # the cuda-emulated backend's launcher (ops.py)

@@ -336,6 +336,34 @@ class _EagerOnDevice(torch.autograd.Function):
         return (None, None, None, None, g_lp, None, None, None, g_ent) + (None,) * 20
 
 
+class _PlannedOnDevice(torch.autograd.Function):
+    """:class:`_EagerOnDevice` for a call plan on a device (api.py's ``_DevicePlan``): the launcher's
+    :class:`~kl_kernels.kl_penalty.launch.AggregatedPlan` (``planned``) with the call's inputs as one
+    tuple ``args`` = (log_probs, old_log_probs, ref_log_probs, advantages, mask, offsets, lengths, beta,
+    agg_beta) next to the log-probs, the only input it differentiates; ``grad_out`` the caller's buffer
+    (``out=``) or None."""
+
+    @staticmethod
+    def forward(ctx, grad_out, planned, log_probs, args):
+        loss, rest, count, weight, grad, kernel_args, keep = planned(*args, grad_out=grad_out)
+        if grad_out is not None:
+            _claim(grad_out)
+        # (as _save_folded: what the struct points into stays alive, and modified in place it fails loudly)
+        ctx.save_for_backward(grad, weight, args[4], args[5], args[6])
+        ctx.kernel_args, ctx.keep, ctx.planned = kernel_args, keep, planned
+        ctx.dtypes = (log_probs.dtype, args[3].dtype)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(rest, count)
+        return loss, rest, count
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_rest, _g_count):
+        if g_loss is None:
+            return None, None, None, None
+        grad, weight = ctx.saved_tensors[:2]
+        return None, None, ctx.planned.backward(ctx.kernel_args, grad, weight, g_loss, *ctx.dtypes), None
+
+
 def run_fused_on_device(p: KLPenaltyProblem, num_global_tokens, emulated: bool = False,
                         triton: bool = False) -> KLPenaltyLossOutput:
     """``kl_penalty_loss``'s result for an eager call of the CUDA kernels (``emulated``: under host
