@@ -241,6 +241,20 @@ def _triton_reasons() -> list[str]:
 GPU_SELF_CHECK = frozenset({"cuda"})
 
 
+def kernel_extension(impl: Backend, run_fused) -> str | None:
+    """The extension whose C++ kernels the row ``impl`` of :func:`fused_backends` runs (``"_C"`` for
+    ``cpu``, ``"_cuda"`` for ``cuda``, ``"_cuda_emu"`` for ``cuda-emulated``), for an op's call plans to
+    launch directly; None for the other rows (Triton, the reference) and for a row whose ``run`` is no
+    longer the op's ``run_fused`` (a test swapped it)."""
+    run = impl.run
+    if impl.name in ("cpu", "cuda"):
+        return ("_C" if impl.name == "cpu" else "_cuda") if run is run_fused else None
+    if (impl.name == "cuda-emulated" and type(run) is functools.partial and run.func is run_fused
+            and run.keywords == {"emulated": True}):
+        return "_cuda_emu"
+    return None
+
+
 def fused_backends(kernel: str, run_fused, requires) -> list[Backend]:
     """The ``cuda``, ``triton``, ``cpu`` and ``cuda-emulated`` rows of an op, in ``"auto"`` order: C++
     kernels found by their forward symbol ``kernel`` in ``_cuda`` / ``_C`` / ``_cuda_emu``, all run

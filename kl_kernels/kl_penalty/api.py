@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import backends as _dispatch
 from .. import full_estimator, plans, ragged
 from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
-from ..launching import EMULATED
 from ..reference_math import final_mask, token_frame
 from .aggregate import KLPenaltyLossOutput, aggregate, device_weight, on_device, on_host, run_split
 from .backends import REGISTRY
@@ -232,8 +229,9 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if key is not None and impl.name in ("cuda", "cuda-emulated") and on_device(problem, process_group):
         plan = None
-        if num_global_tokens is None and kind in ("packed", "padded") and _cuda_kernels(impl):
-            plan = _DevicePlan.of(problem, impl.name == "cuda-emulated",
+        ext = _dispatch.kernel_extension(impl, run_fused)
+        if num_global_tokens is None and kind in ("packed", "padded") and ext is not None:
+            plan = _DevicePlan.of(problem, ext,
                                   (log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, entropy,
                                    weights, beta, logits, ref_logits, num_sequences))
         _PLANS.put(key, plans.Unplanned(REGISTRY) if plan is None else plan)
@@ -281,14 +279,6 @@ def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend):
     if problem.weight_kl:
         kl = torch.where(counted, kl * problem.weights.to(kl.dtype), torch.zeros((), dtype=kl.dtype, device=kl.device))
     return kl
-
-
-def _cuda_kernels(impl) -> bool:
-    """Whether dispatch picked the CUDA kernels' own row, real or emulated (not a row a test swapped in)."""
-    run = impl.run
-    if impl.name == "cuda":
-        return run is run_fused
-    return type(run) is functools.partial and run.func is run_fused and run.keywords == {"emulated": True}
 
 
 def _plannable(problem, args, fa) -> bool:
@@ -367,9 +357,9 @@ class _DevicePlan:
     __slots__ = ("registry", "checks", "launch")
 
     @classmethod
-    def of(cls, problem, emulated: bool, args) -> "_DevicePlan | None":
+    def of(cls, problem, ext: str, args) -> "_DevicePlan | None":
         """The plan of the call just validated into ``problem`` (the inputs :func:`_plannable` takes, an
-        aggregation with the batch's own token count), or None."""
+        aggregation with the batch's own token count) for the kernels of extension ``ext``, or None."""
         fa = _fused_args(problem)
         if not _plannable(problem, args, fa):
             return None
@@ -378,7 +368,7 @@ class _DevicePlan:
         plan.registry = REGISTRY
         plan.checks = CallChecks(problem)
         plan.launch = AggregatedPlan(fa, scale, per_token, seq_mean, problem.entropy_coef,
-                                     ext=EMULATED if emulated else None)
+                                     ext=ext)
         return plan
 
     def __call__(self, log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out):

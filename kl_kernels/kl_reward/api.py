@@ -304,18 +304,20 @@ class _DirectPlan:
     @classmethod
     def of(cls, problem, layout, impl, detach, args, out) -> "_DirectPlan | None":
         """The plan of the call just validated into ``problem`` and dispatched to ``impl``, or None where
-        the call takes the general path every time: other backends than the C++ kernels' ``cpu`` and
-        ``cuda`` rows (``impl.run is run_fused``: a row a test swapped in is not), autograd, lists and
-        nested tensors, tensor subclasses, negative bits, inputs the launcher would convert, empty batches."""
+        the call takes the general path every time: other backends than the C++ kernels' ``cpu``, ``cuda``
+        and ``cuda-emulated`` rows (backends.kernel_extension: not a row a test swapped in), autograd, lists
+        and nested tensors, tensor subclasses, negative bits, inputs the launcher would convert, empty
+        batches."""
         lp, ref = problem.log_probs, problem.ref_log_probs
         graph = not detach and torch.is_grad_enabled() and (lp.requires_grad or ref.requires_grad)
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
-        if (impl.run is not run_fused or graph or problem.layout not in ("packed", "padded")
+        ext = _dispatch.kernel_extension(impl, run_fused)
+        if (ext is None or graph or problem.layout not in ("packed", "padded")
                 or problem.device_free or problem.batch_size == 0 or problem.num_tokens == 0
                 or any(type(t) is not torch.Tensor or t.is_neg() or t.is_nested for t in tensors)
                 or any(t is not None and type(t) is not torch.Tensor for t in args[:7])
                 or type(args[7]) not in (float, int, torch.Tensor)
-                or (problem.mask_nan and problem.device.type != "cpu")
+                or (problem.mask_nan and ext != "_C")
                 or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
                        for t in (problem.offsets, problem.lengths, problem.prompt_lens))
                 or (problem.lengths is not None and problem.lengths is not args[5] and not _widened(args[5]))
@@ -326,7 +328,7 @@ class _DirectPlan:
         plan.registry = REGISTRY
         plan.checks = CallChecks(problem)
         fa = forward_args(problem)
-        plan.launch = ForwardPlan(fa[0], fa[1], fa[6], problem.coef, *fa[9:], mask_nan=problem.mask_nan)
+        plan.launch = ForwardPlan(fa[0], fa[1], fa[6], problem.coef, *fa[9:], mask_nan=problem.mask_nan, ext=ext)
         plan.trailing = layout.reward_trailing
         reward = args[2]
         plan.cast = None if reward is None or reward.dtype == problem.reward_dtype else problem.reward_dtype
