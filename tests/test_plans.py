@@ -461,3 +461,40 @@ def test_the_launchers_plan_under_autograd_and_compile_matches_the_reference(nam
     # (the backward's launcher fills its struct every call: one make_args per backward; the packed case's
     # token count differs per seed: a new signature, planned anew, every call)
     assert len(filled) == (3 if name.startswith("padded") else 6), f"the forward's struct was filled again: {len(filled) - 3} times in 3 planned calls"
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("how", ["compiled", "eager, aggregation='none'"])
+def test_the_loss_launchers_plans_match_the_reference(how, layout, monkeypatch):
+    """kl_penalty_loss's launcher keeps a ForwardPlan and a BackwardPlan per signature (kl_penalty/launch.py):
+    what the ops ``kl_kernels::kl_penalty_fwd``/``_bwd`` run inside a torch.compile'd graph and on the
+    general path. On fresh tensors and values of one signature: the reference's values and gradients, and
+    the structs filled for the first call only."""
+    from kl_kernels import kl_penalty_loss
+    from kl_kernels.kl_penalty import launch
+
+    plans.clear()
+    filled = []
+    for name in ("_prepare_forward", "_args"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _real=real, _name=name, **k: filled.append(_name) or _real(*a, **k))
+    over = dict(aggregation="none") if how.startswith("eager") else {}
+
+    def f(lp, old, adv, **kw):
+        return kl_penalty_loss(lp, old, adv, **kw, **over).loss
+    run = torch.compile(f, dynamic=False) if how == "compiled" else f
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        lp, old, adv, kw = _loss_call(layout, g, beta=float(torch.rand((), generator=g)))
+        ref_lp = lp.detach().clone().requires_grad_()
+        got = run(lp, old, adv, **kw)
+        want = kl_penalty_loss(ref_lp, old, adv, backend="torch", **kw, **over).loss
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
+        weights = torch.rand(got.shape, generator=g)
+        (g_got,) = torch.autograd.grad(got, lp, weights)
+        (g_want,) = torch.autograd.grad(want, ref_lp, weights)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
+        if seed == 0:
+            assert filled, "the first call did not reach the launcher"
+            filled.clear()
+    assert not filled, f"the launcher filled a struct again in planned calls: {filled}"

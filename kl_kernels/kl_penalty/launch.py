@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from .. import plans
 from ..launching import (DTYPE_CODES, EMULATED, NO_CLAMP, ExtensionLauncher, as_contiguous, coefficient,
                          geometry_args, kernel_module, launch_kernel, ptr, resolved, strides)
 
@@ -75,7 +76,26 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     ``problem.py``), written in place and returned. ``weights`` (per token, the aux dtype, or None),
     ``clip_c`` (dual clip, inf: none), ``weight_kl``, ``clamp`` (the KL's [in_lo, in_hi, out_lo,
     out_hi], infinite: none), ``seq_lr`` (float32 [B] sequence log-ratios, GSPO; None: per token) and
-    ``kl_ratio`` (kl_times_ratio): see ``kl_penalty_loss``."""
+    ``kl_ratio`` (kl_times_ratio): see ``kl_penalty_loss``.
+
+    A call without ``grad_out`` whose signature (the options and the tensors' facts, kl_kernels/plans.py)
+    was seen runs that signature's :class:`ForwardPlan`: what the op ``kl_kernels::kl_penalty_fwd`` runs
+    inside a ``torch.compile``d graph, where api.py's plans do not reach."""
+    if grad_out is None:
+        key = (ext, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef,
+               token_out, clip_c, weight_kl, tuple(clamp), kl_ratio,
+               plans.facts(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
+                           weights, seq_lr))
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = ForwardPlan.of(
+                (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
+                 beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi,
+                 entropy_coef, token_out, weights, clip_c, weight_kl, clamp, seq_lr, kl_ratio), ext)
+            _PLANS.put(key, plan)
+        if type(plan) is ForwardPlan:
+            return plan(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
+                        beta_scalar, weights, seq_lr)
     module, a, keep = _prepare_forward(
         log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, beta_scalar,
         adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out, weights,
@@ -217,7 +237,17 @@ def backward_aggregated(args, grad, weight, g_loss, lp_dtype, entropy_grad, aux_
 def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad, aux_dtype,
              entropy_coef, ext=None):
     """Scale the saved gradient buffer: grad_lp = (g_tok + g_seq[b]) * grad at counted tokens, and
-    (``entropy_grad``) grad_entropy = -entropy_coef * (g_tok + g_seq[b]). Returns (grad_lp, grad_ent or empty)."""
+    (``entropy_grad``) grad_entropy = -entropy_coef * (g_tok + g_seq[b]). Returns (grad_lp, grad_ent or empty).
+    A call whose signature was seen runs that signature's :class:`BackwardPlan` (see :func:`forward`)."""
+    key = (ext, layout, left_pad, lp_dtype, entropy_grad, aux_dtype, entropy_coef,
+           plans.facts(grad, g_seq, g_tok, mask, offsets, lengths))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = BackwardPlan.of((grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dtype, entropy_grad,
+                                aux_dtype, entropy_coef), ext)
+        _PLANS.put(key, plan)
+    if type(plan) is BackwardPlan:
+        return plan(grad, g_seq, g_tok, mask, offsets, lengths)
     grad, g_seq, g_tok, mask, offsets, lengths = resolved(grad, g_seq, g_tok, mask, offsets, lengths)
     dev = grad.device
     module = kernel_module(dev, "kl_penalty_backward", "kl_penalty_loss", ext)
@@ -237,6 +267,128 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
     launch_kernel(module, module.kl_penalty_backward, a, dev, "kl_penalty_loss")
     del keep
     return g_lp, g_ent
+
+
+# The launcher's plans (forward without grad_out, backward), by signature: see forward().
+_PLANS = plans.PlanCache("kl_penalty launches")
+
+
+def _plain_inputs(tensors, index_tensors) -> bool:
+    """Whether the launcher reads ``tensors`` as they are, for every call of their signature: plain
+    (no subclass: fake tensors are tracing), no negative bit, not empty, the index tensors int64 and
+    contiguous (what :func:`_prepare_forward` and :func:`backward` would otherwise convert)."""
+    return not (any(t is not None and (type(t) is not torch.Tensor or t.is_neg() or t.numel() == 0) for t in tensors)
+                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous()) for t in index_tensors))
+
+
+class ForwardPlan:
+    """:func:`forward` (without ``grad_out``) for the calls of one signature: the argument struct filled
+    once by :func:`_prepare_forward` and copied per call, the inputs' addresses and a scalar beta
+    rewritten. For inputs the launcher reads as they are (:func:`_plain_inputs`, a float32 contiguous
+    beta tensor), which the signature keeps so; ``tests/test_plans.py`` holds its results to the
+    launcher's own."""
+
+    @classmethod
+    def of(cls, forward_args, ext) -> "ForwardPlan | plans.Unplanned":
+        lp, old, ref, adv, ent, mask, offsets, lengths, beta = forward_args[:9]
+        weights, seq_lr = forward_args[19], forward_args[23]
+        if (not _plain_inputs((lp, old, ref, adv, ent, mask, offsets, lengths, beta, weights, seq_lr),
+                              (offsets, lengths))
+                or (beta is not None and not (beta.dtype == torch.float32 and beta.is_contiguous()))
+                or (forward_args[11] == 0 and offsets is None)):
+            return plans.Unplanned(None)
+        plan = cls()
+        module, a, _ = _prepare_forward(*forward_args, ext=ext)
+        a.g.lp = a.g.mask = a.g.offsets = a.g.lengths = a.old = a.ref = a.adv = a.ent = a.wt = a.beta = a.seq_lr = 0
+        plan.module, plan.template = module, a  # (no address of the first call's tensors is kept)
+        plan.shape, plan.device, plan.token_out = lp.shape, lp.device, bool(forward_args[18])
+        plan.workspace_bytes = getattr(module, "kl_penalty_workspace_bytes", None)  # (the CUDA forwards' only)
+        return plan
+
+    def __call__(self, log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
+                 beta_scalar, weights, seq_lr):
+        """(seq_loss, stats, count, tok, grad) as :func:`forward`'s."""
+        a = self.template.__copy__()
+        g = a.g
+        g.lp, a.old, a.adv = log_probs.data_ptr(), old_log_probs.data_ptr(), advantages.data_ptr()
+        if ref_log_probs is not None:
+            a.ref = ref_log_probs.data_ptr()
+        if entropy is not None:
+            a.ent = entropy.data_ptr()
+        if weights is not None:
+            a.wt = weights.data_ptr()
+        if seq_lr is not None:
+            a.seq_lr = seq_lr.data_ptr()
+        if mask is not None:
+            g.mask = mask.data_ptr()
+        if offsets is not None:
+            g.offsets = offsets.data_ptr()
+        if lengths is not None:
+            g.lengths = lengths.data_ptr()
+        if beta is not None:
+            a.beta = beta.data_ptr()
+        else:
+            a.beta_scalar = float(beta_scalar)
+        dev, batch, shape = self.device, g.batch, self.shape
+        seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
+        stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
+        count = torch.empty(batch, dtype=torch.int64, device=dev)
+        tok = torch.empty((4, *shape) if self.token_out else (0,), dtype=torch.float32, device=dev)
+        grad = torch.empty(shape, dtype=torch.float32, device=dev)
+        a.seq_loss, a.stats, a.count, a.grad = seq_loss.data_ptr(), stats.data_ptr(), count.data_ptr(), grad.data_ptr()
+        if self.token_out:
+            a.token_out = tok.data_ptr()
+        module = self.module
+        launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss",
+                      workspace_bytes=self.workspace_bytes)
+        return seq_loss, stats, count, tok, grad
+
+
+class BackwardPlan:
+    """:func:`backward` for the calls of one signature, as :class:`ForwardPlan` is :func:`forward`'s: for
+    incoming gradients the launcher reads as they are (float32 and contiguous, or absent)."""
+
+    @classmethod
+    def of(cls, backward_args, ext) -> "BackwardPlan | plans.Unplanned":
+        grad, g_seq, g_tok, mask, offsets, lengths, layout = backward_args[:7]
+        if (not _plain_inputs((grad, g_seq, g_tok, mask, offsets, lengths), (offsets, lengths))
+                or any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for t in (g_seq, g_tok))
+                or (layout == 0 and offsets is None)):
+            return plans.Unplanned(None)
+        *_, lp_dtype, entropy_grad, aux_dtype, entropy_coef = backward_args
+        plan = cls()
+        module = kernel_module(grad.device, "kl_penalty_backward", "kl_penalty_loss", ext)
+        a, _ = _args(module, grad, mask, offsets, lengths, layout, backward_args[7], 0, False, lp_dtype)
+        a.aux_dtype = DTYPE_CODES[aux_dtype]
+        a.entropy_coef = float(entropy_coef)
+        a.g.lp = a.g.mask = a.g.offsets = a.g.lengths = 0
+        plan.module, plan.template = module, a
+        plan.entropy_grad, plan.lp_dtype, plan.aux_dtype = entropy_grad, lp_dtype, aux_dtype
+        return plan
+
+    def __call__(self, grad, g_seq, g_tok, mask, offsets, lengths):
+        a = self.template.__copy__()
+        g = a.g
+        g.lp = a.grad = grad.data_ptr()  # (the geometry's "log-probs" are the gradient buffer: _args' like)
+        if mask is not None:
+            g.mask = mask.data_ptr()
+        if offsets is not None:
+            g.offsets = offsets.data_ptr()
+        if lengths is not None:
+            g.lengths = lengths.data_ptr()
+        if g_seq is not None:
+            a.g_seq = g_seq.data_ptr()
+        if g_tok is not None:
+            a.g_tok = g_tok.data_ptr()
+        dev = grad.device
+        g_lp = torch.empty(grad.shape, dtype=self.lp_dtype, device=dev)
+        g_ent = torch.empty(grad.shape if self.entropy_grad else (0,), dtype=self.aux_dtype, device=dev)
+        a.g_lp = g_lp.data_ptr()
+        if self.entropy_grad:
+            a.g_ent = g_ent.data_ptr()
+        module = self.module
+        launch_kernel(module, module.kl_penalty_backward, a, dev, "kl_penalty_loss")
+        return g_lp, g_ent
 
 
 class TotalsPlan:
