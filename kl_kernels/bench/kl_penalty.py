@@ -13,6 +13,8 @@ in a leaf's ``.grad``). Contenders, timed side by side:
   ``exp(ref - lp) - (ref - lp) - 1``, masked sum over mask sum), differentiated by autograd;
 * ``torch.compile(eager)``: the same function compiled with ``fullgraph=True`` (forward and, through
   AOTAutograd, backward); cold compile time reported separately;
+* ``kl_penalty_loss inside torch.compile (default)`` (and ``(reduce-overhead)``, CUDA graphs, on a GPU):
+  ours called from a compiled function, padded with lengths;
 * ``kl_penalty_loss[<backend>]`` for each backend that runs here (packed and padded layouts), and
   for the fused ones also ``kl_penalty_loss[<backend>] out=``: the same call with its gradient
   buffer allocated once (``out=``), as a training loop would.
@@ -24,6 +26,7 @@ gradient written once.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -49,6 +52,12 @@ def eager_loss(lp, old, ref, adv, mask, beta=BETA, eps=CLIP, clip_c=DUAL_CLIP):
     kl = torch.exp(d) - d - 1
     m = mask.to(lp.dtype)
     return ((pg + beta * kl) * m).sum() / m.sum().clamp_min(1.0)
+
+
+def _ours_padded(lp, old, ref, adv, mask, lengths):
+    """:func:`eager_loss`'s arguments, our loss (the fused kernels by dispatch), padded with lengths."""
+    return kl_penalty_loss(lp, old, adv, ref_log_probs=ref, beta=BETA, estimator="k3", mask=mask, clip_epsilon=CLIP,
+                           dual_clip=DUAL_CLIP, lengths=lengths, padding_side="left").loss
 
 
 class _Data:
@@ -118,6 +127,14 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
             progress("kl_penalty: compiling the eager loss (forward and backward)")
         fn, seconds = _compiled(data)
         found.append(Contender("torch.compile(eager)", "padded", fn, seconds))
+        # Ours called inside a compiled function (issue 49 item 3: its ops captured whole, the call's host
+        # cost within the graph), and with CUDA graphs on a GPU.
+        for mode in ["default"] + (["reduce-overhead"] if data.offsets.device.type == "cuda" else []):
+            inside = torch.compile(functools.partial(_ours_padded, lengths=data.lengths), fullgraph=True,
+                                   mode=None if mode == "default" else mode)
+            call = _eager(data, inside)
+            found.append(Contender(f"kl_penalty_loss inside torch.compile ({mode})", "padded", call,
+                                   cold_compile_seconds(call, data.offsets.device)))
     for layout in ("packed", "padded"):
         t = data.packed if layout == "packed" else data.padded
         geo = dict(offsets=data.offsets, lengths=None) if layout == "packed" else dict(offsets=None,
