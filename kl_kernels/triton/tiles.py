@@ -58,8 +58,10 @@ def frame(offsets_ptr, lengths_ptr, prompt_ptr, mask_ptr, mask_s0, mask_s1, t0, 
     """
     t_last = tl.minimum(t0 + offs.shape[0], total) - 1
     if PACKED:
-        b0 = last_leq(offsets_ptr, t0, 0, batch)
-        b1 = last_leq(offsets_ptr, t_last, b0, batch)
+        # The last sequence at most (csrc/cuda/tiles.cuh's warp_seq_of): tokens past offsets[B] (bad offsets
+        # ending short of the data) belong to sequence B - 1, not to B, whose outputs do not exist.
+        b0 = last_leq(offsets_ptr, t0, 0, batch - 1)
+        b1 = last_leq(offsets_ptr, t_last, b0, batch - 1)
         seq = last_leq_vec(offsets_ptr, tl.minimum(offs, t_last), b0, b1)
         # Clamped into [0, total] and widened to hold the element: memory-safe under any offsets (bad ones
         # are reported through the error word, kl_kernels/device_errors.py; for valid ones a no-op)
