@@ -202,3 +202,132 @@ def test_first_error_wins_and_the_word_layout_is_the_tables():
     with pytest.raises(ValueError, match=r"lengths must be >= 0, got -1 \(found on cpu.*at index 1\)"):
         check_errors("cpu")
     assert w.tensor.eq(0).all()
+
+
+# ---------------------------------------------------------------------------- nested arguments' sequence lengths
+
+NESTED = [3, 4, 5]
+
+
+def _nt(tensors, layout):
+    return torch.nested.nested_tensor(tensors, layout=layout)
+
+
+def _nested_call(op, arg, layout, dev, bad):
+    """``(fn, kwargs)`` of a call of ``op`` on nested log_probs whose argument ``arg`` is a nested tensor of its own
+    (its own offsets), with its first two sequences' lengths swapped when ``bad`` (the same total)."""
+    g = torch.Generator().manual_seed(11)
+    lens = [4, 3, 5] if bad else NESTED
+
+    def own(lengths, dtype=torch.float32):
+        if dtype == torch.bool:
+            return _nt([torch.ones(n, dtype=torch.bool, device=dev) for n in lengths], layout)
+        return _nt([(-torch.rand(n, generator=g)).to(dev) for n in lengths], layout)
+
+    lp = own(NESTED)
+    if op == "kl_reward":
+        kw = dict(log_probs=lp, ref_log_probs=own(NESTED), estimator="k3", coef=0.1)
+        kw[{"reward": "reward", "ref_log_probs": "ref_log_probs", "mask": "mask"}[arg]] = own(
+            lens, torch.bool if arg == "mask" else torch.float32)
+        return kl_reward, kw
+    kw = dict(log_probs=lp, old_log_probs=own(NESTED), advantages=own(NESTED), ref_log_probs=own(NESTED),
+              beta=0.1, estimator="k3", aggregation="seq-mean-token-mean")
+    if arg == "entropy":
+        kw["entropy_coef"] = 0.01
+    kw[arg] = own(lens)
+    return kl_penalty_loss, kw
+
+
+NESTED_ARGS = [("kl_reward", a) for a in ("ref_log_probs", "mask", "reward")] + [
+    ("kl_penalty_loss", a) for a in ("old_log_probs", "ref_log_probs", "advantages", "entropy", "weights")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+@pytest.mark.parametrize("op,arg", NESTED_ARGS, ids=[f"{o}-{a}" for o, a in NESTED_ARGS])
+def test_nested_argument_with_other_sequence_lengths(monkeypatch, backend, layout, op, arg):
+    """A nested argument whose sequence lengths differ from log_probs' (the same total): on an accelerator the
+    error word, not a device-side assertion (``ragged.device_check`` must not be called); the outputs NaN;
+    check_errors() raises the host's message; a valid call after works."""
+    dev = backend_device(backend)
+    fn, kw = _nested_call(op, arg, layout, dev, bad=True)
+    cpu_fn, cpu_kw = _nested_call(op, arg, layout, "cpu", bad=True)
+    want = _host_message(cpu_fn, **dict(cpu_kw, backend="torch"))
+    assert f"{arg} must have the sequence lengths of log_probs: sequence 0 has 4 tokens in {arg} but 3" in want
+
+    def no_assert(*a, **k):
+        raise AssertionError("a device-side assertion on a user's value")
+    monkeypatch.setattr(ragged, "device_check", no_assert)
+    if reward_kw := (arg == "reward"):
+        kw["reward_placement"] = "token"
+    out = _as_on_a_gpu(monkeypatch, fn, backend=backend, **kw)
+    if op == "kl_penalty_loss":
+        assert out.loss.isnan(), out
+    else:  # the poisoned reward reaches the reward; the others every counted token's kl
+        poisoned = out.reward if reward_kw else out.kl
+        assert torch.cat([t.reshape(-1) for t in poisoned.unbind()]).isnan().all(), out
+        assert reward_kw or out.kl_sum.isnan().all(), out
+    with pytest.raises(ValueError) as e:
+        check_errors("cpu")
+    assert str(e.value).split(" (found on ")[0] == want
+    fn, kw = _nested_call(op, arg, layout, dev, bad=False)
+    if reward_kw:
+        kw["reward_placement"] = "token"
+    out = fn(backend=backend, **kw)
+    assert (out.kl_sum.isfinite().all() if op == "kl_reward" else out.loss.isfinite()), out
+    check_errors("cpu")
+
+
+@pytest.mark.parametrize("op,arg", NESTED_ARGS, ids=[f"{o}-{a}" for o, a in NESTED_ARGS])
+def test_nested_argument_with_another_token_total_is_refused_on_the_host(monkeypatch, op, arg):
+    """Another total number of tokens is a host fact (shapes): a ValueError at the call on an accelerator too,
+    before any kernel (the kernels would read past the shorter buffer)."""
+    fn, kw = _nested_call(op, arg, torch.jagged, "cpu", bad=False)
+    short = [t[:-1] if i == 2 else t for i, t in enumerate(kw[arg].unbind())]
+    kw[arg] = _nt(short, torch.jagged)
+    if arg == "reward":
+        kw["reward_placement"] = "token"
+    with monkeypatch.context() as mp:
+        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        with pytest.raises(ValueError, match=f"{arg} must have the sequence lengths of log_probs: it holds 11 tokens "
+                                             "in all but log_probs 12"):
+            fn(backend="torch", **kw)
+    check_errors("cpu")  # nothing recorded
+
+
+def test_nested_arguments_on_log_probs_own_offsets_compare_nothing(monkeypatch):
+    """Nested tensors built on one offsets tensor share it: nothing to compare, no device work."""
+    values = -torch.rand(12)
+    offsets = torch.tensor([0, 3, 7, 12])
+    lp = torch.nested.nested_tensor_from_jagged(values, offsets)
+    ref = torch.nested.nested_tensor_from_jagged(values - 0.5, offsets)
+    called = []
+    monkeypatch.setattr(device_errors, "record_where", lambda *a, **k: called.append(a))
+    with monkeypatch.context() as mp:
+        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        out = kl_reward(lp, ref, backend="torch")
+    assert not called and out.kl_sum.isfinite().all()
+
+
+def test_no_device_side_assertion_left_in_the_package():
+    """No call of ``torch._assert_async`` / ``ragged.device_check`` (a device-side assertion, which ends the CUDA
+    context) outside their definitions: every value check of accelerator tensors records in the error word."""
+    import pathlib
+    import re
+
+    import kl_kernels
+
+    root = pathlib.Path(kl_kernels.__file__).parent
+    # the definitions themselves: torch_compat.assert_async, and ragged.device_check's body (kept for the tests)
+    definitions = {"_compat/torch.py", 'ragged.py: torch_compat.assert_async(ok, f"kl_kernels: {message}")'}
+    found = []
+    for path in root.rglob("*.py"):
+        name = str(path.relative_to(root))
+        if name in definitions:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if re.search(r"(assert_async|\bdevice_check)\(", code) and not re.match(r"\s*def ", code) and \
+                    f"{name}: {code.strip()}" not in definitions:
+                found.append(f"{name}:{i}: {line.strip()}")
+    assert not found, found
