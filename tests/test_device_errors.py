@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from conftest import backend_device
+import kl_kernels
 from kl_kernels import check_errors, codes, device_errors, kl_penalty_loss, kl_reward, ragged, token_logprobs
 
 EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.cuda_emulated)
@@ -331,3 +332,92 @@ def test_no_device_side_assertion_left_in_the_package():
                     f"{name}: {code.strip()}" not in definitions:
                 found.append(f"{name}:{i}: {line.strip()}")
     assert not found, found
+
+
+# ---------------------------------------------------------------------------- the issue's table, every op, int32 too
+
+def _matrix_call(op, case, dt, dev, good=False):
+    """``(fn, kwargs, bad_at)`` of a call of ``op`` with the bad value ``case`` in index dtype ``dt`` (``good``: the
+    valid call of the same shape); ``bad_at``: the sequence (or token) whose outputs must be NaN."""
+    g = torch.Generator().manual_seed(13)
+    lens = [3, 2, 4, 3]
+    n = sum(lens)
+    if op in ("kl_reward", "kl_penalty_loss"):
+        if case.startswith("lengths"):
+            lp, ref = (-torch.rand(4, 5, generator=g)).to(dev), (-torch.rand(4, 5, generator=g)).to(dev)
+            geo = dict(lengths=torch.tensor([3, 2 if good else 6, 4, 3], dtype=dt, device=dev))
+            bad_at = 1
+        else:
+            lp, ref = (-torch.rand(n, generator=g)).to(dev), (-torch.rand(n, generator=g)).to(dev)
+            offsets = {"offsets-decreasing": [0, 3, 1, 9, 12], "offsets-end-beyond": [0, 3, 5, 9, 15],
+                       "prompt_lens-above-sequence": [0, 3, 5, 9, 12]}[case]
+            geo = dict(offsets=torch.tensor([0, 3, 5, 9, 12] if good else offsets, dtype=dt, device=dev))
+            bad_at = {"offsets-decreasing": 1, "offsets-end-beyond": 3, "prompt_lens-above-sequence": 2}[case]
+            if case == "prompt_lens-above-sequence":
+                geo["prompt_lens"] = torch.tensor([0, 1, 1 if good else 5, 0], dtype=dt, device=dev)
+        if op == "kl_reward":
+            return kl_reward, dict(log_probs=lp, ref_log_probs=ref, estimator="k3", coef=0.1, **geo), bad_at
+        return kl_penalty_loss, dict(log_probs=lp, old_log_probs=ref, advantages=torch.ones_like(lp), beta=0.1,
+                                     ref_log_probs=ref, estimator="k3", aggregation="seq-mean-token-mean",
+                                     **geo), bad_at
+    vocab, hid = 7, 4
+    labels = torch.tensor([1, 3 if good else 9, -100, 3, 0], dtype=dt, device=dev)
+    if op == "token_logprobs":
+        return token_logprobs, dict(logits=torch.randn(5, vocab, generator=g).to(dev), labels=labels), 1
+    hidden, weight = torch.randn(5, hid, generator=g).to(dev), torch.randn(vocab, hid, generator=g).to(dev)
+    if op == "linear_token_logprobs":
+        return kl_kernels.linear_token_logprobs, dict(hidden=hidden, weight=weight, labels=labels), 1
+    return kl_kernels.linear_kl_penalty_loss, dict(hidden=hidden[None], weight=weight, labels=labels[None],
+                                                   old_log_probs=torch.full((1, 5), -2.0, device=dev),
+                                                   advantages=torch.ones(1, device=dev), beta=0.0), 1
+
+
+MATRIX = [("kl_reward", c) for c in ("offsets-decreasing", "offsets-end-beyond", "lengths-above-T",
+                                      "prompt_lens-above-sequence")] + [
+    ("kl_penalty_loss", c) for c in ("offsets-decreasing", "offsets-end-beyond", "lengths-above-T")] + [
+    (op, "label-outside-vocabulary") for op in ("token_logprobs", "linear_token_logprobs", "linear_kl_penalty_loss")]
+
+
+def _backend_kw(op, backend):
+    return dict(logprobs_backend=backend, backend=backend) if op == "linear_kl_penalty_loss" else dict(backend=backend)
+
+
+@pytest.mark.parametrize("dt", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,case", MATRIX, ids=[f"{o}-{c}" for o, c in MATRIX])
+def test_each_bad_value_of_the_issue_on_each_op(monkeypatch, op, case, backend, dt):
+    """Issue 51's table on every op that takes the value, every backend that runs here (the torch one too), int64
+    and int32: the bad call runs through on the accelerator path with NaN where the value was bad, check_errors()
+    raises the CPU's ValueError word for word, and a valid call right after works."""
+    dev = backend_device(backend)
+    fn, kw, bad_at = _matrix_call(op, case, dt, "cpu")
+    want = _host_message(fn, **kw, **_backend_kw(op, "torch"))
+    fn, kw, bad_at = _matrix_call(op, case, dt, dev)
+    out = _as_on_a_gpu(monkeypatch, fn, **kw, **_backend_kw(op, backend))
+    if op == "kl_reward":
+        assert math.isnan(out.kl_sum[bad_at].item()), out.kl_sum
+    elif op.endswith("kl_penalty_loss"):
+        assert math.isnan(out.loss.item()), out.loss
+    else:
+        assert math.isnan(out.log_probs[bad_at].item()) and out.log_probs[[0, 2, 3, 4]].isfinite().all(), out
+    with pytest.raises(ValueError) as e:
+        check_errors("cpu")
+    assert str(e.value).split(" (found on ")[0] == want
+    fn, kw, _ = _matrix_call(op, case, dt, dev, good=True)
+    out = fn(**kw, **_backend_kw(op, backend))
+    got = out.kl_sum if op == "kl_reward" else out.loss if op.endswith("kl_penalty_loss") else out.log_probs
+    assert got.isfinite().all(), got
+    check_errors("cpu")  # nothing recorded by the valid call
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_next_call_of_another_op_raises_it(monkeypatch, backend):
+    """The word is the device's, not an op's: a bad label of token_logprobs surfaces at the next kl_penalty_loss
+    call on the device (before it runs anything), which works when called again."""
+    dev = backend_device(backend)
+    fn, kw, _ = _matrix_call("token_logprobs", "label-outside-vocabulary", torch.int32, dev)
+    _as_on_a_gpu(monkeypatch, fn, backend=backend, **kw)
+    loss_fn, loss_kw, _ = _matrix_call("kl_penalty_loss", "offsets-end-beyond", torch.int64, dev, good=True)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 7\) .* got 9 \(found on cpu"):
+        loss_fn(backend=backend, **loss_kw)
+    assert loss_fn(backend=backend, **loss_kw).loss.isfinite()
