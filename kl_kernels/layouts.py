@@ -258,6 +258,10 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
                 raise ValueError(f"nested log_probs must be [B, j] (1-D per sequence), got {log_probs.dim()} dims")
             packed = ragged.from_nested(log_probs, name="log_probs")
         lp, offsets = packed
+        if kind == "nested_jagged" and log_probs.lengths() is None:
+            # a jagged tensor's own offsets are whatever it was built on (nested_tensor_from_jagged checks no value):
+            # checked as offsets are (on an accelerator in the error word), else the kernels would read them as is
+            offsets = ragged.check_offsets(offsets, lp.shape[0], name="log_probs.offsets()")
         host_lengths = [t.shape[0] for t in log_probs] if kind == "list" else None
         if host_lengths is None:  # (nested: pack_ragged_arg compares other nested arguments' totals with it)
             _remember_tokens(offsets, lp.shape[0])

@@ -45,6 +45,7 @@ enum ArgCode : int32_t {
   kArgAdvantages = 9,
   kArgEntropy = 10,
   kArgWeights = 11,
+  kArgNestedOffsets = 12,
 };
 
 constexpr float kLogRatioBound = 20.0f;
