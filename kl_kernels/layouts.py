@@ -287,6 +287,12 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
                              "for one sequence pass offsets=torch.tensor([0, N])")
         if lengths is not None:
             raise ValueError("lengths is for the padded layout [B, T]; the packed layout takes offsets only")
+        if isinstance(offsets, torch.Tensor) and offsets.shape == (1,) and log_probs.shape[0] > 0 and \
+                not ragged.checks_on_host(offsets):
+            # no sequence for N > 0 tokens: wrong whatever the value (offsets[0] = 0 and offsets[-1] = N), known
+            # from the shapes. Refused here, before the device check records it: the kernels must never run it
+            raise ValueError(f"offsets must end at the number of tokens N = {log_probs.shape[0]}, but offsets of "
+                             "shape [1] (no sequence) end at offsets[0], which must be 0")
         offsets = ragged.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
         kind = "packed"
     elif log_probs.dim() == 2:

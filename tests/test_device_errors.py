@@ -490,3 +490,45 @@ def test_triton_loss_offsets_ending_short_of_the_data():
     done = subprocess.run([sys.executable, "-c", _SHORT_OFFSETS], env=env, capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+_NO_SEQUENCE = """
+import sys, torch
+from kl_kernels import device_errors, kl_penalty_loss, kl_reward, ragged
+ragged.checks_on_host = lambda t: False          # the accelerator path of the value checks
+raise_pending = device_errors.raise_pending
+device_errors.raise_pending = lambda device: None  # as on a GPU: the check's record not yet visible to the launch
+backend, op = sys.argv[1], sys.argv[2]
+lp = -torch.rand(5)
+for dt in (torch.int64, torch.int32):
+    try:
+        if op == "kl_reward":
+            kl_reward(lp, lp * 0.9, offsets=torch.tensor([0], dtype=dt), backend=backend)
+        else:
+            kl_penalty_loss(lp, lp * 0.9, torch.ones(5), offsets=torch.tensor([0], dtype=dt), beta=0.1,
+                            backend=backend)
+    except ValueError as e:
+        print(e)
+    else:
+        raise SystemExit("no ValueError")
+    raise_pending("cpu")   # nothing in the word: refused on the host, before any check ran
+device_errors.raise_pending = raise_pending
+kl_reward(lp, lp * 0.9, offsets=torch.tensor([0, 5]), backend=backend)   # a valid call after
+"""
+
+
+@pytest.mark.parametrize("op", ["kl_reward", "kl_penalty_loss"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offsets_with_no_sequence_for_tokens_are_refused_on_the_host(op, backend):
+    """``offsets`` of shape [1] (no sequence) with N > 0 tokens: wrong whatever the value (offsets[0] must be 0 and
+    offsets[-1] N), a host fact: a ValueError at the call on an accelerator too. (The fused kernels wrote out of
+    bounds on it, a segfault under cuda-emulated and the Triton interpreter: hence a subprocess.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _NO_SEQUENCE, backend, op], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, (done.returncode, done.stdout[-1000:], done.stderr[-2000:])
+    assert done.stdout.count("offsets must end at the number of tokens N = 5") == 2, done.stdout
