@@ -6,8 +6,9 @@
                                          any host synchronization in our path raises
     python .ci/gpu_checks.py graph       both ops captured in a CUDA graph and replayed on new data
     python .ci/gpu_checks.py race        each CUDA kernel once on multi-tile rows (what the sanitizers run)
-    python .ci/gpu_checks.py hostile     bad values on CUDA tensors (issue 51): each bad offsets / lengths /
-                                         prompt_lens / label call returns without a device assert, the next
+    python .ci/gpu_checks.py hostile     bad values on CUDA tensors (issue 51), the GPU backends and torch:
+                                         each bad offsets / lengths / prompt_lens / label / nested sequence
+                                         lengths call returns without a device assert, the next
                                          call or kl_kernels.check_errors() raises the ValueError naming the
                                          argument, and a valid call right after matches the float64
                                          reference (the context alive); then the adversarial module's calls
@@ -24,6 +25,7 @@ import traceback
 
 import torch
 
+import kl_kernels
 from kl_kernels import full_kl, kl_penalty_loss, kl_reward, selfcheck, token_logprobs
 
 import os
@@ -351,7 +353,13 @@ def hostile():
                  estimator="k3", reward_placement="last")
     want = kl_reward(**{k: (v.double().cpu() if torch.is_tensor(v) and v.is_floating_point() else
                             v.cpu() if torch.is_tensor(v) else v) for k, v in valid.items()}, backend="torch")
-    for backend in BACKENDS:
+    reward_cases += [
+        ("offsets end short of N", "offsets", dict(packed_kw, offsets=t(0, 3, 5, 9, 10))),
+        ("int32 lengths above T", "lengths", dict(padded_kw, lengths=t(3, 9, 0, 2, dtype=torch.int32))),
+    ]
+    # the torch backend (the reference, and what "auto" may pick) keeps the contract too: safe offsets, no
+    # device-side assertion in torch's own indexing (kl_kernels/reference_math.py)
+    for backend in (*BACKENDS, "torch"):
         for name, arg, kw in reward_cases:
             def reward_case(kw=kw, arg=arg, backend=backend):
                 _raises_named(arg, lambda: kl_reward(**kw, backend=backend))
@@ -377,6 +385,29 @@ def hostile():
             want_lp = torch.log_softmax(logits.double(), -1).gather(1, labels.clamp(0, 49)[:, None])[:, 0]
             torch.testing.assert_close(out.log_probs.double(), want_lp, rtol=1e-5, atol=1e-5)
         report(f"hostile token_logprobs label outside [0, V) {backend}", label_case)
+
+        def linear_label_case(backend=backend):
+            hidden, weight = torch.randn(6, 16, device=DEV), torch.randn(50, 16, device=DEV)
+            _raises_named("labels", lambda: kl_kernels.linear_token_logprobs(hidden, weight, labels, backend=backend))
+            assert kl_kernels.linear_token_logprobs(hidden, weight, labels.clamp(0, 49),
+                                                    backend=backend).log_probs.isfinite().all()
+        report(f"hostile linear_token_logprobs label outside [0, V) {backend}", linear_label_case)
+
+        def nested_case(backend=backend):
+            # ref_log_probs with its own offsets and another split of the same total: the error word (lengths_mismatch)
+            nt = lambda ls: torch.nested.nested_tensor([x.to(DEV) for x in ls], layout=torch.jagged)  # noqa: E731
+            parts = [(-torch.rand(k, generator=g)) for k in (3, 4, 5)]
+            lp_nt, ref_nt = nt(parts), nt([-torch.rand(k, generator=g) for k in (4, 3, 5)])
+            _raises_named("ref_log_probs", lambda: kl_reward(lp_nt, ref_nt, backend=backend))
+            jag = torch.nested.nested_tensor_from_jagged(lp, t(0, 3, 1, 9, 12))  # a jagged tensor's own bad offsets
+            _raises_named("log_probs.offsets()", lambda: kl_reward(jag, jag.detach(), backend=backend))
+            assert kl_reward(nt(parts), nt(parts), backend=backend).kl_sum.isfinite().all()
+        report(f"hostile nested lengths and offsets {backend}", nested_case)
+
+        def no_sequence_case(backend=backend):  # offsets [1] for N > 0 tokens: refused on the host
+            _raises_named("offsets", lambda: kl_reward(lp, ref, offsets=t(0), backend=backend))
+            assert kl_reward(lp, ref, offsets=off, backend=backend).kl_sum.isfinite().all()
+        report(f"hostile offsets of no sequence {backend}", no_sequence_case)
     _adversarial_on_cuda()
 
 

@@ -45,9 +45,12 @@ ERROR_WORD_SLOTS = 8
 ERROR_SLOTS = {"claim": 0, "kind": 1, "arg": 2, "index": 3, "value": 4, "bound": 5, "extra": 6}
 # what was wrong (0: nothing recorded)
 VALUE_ERROR_CODES = {"none": 0, "offsets_start": 1, "offsets_decreasing": 2, "offsets_end": 3, "below_zero": 4,
-                     "above_bound": 5, "above_sequence": 6, "label_range": 7}
-# which argument held it (0: unnamed)
-ARG_CODES = {"": 0, "offsets": 1, "lengths": 2, "prompt_lens": 3, "labels": 4}
+                     "above_bound": 5, "above_sequence": 6, "label_range": 7, "lengths_mismatch": 8}
+# which argument held it (0: unnamed); from 5 on, the nested per-token arguments whose sequence lengths must be
+# log_probs' (lengths_mismatch, recorded by torch operations in kl_kernels/layouts.py: no kernel reads these)
+ARG_CODES = {"": 0, "offsets": 1, "lengths": 2, "prompt_lens": 3, "labels": 4, "ref_log_probs": 5,
+             "old_log_probs": 6, "mask": 7, "reward": 8, "advantages": 9, "entropy": 10, "weights": 11,
+             "log_probs.offsets()": 12}  # (12: a jagged nested log_probs' own offsets, checked as offsets)
 
 _ENUMS = (
     ("Estimator", {"kK1": 0, "kAbs": 1, "kK2": 2, "kK3": 3}),
@@ -58,8 +61,11 @@ _ENUMS = (
     ("ErrorSlot", {"kSlotClaim": 0, "kSlotKind": 1, "kSlotArg": 2, "kSlotIndex": 3, "kSlotValue": 4,
                    "kSlotBound": 5, "kSlotExtra": 6}),
     ("ValueErrorKind", {"kErrNone": 0, "kErrOffsetsStart": 1, "kErrOffsetsDecreasing": 2, "kErrOffsetsEnd": 3,
-                        "kErrBelowZero": 4, "kErrAboveBound": 5, "kErrAboveSequence": 6, "kErrLabelRange": 7}),
-    ("ArgCode", {"kArgNone": 0, "kArgOffsets": 1, "kArgLengths": 2, "kArgPromptLens": 3, "kArgLabels": 4}),
+                        "kErrBelowZero": 4, "kErrAboveBound": 5, "kErrAboveSequence": 6, "kErrLabelRange": 7,
+                        "kErrLengthsMismatch": 8}),
+    ("ArgCode", {"kArgNone": 0, "kArgOffsets": 1, "kArgLengths": 2, "kArgPromptLens": 3, "kArgLabels": 4,
+                 "kArgRefLogProbs": 5, "kArgOldLogProbs": 6, "kArgMask": 7, "kArgReward": 8, "kArgAdvantages": 9,
+                 "kArgEntropy": 10, "kArgWeights": 11, "kArgNestedOffsets": 12}),
 )
 
 # The C++ names above are spelled out for readability; they must carry this table's values.

@@ -50,7 +50,8 @@ def value_error_message(kind: str, name: str, value=None, bound=None, extra=None
     """The message of a bad value: the one text for the host checks and for the device's error word.
 
     ``kind``: a key of ``codes.VALUE_ERROR_CODES``; ``name``: the argument; ``value``: the bad value;
-    ``bound``: the limit it broke (offsets: N; lengths: T; prompt_lens: its sequence's length; labels: V);
+    ``bound``: the limit it broke (offsets: N; lengths: T; prompt_lens: its sequence's length; labels: V;
+    a nested argument's sequence length (lengths_mismatch, ``value``): log_probs' one);
     ``index``: where (prompt_lens: the sequence); ``extra``: labels' ``ignore_index``, prompt_lens' kind of
     bound (an index into ``SEQUENCE_BOUNDS``)."""
     if kind == "offsets_start":
@@ -67,6 +68,9 @@ def value_error_message(kind: str, name: str, value=None, bound=None, extra=None
         what = SEQUENCE_BOUNDS[int(extra or 0)]
         what = f"T = {bound}" if what == "T" else what
         return f"{name} must be <= {what}: sequence {index} has {name} {value} but only {bound} tokens"
+    if kind == "lengths_mismatch":
+        return (f"{name} must have the sequence lengths of log_probs: sequence {index} has {value} tokens in {name} "
+                f"but {bound} in log_probs")
     if kind == "label_range":
         return (f"{name} must be in [0, {bound}) (the vocabulary) or ignore_index={extra} "
                 f"at counted tokens, got {value}")
@@ -238,4 +242,6 @@ def record_where(bad: torch.Tensor, values: torch.Tensor, kind: str, arg: str, b
     new = torch.stack(fields + [torch.zeros((), dtype=torch.int64, device=values.device)] *
                       (codes.ERROR_WORD_SLOTS - len(fields)))
     take = flat.any() & w.select(0, _SLOT["kind"]).eq(0)
-    w.copy_(torch.where(take, new, w))
+    # (out=: in place, element by element; Tensor.copy_ would do the same but a CPU-only torch refuses it on the
+    # fake CUDA tensors of tests/test_no_host_sync.py, which run this without a GPU)
+    torch.where(take, new, w, out=w)

@@ -10,11 +10,12 @@ device) naming the argument and what was expected. Inputs are never modified.
 from __future__ import annotations
 
 import numbers
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from . import ragged
+from . import device_errors, ragged
 
 LOGPROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _DTYPE_NAMES = "float32, bfloat16, float16 (or float64 with the torch backend)"
@@ -100,13 +101,57 @@ def same_device(device, **tensors):
             check_device(name, t.device, device)
 
 
+# normalize_layout's nested log_probs: their packed offsets (by id, with a weak reference to tell a reused id)
+# -> the token count N, so that pack_ragged_arg compares another nested argument's N with it on the host (its
+# callers hand it only the offsets). An entry leaves with its offsets tensor.
+_NESTED_TOKENS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _remember_tokens(offsets: torch.Tensor, num_tokens: int) -> None:
+    key = id(offsets)
+    _NESTED_TOKENS[key] = (weakref.ref(offsets, lambda _, key=key: _NESTED_TOKENS.pop(key, None)), num_tokens)
+
+
+def _tokens_of(offsets: torch.Tensor) -> int | None:
+    found = _NESTED_TOKENS.get(id(offsets))
+    return found[1] if found is not None and found[0]() is offsets else None
+
+
+def _same_lengths_on_device(name, offsets, lp_offsets) -> torch.Tensor:
+    """A nested argument's sequence lengths against log_probs', on the device without a host read: a
+    mismatch is recorded in the device's error word (the ValueError the host check gives, raised at the next
+    call of ours or at ``kl_kernels.check_errors()``; kl_kernels.device_errors) instead of a device-side
+    assertion. Returns the scale that poisons a floating tensor: a 0-d float32 1, or NaN on a mismatch (every
+    token: a mismatch shifts every later sequence). The caller has made sure on the host that both hold as
+    many tokens in all, so nothing reads outside a buffer."""
+    lens_x = ragged.offsets_to_lengths(offsets.to(lp_offsets.device))
+    lens_lp = ragged.offsets_to_lengths(lp_offsets)
+    differ = lens_x.ne(lens_lp)
+    device_errors.record_where(differ, lens_x, "lengths_mismatch", name, lens_lp)
+    return torch.where(differ.any(), float("nan"), 1.0)
+
+
 def pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_lengths=None):
     """A list / nested argument in the same ragged structure as log_probs -> packed values.
 
     ``empty_dtype`` is the dtype given to an empty list, which carries none of its own.
     ``lp_lengths``: log_probs' sequence lengths as Python ints (lists: compared with ``x``'s own
     shapes on the host, whatever the device; then no offsets of ``x`` are made on the device).
+
+    Nested arguments on an accelerator, with offsets of their own (not log_probs' tensor): the token totals
+    are compared on the host (shapes: no sync), the sequence lengths on the device, a mismatch recorded in
+    the error word and floating values NaN-poisoned (:func:`_same_lengths_on_device`); never a device-side
+    assertion.
     """
+    values, scale = _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype, lp_lengths)
+    if scale is not None and values.dtype.is_floating_point:
+        values = values * scale.to(values.dtype)
+    return values
+
+
+def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype, lp_lengths):
+    """:func:`pack_ragged_arg`'s packed values, not poisoned, and the poisoning scale of a comparison on the
+    device (None: compared on the host)."""
     offsets = None  # x's own offsets, when the lengths are compared on the device
     if kind == "list":
         if not isinstance(x, (list, tuple)):
@@ -133,10 +178,16 @@ def pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_len
     if lp_lengths is not None:  # host facts: no device read
         lens_x, lens_lp = [t.shape[0] for t in x], list(lp_lengths)
         same = lens_x == lens_lp
-    elif not ragged.checks_on_host(lp_offsets) and ragged.values_checkable(lp_offsets):
-        ragged.device_check((offsets.to(lp_offsets.device) == lp_offsets).all(),
-                            f"{name} must have the sequence lengths of log_probs")
+    elif offsets is lp_offsets:  # log_probs' own offsets tensor (nested tensors built on one): nothing to compare
         same = True
+    elif not ragged.checks_on_host(lp_offsets) and ragged.values_checkable(lp_offsets):
+        total = _tokens_of(lp_offsets)
+        if total is None:  # (unreachable: every caller hands normalize_layout's offsets)
+            raise RuntimeError(f"kl_kernels: {name}: pack_ragged_arg needs log_probs' offsets from normalize_layout")
+        if values.shape[0] != total:  # a host fact: the kernels would read past the shorter buffer
+            raise ValueError(f"{name} must have the sequence lengths of log_probs: it holds {values.shape[0]} "
+                             f"tokens in all but log_probs {total}")
+        return values, _same_lengths_on_device(name, offsets, lp_offsets)
     else:
         same = torch.equal(offsets.to(lp_offsets.device), lp_offsets)
         if not same:
@@ -144,9 +195,9 @@ def pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype=torch.float32, lp_len
             lens_lp = ragged.offsets_to_lengths(lp_offsets).tolist()
     if not same:
         b = next(i for i, (u, v) in enumerate(zip(lens_x, lens_lp)) if u != v)
-        raise ValueError(f"{name} must have the sequence lengths of log_probs: sequence {b} has "
-                         f"{lens_x[b]} tokens in {name} but {lens_lp[b]} in log_probs")
-    return values
+        raise ValueError(device_errors.value_error_message("lengths_mismatch", name, lens_x[b], lens_lp[b],
+                                                           index=b))
+    return values, None
 
 
 _FLOAT_DTYPES = frozenset(LOGPROB_DTYPES)
@@ -207,15 +258,23 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
                 raise ValueError(f"nested log_probs must be [B, j] (1-D per sequence), got {log_probs.dim()} dims")
             packed = ragged.from_nested(log_probs, name="log_probs")
         lp, offsets = packed
+        if kind == "nested_jagged" and log_probs.lengths() is None:
+            # a jagged tensor's own offsets are whatever it was built on (nested_tensor_from_jagged checks no value):
+            # checked as offsets are (on an accelerator in the error word), else the kernels would read them as is
+            offsets = ragged.check_offsets(offsets, lp.shape[0], name="log_probs.offsets()")
         host_lengths = [t.shape[0] for t in log_probs] if kind == "list" else None
+        if host_lengths is None:  # (nested: pack_ragged_arg compares other nested arguments' totals with it)
+            _remember_tokens(offsets, lp.shape[0])
         ref = pack_ragged_arg(ref_log_probs, second, offsets, kind, lp.dtype, host_lengths)
         check_logprob_tensor(ref, second)
         if ref.dim() != 1:
             raise ValueError(f"{second} must be 1-D [L] per sequence like log_probs, got "
                              f"[L, {', '.join(map(str, ref.shape[1:]))}]")
         if mask is not None:
-            mask = pack_ragged_arg(mask, "mask", offsets, kind, torch.bool, host_lengths)
+            mask, scale = _pack_ragged_arg(mask, "mask", offsets, kind, torch.bool, host_lengths)
             check_mask_tensor(mask, lp.shape)
+            if scale is not None:  # (a bool mask holds no NaN: ref carries the poison)
+                ref = ref * scale.to(ref.dtype)
         return kind, lp, ref, mask, offsets, None
 
     check_logprob_tensor(log_probs, "log_probs")
@@ -228,6 +287,12 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
                              "for one sequence pass offsets=torch.tensor([0, N])")
         if lengths is not None:
             raise ValueError("lengths is for the padded layout [B, T]; the packed layout takes offsets only")
+        if isinstance(offsets, torch.Tensor) and offsets.shape == (1,) and log_probs.shape[0] > 0 and \
+                not ragged.checks_on_host(offsets):
+            # no sequence for N > 0 tokens: wrong whatever the value (offsets[0] = 0 and offsets[-1] = N), known
+            # from the shapes. Refused here, before the device check records it: the kernels must never run it
+            raise ValueError(f"offsets must end at the number of tokens N = {log_probs.shape[0]}, but offsets of "
+                             "shape [1] (no sequence) end at offsets[0], which must be 0")
         offsets = ragged.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
         kind = "packed"
     elif log_probs.dim() == 2:

@@ -181,3 +181,23 @@ def test_planned_kl_penalty_loss_calls_read_the_widened_int32_indices(layout):
         want, g_want = call(seed, torch.int64, backend="torch")
         torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"call {seed}")
         torch.testing.assert_close(grad, g_want, rtol=1e-5, atol=1e-6, msg=f"call {seed}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_ops_int32_labels(backend):
+    """The hidden-state ops read the labels through token_logprobs' problem: int32 labels give the int64 call's
+    results bitwise."""
+    from kl_kernels import linear_kl_penalty_loss, linear_token_logprobs
+
+    dev = backend_device(backend)
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(2, 3, 4, generator=g).to(dev), torch.randn(9, 4, generator=g).to(dev)
+    labels = torch.tensor([[0, 8, -100], [3, 7, 1]], device=dev)
+    want = linear_token_logprobs(hidden, weight, labels, return_entropy=True, backend=backend)
+    got = linear_token_logprobs(hidden, weight, labels.to(torch.int32), return_entropy=True, backend=backend)
+    _same(want, got)
+    kw = dict(beta=0.1, logprobs_backend=backend, backend=backend)
+    old, adv = torch.full((2, 3), -2.0, device=dev), torch.tensor([1.0, -1.0], device=dev)
+    want = linear_kl_penalty_loss(hidden, weight, labels, old, adv, **kw)
+    got = linear_kl_penalty_loss(hidden, weight, labels.to(torch.int32), old, adv, **kw)
+    _same(want, got)

@@ -30,8 +30,23 @@ enum ValueErrorKind : int32_t {
   kErrAboveBound = 5,
   kErrAboveSequence = 6,
   kErrLabelRange = 7,
+  kErrLengthsMismatch = 8,
 };
-enum ArgCode : int32_t { kArgNone = 0, kArgOffsets = 1, kArgLengths = 2, kArgPromptLens = 3, kArgLabels = 4 };
+enum ArgCode : int32_t {
+  kArgNone = 0,
+  kArgOffsets = 1,
+  kArgLengths = 2,
+  kArgPromptLens = 3,
+  kArgLabels = 4,
+  kArgRefLogProbs = 5,
+  kArgOldLogProbs = 6,
+  kArgMask = 7,
+  kArgReward = 8,
+  kArgAdvantages = 9,
+  kArgEntropy = 10,
+  kArgWeights = 11,
+  kArgNestedOffsets = 12,
+};
 
 constexpr float kLogRatioBound = 20.0f;
 constexpr float kRowFar = 88.0f;  // the row ops' bound on lse - z (row_math.h)

@@ -41,7 +41,8 @@ from typing import NamedTuple
 import torch
 
 from ..codes import STRAIGHT_THROUGH
-from ..reference_math import estimate, final_mask, straight_through, token_frame, value_with_gradient_of
+from ..reference_math import (checked_frame, estimate, final_mask, poison, straight_through, token_frame,
+                              value_with_gradient_of)
 from .problem import LOG_RATIO_BOUND, KLPenaltyProblem
 
 STAT_COLUMNS = ("objective", "kl", "entropy", "ratio", "clipped")
@@ -75,7 +76,8 @@ def per_sequence_sum(p: KLPenaltyProblem, x: torch.Tensor, seq) -> torch.Tensor:
 def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
     """``kl_penalty_loss``'s per-token terms and per-sequence sums with torch ops (module doc)."""
     md = p.math_dtype
-    valid, pos, per_seq, seq = token_frame(p)
+    frame = checked_frame(p)
+    valid, pos, per_seq, seq = frame[:4]
     m = final_mask(p, valid, pos, per_seq)
 
     def tok(x):  # a per-token input in the math dtype, zeroed outside the mask (padding may be NaN)
@@ -124,10 +126,12 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
     penalty = beta * kl
     loss = obj + penalty - p.entropy_coef * ent if ent is not None else obj + penalty
     zero = torch.zeros((), dtype=md, device=p.device)
-    loss, obj, kl, penalty = (torch.where(m, x, zero) for x in (loss, obj, kl, penalty))
+    # a sequence with bad offsets / lengths (accelerator tensors: recorded in the error word, raised later) gets
+    # NaN, as from the fused kernels; frame.bad is None when the host checked them
+    loss, obj, kl, penalty = (poison(torch.where(m, x, zero), frame.bad, per_seq) for x in (loss, obj, kl, penalty))
 
     def sums(x):
-        return per_sequence_sum(p, x, seq).to(md)
+        return poison(per_sequence_sum(p, x, seq).to(md), frame.bad, None)
 
     with torch.no_grad():
         ent_sum = sums(ent) if ent is not None else torch.zeros(p.batch_size, dtype=md, device=p.device)

@@ -39,8 +39,9 @@ import torch
 from .. import ragged
 # The building blocks both ops' references use (kl_kernels/reference_math.py), under this module's old names.
 from ..reference_math import estimate, straight_through  # noqa: F401
+from ..reference_math import checked_frame as _checked_frame
 from ..reference_math import final_mask as _final_mask
-from ..reference_math import token_frame as _token_frame
+from ..reference_math import poison as _poison
 from .problem import STRAIGHT_THROUGH, KLRewardProblem, RawOutputs
 
 
@@ -75,7 +76,8 @@ def _last_token(p: KLRewardProblem, m, valid, seq):
 def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
     """Compute ``kl_reward`` on a normalized problem with torch ops (see the module doc)."""
     md = p.math_dtype
-    valid, pos, per_seq, seq = _token_frame(p)
+    frame = _checked_frame(p)
+    valid, pos, per_seq, seq = frame[:4]
     m = _final_mask(p, valid, pos, per_seq)
 
     # Zero the difference outside the mask *before* the estimator: padding may hold NaN/inf,
@@ -87,7 +89,9 @@ def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
         value = torch.clamp(value, *p.clamp_output)
     if p.estimator in STRAIGHT_THROUGH and torch.is_grad_enabled():
         value = straight_through(value, d)  # forward: exactly `value`; backward: d
-    kl = torch.where(m, value, 0.0)
+    # a sequence with bad offsets / lengths / prompt_lens (accelerator tensors: recorded in the error word,
+    # raised later) gets NaN, as from the fused kernels; frame.bad is None when the host checked them
+    kl = _poison(torch.where(m, value, 0.0), frame.bad, per_seq)
 
     if p.layout == "padded":
         kl_sum = kl.sum(1)
@@ -95,7 +99,7 @@ def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
     else:
         # segment_reduce accumulates sequentially: in float32 a 70k-token row drifts by ~1e-4
         # relative, so the reference accumulates in float64 and stores float32.
-        kl_sum = torch.segment_reduce(kl.to(torch.float64), "sum", offsets=p.offsets).to(md)
+        kl_sum = torch.segment_reduce(kl.to(torch.float64), "sum", offsets=frame.offsets).to(md)
         count = torch.zeros(p.batch_size, dtype=torch.int64, device=p.device).index_add_(0, seq, m.to(torch.int64))
 
     coef = p.coef
@@ -111,5 +115,6 @@ def kl_reward_reference(p: KLRewardProblem) -> RawOutputs:
     else:  # "last", "last_valid"
         reward = torch.where(_last_token(p, m, valid, seq), per_seq(p.reward.to(md)), 0.0) - penalty
 
-    ref_out = torch.where(m, p.ref_log_probs, 0.0) if p.return_ref else None
+    ref_out = _poison(torch.where(m, p.ref_log_probs, 0.0), frame.bad, per_seq) if p.return_ref else None
+    kl_sum = _poison(kl_sum, frame.bad, None)  # (an empty bad sequence too)
     return RawOutputs(kl.to(p.log_probs.dtype), reward.to(p.reward_dtype), ref_out, kl_sum, count)
