@@ -153,6 +153,23 @@ def test_compute_policy_loss_vanilla_equals_verl(mode, over, with_weights, data)
         assert got_metrics["actor/ppo_kl"] == pytest.approx(want_metrics["actor/ppo_kl"], rel=1e-4, abs=1e-5)
 
 
+def test_the_dual_clip_fraction_is_the_kernels_decision_in_bfloat16():
+    """pg_clipfrac_lower counts the tokens whose dual clip the loss took. In bf16 the metric was computed in
+    bf16 (ratio 1.50109 rounded to 1.5, both sides of the comparison then 2.84375) while the kernels, and
+    verl's formula evaluated exactly, compare in float32 / float64 (2.8497 > 2.8477): the loss took the cap
+    and the metric said it did not (a hypothesis example, seq-mean-token-sum, clip_ratio_c 1.5)."""
+    peers.verl_core_algos()
+    from verl.trainer.ppo import core_algos as ca
+
+    bf = dict(dtype=torch.bfloat16)
+    lp, old = torch.tensor([[-5.9375, -5.78125]], **bf), torch.tensor([[-6.34375, -4.5625]], **bf)
+    adv, mask = torch.tensor([[-1.8984375, -0.62109375]], **bf), torch.ones(1, 2, dtype=torch.bool)
+    cfg = _verl_config(clip_ratio_c=1.5)
+    _, got = kv.compute_policy_loss_vanilla(old, lp, adv, mask, "seq-mean-token-sum", cfg)
+    _, want = ca.compute_policy_loss_vanilla(old.double(), lp.double(), adv.double(), mask, "seq-mean-token-sum", cfg)
+    assert got["actor/pg_clipfrac_lower"] == pytest.approx(float(want["actor/pg_clipfrac_lower"])) == 0.5
+
+
 def _verl_actor_config(**over):
     """verl's own ActorConfig (its GSPO loss asserts one), with ``global_batch_info`` filled in."""
     from verl.workers.config import ActorConfig

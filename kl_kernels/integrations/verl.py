@@ -247,8 +247,9 @@ def _policy_loss(old_log_prob, log_prob, ref_log_prob, advantages, response_mask
         if clip_c is None:
             lower = torch.zeros((), device=log_prob.device)
         else:
-            ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
-            adv = advantages
+            # in float32, as the kernels decide it (in bf16 a tie by rounding would hide a cap the loss took)
+            ratio = torch.exp(torch.clamp(log_prob.detach().float() - old_log_prob.float(), -20.0, 20.0))
+            adv = advantages.float()
             c1 = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
             lower = ((c1 > -adv * clip_c) & (adv < 0) & mask).sum() / mask.sum().clamp_min(1)
         ppo_kl = out.kl_mean if ref_log_prob is None else (-torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0)
