@@ -107,6 +107,25 @@ def test_klcomputation_without_tensordict_internals(per_token, monkeypatch):
     assert_same(got, want, ["kl_penalty", "reward"])
 
 
+def test_klcomputation_mixed_per_token_and_per_sequence_rewards():
+    """A lazy stack whose samples carry a per-token reward [L, 1] or a per-sequence one [1, 1], mixed (as
+    TorchRL's per-sample broadcast allows): each sample's reward is broadcast over its tokens. (The mixed
+    path called ragged.token_index without the token count: a TypeError.)"""
+    g = torch.Generator().manual_seed(4)
+    tds, cur, ref, rewards = [], [], [], []
+    for i, n in enumerate(LENGTHS):
+        lp, rf = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        rw = torch.randn(n, 1, generator=g) if i % 2 else torch.randn(1, 1, generator=g)
+        tds.append(TensorDict({("log_probs", "full"): lp, ("ref_log_probs", "full"): rf, "reward": rw}))
+        cur.append(lp), ref.append(rf), rewards.append(rw)
+    want = trl.KLComputation(coeff=0.3)(lazy_stack([t.clone() for t in tds]))
+    got = ours.KLComputation(coeff=0.3)(lazy_stack(tds))
+    assert_same(got, want, ["kl_penalty", "reward"])
+    for b, (reward, _, _) in enumerate(expected(cur, ref, [torch.ones(n, dtype=torch.bool) for n in LENGTHS],
+                                                rewards, 0.3)):
+        torch.testing.assert_close(as_list(got, "reward")[b].double(), reward, atol=1e-6, rtol=1e-6)
+
+
 def test_klcomputation_in_place_path_falls_back_on_unusual_samples():
     """Samples the in-place path does not take (strided log-probs, [L] rewards, add_to_reward with
     no reward) go the general way, with the same results or TorchRL's error."""

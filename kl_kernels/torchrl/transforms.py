@@ -91,8 +91,8 @@ def _reward_arg(reward: Batch | None, lp: Batch):
     if not bool(((r_len == 1) | (r_len == lp_len)).all()):
         raise ValueError("each sample's reward must have one entry per token or one entry")
     # mixed: gather one value per token (a broadcast for the one-entry samples)
-    seq = ragged.token_index(lp.offsets).to(r_len.device)
-    pos = torch.arange(seq.shape[0], device=seq.device) - lp.offsets.to(seq.device)[seq]
+    offsets = lp.offsets.to(r_len.device)
+    seq, pos = ragged.token_index(offsets, lp.values.shape[0])
     idx = reward.offsets.to(seq.device)[seq] + torch.where(r_len[seq] == 1, 0, pos)
     return reward.values[idx], "token"
 
