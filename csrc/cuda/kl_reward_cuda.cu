@@ -39,6 +39,7 @@ struct Workspace {  // carved out of the caller's buffer (8-byte aligned pieces)
   int64_t* slot_count;
   int64_t* slot_last;
   int64_t* last;
+  int64_t* checks;  // [2]: the value checks folded into combine (tiles.cuh's record_first_check)
 };
 
 __host__ __device__ inline int64_t tiles_of(const KLRewardArgs& a) { return (a.total + kCudaTile - 1) / kCudaTile; }
@@ -50,6 +51,7 @@ __host__ __device__ inline Workspace carve(const KLRewardArgs& a, uintptr_t ws) 
   w.slot_count = reinterpret_cast<int64_t*>(w.slot_sum + slots);
   w.slot_last = w.slot_count + slots;
   w.last = w.slot_last + slots;
+  w.checks = w.last + a.batch;
   return w;
 }
 
@@ -63,6 +65,7 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
   __shared__ int64_t seq_range[2];
 
   const int64_t tile = blockIdx.x;
+  reset_checks(a, carve(a, ws).checks);
   int64_t t0, t_last, i0;
   Where w[kPer];
   locate_tile(a, seq_range, &t0, &t_last, &i0, w);
@@ -206,6 +209,8 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   const Workspace wsp = carve(a, ws);
   float* kl_sum = reinterpret_cast<float*>(a.kl_sum);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
+  const bool checks = checks_folded(a);
+  int64_t first_finding = kNoCheckFinding;  // this thread's sequences' first value-check finding
   auto range = [&](int64_t b, int64_t* lo, int64_t* hi) { flat_range(a, b, lo, hi); };
   auto slot = [&](int64_t i) {
     SlotTotals<1> s;
@@ -227,6 +232,10 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
       last = wsp.last[b];
     }
     if (a.placement == kLast || a.placement == kLastValid) place_sequence_reward<DT, RT>(a, b, last);
+    if (checks) {
+      const int64_t key = check_key(a, b);
+      first_finding = key < first_finding ? key : first_finding;
+    }
     if (geometry_bad(a, b)) {
       // Invalid geometry (reported through the error word): NaN over the sequence's outputs, written here
       // on that path alone rather than tested per element in forward_tile (whose registers are full)
@@ -239,6 +248,7 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
     }
   };
   combine_sequences<1>(a.batch, range, slot, finish);
+  if (checks) record_first_check(a, first_finding, wsp.checks);
 }
 
 // A minimum of blocks per SM, per arch: without one, CUDA 13's ptxas held sm_100's vector variants at 80 registers
@@ -366,7 +376,7 @@ int backward_typed(const KLRewardArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t kl_reward_cuda_workspace_bytes(const KLRewardArgs& a) {
-  return (3 * 2 * tiles_of(a) + a.batch) * 8;
+  return (3 * 2 * tiles_of(a) + a.batch + 2) * 8;
 }
 
 int kl_reward_forward_cuda(const KLRewardArgs& a, uintptr_t workspace, uintptr_t stream) {
