@@ -310,8 +310,8 @@ def test_the_forward_checks_bad_values_itself_with_no_check_launch(monkeypatch, 
     assert found["folded"] == found["check kernels"]
     nan = out.kl_sum.isnan() if fn is kl_reward else out.loss.isnan()
     assert bool(nan.any())  # the bad sequences are poisoned
-    want = device_errors.value_error_message(found["folded"]["kind"], found["folded"]["arg"], found["folded"]["value"],
-                                             found["folded"]["bound"], found["folded"]["extra"], found["folded"]["index"])
+    f = found["folded"]
+    want = device_errors.value_error_message(f["kind"], f["arg"], f["value"], f["bound"], f["extra"], f["index"])
     assert want.split(" must")[0] in ("offsets", "lengths", "prompt_lens")
 
 
