@@ -338,3 +338,38 @@ def test_folded_check_raises_at_the_next_call_and_a_valid_call_works(monkeypatch
         good = kl_reward(lp, ref, offsets=offsets, backend="cuda-emulated")
     assert good.kl_sum.isfinite().all()
     assert not device_errors.word("cpu").pending()
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_deferred_checks_are_launched_for_a_backend_that_does_not_fold_them(monkeypatch, backend):
+    """The validation defers its check launches to the forward; a backend whose kernels do not make them
+    (backends.FOLDING_BACKENDS) gets them launched at its selection: none is lost."""
+    from kl_kernels import _extensions
+
+    module = _extensions.load("_cuda_emu")[0]
+    if module is None:
+        pytest.skip("kl_kernels._cuda_emu is not built")
+    dev = backend_device(backend)
+    g = torch.Generator().manual_seed(6)
+    lp, ref = (-torch.rand(4, 5, generator=g)).to(dev), (-torch.rand(4, 5, generator=g)).to(dev)
+    lengths = torch.tensor([3, 7, 0, 2], device=dev)
+    want = _host_message(kl_reward, log_probs=lp.cpu(), ref_log_probs=ref.cpu(), lengths=lengths.cpu(),
+                         backend="torch")
+    launched = []
+
+    def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
+        launched.append(kernel)
+        assert ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+                                   bound_kind=bound_kind, stream=0) == 0
+        return True
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        mp.setattr(ragged, "kernel_check", check_kernel)
+        mp.setattr(ragged, "deferrable", lambda kernel, *t: True)
+        mp.setattr(device_errors, "raise_pending", lambda device: None)
+        kl_reward(lp, ref, lengths=lengths, backend=backend)
+    assert launched == ["lengths_valid"] and not ragged.DEFERRED.pending
+    with pytest.raises(ValueError) as e:
+        check_errors("cpu")
+    assert str(e.value).split(" (found on ")[0] == want
