@@ -77,7 +77,6 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
 
   const KLRewardArgs& g = a.g;
   const int64_t tile = blockIdx.x;
-  reset_checks(g, carve_penalty(a, ws).checks);
   int64_t t0, t_last, i0;
   Where w[kPer];
   locate_tile(g, seq_range, &t0, &t_last, &i0, w);
@@ -226,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
     }
     __syncthreads();  // prefix is reused by the next sum
   }
+  reset_checks(g, wsp.checks);  // (last: no register of the tile's work is live here)
 }
 
 __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uintptr_t ws) {

@@ -65,7 +65,6 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
   __shared__ int64_t seq_range[2];
 
   const int64_t tile = blockIdx.x;
-  reset_checks(a, carve(a, ws).checks);
   int64_t t0, t_last, i0;
   Where w[kPer];
   locate_tile(a, seq_range, &t0, &t_last, &i0, w);
@@ -202,6 +201,7 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
       if (last_counted) wsp.slot_last[slot] = e.pos;
     }
   }
+  reset_checks(a, wsp.checks);  // (last: no register of the tile's work is live here)
 }
 
 template <int32_t DT, int32_t RT>
@@ -209,8 +209,6 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
   const Workspace wsp = carve(a, ws);
   float* kl_sum = reinterpret_cast<float*>(a.kl_sum);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
-  const bool checks = checks_folded(a);
-  int64_t first_finding = kNoCheckFinding;  // this thread's sequences' first value-check finding
   auto range = [&](int64_t b, int64_t* lo, int64_t* hi) { flat_range(a, b, lo, hi); };
   auto slot = [&](int64_t i) {
     SlotTotals<1> s;
@@ -232,10 +230,6 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
       last = wsp.last[b];
     }
     if (a.placement == kLast || a.placement == kLastValid) place_sequence_reward<DT, RT>(a, b, last);
-    if (checks) {
-      const int64_t key = check_key(a, b);
-      first_finding = key < first_finding ? key : first_finding;
-    }
     if (geometry_bad(a, b)) {
       // Invalid geometry (reported through the error word): NaN over the sequence's outputs, written here
       // on that path alone rather than tested per element in forward_tile (whose registers are full)
@@ -248,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
     }
   };
   combine_sequences<1>(a.batch, range, slot, finish);
-  if (checks) record_first_check(a, first_finding, wsp.checks);
+  if (checks_folded(a)) record_first_check(a, first_check_of_sequences(a), wsp.checks);
 }
 
 // A minimum of blocks per SM, per arch: without one, CUDA 13's ptxas held sm_100's vector variants at 80 registers

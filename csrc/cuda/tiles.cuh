@@ -365,14 +365,15 @@ __device__ __forceinline__ int32_t prompt_bound_kind(const KLRewardArgs& a) {
   return a.layout == kPacked ? 0 : a.lengths ? 1 : 2;
 }
 
-// Sequence b's first finding as a key, (check rank) * (batch + 2) + index (kNoCheckFinding: none). Ranks:
-// 0-2 offsets (start, decrease at index b + 1, end), 3-4 lengths (below 0, above width), 5-6 prompt_lens
-// (below 0, above their bound).
+// Sequence b's first finding as a key, rank << kCheckRankShift | index (kNoCheckFinding: none): rank first,
+// then the index, with no 64-bit division to take it apart (a called subroutine, whose frame cost the combines
+// a stack). Ranks: 0-2 offsets (start, decrease at index b + 1, end), 3-4 lengths (below 0, above width), 5-6
+// prompt_lens (below 0, above their bound).
+constexpr int kCheckRankShift = 56;  // indices are below 2^56 (batch + 1 elements of int64: beyond any memory)
 __device__ __forceinline__ int64_t check_key(const KLRewardArgs& a, int64_t b) {
-  const int64_t n = a.batch + 2;
   int64_t key = kNoCheckFinding;
   auto take = [&](int64_t rank, int64_t index) {
-    const int64_t k = rank * n + index;
+    const int64_t k = rank << kCheckRankShift | index;
     key = k < key ? k : key;
   };
   if (a.check_offsets) {
@@ -394,21 +395,21 @@ __device__ __forceinline__ int64_t check_key(const KLRewardArgs& a, int64_t b) {
   return key;
 }
 
-// Records the finding of `key` as ragged_checks.cu's kernels do (same kind, argument, index, value, bound, extra).
+// Records the finding of `key` as ragged_checks.cu's kernels do (same kind, argument, index, value, bound, extra):
+// one call of the recorder with its fields chosen, rather than one per kind (fewer registers in the combines).
 __device__ __forceinline__ void record_check(const KLRewardArgs& a, int64_t key) {
-  const int64_t n = a.batch + 2, rank = key / n, i = key % n;
-  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
-  const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
-  const int64_t* pl = reinterpret_cast<const int64_t*>(a.prompt_lens);
-  if (rank <= 2) {
-    const int32_t kind = rank == 0 ? kErrOffsetsStart : rank == 1 ? kErrOffsetsDecreasing : kErrOffsetsEnd;
-    record_value_error(a.errors, kind, a.check_offsets, i, off[i], a.total);
-  } else if (rank <= 4) {
-    record_value_error(a.errors, rank == 3 ? kErrBelowZero : kErrAboveBound, a.check_lengths, i, len[i], a.width, 0);
-  } else {
-    record_value_error(a.errors, rank == 5 ? kErrBelowZero : kErrAboveSequence, a.check_prompt, i, pl[i],
-                       prompt_bound(a, i), prompt_bound_kind(a));
-  }
+  const int64_t rank = key >> kCheckRankShift, i = key & ((int64_t{1} << kCheckRankShift) - 1);
+  const bool offsets = rank <= 2, lengths = rank == 3 || rank == 4;
+  const int64_t* values = reinterpret_cast<const int64_t*>(offsets ? a.offsets : lengths ? a.lengths : a.prompt_lens);
+  const int32_t kind = rank == 0   ? kErrOffsetsStart
+                       : rank == 1 ? kErrOffsetsDecreasing
+                       : rank == 2 ? kErrOffsetsEnd
+                       : rank == 4 ? kErrAboveBound
+                       : rank == 6 ? kErrAboveSequence
+                                   : kErrBelowZero;
+  const int32_t arg = offsets ? a.check_offsets : lengths ? a.check_lengths : a.check_prompt;
+  const int64_t bound = offsets ? a.total : lengths ? a.width : prompt_bound(a, i);
+  record_value_error(a.errors, kind, arg, i, values[i], bound, rank >= 5 ? prompt_bound_kind(a) : 0);
 }
 
 // The check state in the workspace (2 int64: the grid's first key, the blocks done), reset by the tile kernel's
@@ -420,8 +421,22 @@ __device__ __forceinline__ void reset_checks(const KLRewardArgs& a, int64_t* sta
   }
 }
 
-// End of a combine kernel (every thread of every block, `key` its sequences' first): the grid's first
-// finding recorded by the last block. Call only when checks_folded(a) (block-uniform).
+// The first finding of the sequences combine_sequences gives this thread (b = blockIdx.x * kThreads +
+// threadIdx.x, then a grid's stride on), checked after its walk: kl_reward's combine, where checking them in
+// the walk cost sm_100/sm_120 a stack frame (penalty_combine checks them in its walk: there this one did).
+__device__ __forceinline__ int64_t first_check_of_sequences(const KLRewardArgs& a) {
+  int64_t key = kNoCheckFinding;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; b < a.batch; b += stride) {
+    const int64_t k = check_key(a, b);
+    key = k < key ? k : key;
+  }
+  return key;
+}
+
+// End of a combine kernel (every thread of every block, `key` the first finding of the sequences the combine
+// gave it: check_key in its walk): the grid's first finding, recorded by the last block. Call only when
+// checks_folded(a) (block-uniform).
 __device__ __forceinline__ void record_first_check(const KLRewardArgs& a, int64_t key, int64_t* state) {
   __shared__ int64_t keys[kThreads];
   keys[threadIdx.x] = key;
