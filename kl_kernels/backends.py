@@ -26,10 +26,13 @@ from typing import Callable
 
 import torch
 
-from . import _extensions
+from . import _extensions, ragged
 from ._compat import torch as _compat_torch
 
 ENV_VAR = "KL_KERNELS_BACKEND"
+# The backends whose forward kernels make the deferred value checks of offsets / lengths / prompt_lens
+# themselves (kl_kernels.launching.fold_value_checks): for any other, select launches them first.
+FOLDING_BACKENDS = frozenset({"cuda", "cuda-emulated"})
 BACKEND_NAMES = ("torch", "cpu", "cuda", "triton", "cuda-emulated")
 
 
@@ -166,7 +169,9 @@ def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backen
     to compute, and a GPU backend has no device to launch on. Its outputs are empty CPU tensors."""
     chosen = _select(registry, backend, op=op, problem=problem)
     if problem.device_free:
-        return next(b for b in registry if b.name == "torch")
+        chosen = next(b for b in registry if b.name == "torch")
+    if ragged.DEFERRED.pending and chosen.name not in FOLDING_BACKENDS:
+        ragged.flush_deferred()  # the validation's value checks: only the CUDA forwards make them themselves
     return chosen
 
 

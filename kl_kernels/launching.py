@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import _extensions, codes, device_errors
+from . import _extensions, codes, device_errors, ragged
 
 # The kernels' codes, from the one table (kl_kernels/codes.py, which csrc/common/codes.h is generated from).
 DTYPE_CODES = {getattr(torch, name): code for name, code in codes.DTYPE_CODES.items()}
@@ -149,6 +149,8 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
     naming ``what``. First, a bad value an earlier kernel recorded in the device's error word
     (:mod:`kl_kernels.device_errors`) is raised as its ValueError (a plain read of host memory)."""
     device_errors.raise_pending(device)
+    if ragged.DEFERRED.pending:  # the validation's deferred value checks: into this kernel, or launched first
+        fold_value_checks(kernel, args)
     if getattr(module, "EMULATED", False):
         # The CUDA entry points on CPU memory: a CPU workspace, and stream 0, since CPU tensors have
         # no stream (the emulation runs each launch to completion before returning).
@@ -171,6 +173,61 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
                 code = kernel(args, stream)
     if code:  # (0: success; the common case costs no further call)
         raise_for(code, module, what)
+
+
+# The kernels whose combine checks offsets / lengths / prompt_lens itself (csrc/cuda/tiles.cuh's check_key and
+# record_first_check; the struct's check_* fields), instead of ragged_checks.cu's launches of their own.
+FOLDING_KERNELS = frozenset({"kl_reward_forward", "kl_penalty_forward"})
+
+
+def fold_value_checks(kernel, args) -> None:
+    """Hand the validation's deferred value checks (:func:`kl_kernels.ragged.take_deferred`) to ``kernel``
+    where it covers them: a CUDA forward of :data:`FOLDING_KERNELS` (real or emulated) over a non-empty
+    batch and token space, checking the very tensors its ``args`` point at with the same bounds; its
+    combine then records the first bad value in the error word of the values' device under the check's
+    argument, as the check kernel would (tests/test_device_errors.py). Any other check is launched now,
+    before ``kernel``, in the validation's order. (The CPU kernels are never handed any: CPU values are
+    checked on the host.)"""
+    pending = ragged.take_deferred()
+    g = None
+    if getattr(kernel, "__name__", None) in FOLDING_KERNELS:
+        g = getattr(args, "g", args)  # (KLPenaltyArgs holds the geometry as g)
+        if g.batch > 0 and g.total > 0:
+            g.check_offsets = g.check_lengths = g.check_prompt = 0
+        else:
+            g = None  # (no tile kernel to reset the check state, or no combine)
+    for entry in pending:
+        field = _folded_field(g, entry) if g is not None else None
+        code = codes.ARG_CODES.get(entry[5], 0)
+        if field is None or not code or getattr(g, field):
+            ragged.launch_deferred(entry)
+            continue
+        setattr(g, field, code)
+        g.errors = device_errors.word(entry[1].device).address
+
+
+def _folded_field(g, entry) -> str | None:
+    """The field of ``g`` (a filled KLRewardArgs) that asks its combine for the deferred check ``entry``, or
+    None when that is not the check of the tensors and bounds ``g`` holds."""
+    kernel, values, batch, bound, per_sequence, _, bound_kind = entry
+    if batch != g.batch:
+        return None
+    at = ptr(values)
+    if kernel == "offsets_valid":
+        return "check_offsets" if g.layout == 0 and at == g.offsets and bound == g.total else None
+    offsets, seq_lengths = per_sequence
+    if bound_kind < 0:  # lengths, against the padded width
+        ok = g.layout == 1 and at == g.lengths and bound == g.width and offsets is None and seq_lengths is None
+        return "check_lengths" if ok else None
+    if at != g.prompt_lens:
+        return None
+    if g.layout == 0:  # prompt_lens against the packed sequences' lengths
+        ok = bound_kind == 0 and offsets is not None and ptr(offsets) == g.offsets and seq_lengths is None
+    elif g.lengths:  # against the padded rows' lengths
+        ok = bound_kind == 1 and offsets is None and seq_lengths is not None and ptr(seq_lengths) == g.lengths
+    else:  # against the width
+        ok = bound_kind == 2 and offsets is None and seq_lengths is None and bound == g.width
+    return "check_prompt" if ok else None
 
 
 def raise_for(code: int, module, what: str) -> None:

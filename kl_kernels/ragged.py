@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -242,6 +243,79 @@ def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per
     return True
 
 
+# --------------------------------------------------------------------------- value checks folded into kernels
+# A validation (each op's problem.py: build_problem, a plan's CallChecks) defers the check launches of
+# :func:`kernel_check` between :func:`defer_checks` and :func:`stop_deferring`: they wait on this thread for the
+# launch that follows. The CUDA forwards of kl_reward and kl_penalty_loss take over those they cover (their
+# combine kernels check the same values and record the same finding: launching.fold_value_checks); any other
+# launch, backend or read of the word launches them first (:func:`flush_deferred`: launching.launch_kernel,
+# Triton's launch_tiles, backends.select for a backend that folds nothing, check_errors, the next validation).
+# So a check is never lost, at worst launched later than the validation that asked for it.
+
+
+class _Deferred(threading.local):
+    def __init__(self):  # (run once per thread)
+        self.active = False  # a validation is deferring its check launches
+        self.pending = []  # kernel_check's arguments of the checks waiting for the next launch
+
+
+DEFERRED = _Deferred()
+
+
+def defer_checks() -> None:
+    """Start deferring :func:`kernel_check` launches on this thread (launching what an earlier validation left
+    unlaunched first)."""
+    if DEFERRED.pending:
+        flush_deferred()
+    DEFERRED.active = True
+
+
+def stop_deferring() -> None:
+    """Stop deferring; the deferred checks wait for the next launch (:func:`take_deferred`)."""
+    DEFERRED.active = False
+
+
+def take_deferred() -> list:
+    """The deferred checks (each ``(kernel, values, batch, bound, per_sequence, name, bound_kind)``), no longer
+    pending: the caller folds them into its kernel or launches them (:func:`launch_deferred`)."""
+    pending = DEFERRED.pending
+    DEFERRED.pending = []
+    return pending
+
+
+def launch_deferred(entry) -> None:
+    """Launch one deferred check now, as :func:`kernel_check` would have."""
+    kernel, values, batch, bound, per_sequence, name, bound_kind = entry
+    kernel_check(kernel, values, batch, bound, *per_sequence, name=name, bound_kind=bound_kind)
+
+
+def flush_deferred() -> None:
+    """Launch every deferred check of this thread now (and stop deferring)."""
+    DEFERRED.active = False
+    for entry in take_deferred():
+        launch_deferred(entry)
+
+
+def deferrable(kernel: str, *tensors) -> bool:
+    """Whether :func:`kernel_check` would launch ``kernel`` on ``tensors`` (the values and their per-sequence
+    bounds, None where absent): CUDA int64 contiguous tensors and the ``_cuda`` check kernel."""
+    if any(t is not None and (t.device.type != "cuda" or t.dtype != torch.int64 or not t.is_contiguous())
+           for t in tensors):
+        return False
+    from . import _extensions  # not at import time: kl_kernels.ragged must import without the extension
+
+    return not _extensions.kernel("_cuda", kernel)[1]
+
+
+def value_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per_sequence, name: str,
+                bound_kind: int = -1) -> bool:
+    """:func:`kernel_check`, deferred while a validation defers (see above): then True without a launch."""
+    if DEFERRED.active and deferrable(kernel, values, *per_sequence):
+        DEFERRED.pending.append((kernel, values, batch, bound, per_sequence, name, bound_kind))
+        return True
+    return kernel_check(kernel, values, batch, bound, *per_sequence, name=name, bound_kind=bound_kind)
+
+
 def launch_check(fn, values: torch.Tensor, batch: int, bound: int, *per_sequence, name: str, bound_kind: int = -1,
                  stream: int) -> int:
     """Call check kernel ``fn`` (a ``_cuda`` or ``_cuda_emu`` binding) the way :func:`kernel_check` does,
@@ -296,7 +370,7 @@ def check_offset_values(offsets: torch.Tensor, num_tokens: int, name: str = "off
     device_errors.raise_pending(offsets.device)  # an earlier call's bad value on this device, before this call's
     if not checks_on_host(offsets):
         n = offsets.shape[0]
-        if not kernel_check("offsets_valid", offsets, n - 1, num_tokens, name=name):
+        if not value_check("offsets_valid", offsets, n - 1, num_tokens, name=name):
             # torch operations, in the host check's order: the first recorded wins (narrow/select rather than
             # Python indexing: they also trace under a fake CUDA mode on a CPU-only torch, which
             # tests/test_no_host_sync.py uses)
@@ -360,7 +434,7 @@ def check_length_values(lengths: torch.Tensor, batch: int, width: int, name: str
         return lengths
     device_errors.raise_pending(lengths.device)  # an earlier call's bad value on this device
     if not checks_on_host(lengths):
-        if not kernel_check("lengths_valid", lengths, batch, width, None, None, name=name):
+        if not value_check("lengths_valid", lengths, batch, width, None, None, name=name):
             device_errors.record_where(lengths.lt(0), lengths, "below_zero", name, width)
             device_errors.record_where(lengths.gt(width), lengths, "above_bound", name, width)
         return lengths

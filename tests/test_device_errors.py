@@ -527,3 +527,166 @@ def test_offsets_with_no_sequence_for_tokens_are_refused_on_the_host(op, backend
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, (done.returncode, done.stdout[-1000:], done.stderr[-2000:])
     assert done.stdout.count("offsets must end at the number of tokens N = 5") == 2, done.stdout
+
+
+# --------------------------------------------------------------------------- checks folded into the forward
+# Issue 49 item 2: the CUDA forwards of kl_reward and kl_penalty_loss check offsets / lengths / prompt_lens in
+# their own combine kernel (csrc/cuda/tiles.cuh: check_key, record_first_check) instead of ragged_checks.cu's
+# launches of their own. Each case runs twice through the CUDA kernels under emulation, with the value checks
+# on their accelerator path: once with the check kernels (the validation's launches, as without folding) and
+# once with them deferred to the forward, which must then launch none and leave the very same finding in the
+# error word (kind, argument, index, value, bound, extra: the same ValueError, word for word). Batches of 600
+# sequences, so that the combine runs on 3 blocks and the first finding is the grid's, not a block's.
+
+def _folded_cases():
+    n = 600
+    lens = torch.tensor([(i * 7) % 5 for i in range(n)])  # zeros among them
+    offsets = ragged.lengths_to_offsets(lens)
+    total = int(offsets[-1])
+    g = torch.Generator().manual_seed(11)
+    lp, ref = -torch.rand(total, generator=g), -torch.rand(total, generator=g)
+    lp_pad, ref_pad = -torch.rand(n, 6, generator=g), -torch.rand(n, 6, generator=g)
+
+    def edited(t, **at):
+        t = t.clone()
+        for i, v in at.items():
+            t[int(i[1:])] = v
+        return t
+
+    dec = edited(offsets, i550=int(offsets[549]) - 1)  # a decrease at 550 (later ones are fine)
+    both = edited(dec, i600=total + 3)  # and a wrong end: the decrease comes first
+    start = edited(offsets, i0=1)
+    end = edited(offsets, i600=total - 1)
+    plen = torch.zeros(n, dtype=torch.int64)
+    reward = dict(estimator="k3", coef=0.1)
+    rows = torch.full((n,), 4)
+    return {
+        "reward-offsets-decreasing": (kl_reward, dict(log_probs=lp, ref_log_probs=ref, offsets=dec, **reward)),
+        "reward-offsets-decrease-then-end": (kl_reward, dict(log_probs=lp, ref_log_probs=ref, offsets=both,
+                                                             reward=torch.ones(n), reward_placement="last",
+                                                             **reward)),
+        "reward-offsets-start": (kl_reward, dict(log_probs=lp, ref_log_probs=ref, offsets=start, **reward)),
+        "reward-offsets-end": (kl_reward, dict(log_probs=lp, ref_log_probs=ref, offsets=end, **reward)),
+        "reward-prompt-packed": (kl_reward, dict(log_probs=lp, ref_log_probs=ref, offsets=offsets,
+                                                 prompt_lens=edited(plen, i433=9, i599=-1), **reward)),
+        # lengths: a negative one at 500 comes before one above T at 10 (the check's ranks, then the index)
+        "reward-lengths": (kl_reward, dict(log_probs=lp_pad, ref_log_probs=ref_pad, padding_side="right",
+                                           lengths=edited(rows, i10=7, i500=-2), **reward)),
+        "reward-lengths-above": (kl_reward, dict(log_probs=lp_pad, ref_log_probs=ref_pad, lengths=edited(rows, i300=9),
+                                                 **reward)),
+        "reward-prompt-padded": (kl_reward, dict(log_probs=lp_pad, ref_log_probs=ref_pad, lengths=rows,
+                                                 prompt_lens=edited(plen, i270=5), **reward)),
+        "reward-prompt-width": (kl_reward, dict(log_probs=lp_pad, ref_log_probs=ref_pad,
+                                                prompt_lens=edited(plen, i599=7), **reward)),
+        # lengths and prompt_lens both bad: the lengths' finding first, as their launches came first
+        "reward-lengths-and-prompt": (kl_reward, dict(log_probs=lp_pad, ref_log_probs=ref_pad,
+                                                      lengths=edited(rows, i590=8),
+                                                      prompt_lens=edited(plen, i3=-1), **reward)),
+        "loss-offsets": (kl_penalty_loss, dict(log_probs=lp, old_log_probs=lp, advantages=torch.ones(total),
+                                               ref_log_probs=ref, beta=0.1, offsets=dec,
+                                               aggregation="seq-mean-token-mean")),
+        "loss-lengths": (kl_penalty_loss, dict(log_probs=lp_pad, old_log_probs=lp_pad, advantages=torch.ones(n),
+                                               lengths=edited(rows, i400=-1), aggregation="token-mean")),
+    }
+
+
+FOLDED_CASES = list(_folded_cases())
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("case", FOLDED_CASES)
+def test_the_forward_checks_bad_values_itself_with_no_check_launch(monkeypatch, case):
+    from kl_kernels import _extensions
+
+    module = _extensions.load("_cuda_emu")[0]
+    fn, kw = _folded_cases()[case]
+    kw = dict(kw, backend="cuda-emulated")
+    word = device_errors.word("cpu")
+    launched = []
+
+    def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
+        launched.append(kernel)
+        assert ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+                                   bound_kind=bound_kind, stream=0) == 0
+        return True
+
+    found = {}
+    for way, deferred in (("check kernels", False), ("folded", True)):
+        with monkeypatch.context() as mp:
+            mp.setattr(ragged, "checks_on_host", lambda t: False)  # the accelerator path of the checks
+            mp.setattr(ragged, "kernel_check", check_kernel)
+            mp.setattr(ragged, "deferrable", lambda kernel, *t: deferred)  # as with _cuda on a GPU
+            mp.setattr(device_errors, "raise_pending", lambda device: None)  # (the emulation ran the checks already)
+            out = fn(**kw)
+        found[way] = word.take()
+        assert found[way] is not None, way
+        if way == "check kernels":
+            assert launched, "the unfolded path launches its checks"
+            launched.clear()
+    assert launched == [], "the forward made the value checks itself"
+    assert found["folded"] == found["check kernels"]
+    nan = out.kl_sum.isnan() if fn is kl_reward else out.loss.isnan()
+    assert bool(nan.any())  # the bad sequences are poisoned
+    f = found["folded"]
+    want = device_errors.value_error_message(f["kind"], f["arg"], f["value"], f["bound"], f["extra"], f["index"])
+    assert want.split(" must")[0] in ("offsets", "lengths", "prompt_lens")
+
+
+@pytest.mark.cuda_emulated
+def test_folded_check_raises_at_the_next_call_and_a_valid_call_works(monkeypatch):
+    """The folded path end to end: the bad call returns NaN, the next call raises the host's ValueError, the one
+    after works; no check kernel ran."""
+    lp, ref, offsets = _packed("cpu")
+    bad = torch.tensor([0, 3, 1, 9, 12])
+    want = _host_message(kl_reward, log_probs=lp, ref_log_probs=ref, offsets=bad, backend="torch")
+
+    def no_launch(*a, **k):
+        raise AssertionError("a check kernel was launched")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        mp.setattr(ragged, "kernel_check", no_launch)
+        mp.setattr(ragged, "deferrable", lambda kernel, *t: True)
+        out = kl_reward(lp, ref, offsets=bad, backend="cuda-emulated")
+        assert out.kl_sum[:3].isnan().all()
+        with pytest.raises(ValueError) as e:
+            kl_reward(lp, ref, offsets=offsets, backend="cuda-emulated")
+        assert str(e.value).split(" (found on ")[0] == want
+        good = kl_reward(lp, ref, offsets=offsets, backend="cuda-emulated")
+    assert good.kl_sum.isfinite().all()
+    assert not device_errors.word("cpu").pending()
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_deferred_checks_are_launched_for_a_backend_that_does_not_fold_them(monkeypatch, backend):
+    """The validation defers its check launches to the forward; a backend whose kernels do not make them
+    (backends.FOLDING_BACKENDS) gets them launched at its selection: none is lost."""
+    from kl_kernels import _extensions
+
+    module = _extensions.load("_cuda_emu")[0]
+    if module is None:
+        pytest.skip("kl_kernels._cuda_emu is not built")
+    dev = backend_device(backend)
+    g = torch.Generator().manual_seed(6)
+    lp, ref = (-torch.rand(4, 5, generator=g)).to(dev), (-torch.rand(4, 5, generator=g)).to(dev)
+    lengths = torch.tensor([3, 7, 0, 2], device=dev)
+    want = _host_message(kl_reward, log_probs=lp.cpu(), ref_log_probs=ref.cpu(), lengths=lengths.cpu(),
+                         backend="torch")
+    launched = []
+
+    def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
+        launched.append(kernel)
+        assert ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+                                   bound_kind=bound_kind, stream=0) == 0
+        return True
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        mp.setattr(ragged, "kernel_check", check_kernel)
+        mp.setattr(ragged, "deferrable", lambda kernel, *t: True)
+        mp.setattr(device_errors, "raise_pending", lambda device: None)
+        kl_reward(lp, ref, lengths=lengths, backend=backend)
+    assert launched == ["lengths_valid"] and not ragged.DEFERRED.pending
+    with pytest.raises(ValueError) as e:
+        check_errors("cpu")
+    assert str(e.value).split(" (found on ")[0] == want

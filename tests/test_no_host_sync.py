@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kl_kernels import _extensions, kl_penalty_loss, kl_reward, ragged
+from kl_kernels import _extensions, codes, device_errors, kl_penalty_loss, kl_reward, launching, ragged
 from kl_kernels.kl_penalty import backends as loss_backends
 from kl_kernels.kl_penalty import launch as loss_launch
 from kl_kernels.kl_reward import backends as reward_backends
@@ -45,6 +45,8 @@ def launches(monkeypatch):
 
     def record(module, kernel, args, device, what, workspace_bytes=None):
         assert device.type == "cuda"
+        if ragged.DEFERRED.pending:  # as launching.launch_kernel: the forwards take over the value checks
+            launching.fold_value_checks(kernel, args)
         recorded.append(kernel.__name__)
 
     class CudaLike:  # _C's argument structs and kernels, plus the workspace functions only _cuda has
@@ -69,6 +71,26 @@ def launches(monkeypatch):
         return True
 
     monkeypatch.setattr(ragged, "kernel_check", value_check)
+    monkeypatch.setattr(ragged, "deferrable", lambda kernel, *tensors: True)  # (as with _cuda on a GPU)
+    # the error word of a fake CUDA device, made once as on a GPU (device_errors.word makes one per call there);
+    # its tensor (a fake one, for the records made with torch operations, e.g. a nested argument's lengths
+    # mismatch) only when one is read, so that the launch counts see no allocation of it
+    word = device_errors.word
+
+    class FakeWord(device_errors.ErrorWord):
+        __slots__ = ()
+
+        @property
+        def tensor(self):
+            return torch.zeros(codes.ERROR_WORD_SLOTS, dtype=torch.int64, device="cuda")
+
+        @tensor.setter
+        def tensor(self, value):
+            pass
+
+    fake_word = FakeWord(torch.device("cuda"), 0, 0, None)
+    monkeypatch.setattr(device_errors, "word", lambda device: fake_word if torch.device(device).type == "cuda"
+                        else word(device))
     return recorded
 
 

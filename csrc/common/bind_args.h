@@ -37,7 +37,8 @@ inline void bind_args(pybind11::module_& m) {
   KL_FIELD(coef_mode); KL_FIELD(coef_scalar); KL_FIELD(coef); KL_FIELD(est); KL_FIELD(kl); KL_FIELD(reward_out);
   KL_FIELD(ref_out); KL_FIELD(kl_sum); KL_FIELD(count); KL_FIELD(g_kl); KL_FIELD(g_reward); KL_FIELD(g_ref_out);
   KL_FIELD(g_kl_sum); KL_FIELD(g_lp); KL_FIELD(g_ref); KL_FIELD(lp_ptrs); KL_FIELD(ref_ptrs); KL_FIELD(mask_ptrs);
-  KL_FIELD(reward_ptrs); KL_FIELD(mask_nan);
+  KL_FIELD(reward_ptrs); KL_FIELD(mask_nan); KL_FIELD(errors); KL_FIELD(check_offsets); KL_FIELD(check_lengths);
+  KL_FIELD(check_prompt);
 #undef KL_FIELD
 }
 

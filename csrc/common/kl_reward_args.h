@@ -54,6 +54,13 @@ struct KLRewardArgs {
   // backward: incoming gradients (contiguous, each may be 0 = zero) and outputs
   uintptr_t g_kl = 0, g_reward = 0, g_ref_out = 0, g_kl_sum = 0;
   uintptr_t g_lp = 0, g_ref = 0;
+
+  // The value checks of offsets / lengths / prompt_lens folded into the CUDA forwards (their combine kernels,
+  // which read every sequence's bounds anyway; cuda/tiles.cuh): each field the ArgCode (common/codes.h) the
+  // first bad value is recorded under in the device error word `errors` (cuda/errors.cuh), 0 for a check not
+  // asked for. What ragged_checks.cu's separate launches check, with the same findings (kl_kernels/launching.py).
+  uintptr_t errors = 0;
+  int32_t check_offsets = 0, check_lengths = 0, check_prompt = 0;
 };
 
 // Whether a uses what only the CPU forward implements (list inputs, NaN pads): the CUDA kernels

@@ -42,6 +42,7 @@ __host__ __device__ inline int64_t penalty_tiles(const KLPenaltyArgs& a) {
 struct PenaltyWorkspace {
   double* slot_sum;     // [2 * tiles, kSlotStride]
   int64_t* slot_count;  // [2 * tiles]
+  int64_t* checks;      // [2]: the value checks folded into penalty_combine (tiles.cuh's record_first_check)
 };
 
 __host__ __device__ inline PenaltyWorkspace carve_penalty(const KLPenaltyArgs& a, uintptr_t ws) {
@@ -49,6 +50,7 @@ __host__ __device__ inline PenaltyWorkspace carve_penalty(const KLPenaltyArgs& a
   PenaltyWorkspace w;
   w.slot_sum = reinterpret_cast<double*>(ws);
   w.slot_count = reinterpret_cast<int64_t*>(w.slot_sum + slots * kSlotStride);
+  w.checks = w.slot_count + slots;
   return w;
 }
 
@@ -223,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
     }
     __syncthreads();  // prefix is reused by the next sum
   }
+  reset_checks(g, wsp.checks);  // (last: no register of the tile's work is live here)
 }
 
 __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uintptr_t ws) {
@@ -231,6 +234,8 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   float* seq_loss = reinterpret_cast<float*>(a.seq_loss);
   float* stats = reinterpret_cast<float*>(a.stats);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
+  const bool checks = checks_folded(g);
+  int64_t first_finding = kNoCheckFinding;  // this thread's sequences' first value-check finding
   auto range = [&](int64_t b, int64_t* lo, int64_t* hi) { flat_range(g, b, lo, hi); };
   auto slot = [&](int64_t i) {
     SlotTotals<kSums> s;
@@ -244,6 +249,10 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   combine_sequences<kSums>(g.batch, range, slot, [&](int64_t b, int64_t lo, int64_t hi, bool spans,
                                                      const SlotTotals<kSums>& t) {
     const bool bad = geometry_bad(g, b);
+    if (checks) {
+      const int64_t key = check_key(g, b);
+      first_finding = key < first_finding ? key : first_finding;
+    }
     if (hi > lo && !spans) {
       if (bad) seq_loss[b] = NAN;
     } else {
@@ -264,6 +273,7 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
       }
     }
   });
+  if (checks) record_first_check(g, first_finding, wsp.checks);
 }
 
 // The aggregation's sums and outputs (add_agg_terms, finalize_aggregation), after combine, in one
@@ -408,7 +418,7 @@ int forward_typed(const KLPenaltyArgs& a, uintptr_t ws, cudaStream_t stream) {
 }  // namespace
 
 int64_t kl_penalty_cuda_workspace_bytes(const KLPenaltyArgs& a) {
-  return 2 * penalty_tiles(a) * (kSlotStride + 1) * 8;
+  return (2 * penalty_tiles(a) * (kSlotStride + 1) + 2) * 8;
 }
 
 int kl_penalty_forward_cuda(const KLPenaltyArgs& a, uintptr_t workspace, uintptr_t stream) {

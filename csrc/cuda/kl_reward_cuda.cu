@@ -39,6 +39,7 @@ struct Workspace {  // carved out of the caller's buffer (8-byte aligned pieces)
   int64_t* slot_count;
   int64_t* slot_last;
   int64_t* last;
+  int64_t* checks;  // [2]: the value checks folded into combine (tiles.cuh's record_first_check)
 };
 
 __host__ __device__ inline int64_t tiles_of(const KLRewardArgs& a) { return (a.total + kCudaTile - 1) / kCudaTile; }
@@ -50,6 +51,7 @@ __host__ __device__ inline Workspace carve(const KLRewardArgs& a, uintptr_t ws) 
   w.slot_count = reinterpret_cast<int64_t*>(w.slot_sum + slots);
   w.slot_last = w.slot_count + slots;
   w.last = w.slot_last + slots;
+  w.checks = w.last + a.batch;
   return w;
 }
 
@@ -199,6 +201,7 @@ __global__ void __launch_bounds__(kThreads) forward_tile(KLRewardArgs a, uintptr
       if (last_counted) wsp.slot_last[slot] = e.pos;
     }
   }
+  reset_checks(a, wsp.checks);  // (last: no register of the tile's work is live here)
 }
 
 template <int32_t DT, int32_t RT>
@@ -239,6 +242,7 @@ __global__ void __launch_bounds__(kThreads) combine(KLRewardArgs a, uintptr_t ws
     }
   };
   combine_sequences<1>(a.batch, range, slot, finish);
+  if (checks_folded(a)) record_first_check(a, first_check_of_sequences(a), wsp.checks);
 }
 
 // A minimum of blocks per SM, per arch: without one, CUDA 13's ptxas held sm_100's vector variants at 80 registers
@@ -366,7 +370,7 @@ int backward_typed(const KLRewardArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t kl_reward_cuda_workspace_bytes(const KLRewardArgs& a) {
-  return (3 * 2 * tiles_of(a) + a.batch) * 8;
+  return (3 * 2 * tiles_of(a) + a.batch + 2) * 8;
 }
 
 int kl_reward_forward_cuda(const KLRewardArgs& a, uintptr_t workspace, uintptr_t stream) {

@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/codes.h"
 #include "common/kl_math.h"  // BitsOf, from_bits
 #include "common/kl_reward_args.h"
+#include "cuda/errors.cuh"  // record_value_error
 #include "cuda/kl_reward_cuda.h"  // kCudaTile
 
 // sm_100 and sm_120 (CUDA 13's ptxas): kl_reward's forward_tile sits at 128 registers (2 blocks of kThreads
@@ -335,6 +337,124 @@ __device__ void combine_sequences(int64_t batch, const Range& range, const Slot&
     if (b < batch) finish(b, lo, hi, spans, totals);
     __syncthreads();  // long_k0/long_k1 are rewritten by the next iteration
   }
+}
+
+// ---------------------------------------------------------------- value checks folded into the combines
+// The checks of ragged_checks.cu (offsets: start at 0, non-decreasing, end at total; lengths in [0, width];
+// prompt_lens in [0, their sequence's bound]) made by the combine kernels, which visit every sequence anyway,
+// instead of launches of their own (a.check_*: the ArgCode of each check asked for, 0 for none). The same
+// findings: the first in the separate launches' order (offsets, then lengths, then prompt_lens; within each,
+// the kernel's ranks, then the lowest index), whatever the grid: each thread keeps its sequences' first key,
+// each block its smallest (a fixed tree), an integer atomicMin takes the grid's, and the last block to
+// finish (a counter in the workspace, set by the tile kernel's block 0 before the combine starts) records it
+// in the device error word. No float is involved: deterministic.
+constexpr int64_t kNoCheckFinding = INT64_MAX;
+
+// Checks folded into a's forward: every index the kernels derive from these values is clamped regardless.
+__host__ __device__ __forceinline__ bool checks_folded(const KLRewardArgs& a) {
+  return a.errors != 0 && (a.check_offsets | a.check_lengths | a.check_prompt) != 0;
+}
+
+// The bound of prompt_lens[b] (the lengths_valid check's hi) and its kind (device_errors.SEQUENCE_BOUNDS' index).
+__device__ __forceinline__ int64_t prompt_bound(const KLRewardArgs& a, int64_t b) {
+  const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+  const int64_t* len = reinterpret_cast<const int64_t*>(a.lengths);
+  return a.layout == kPacked ? off[b + 1] - off[b] : len ? len[b] : a.width;
+}
+__device__ __forceinline__ int32_t prompt_bound_kind(const KLRewardArgs& a) {
+  return a.layout == kPacked ? 0 : a.lengths ? 1 : 2;
+}
+
+// Sequence b's first finding as a key, rank << kCheckRankShift | index (kNoCheckFinding: none): rank first,
+// then the index, with no 64-bit division to take it apart (a called subroutine, whose frame cost the combines
+// a stack). Ranks: 0-2 offsets (start, decrease at index b + 1, end), 3-4 lengths (below 0, above width), 5-6
+// prompt_lens (below 0, above their bound).
+constexpr int kCheckRankShift = 56;  // indices are below 2^56 (batch + 1 elements of int64: beyond any memory)
+__device__ __forceinline__ int64_t check_key(const KLRewardArgs& a, int64_t b) {
+  int64_t key = kNoCheckFinding;
+  auto take = [&](int64_t rank, int64_t index) {
+    const int64_t k = rank << kCheckRankShift | index;
+    key = k < key ? k : key;
+  };
+  if (a.check_offsets) {
+    const int64_t* off = reinterpret_cast<const int64_t*>(a.offsets);
+    if (b == 0 && off[0] != 0) take(0, 0);
+    if (off[b + 1] < off[b]) take(1, b + 1);
+    if (b == a.batch - 1 && off[a.batch] != a.total) take(2, a.batch);
+  }
+  if (a.check_lengths) {
+    const int64_t v = reinterpret_cast<const int64_t*>(a.lengths)[b];
+    if (v < 0) take(3, b);
+    if (v > a.width) take(4, b);
+  }
+  if (a.check_prompt) {
+    const int64_t v = reinterpret_cast<const int64_t*>(a.prompt_lens)[b];
+    if (v < 0) take(5, b);
+    if (v > prompt_bound(a, b)) take(6, b);
+  }
+  return key;
+}
+
+// Records the finding of `key` as ragged_checks.cu's kernels do (same kind, argument, index, value, bound, extra):
+// one call of the recorder with its fields chosen, rather than one per kind (fewer registers in the combines).
+__device__ __forceinline__ void record_check(const KLRewardArgs& a, int64_t key) {
+  const int64_t rank = key >> kCheckRankShift, i = key & ((int64_t{1} << kCheckRankShift) - 1);
+  const bool offsets = rank <= 2, lengths = rank == 3 || rank == 4;
+  const int64_t* values = reinterpret_cast<const int64_t*>(offsets ? a.offsets : lengths ? a.lengths : a.prompt_lens);
+  const int32_t kind = rank == 0   ? kErrOffsetsStart
+                       : rank == 1 ? kErrOffsetsDecreasing
+                       : rank == 2 ? kErrOffsetsEnd
+                       : rank == 4 ? kErrAboveBound
+                       : rank == 6 ? kErrAboveSequence
+                                   : kErrBelowZero;
+  const int32_t arg = offsets ? a.check_offsets : lengths ? a.check_lengths : a.check_prompt;
+  const int64_t bound = offsets ? a.total : lengths ? a.width : prompt_bound(a, i);
+  record_value_error(a.errors, kind, arg, i, values[i], bound, rank >= 5 ? prompt_bound_kind(a) : 0);
+}
+
+// The check state in the workspace (2 int64: the grid's first key, the blocks done), reset by the tile kernel's
+// block 0 (stream order puts it before the combine).
+__device__ __forceinline__ void reset_checks(const KLRewardArgs& a, int64_t* state) {
+  if (checks_folded(a) && blockIdx.x == 0 && threadIdx.x == 0) {
+    state[0] = kNoCheckFinding;
+    state[1] = 0;
+  }
+}
+
+// The first finding of the sequences combine_sequences gives this thread (b = blockIdx.x * kThreads +
+// threadIdx.x, then a grid's stride on), checked after its walk: kl_reward's combine, where checking them in
+// the walk cost sm_100/sm_120 a stack frame (penalty_combine checks them in its walk: there this one did).
+__device__ __forceinline__ int64_t first_check_of_sequences(const KLRewardArgs& a) {
+  int64_t key = kNoCheckFinding;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; b < a.batch; b += stride) {
+    const int64_t k = check_key(a, b);
+    key = k < key ? k : key;
+  }
+  return key;
+}
+
+// End of a combine kernel (every thread of every block, `key` the first finding of the sequences the combine
+// gave it: check_key in its walk): the grid's first finding, recorded by the last block. Call only when
+// checks_folded(a) (block-uniform).
+__device__ __forceinline__ void record_first_check(const KLRewardArgs& a, int64_t key, int64_t* state) {
+  __shared__ int64_t keys[kThreads];
+  keys[threadIdx.x] = key;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half >>= 1) {
+    if (static_cast<int>(threadIdx.x) < half && keys[threadIdx.x + half] < keys[threadIdx.x])
+      keys[threadIdx.x] = keys[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  long long* first = reinterpret_cast<long long*>(state);
+  if (keys[0] != kNoCheckFinding) atomicMin(first, static_cast<long long>(keys[0]));
+  __threadfence();  // this block's minimum is in before it counts itself done
+  const unsigned long long done = atomicAdd(reinterpret_cast<unsigned long long*>(state + 1), 1ull);
+  if (done != gridDim.x - 1ull) return;
+  __threadfence();
+  const long long found = atomicMin(first, static_cast<long long>(kNoCheckFinding));  // (an atomic read)
+  if (found != kNoCheckFinding) record_check(a, found);
 }
 
 // Calls f(DT, AT) (std::integral_constant dtype codes) for a half/single main dtype and a second

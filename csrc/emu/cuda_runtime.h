@@ -144,6 +144,17 @@ inline unsigned long long atomicCAS(unsigned long long* address, unsigned long l
   return compare;  // the old value (compare_exchange wrote it there when it differed)
 }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// (the value checks folded into the combine kernels: a grid-wide first finding, cuda/tiles.cuh)
+inline long long atomicMin(long long* address, long long value) {
+  long long old = __atomic_load_n(address, __ATOMIC_SEQ_CST);
+  while (value < old && !__atomic_compare_exchange_n(address, &old, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
 
 template <typename T>
 inline uint64_t kl_emu_bits(T v) {

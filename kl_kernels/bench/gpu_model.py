@@ -335,9 +335,10 @@ def page(so_path: str, tool: str) -> str:
               "(`bench/results/gpu-h200-2026-11-26-third/`) measured the loss forward+backward at 1.4-1.7 ms, "
               "slower than eager autograd: its aggregation was ~38 small torch launches per forward and ~10 per "
               "backward. It now runs in the kernels (`penalty_totals`, one block, and the backward reading the "
-              "loss's gradient on the device), and the offsets/lengths value checks are one small kernel each "
-              "(`ragged_checks.cu`, where torch took six launches): a packed or padded loss forward issues one "
-              "check kernel and its assert besides its 3 launches (`tests/test_launch_count.py` counts them).",
+              "loss's gradient on the device), and the offsets/lengths/prompt_lens value checks are made by the "
+              "forwards' combine kernels (`tiles.cuh`; before, one small kernel each, `ragged_checks.cu`, where "
+              "torch took six launches): a packed or padded `kl_reward` or loss forward issues no launch besides "
+              "its own (`tests/test_launch_count.py` counts them).",
               "* At these sizes (1.5-50 MB per call) launches weigh as much as the bytes: the medium batch "
               "streams in ~1 us at 3 TB/s, and its 67 tiles fill half of an H100's 132 SMs. The forwards pay a "
               "second launch (the combine) that a copy does not. What moves it: fusing the combine into the "

@@ -237,6 +237,9 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         _PLANS.put(key, plans.Unplanned(REGISTRY) if plan is None else plan)
         key = None
         if plan is not None:
+            # The plan checks the same values again (CallChecks), folded into its forward: the validation's
+            # deferred checks (ragged.DEFERRED) are dropped, not launched on their own first.
+            ragged.take_deferred()
             return plan(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out)
     if key is not None and not (impl.name == "cpu" and on_host(problem, process_group)):
         _PLANS.put(key, plans.Unplanned(REGISTRY))  # (the plans are of the calls the kernels aggregate)

@@ -311,10 +311,19 @@ class CallChecks:
         # dtype, shape, device; only the values are checked again. plain: the plan is made only for
         # int64 contiguous index tensors (int32 ones widened into those) without the negative bit and a
         # non-empty batch: api.py's plan builder)
-        if offsets is not None:
-            offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
-        if lengths is not None:
-            lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
+        # (their device checks deferred to the plan's launch, whose combine kernel makes them: ragged.defer_checks,
+        # written out: no Python-level call on a path whose calls tests/test_plans.py counts)
+        deferred = ragged.DEFERRED
+        if deferred.pending:
+            ragged.flush_deferred()
+        deferred.active = True
+        try:
+            if offsets is not None:
+                offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
+            if lengths is not None:
+                lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
+        finally:
+            deferred.active = False
         if type(beta) is not float or not -_checks.FLOAT32_MAX <= beta <= _checks.FLOAT32_MAX:
             beta = _beta(beta, self.batch, self.device)
         if out is not None:
@@ -322,7 +331,23 @@ class CallChecks:
         return offsets, lengths, beta
 
 
-def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
+def build_problem(*args, **kwargs):
+    """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``. (:func:`_build_problem`'s arguments.)
+
+    The value checks of accelerator tensors (offsets, lengths) are deferred to the launch that
+    follows (kl_kernels.ragged's ``defer_checks``): the CUDA forward checks them in its own combine kernel instead
+    of launches of their own; anything else launches them first. A validation that fails launches them at once."""
+    ragged.defer_checks()
+    try:
+        return _build_problem(*args, **kwargs)
+    except BaseException:
+        ragged.flush_deferred()
+        raise
+    finally:
+        ragged.stop_deferring()
+
+
+def _build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,
                   padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
                   dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None,
                   importance_sampling_level="token", kl_times_ratio=False, kl_aggregation=None,
@@ -432,3 +457,6 @@ def build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, 
     problem.num_sequences = num_sequences
     return problem, kind, offsets
 
+
+# (its signature: inspect.signature follows __wrapped__; linear_loss.py reads it)
+build_problem.__wrapped__ = _build_problem

@@ -236,6 +236,9 @@ def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1",
                                                               prompt_lens, coef), out)
         _PLANS.put(plan_key, plans.Unplanned(REGISTRY) if plan is None else plan)
         if plan is not None:
+            # The plan checks the same values again (CallChecks), folded into its forward on a device: the
+            # validation's deferred checks (ragged.DEFERRED) are dropped, not launched on their own first.
+            ragged.take_deferred()
             return plan(log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out)
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)

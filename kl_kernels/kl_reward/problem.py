@@ -328,7 +328,7 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
             return ragged.offsets_to_lengths(offsets)
         if not ragged.checks_on_host(prompt_lens):
             # (packed: the kernel bounds each sequence by its offsets and reads no width; the binding takes an int)
-            if not ragged.kernel_check("lengths_valid", prompt_lens, batch, width if padded else 0,
+            if not ragged.value_check("lengths_valid", prompt_lens, batch, width if padded else 0,
                                        None if padded else offsets, lengths if padded else None,
                                        name="prompt_lens", bound_kind=bound_kind):
                 device_errors.record_where(prompt_lens.lt(0), prompt_lens, "below_zero", "prompt_lens", 0)
@@ -405,13 +405,22 @@ class CallChecks:
         # dtype, shape, device; only the values are checked again. plain: the plan is made only for
         # int64 contiguous index tensors (int32 ones widened into those) without the negative bit and a
         # non-empty batch: api.py's plan builder)
-        if offsets is not None:
-            offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
-        if lengths is not None:
-            lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
-        if prompt_lens is not None:
-            prompt_lens = _check_prompt_lens(prompt_lens, self.layout, offsets, lengths, self.width, self.batch,
-                                             self.device)
+        # (their device checks deferred to the plan's launch, whose combine kernel makes them: ragged.defer_checks,
+        # written out: no Python-level call on a path whose calls tests/test_plans.py counts)
+        deferred = ragged.DEFERRED
+        if deferred.pending:
+            ragged.flush_deferred()
+        deferred.active = True
+        try:
+            if offsets is not None:
+                offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
+            if lengths is not None:
+                lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
+            if prompt_lens is not None:
+                prompt_lens = _check_prompt_lens(prompt_lens, self.layout, offsets, lengths, self.width, self.batch,
+                                                 self.device)
+        finally:
+            deferred.active = False
         coef = _checks.finite_scalar("coef", coef) if type(coef) is float else \
             _normalize_coef(coef, self.batch, self.device)
         if out is not None:
@@ -419,7 +428,23 @@ class CallChecks:
         return offsets, lengths, prompt_lens, coef
 
 
-def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
+def build_problem(*args, **kwargs):
+    """Validate everything and return ``(KLRewardProblem, OutputLayout)``. (:func:`_build_problem`'s arguments.)
+
+    The value checks of accelerator tensors (offsets, lengths, prompt_lens) are deferred to the launch that
+    follows (kl_kernels.ragged's ``defer_checks``): the CUDA forward checks them in its own combine kernel instead
+    of launches of their own; anything else launches them first. A validation that fails launches them at once."""
+    ragged.defer_checks()
+    try:
+        return _build_problem(*args, **kwargs)
+    except BaseException:
+        ragged.flush_deferred()
+        raise
+    finally:
+        ragged.stop_deferring()
+
+
+def _build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
                   prompt_lens, reward_placement, clamp_input, clamp_output, return_ref, detach, mask_nan=False,
                   out=None):
     """Validate everything and return ``(KLRewardProblem, OutputLayout)``."""
@@ -490,3 +515,7 @@ def build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, of
     host_lengths = tuple(t.shape[0] for t in log_probs) if kind == "list" else None
     return problem, OutputLayout(kind, offsets if kind not in ("packed", "padded") else None, lengths=host_lengths,
                                   reward_trailing=trailing)
+
+
+# (its signature: inspect.signature follows __wrapped__; linear_loss.py reads it)
+build_problem.__wrapped__ = _build_problem
