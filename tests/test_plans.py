@@ -6,6 +6,7 @@ argument struct equal, field by field, to what the launcher's own filling gives 
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 
@@ -19,16 +20,22 @@ KL_REWARD_BUDGET = 60  # Python-level calls (sys.setprofile "call" + "c_call") o
 
 
 def _count(f) -> int:
+    """Python-level calls of ``f()``. The cyclic garbage collector is off meanwhile (after a collection): a
+    collection that happens to run inside the call would add the finalizers and weakref callbacks of objects
+    of earlier calls, or of earlier tests in the worker (seen: 129 calls once where every lone run gave 127)."""
     events = []
 
     def profile(frame, event, arg):
         if event in ("call", "c_call"):
             events.append(event)
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         f()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return len(events) - 1  # (sys.setprofile's own c_call event when it is switched off)
 
 
