@@ -275,6 +275,19 @@ def stop_deferring() -> None:
     DEFERRED.active = False
 
 
+def deferring(validate, *args, **kwargs):
+    """``validate(*args, **kwargs)`` (an op's validation) with its value checks deferred (:func:`defer_checks`)
+    to the launch that follows; a validation that fails launches them at once."""
+    defer_checks()
+    try:
+        return validate(*args, **kwargs)
+    except BaseException:
+        flush_deferred()
+        raise
+    finally:
+        stop_deferring()
+
+
 def take_deferred() -> list:
     """The deferred checks (each ``(kernel, values, batch, bound, per_sequence, name, bound_kind)``), no longer
     pending: the caller folds them into its kernel or launches them (:func:`launch_deferred`)."""

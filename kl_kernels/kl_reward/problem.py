@@ -434,14 +434,7 @@ def build_problem(*args, **kwargs):
     The value checks of accelerator tensors (offsets, lengths, prompt_lens) are deferred to the launch that
     follows (kl_kernels.ragged's ``defer_checks``): the CUDA forward checks them in its own combine kernel instead
     of launches of their own; anything else launches them first. A validation that fails launches them at once."""
-    ragged.defer_checks()
-    try:
-        return _build_problem(*args, **kwargs)
-    except BaseException:
-        ragged.flush_deferred()
-        raise
-    finally:
-        ragged.stop_deferring()
+    return ragged.deferring(_build_problem, *args, **kwargs)
 
 
 def _build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,
