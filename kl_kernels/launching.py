@@ -149,9 +149,12 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
     naming ``what``. First, a bad value an earlier kernel recorded in the device's error word
     (:mod:`kl_kernels.device_errors`) is raised as its ValueError (a plain read of host memory)."""
     device_errors.raise_pending(device)
+    emulated = getattr(module, "EMULATED", False)
     if ragged.DEFERRED.pending:  # the validation's deferred value checks: into this kernel, or launched first
         fold_value_checks(kernel, args)
-    if getattr(module, "EMULATED", False):
+    elif (emulated or device.type == "cuda") and kernel.__name__ in FOLDING_KERNELS:
+        check_own_geometry(args, device)
+    if emulated:
         # The CUDA entry points on CPU memory: a CPU workspace, and stream 0, since CPU tensors have
         # no stream (the emulation runs each launch to completion before returning).
         if workspace_bytes is not None:
@@ -204,6 +207,27 @@ def fold_value_checks(kernel, args) -> None:
             continue
         setattr(g, field, code)
         g.errors = device_errors.word(entry[1].device).address
+
+
+def check_own_geometry(args, device) -> None:
+    """A CUDA forward of :data:`FOLDING_KERNELS` (real or emulated) launched with no validation's checks to
+    take (:func:`fold_value_checks`): inside a ``torch.compile``d graph, which calls the op without its
+    validation, or after checks made on the host. Its combine then checks the offsets, lengths and
+    prompt_lens it reads itself, under their own names, and records a bad one in the error word of
+    ``device``: so a compiled call's bad value still surfaces (``check_errors()``, the next call), where it
+    would only have given NaN. Values checked on the host already pass again, for a few reads per sequence."""
+    g = getattr(args, "g", args)  # (KLPenaltyArgs holds the geometry as g)
+    if g.batch <= 0 or g.total <= 0:  # (no tile kernel to reset the check state, or no combine)
+        return
+    packed = g.layout == 0
+    g.check_offsets = _OFFSETS if packed and g.offsets else 0
+    g.check_lengths = _LENGTHS if not packed and g.lengths else 0
+    g.check_prompt = _PROMPT_LENS if g.prompt_lens else 0
+    if g.check_offsets or g.check_lengths or g.check_prompt:
+        g.errors = device_errors.word(device).address
+
+
+_OFFSETS, _LENGTHS, _PROMPT_LENS = (codes.ARG_CODES[name] for name in ("offsets", "lengths", "prompt_lens"))
 
 
 def _folded_field(g, entry) -> str | None:

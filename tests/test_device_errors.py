@@ -690,3 +690,33 @@ def test_deferred_checks_are_launched_for_a_backend_that_does_not_fold_them(monk
     with pytest.raises(ValueError) as e:
         check_errors("cpu")
     assert str(e.value).split(" (found on ")[0] == want
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("op", ["kl_reward", "kl_penalty_loss"])
+def test_inside_torch_compile_a_bad_offset_still_surfaces(op):
+    """Inside a torch.compile'd function no validation runs at call time (the graph calls the op, whose value
+    checks would break the graph): the CUDA forwards check the geometry they read themselves (the folded checks
+    of their combine kernel), so a bad offsets tensor still records its ValueError, raised by check_errors() or
+    the next call, and a valid call after works. (Before: NaN outputs and no error at all.)"""
+    lp, ref, offsets = _packed("cpu")
+    bad = offsets.clone()
+    bad[2] = bad[1] - 1  # decreasing at index 2
+    want = _host_message(kl_reward, log_probs=lp, ref_log_probs=ref, offsets=bad, backend="torch").split(" (")[0]
+
+    def f(lp, ref, offsets):
+        if op == "kl_reward":
+            return kl_reward(lp, ref, offsets=offsets, estimator="k3", backend="cuda-emulated").kl_sum
+        return kl_penalty_loss(lp, ref, torch.ones_like(lp), offsets=offsets, beta=0.1,
+                               backend="cuda-emulated").loss
+
+    compiled = torch.compile(f, dynamic=False)
+    assert compiled(lp, ref, offsets).isfinite().all()
+    check_errors("cpu")
+    got = compiled(lp, ref, bad)
+    assert got.isnan().any()
+    with pytest.raises(ValueError) as e:
+        check_errors("cpu")
+    assert str(e.value).startswith(want), (str(e.value), want)
+    assert compiled(lp, ref, offsets).isfinite().all()
+    check_errors("cpu")
