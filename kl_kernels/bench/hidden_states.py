@@ -42,21 +42,17 @@ and on the CPU as a smoke test: ``python -m kl_kernels.bench.hidden_states --dev
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import math
 import statistics
-import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
+from . import peer_stubs
 from .machine import describe
 
 ACCEPTANCE = (8192, 4096, 128256)
@@ -84,58 +80,12 @@ def _ours_logprobs(h, w, labels):
     return out.log_probs, out.entropy
 
 
-class _Stub(types.ModuleType):
-    def __init__(self, name):
-        super().__init__(name)
-        self.__path__ = []
-        self.__version__ = "0.0.0"
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        stub = type(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(self, name, stub)
-        return stub
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots):
-        self.roots = frozenset(roots)
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _Stub(spec.name)
-
-    def exec_module(self, module):
-        pass
-
-
-@contextlib.contextmanager
-def _stubbed(roots):
-    """The absent ones of ``roots`` importable as empty stubs while the body runs (verl's import chain
-    names ray, transformers and codetiming at import time only), removed from ``sys.modules`` after it: the
-    modules imported meanwhile keep what they bound, and the rest of the process still sees them absent."""
-    missing = [r for r in roots if r not in sys.modules and importlib.util.find_spec(r) is None]
-    finder = _StubFinder(missing)
-    sys.meta_path.append(finder)
-    try:
-        yield
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [n for n in sys.modules if n.partition(".")[0] in finder.roots]:
-            del sys.modules[name]
-
-
 def _verl_logprobs():
     """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction)`` as ``(h, w, labels) ->
     (log_probs, entropy)``, or raises ImportError/RuntimeError saying why it cannot run here."""
     if importlib.util.find_spec("verl") is None:
         raise ImportError("verl is not installed (pip install --no-deps verl==0.9.1)")
-    with _stubbed(("ray", "transformers", "codetiming")):
+    with peer_stubs.stubbed(("ray", "transformers", "codetiming")):
         mod = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
     fn = mod.linear_cross_entropy
 
