@@ -108,3 +108,17 @@ def row_map(x: torch.Tensor) -> tuple[int, int, int]:
     if x.dim() == 2:
         return max(x.shape[0], 1), 0, x.stride(0)
     return max(x.shape[1], 1), x.stride(0), x.stride(1)
+
+
+def row_pass(backend: str, launch, launch_triton, reference) -> tuple:
+    """(forward, backward) of a row op's row pass by backend name, for logits the caller forms or holds itself
+    (the hidden-state and vocabulary-parallel paths): of the op's C++ launcher ``launch`` for ``cpu`` and
+    ``cuda`` (it picks ``_C`` or ``_cuda`` by the logits' device), of its emulated one for ``cuda-emulated``, of
+    ``launch_triton`` for ``triton``, else of its torch ``reference``. The op passes its own modules."""
+    if backend in ("cpu", "cuda"):
+        return launch.forward, launch.backward
+    if backend == "cuda-emulated":
+        return launch.emulated.forward, launch.emulated.backward
+    if backend == "triton":
+        return launch_triton.forward, launch_triton.backward
+    return reference.forward, reference.backward

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from .. import vocab_rows
 from ..lm_head import (add_chunk_grads, check_lm_head, check_ref_head, chunk_tokens, head_grad_buffers,
                        head_grads_out, row_pass_backend, schedule, slice_width, vocab_walk_grads)
 from . import launch, launch_triton, reference
@@ -29,13 +30,7 @@ from .problem import build_problem
 
 def _rows(backend: str):
     """(forward, backward) of the row pass for a chunk's logits [C, V]."""
-    if backend in ("cpu", "cuda"):  # the launcher picks _C or _cuda by the logits' device
-        return launch.forward, launch.backward
-    if backend == "cuda-emulated":
-        return launch.emulated.forward, launch.emulated.backward
-    if backend == "triton":
-        return launch_triton.forward, launch_triton.backward
-    return reference.forward, reference.backward
+    return vocab_rows.row_pass(backend, launch, launch_triton, reference)
 
 
 class _LinearFullKL(torch.autograd.Function):

@@ -3,15 +3,10 @@ vocabulary-parallel path call on logits they form or hold themselves."""
 
 from __future__ import annotations
 
+from .. import vocab_rows
 from . import launch, launch_triton, reference
 
 
 def row_pass(backend: str):
     """(forward, backward) of the row pass for logits [C, V] (the launchers' signatures, ``launch.py``)."""
-    if backend in ("cpu", "cuda"):  # the launcher picks _C or _cuda by the logits' device
-        return launch.forward, launch.backward
-    if backend == "cuda-emulated":
-        return launch.emulated.forward, launch.emulated.backward
-    if backend == "triton":
-        return launch_triton.forward, launch_triton.backward
-    return reference.forward, reference.backward
+    return vocab_rows.row_pass(backend, launch, launch_triton, reference)
