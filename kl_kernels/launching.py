@@ -54,6 +54,17 @@ def resolved(*tensors):
     return [t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors]
 
 
+def read_as_is(tensors, index_tensors) -> bool:
+    """Whether a launcher reads ``tensors`` (None: absent) as they are, for every call of their signature
+    (``kl_kernels/plans.py``: dtypes, strides, shapes and flags stay): plain (no subclass: fake tensors are
+    tracing; not nested), no negative bit (:func:`resolved` would copy), not empty, and ``index_tensors``
+    (offsets, lengths, prompt lengths) int64 and contiguous (else converted). The condition of the
+    launchers' plans."""
+    return not (any(t is not None and (type(t) is not torch.Tensor or t.is_neg() or t.is_nested or t.numel() == 0)
+                    for t in tensors)
+                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous()) for t in index_tensors))
+
+
 def ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None or x.numel() == 0 else x.data_ptr()
 

@@ -15,7 +15,7 @@ import torch
 
 from .. import plans
 from ..launching import (DTYPE_CODES, EMULATED, NO_CLAMP, ExtensionLauncher, as_contiguous, coefficient,
-                         geometry_args, kernel_module, launch_kernel, ptr, resolved, strides)
+                         geometry_args, kernel_module, launch_kernel, ptr, read_as_is, resolved, strides)
 
 TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
 RESULTS = 6  # kResults: loss_objective, loss_kl, loss_entropy, kl_mean, ratio_mean, clip_fraction
@@ -273,27 +273,19 @@ def backward(grad, g_seq, g_tok, mask, offsets, lengths, layout, left_pad, lp_dt
 _PLANS = plans.PlanCache("kl_penalty launches")
 
 
-def _plain_inputs(tensors, index_tensors) -> bool:
-    """Whether the launcher reads ``tensors`` as they are, for every call of their signature: plain
-    (no subclass: fake tensors are tracing), no negative bit, not empty, the index tensors int64 and
-    contiguous (what :func:`_prepare_forward` and :func:`backward` would otherwise convert)."""
-    return not (any(t is not None and (type(t) is not torch.Tensor or t.is_neg() or t.numel() == 0) for t in tensors)
-                or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous()) for t in index_tensors))
-
-
 class ForwardPlan:
     """:func:`forward` (without ``grad_out``) for the calls of one signature: the argument struct filled
     once by :func:`_prepare_forward` and copied per call, the inputs' addresses and a scalar beta
-    rewritten. For inputs the launcher reads as they are (:func:`_plain_inputs`, a float32 contiguous
-    beta tensor), which the signature keeps so; ``tests/test_plans.py`` holds its results to the
+    rewritten. For inputs the launcher reads as they are (:func:`~kl_kernels.launching.read_as_is`, a float32
+    contiguous beta tensor), which the signature keeps so; ``tests/test_plans.py`` holds its results to the
     launcher's own."""
 
     @classmethod
     def of(cls, forward_args, ext) -> "ForwardPlan | plans.Unplanned":
         lp, old, ref, adv, ent, mask, offsets, lengths, beta = forward_args[:9]
         weights, seq_lr = forward_args[19], forward_args[23]
-        if (not _plain_inputs((lp, old, ref, adv, ent, mask, offsets, lengths, beta, weights, seq_lr),
-                              (offsets, lengths))
+        if (not read_as_is((lp, old, ref, adv, ent, mask, offsets, lengths, beta, weights, seq_lr),
+                           (offsets, lengths))
                 or (beta is not None and not (beta.dtype == torch.float32 and beta.is_contiguous()))
                 or (forward_args[11] == 0 and offsets is None)):
             return plans.Unplanned(None)
@@ -351,7 +343,7 @@ class BackwardPlan:
     @classmethod
     def of(cls, backward_args, ext) -> "BackwardPlan | plans.Unplanned":
         grad, g_seq, g_tok, mask, offsets, lengths, layout = backward_args[:7]
-        if (not _plain_inputs((grad, g_seq, g_tok, mask, offsets, lengths), (offsets, lengths))
+        if (not read_as_is((grad, g_seq, g_tok, mask, offsets, lengths), (offsets, lengths))
                 or any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for t in (g_seq, g_tok))
                 or (layout == 0 and offsets is None)):
             return plans.Unplanned(None)
@@ -448,7 +440,8 @@ class AggregatedPlan:
     def __init__(self, forward_args, agg_scale, agg_per_token, agg_seq_mean, agg_entropy_coef, ext=None):
         module, a, _ = _prepare_forward(*forward_args, ext=ext)
         a.g.lp = a.g.mask = a.g.offsets = a.g.lengths = a.old = a.ref = a.adv = a.ent = a.wt = a.beta = 0
-        a.agg_scale, a.agg_per_token, a.agg_seq_mean = float(agg_scale), int(bool(agg_per_token)), int(bool(agg_seq_mean))
+        a.agg_scale = float(agg_scale)
+        a.agg_per_token, a.agg_seq_mean = int(bool(agg_per_token)), int(bool(agg_seq_mean))
         a.agg_entropy_coef, a.agg_tokens = float(agg_entropy_coef), 0
         self.module, self.template, self.ext = module, a, ext  # (no address of the first call's tensors is kept)
         self.shape, self.device, self.batch = forward_args[0].shape, forward_args[0].device, a.g.batch
@@ -475,18 +468,21 @@ class AggregatedPlan:
             a.beta_scalar = beta
         a.agg_beta = agg_beta
         dev, batch = self.device, self.batch
-        seq_loss, stats = torch.empty(batch, dtype=torch.float32, device=dev), torch.empty(batch, 5, dtype=torch.float32,
-                                                                                           device=dev)
+        seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
+        stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
         seq_count = torch.empty(batch, dtype=torch.int64, device=dev)
         grad = torch.empty(self.shape, dtype=torch.float32, device=dev) if grad_out is None else grad_out
-        loss, rest = torch.empty((), dtype=torch.float32, device=dev), torch.empty(RESULTS, dtype=torch.float32,
-                                                                                   device=dev)
-        n, weight = torch.empty((), dtype=torch.int64, device=dev), torch.empty(1, dtype=torch.float64, device=dev)
-        a.seq_loss, a.stats, a.count, a.grad = seq_loss.data_ptr(), stats.data_ptr(), seq_count.data_ptr(), grad.data_ptr()
+        loss = torch.empty((), dtype=torch.float32, device=dev)
+        rest = torch.empty(RESULTS, dtype=torch.float32, device=dev)
+        n = torch.empty((), dtype=torch.int64, device=dev)
+        weight = torch.empty(1, dtype=torch.float64, device=dev)
+        a.seq_loss, a.stats = seq_loss.data_ptr(), stats.data_ptr()
+        a.count, a.grad = seq_count.data_ptr(), grad.data_ptr()
         a.result, a.result_loss, a.result_count, a.result_weight = (rest.data_ptr(), loss.data_ptr(), n.data_ptr(),
                                                                     weight.data_ptr())
         module = self.module
-        launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss", workspace_bytes=self.workspace_bytes)
+        launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss",
+                      workspace_bytes=self.workspace_bytes)
         a.seq_loss = a.stats = a.result = a.result_loss = a.result_count = 0  # (dead from here: forward_aggregated)
         return loss, rest, n, weight, grad, a, [seq_count, beta]
 

@@ -14,7 +14,7 @@ import torch
 
 from .. import plans
 from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, geometry_args,
-                         kernel_module, launch_kernel, ptr, raise_for, resolved, set_input)
+                         kernel_module, launch_kernel, ptr, raise_for, read_as_is, resolved, set_input)
 
 
 def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,
@@ -174,11 +174,8 @@ def _launch_plan(log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, 
     lengths or prompt lengths not int64 contiguous), lists, subclasses (fake tensors: tracing), empty
     tensors, ``mask_nan`` on a device (the conditions of ForwardPlan's docstring, which the signature
     then keeps for every call)."""
-    tensors = (log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef)
-    if (any(t is not None and (type(t) is not torch.Tensor or t.is_neg() or t.is_nested or t.numel() == 0)
-            for t in tensors)
-            or any(t is not None and not (t.dtype == torch.int64 and t.is_contiguous())
-                   for t in (offsets, lengths, prompt_lens))
+    if (not read_as_is((log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef),
+                       (offsets, lengths, prompt_lens))
             or (mask_nan and log_probs.device.type != "cpu")
             or (layout == 0 and offsets is None)):
         return plans.Unplanned(None)
