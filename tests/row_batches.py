@@ -58,3 +58,13 @@ def moving_max_rows(vocab: int, seed: int, kinds=KINDS) -> torch.Tensor:
     """[len(kinds), vocab] float64, one row per kind."""
     g = torch.Generator().manual_seed(seed)
     return torch.stack([moving_max_row(k, vocab, g) for k in kinds])
+
+
+def shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """A leaf equal to ``t`` (contiguous, requiring grad) whose data starts ``shift`` elements into a larger
+    buffer: rows that start at another offset from a 16-byte boundary than a fresh tensor's (the CUDA row
+    kernels read each row's entries before its first boundary one by one, then 8-entry vectors; a gradient row
+    freshly allocated is then of another phase than its logits row)."""
+    buf = torch.zeros(t.numel() + shift, dtype=t.dtype, device=t.device)
+    buf[shift:] = t.detach().reshape(-1)
+    return buf[shift:].view(t.shape).requires_grad_(t.dtype.is_floating_point)

@@ -110,15 +110,15 @@ BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CU
             pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True):
+def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True, shifts=(0, 0)):
     md = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if backend in ("cpu", "triton", "cuda-emulated", "cuda") and logits.dtype == torch.float64:
         backend = "torch"  # the fused kernels read fp32/bf16/fp16
     dev = backend_device(backend)
     logits, ref = logits.to(dev), ref.to(dev)
     mask = None if mask is None else mask.to(dev)
-    x = logits.detach().clone().requires_grad_()
-    w = ref.detach().clone().requires_grad_(ref_grad)
+    x = row_batches.shifted(logits, shifts[0]) if shifts[0] else logits.detach().clone().requires_grad_()
+    w = (row_batches.shifted(ref, shifts[1]) if shifts[1] else ref.detach().clone()).requires_grad_(ref_grad)
     before = (logits.detach().clone(), ref.detach().clone())
     kl = full_kl(x, w, temperature=temperature, mask=mask, backend=backend)
     assert kl.dtype == md and kl.shape == logits.shape[:-1]
@@ -200,6 +200,26 @@ def test_kernel_row_steps(backend, vocab):
         x[0, 1, vocab // 2] = -INF
     _check(x, r, None, 0.9, backend=backend)
     _check(x[:, 1:], r[:, 1:], None, 1.0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", CUDA_EMULATED, pytest.param("triton", marks=pytest.mark.triton),
+                                     pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 300])
+def test_rows_at_every_alignment(backend, dtype, vocab):
+    """The CUDA kernels walk the policy's row as csrc/cuda/rows.cuh says (the entries before its first 16-byte
+    boundary one by one, then 8-entry vectors, then the rest) and read the reference's row and write the
+    gradients' rows in vectors only where those have the policy row's phase: the policy's rows and the
+    reference's at every pair of offsets from a boundary, the same and different (V = 300: head, vectors and
+    tail; V = 5: no vector); the gradients land in fresh rows (another phase, unless both are aligned)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(3, vocab, generator=g) * 4).to(dtype)
+    r = x + (torch.randn(3, vocab, generator=g)).to(dtype)
+    r[1, vocab // 2] = -INF
+    steps = 16 // x.element_size()
+    for sx in range(steps):
+        for sr in (sx, (sx + 1) % steps, (sx + 3) % steps):
+            _check(x, r, None, 0.8, backend=backend, shifts=(sx, sr))
 
 
 # The C++ kernels at every size and dtype; Triton under the interpreter (~5 s a case) at 3 steps of a row.

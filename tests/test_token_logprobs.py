@@ -79,14 +79,14 @@ BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CU
             pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto"):
+def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto", shift=0):
     md = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if backend in ("cpu", "triton", "cuda-emulated", "cuda") and logits.dtype == torch.float64:
         backend = "torch"  # the fused kernels read fp32/bf16/fp16
     dev = backend_device(backend)  # Triton on the GPU where there is one
     logits, labels = logits.to(dev), labels.to(dev)
     mask = None if mask is None else mask.to(dev)
-    leaf = logits.detach().clone().requires_grad_()
+    leaf = row_batches.shifted(logits, shift) if shift else logits.detach().clone().requires_grad_()
     before = logits.detach().clone()
     out = token_logprobs(leaf if leaf.shape == logits.shape else logits, labels, temperature=temperature,
                          return_entropy=entropy, mask=mask, backend=backend)
@@ -174,14 +174,43 @@ def test_log_probs_only_has_no_entropy(backend):
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 255, 256, 257, 2047, 2048, 2049, 5000])
 def test_fused_kernel_row_loops(backend, dtype, vocab):
     """The C++ kernels' row loops and their tails, against the oracle; a slab layout too. The CPU kernel's
-    lanes (16) and spans (256); the CUDA kernel's threads (256 per row) and float runs (2048 = 256 x 8), under
-    emulation, with more rows than the emulated launch's blocks (each block takes several rows)."""
+    lanes (16) and spans (256); the CUDA kernel's threads (256 per row) and steps (256 x 16 entries: 2 vectors
+    of 8 for 16-bit logits, 1 for fp32), under emulation, with more rows than the emulated launch's blocks
+    (each block takes several rows)."""
     g = torch.Generator().manual_seed(vocab)
     x = (torch.randn(3, 5, vocab, generator=g) * 4).to(dtype)
     x[0, 1, vocab // 2] = -math.inf
     y = torch.randint(0, vocab, (3, 5), generator=g)
     _check(x, y, None, 0.9, backend=backend)
     _check(x[:, 1:], y[:, 1:], None, 1.0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", CUDA_EMULATED, pytest.param("triton", marks=pytest.mark.triton),
+                                     pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 300])
+def test_rows_at_every_alignment(backend, dtype, vocab):
+    """The CUDA kernels read a row's entries before its first 16-byte boundary one by one, then 8-entry vectors
+    (128-bit accesses), then the rest one by one (csrc/cuda/rows.cuh): logits whose rows start at each offset
+    from a boundary (V = 300: head, vectors and tail; V = 5: no vector), labels in the head, a vector and the
+    tail, the gradient in a fresh row of another phase, and in place (the same row)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(4, vocab, generator=g) * 4).to(dtype)
+    y = torch.tensor([0, vocab - 1, vocab // 2, min(9, vocab - 1)])
+    for shift in range(1, 16 // x.element_size() + 1):
+        _check(x, y, None, 0.8, backend=backend, shift=shift)
+    dev = backend_device(backend)
+    base, yd = x.to(dev), y.to(dev)
+    for shift in (1, 3):  # in place: the gradient overwrites a row of the logits' own phase
+        w = torch.zeros(base.numel() + shift, dtype=dtype, device=dev)
+        w[shift:] = base.reshape(-1)
+        plain, w = w.clone().requires_grad_(), w.requires_grad_()
+        out = token_logprobs((plain * 1.0)[shift:].view(base.shape), yd, return_entropy=True, backend=backend)
+        (want,) = torch.autograd.grad(out.log_probs.sum() + out.entropy.sum(), plain)
+        logits = (w * 1.0)[shift:].view(base.shape)
+        out = token_logprobs(logits, yd, return_entropy=True, inplace_backward=True, backend=backend)
+        (got,) = torch.autograd.grad(out.log_probs.sum() + out.entropy.sum(), w)
+        torch.testing.assert_close(got, want)
 
 
 # The C++ kernels at every size and dtype; Triton under the interpreter (~1-2 s a case) at 3 steps of a row.
@@ -203,7 +232,8 @@ def test_one_pass_rows_whose_max_moves(backend, dtype, vocab):
     """The forward reads each row once, moving its sums onto a running max (csrc/common/row_math.h):
     rows whose max rises at every run, past the far bound, from -inf, -1e30 or -FLT_MAX, only at the end,
     or never (tests/row_batches.py), labels at both ends, against the oracle (values and gradients). Runs:
-    the CPU kernel's 1024-entry runs, Triton's 1024-entry steps, a CUDA thread's 8 entries 256 apart."""
+    the CPU kernel's 1024-entry runs, Triton's 1024-entry steps, a CUDA thread's step (one or two 8-entry
+    vectors, 2048 entries apart)."""
     x = row_batches.moving_max_rows(vocab, seed=vocab).to(dtype)
     n = x.shape[0]
     y = torch.tensor([vocab - 1 if i % 2 else 0 for i in range(n)])

@@ -4,7 +4,10 @@
 // running max (one pass), how a row's sums become its outputs, and each entry's gradient. The backends differ
 // only in how they walk a row and in the order they add its terms (each in a fixed order: deterministic).
 // The formulas are those of kl_kernels/token_logprobs/reference.py and kl_kernels/full_kl/reference.py
-// (tests hold every backend to a float64 oracle).
+// (tests hold every backend to a float64 oracle). The formulas that take an exponential take it from an `Exp`
+// policy: the CPU kernels the polynomial exp_vec (ExpPoly: the same float32 bits on every x86 machine, and
+// vectorized by GCC), the CUDA kernels the hardware's ex2 (cuda/rows.cuh: 2 instructions instead of ~20 per
+// exponential, relative error below 2^-22, which the oracle's float32 tolerance covers).
 //
 // token_logprobs, z = x / T, m = max z, d_j = m - z_j >= 0 (inf at a -inf logit):
 //   S = sum_j e^-d_j;  W = sum_j e^-d_j min(d_j, far)       lse = m + log S;  log_prob = z_y - lse
@@ -112,9 +115,15 @@ KL_HD float logprob_rebase(LogprobSums& s, float run_max) {
   return row_floor(s.m);
 }
 
+// The CPU kernels' exponential (see the top of this file).
+struct ExpPoly {
+  KL_HD float operator()(float y) const { return exp_vec(y); }
+};
+
 // One entry's terms of S and W, d = m - z_j.
-KL_HD void logprob_terms(float d, float& e, float& w) {
-  e = exp_vec(-d);
+template <class Exp = ExpPoly>
+KL_HD void logprob_terms(float d, float& e, float& w, Exp exp = {}) {
+  e = exp(-d);
   w = e * row_far(d);
 }
 
@@ -145,14 +154,16 @@ KL_HD LogprobGradRow logprob_grad_row(const TokenLogprobsArgs& a, int64_t r) {
 }
 
 // d x_j * T for an entry j that is not the label, d = lse - z_j; h the row's entropy (0 when g_H is).
-KL_HD float logprob_grad(float d, float g_lp, float g_h, float h) {
-  const float p = exp_vec(-d);
+template <class Exp = ExpPoly>
+KL_HD float logprob_grad(float d, float g_lp, float g_h, float h, Exp exp = {}) {
+  const float p = exp(-d);
   return -g_lp * p + g_h * (p * (row_far(d) - h));
 }
 
 // d x_y * T for the label's entry.
-KL_HD float logprob_grad_label(float d, float g_lp, float g_h, float h) {
-  const float p = exp_vec(-d);
+template <class Exp = ExpPoly>
+KL_HD float logprob_grad_label(float d, float g_lp, float g_h, float h, Exp exp = {}) {
+  const float p = exp(-d);
   return g_lp * (1.0f - p) + g_h * (p * (row_far(d) - h));
 }
 
@@ -193,9 +204,10 @@ KL_HD void full_kl_rebase(FullKLSums& s, float run_m, float run_n, float run_los
 }
 
 // One entry's terms of S, F, R and A, u = m - z_j, v = n - w_j (v = inf: the reference is -inf there).
-KL_HD void full_kl_terms(float u, float v, float& e, float& f, float& q, float& a) {
-  e = exp_vec(-u);
-  q = exp_vec(-v);
+template <class Exp = ExpPoly>
+KL_HD void full_kl_terms(float u, float v, float& e, float& f, float& q, float& a, Exp exp = {}) {
+  e = exp(-u);
+  q = exp(-v);
   const bool finite_ref = v < INFINITY;
   f = finite_ref ? e : 0.0f;
   a = e > 0.0f && finite_ref ? e * (v - u) : 0.0f;
@@ -204,8 +216,10 @@ KL_HD void full_kl_terms(float u, float v, float& e, float& f, float& q, float& 
 // The row's KL from S, R, A (float64 sums) and their logs: +inf where an entry whose reference is -inf has
 // a probability above float32's exp flush against the final max m (e^-(m - lost) > 0: what a two-pass
 // forward's term e * inf gives; one below it is 0, as p_j * (v_j - u_j) is taken as 0 where p_j is).
-KL_HD float full_kl_value(double S, double A, double log_s, double log_r, float m, float lost) {
-  if (exp_vec(lost - m) > 0.0f) return INFINITY;
+// `exp` the terms' own, so that the flush that decides here is the one that zeroed the terms (and the backward's p).
+template <class Exp = ExpPoly>
+KL_HD float full_kl_value(double S, double A, double log_s, double log_r, float m, float lost, Exp exp = {}) {
+  if (exp(lost - m) > 0.0f) return INFINITY;
   return static_cast<float>(A / S + (log_r - log_s));
 }
 
@@ -229,11 +243,13 @@ KL_HD FullKLGradRow full_kl_grad_row(const FullKLArgs& a, int64_t r) {
 KL_HD bool full_kl_grad_defined(float kl) { return kl > -INFINITY && kl < INFINITY; }
 
 // d x_j and d r_j of one entry, g = g_KL / T, u = lse - z_j, v = ref_lse - w_j.
-KL_HD float full_kl_grad_policy(float g, float u, float v, float kl) {
-  const float p = exp_vec(-u);
+template <class Exp = ExpPoly>
+KL_HD float full_kl_grad_policy(float g, float u, float v, float kl, Exp exp = {}) {
+  const float p = exp(-u);
   return p > 0.0f ? g * (p * ((v - u) - kl)) : 0.0f;
 }
-KL_HD float full_kl_grad_ref(float g, float u, float v) { return g * (exp_vec(-v) - exp_vec(-u)); }
+template <class Exp = ExpPoly>
+KL_HD float full_kl_grad_ref(float g, float u, float v, Exp exp = {}) { return g * (exp(-v) - exp(-u)); }
 
 // fn(std::integral_constant<int32_t, DT>{}) for a logits dtype code DT of kFloat32, kBFloat16, kFloat16;
 // 0, or 1 for any other code (the kernels' "unsupported dtype"). Host code.

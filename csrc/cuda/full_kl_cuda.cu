@@ -1,12 +1,15 @@
 // Fused CUDA full_kl: per counted row, the policy's logits x and the reference's r, the formulas of
 // common/row_math.h (shared with the CPU kernel, cpu/full_kl_cpu.cpp). One block of kRowThreads threads per
-// row (cuda/rows.cuh), thread t reading entries t, t + 256, ... of both rows (coalesced), kRowChunk of each
-// per step, loaded before they are used (that many loads in flight per thread and row):
-//   forward:  one pass (row_math.h): each thread keeps running maxima and its S, R and A against them, per
-//             step the kRowChunk entries' maxima, the sums moved onto them, the entries' terms added in
-//             float, then into float64; the block's maxima and NaN flag (block max), every thread's sums
-//             moved onto them and summed in a fixed order, then thread 0 writes the row's KL, lse and
-//             ref_lse. Each entry is read once; no [N, V] temporary.
+// row, walking the policy's row as cuda/rows.cuh says (the head's and tail's scalar entries, then 8-entry
+// vectors, kRowVecs<Bits, 2> a step, 128-bit accesses); the reference's row and the gradients' rows are read and
+// written the same way where they have the policy row's phase (kAligned, the common case), else entry by
+// entry at the same indices. The exponentials come from the SFU (RowExp).
+//   forward:  one pass (row_math.h): each thread keeps running maxima and its S, F, R and A against them; per
+//             step the step's maxima, the sums moved onto them, the entries' terms added in float, then into
+//             float64; the block's maxima (block max), every thread's sums moved onto them and summed in a
+//             fixed order, then thread 0 writes the row's KL, lse and ref_lse. A NaN entry needs no flag of its
+//             own: its term makes S or R NaN, which leaves the row undefined (row_undefined). Each entry is
+//             read once; no [N, V] temporary.
 //   backward: every entry's gradients to both logits (those wanted); a row whose KL is not finite gets NaN.
 // Deterministic (no atomics), no host synchronization, int64 indexing, any number of rows.
 #include "cuda/full_kl_cuda.h"
@@ -25,74 +28,167 @@
 namespace kl {
 namespace {
 
+// One step of the forward: K vectors' entries of both rows (z the policy's, w the reference's; -inf where
+// there is none: terms of 0) merged into s.
+template <int K>
+__device__ __forceinline__ void full_kl_step(FullKLSums& s, const float (&z)[K][kRowVec], const float (&w)[K][kRowVec]) {
+  float step_m = -INFINITY, step_n = -INFINITY, step_lost = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int c = 0; c < kRowVec; ++c) {  // NaN skipped (fmaxf: one FMNMX each)
+      step_m = fmaxf(step_m, z[k][c]);
+      step_n = fmaxf(step_n, w[k][c]);
+      step_lost = fmaxf(step_lost, full_kl_lost(z[k][c], w[k][c]));
+    }
+  float m, n;
+  full_kl_rebase(s, step_m, step_n, step_lost, m, n);
+  // S's, F's and R's terms are at most 1 each (against the running maxima): float sums, then float64. A's reach
+  // float32's max (e ~ 1 where the reference is -FLT_MAX): two of them overflow a float sum, so float64 each.
+  float se = 0.0f, sf = 0.0f, sr = 0.0f;
+  double sa = 0.0;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int c = 0; c < kRowVec; ++c) {
+      float e, f, q, d;
+      full_kl_terms(m - z[k][c], n - w[k][c], e, f, q, d, RowExp{});
+      se += e;
+      sf += f;
+      sr += q;
+      sa += d;
+    }
+  s.S += se;
+  s.F += sf;
+  s.R += sr;
+  s.A += sa;
+}
+
+// Vectors [v0, v0 + kVecs x kRowThreads) of both rows into z and w (-inf past `vecs` unless kFull).
+template <int32_t DT, bool kAligned, bool kFull>
+__device__ __forceinline__ void full_kl_load_step(const BitsOf<DT>* vx, const BitsOf<DT>* vy, int64_t v0, int64_t vecs,
+                                                  float inv_t, float (&z)[kRowVecs<BitsOf<DT>, 2>][kRowVec],
+                                                  float (&w)[kRowVecs<BitsOf<DT>, 2>][kRowVec]) {
+#pragma unroll
+  for (int k = 0; k < kRowVecs<BitsOf<DT>, 2>; ++k) {  // 2 x kVecs loads in flight
+    const int64_t vi = v0 + int64_t{k} * kRowThreads;
+    if (kFull || vi < vecs) {
+      row_load8<DT>(vx + vi * kRowVec, true, inv_t, z[k]);
+      row_load8<DT>(vy + vi * kRowVec, kAligned, inv_t, w[k]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kRowVec; ++c) z[k][c] = w[k][c] = -INFINITY;  // past the row: terms of 0
+    }
+  }
+}
+
+// Every vector of a row's walk into s: whole steps, then the partial last one.
+template <int32_t DT, bool kAligned>
+__device__ __forceinline__ void full_kl_vectors(FullKLSums& s, const BitsOf<DT>* vx, const BitsOf<DT>* vy, int64_t vecs,
+                                                float inv_t) {
+  constexpr int kVecs = kRowVecs<BitsOf<DT>, 2>;
+  int64_t v0 = threadIdx.x;
+  for (; v0 + int64_t{kVecs - 1} * kRowThreads < vecs; v0 += int64_t{kRowThreads} * kVecs) {
+    float z[kVecs][kRowVec], w[kVecs][kRowVec];
+    full_kl_load_step<DT, kAligned, true>(vx, vy, v0, vecs, inv_t, z, w);
+    full_kl_step(s, z, w);
+  }
+  if (v0 < vecs) {
+    float z[kVecs][kRowVec], w[kVecs][kRowVec];
+    full_kl_load_step<DT, kAligned, false>(vx, vy, v0, vecs, inv_t, z, w);
+    full_kl_step(s, z, w);
+  }
+}
+
 template <int32_t DT>
 __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs a) {
-  __shared__ float max_sm[4][kRowWarps];
+  __shared__ float max_sm[3][kRowWarps];
   __shared__ double sum_sm[3][kRowWarps];
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const int64_t t = threadIdx.x;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
     if (!row_counted(a, r)) {
-      if (t == 0) row_store_all(a, r, 0.0f);
+      if (threadIdx.x == 0) row_store_all(a, r, 0.0f);
       continue;
     }
     const Bits* x = logits_row<DT>(a, r);
     const Bits* y = ref_logits_row<DT>(a, r);
-    // one pass: per step kRowChunk entries of each row into registers, their maxima (NaN skipped, flagged),
-    // this thread's sums moved onto its running maxima (row_math.h), then the step's terms in float, added
-    // in float64
+    const RowSplit sp = row_split(x, V);
     FullKLSums sums = full_kl_sums_start();
-    float nan_seen = 0.0f;
-    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
-      float z[kRowChunk], w[kRowChunk];
-      float step_m = -INFINITY, step_n = -INFINITY, step_lost = -INFINITY;
+    {  // this thread's scalar entries (head and tail), one step
+      float z[1][kRowVec], w[1][kRowVec];
 #pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {  // 2 x kRowChunk independent loads in flight
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        z[c] = j < V ? from_bits<DT>(x[j]) * inv_t : -INFINITY;  // past the row: terms of 0
-        w[c] = j < V ? from_bits<DT>(y[j]) * inv_t : -INFINITY;
-        step_m = z[c] > step_m ? z[c] : step_m;
-        step_n = w[c] > step_n ? w[c] : step_n;
-        const float lost = full_kl_lost(z[c], w[c]);
-        step_lost = lost > step_lost ? lost : step_lost;
-        nan_seen = (z[c] != z[c]) | (w[c] != w[c]) ? 1.0f : nan_seen;
+      for (int c = 0; c < kRowVec; ++c) {
+        const int64_t j = c < 2 ? row_scalar_entry(sp, c) : -1;
+        z[0][c] = j >= 0 ? from_bits<DT>(x[j]) * inv_t : -INFINITY;
+        w[0][c] = j >= 0 ? from_bits<DT>(y[j]) * inv_t : -INFINITY;
       }
-      float m, n;
-      full_kl_rebase(sums, step_m, step_n, step_lost, m, n);
-      float se = 0.0f, sf = 0.0f, sr = 0.0f, sa = 0.0f;
-#pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {
-        float e, f, q, d;
-        full_kl_terms(m - z[c], n - w[c], e, f, q, d);
-        se += e;
-        sf += f;
-        sr += q;
-        sa += d;
-      }
-      sums.S += se;
-      sums.F += sf;
-      sums.R += sr;
-      sums.A += sa;
+      full_kl_step(sums, z, w);
     }
-    // the block's maxima, lost and NaN flag; every thread's sums moved onto them, then summed in a fixed order
-    float mx[4] = {sums.m, sums.n, nan_seen, sums.lost};
+    if (row_split(y, V).phase == sp.phase) {
+      full_kl_vectors<DT, true>(sums, x + sp.head, y + sp.head, sp.vecs, inv_t);
+    } else {
+      full_kl_vectors<DT, false>(sums, x + sp.head, y + sp.head, sp.vecs, inv_t);
+    }
+    // the block's maxima and lost; every thread's sums moved onto them, then summed in a fixed order
+    float mx[3] = {sums.m, sums.n, sums.lost};
     block_max(mx, max_sm);
     float m, n;
-    full_kl_rebase(sums, mx[0], mx[1], mx[3], m, n);
-    if (row_undefined(mx[2] != 0.0f, mx[0]) || row_undefined(false, mx[1])) {  // a softmax is undefined
-      if (t == 0) row_store_all(a, r, NAN);
-      continue;
-    }
+    full_kl_rebase(sums, mx[0], mx[1], mx[2], m, n);
     double total[3] = {sums.S, sums.R, sums.A};
     block_sum(total, sum_sm);
-    if (t == 0) {
-      const double log_s = log(total[0]), log_r = log(total[1]);
-      full_kl_store(a, r, full_kl_value(total[0], total[2], log_s, log_r, mx[0], mx[3]), logprob_lse(mx[0], log_s),
-                    logprob_lse(mx[1], log_r));
+    if (threadIdx.x == 0) {
+      if (row_undefined(total[0] != total[0] || total[1] != total[1], mx[0]) || row_undefined(false, mx[1])) {
+        row_store_all(a, r, NAN);  // a softmax is undefined
+      } else {
+        const double log_s = log(total[0]), log_r = log(total[1]);
+        full_kl_store(a, r, full_kl_value(total[0], total[2], log_s, log_r, mx[0], mx[2], RowExp{}), logprob_lse(mx[0], log_s),
+                      logprob_lse(mx[1], log_r));
+      }
     }
   }
+}
+
+// The gradients of vectors [v0, v0 + kVecs x kRowThreads) (those past `vecs` skipped unless kFull).
+template <int32_t DT, bool kAligned, bool kFull>
+__device__ __forceinline__ void full_kl_grad_step(const BitsOf<DT>* vx, const BitsOf<DT>* vy, BitsOf<DT>* gx,
+                                                  BitsOf<DT>* gr, int64_t v0, int64_t vecs, float inv_t,
+                                                  const FullKLGradRow& in) {
+  constexpr int kVecs = kRowVecs<BitsOf<DT>, 2>;
+  float u[kVecs][kRowVec], v[kVecs][kRowVec];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {  // all loads first: 2 x kVecs in flight (each read before it is written)
+    const int64_t vi = v0 + int64_t{k} * kRowThreads;
+    if (kFull || vi < vecs) {
+      row_load8<DT>(vx + vi * kRowVec, true, inv_t, u[k]);
+      row_load8<DT>(vy + vi * kRowVec, kAligned, inv_t, v[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t vi = v0 + int64_t{k} * kRowThreads;
+    if (!kFull && vi >= vecs) continue;
+    float px[kRowVec], pr[kRowVec];
+#pragma unroll
+    for (int c = 0; c < kRowVec; ++c) {
+      const float uc = in.lse - u[k][c], vc = in.ref_lse - v[k][c];
+      px[c] = full_kl_grad_policy(in.g, uc, vc, in.kl, RowExp{});
+      pr[c] = full_kl_grad_ref(in.g, uc, vc, RowExp{});
+    }
+    if (gx) row_store8<DT>(gx + vi * kRowVec, kAligned, px);
+    if (gr) row_store8<DT>(gr + vi * kRowVec, kAligned, pr);
+  }
+}
+
+template <int32_t DT, bool kAligned>
+__device__ __forceinline__ void full_kl_grad_vectors(const BitsOf<DT>* vx, const BitsOf<DT>* vy, BitsOf<DT>* gx,
+                                                     BitsOf<DT>* gr, int64_t vecs, float inv_t, const FullKLGradRow& in) {
+  constexpr int kVecs = kRowVecs<BitsOf<DT>, 2>;
+  int64_t v0 = threadIdx.x;
+  for (; v0 + int64_t{kVecs - 1} * kRowThreads < vecs; v0 += int64_t{kRowThreads} * kVecs)
+    full_kl_grad_step<DT, kAligned, true>(vx, vy, gx, gr, v0, vecs, inv_t, in);
+  if (v0 < vecs) full_kl_grad_step<DT, kAligned, false>(vx, vy, gx, gr, v0, vecs, inv_t, in);
 }
 
 template <int32_t DT>
@@ -108,30 +204,31 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArg
     const bool counted = row_counted(a, r);
     const FullKLGradRow in = full_kl_grad_row(a, r);
     if (!counted || !full_kl_grad_defined(in.kl)) {  // 0, or NaN: the gradient of an infinite or undefined KL
-      const Bits fill = to_bits<DT>(counted ? NAN : 0.0f);
-      for (int64_t j = threadIdx.x; j < V; j += kRowThreads) {
-        if (gx) gx[j] = fill;
-        if (gr) gr[j] = fill;
-      }
+      const float fill = counted ? NAN : 0.0f;
+      if (gx) row_fill<DT>(gx, V, fill);
+      if (gr) row_fill<DT>(gr, V, fill);
       continue;
     }
-    const float g = in.g, kl = in.kl, lse = in.lse, ref_lse = in.ref_lse;
-    for (int64_t j0 = threadIdx.x; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
-      float u[kRowChunk], v[kRowChunk];
+    const RowSplit sp = row_split(x, V);
 #pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {  // all loads first: 2 x kRowChunk in flight
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        u[c] = j < V ? lse - from_bits<DT>(x[j]) * inv_t : 0.0f;
-        v[c] = j < V ? ref_lse - from_bits<DT>(y[j]) * inv_t : 0.0f;
+    for (int k = 0; k < 2; ++k) {  // the scalar entries
+      const int64_t j = row_scalar_entry(sp, k);
+      if (j >= 0) {
+        const float u = in.lse - from_bits<DT>(x[j]) * inv_t, v = in.ref_lse - from_bits<DT>(y[j]) * inv_t;
+        const float px = full_kl_grad_policy(in.g, u, v, in.kl, RowExp{}), pr = full_kl_grad_ref(in.g, u, v, RowExp{});
+        if (gx) gx[j] = to_bits<DT>(px);
+        if (gr) gr[j] = to_bits<DT>(pr);
       }
-#pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        if (j < V) {
-          if (gx) gx[j] = to_bits<DT>(full_kl_grad_policy(g, u[c], v[c], kl));
-          if (gr) gr[j] = to_bits<DT>(full_kl_grad_ref(g, u[c], v[c]));
-        }
-      }
+    }
+    // the common case: the reference and both gradient rows (those wanted) aligned as the policy's row
+    const bool aligned = row_split(y, V).phase == sp.phase && (!gx || row_split(gx, V).phase == sp.phase) &&
+                         (!gr || row_split(gr, V).phase == sp.phase);
+    Bits* vgx = gx ? gx + sp.head : nullptr;
+    Bits* vgr = gr ? gr + sp.head : nullptr;
+    if (aligned) {
+      full_kl_grad_vectors<DT, true>(x + sp.head, y + sp.head, vgx, vgr, sp.vecs, inv_t, in);
+    } else {
+      full_kl_grad_vectors<DT, false>(x + sp.head, y + sp.head, vgx, vgr, sp.vecs, inv_t, in);
     }
   }
 }

@@ -1,14 +1,16 @@
 // Fused CUDA token_logprobs: per counted row of the logits, the formulas of common/row_math.h (shared with
-// the CPU kernel, cpu/token_logprobs_cpu.cpp). One block of kRowThreads threads per row (cuda/rows.cuh),
-// thread t reading entries t, t + 256, ... (each warp a contiguous 32-entry run: coalesced), kRowChunk of
-// them per step, loaded before they are used (that many loads in flight per thread):
-//   forward:  one pass (row_math.h): each thread keeps a running max and its S and W against it, per step
-//             the kRowChunk entries' max, the sums moved onto it, the entries' terms added in float, then
-//             into float64; the block's max and NaN flag (block max), every thread's sums moved onto it and
-//             summed in a fixed order, then thread 0 writes the row's log-prob, lse and entropy. Each entry
-//             is read once (the label's once more); no [N, V] temporary.
-//   backward: every entry's gradient, each written by the thread that read it: with inplace_backward the
-//             gradient overwrites the logits, and the label's entry is read before it is written.
+// the CPU kernel, cpu/token_logprobs_cpu.cpp). One block of kRowThreads threads per row, walking it as
+// cuda/rows.cuh says (the head's and tail's scalar entries, then 8-entry vectors, kRowVecs a step, 128-bit
+// accesses), the exponentials from the SFU (RowExp):
+//   forward:  one pass (row_math.h): each thread keeps a running max and its S and W against it; per step
+//             the step's max, the sums moved onto it, the entries' terms added in float, then into float64;
+//             the block's max (block max), every thread's sums moved onto it and summed in a fixed order,
+//             then thread 0 writes the row's log-prob, lse and entropy. A NaN entry needs no flag of its
+//             own: its term is NaN, so S is (and a +inf one makes the max +inf); either leaves the row
+//             undefined (row_undefined). Each entry is read once (the label's once more); no [N, V] temporary.
+//   backward: every entry's gradient, each written by the thread that read it (with inplace_backward the
+//             gradient overwrites the logits, each vector read before it is written); the label's entry
+//             takes logprob_grad_label, in the one vector (or scalar entry) that holds it.
 // Deterministic (no atomics), no host synchronization, int64 indexing, any number of rows.
 #include "cuda/token_logprobs_cuda.h"
 
@@ -26,63 +28,141 @@
 namespace kl {
 namespace {
 
+// One step of the forward: K vectors' entries z (-inf where there is none: a term of 0) merged into s.
+template <int K>
+__device__ __forceinline__ void logprob_step(LogprobSums& s, const float (&z)[K][kRowVec]) {
+  float step_max = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int c = 0; c < kRowVec; ++c) step_max = fmaxf(step_max, z[k][c]);  // NaN skipped (one FMNMX)
+  const float m = logprob_rebase(s, step_max);
+  float se = 0.0f, sw = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int c = 0; c < kRowVec; ++c) {
+      float e, w;
+      logprob_terms(m - z[k][c], e, w, RowExp{});
+      se += e;
+      sw += w;
+    }
+  s.S += se;
+  s.W += sw;
+}
+
 template <int32_t DT>
 __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(TokenLogprobsArgs a) {
-  __shared__ float max_sm[2][kRowWarps];
+  __shared__ float max_sm[1][kRowWarps];
   __shared__ double sum_sm[2][kRowWarps];
   using Bits = BitsOf<DT>;
+  constexpr int kVecs = kRowVecs<Bits>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
-  const int64_t t = threadIdx.x;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
     if (!row_counted(a, r)) {
-      if (t == 0) row_store_all(a, r, 0.0f);
+      if (threadIdx.x == 0) row_store_all(a, r, 0.0f);
       continue;
     }
     const Bits* row = logits_row<DT>(a, r);
-    // one pass: per step kRowChunk entries into registers, their max (NaN skipped, flagged), this thread's
-    // sums moved onto its running max (row_math.h), then the step's terms in float, added in float64
+    const RowSplit sp = row_split(row, V);
     LogprobSums sums = logprob_sums_start();
-    float nan_seen = 0.0f;
-    for (int64_t j0 = t; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
-      float z[kRowChunk];
-      float step_max = -INFINITY;
+    {  // this thread's scalar entries (head and tail), one step
+      float z[1][kRowVec];
 #pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {  // kRowChunk independent loads in flight
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        z[c] = j < V ? from_bits<DT>(row[j]) * inv_t : -INFINITY;  // past the row: a term of 0
-        step_max = z[c] > step_max ? z[c] : step_max;
-        nan_seen = z[c] != z[c] ? 1.0f : nan_seen;
+      for (int c = 0; c < kRowVec; ++c) {
+        const int64_t j = c < 2 ? row_scalar_entry(sp, c) : -1;
+        z[0][c] = j >= 0 ? from_bits<DT>(row[j]) * inv_t : -INFINITY;
       }
-      const float m = logprob_rebase(sums, step_max);
-      float se = 0.0f, sw = 0.0f;
-#pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {
-        float e, w;
-        logprob_terms(m - z[c], e, w);
-        se += e;
-        sw += w;
-      }
-      sums.S += se;
-      sums.W += sw;
+      logprob_step(sums, z);
     }
-    // the block's max and NaN flag; every thread's sums moved onto that max, then summed in a fixed order
-    float mx[2] = {sums.m, nan_seen};
+    // whole steps (every vector of the step in the row: no check per vector), then the partial last one
+    const Bits* vrow = row + sp.head;
+    int64_t v0 = threadIdx.x;
+    for (; v0 + int64_t{kVecs - 1} * kRowThreads < sp.vecs; v0 += int64_t{kRowThreads} * kVecs) {
+      float z[kVecs][kRowVec];
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) row_load8<DT>(vrow + (v0 + int64_t{k} * kRowThreads) * kRowVec, true, inv_t, z[k]);
+      logprob_step(sums, z);  // kVecs 128-bit loads in flight before
+    }
+    if (v0 < sp.vecs) {
+      float z[kVecs][kRowVec];
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        const int64_t vi = v0 + int64_t{k} * kRowThreads;
+        if (vi < sp.vecs) {
+          row_load8<DT>(vrow + vi * kRowVec, true, inv_t, z[k]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < kRowVec; ++c) z[k][c] = -INFINITY;  // past the row: terms of 0
+        }
+      }
+      logprob_step(sums, z);
+    }
+    // the block's max; every thread's sums moved onto it, then summed in a fixed order
+    float mx[1] = {sums.m};
     block_max(mx, max_sm);
     logprob_rebase(sums, mx[0]);
-    const int64_t y = row_label(a, r);
-    if (row_undefined(mx[1] != 0.0f, mx[0]) || y < 0 || y >= V) {  // undefined softmax (or a label Python refused)
-      if (t == 0) row_store_all(a, r, NAN);
-      continue;
-    }
     double total[2] = {sums.S, sums.W};
     block_sum(total, sum_sm);
-    if (t == 0) {
-      const double log_s = log(total[0]);
-      const float lse = logprob_lse(mx[0], log_s);
-      logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(total[0], total[1], log_s));
+    if (threadIdx.x == 0) {
+      const int64_t y = row_label(a, r);
+      if (row_undefined(total[0] != total[0], mx[0]) || y < 0 || y >= V) {  // undefined (or a label Python refused)
+        row_store_all(a, r, NAN);
+      } else {
+        const double log_s = log(total[0]);
+        const float lse = logprob_lse(mx[0], log_s);
+        logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(total[0], total[1], log_s));
+      }
     }
   }
+}
+
+// The gradients of vectors [v0, v0 + kVecs x kRowThreads) of a row's walk (the step's vectors past `vecs`
+// skipped): d = lse - z, then logprob_grad, or logprob_grad_label at the label's entry (yv: counted from the
+// first vector's; in one vector of the row at most). kAligned: the gradient row has the logits row's phase.
+template <int32_t DT, bool kAligned, bool kFull>
+__device__ __forceinline__ void logprob_grad_step(const BitsOf<DT>* vrow, BitsOf<DT>* vout, int64_t v0, int64_t vecs,
+                                                  int64_t yv, float inv_t, const LogprobGradRow& in) {
+  constexpr int kVecs = kRowVecs<BitsOf<DT>>;
+  float d[kVecs][kRowVec];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {  // all loads first: kVecs in flight (and each read before it is written)
+    const int64_t vi = v0 + int64_t{k} * kRowThreads;
+    if (kFull || vi < vecs) row_load8<DT>(vrow + vi * kRowVec, true, inv_t, d[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t vi = v0 + int64_t{k} * kRowThreads;
+    if (!kFull && vi >= vecs) continue;
+    float g[kRowVec];
+#pragma unroll
+    for (int c = 0; c < kRowVec; ++c) {
+      d[k][c] = in.lse - d[k][c];
+      g[c] = logprob_grad(d[k][c], in.g_lp, in.g_h, in.h, RowExp{}) * inv_t;
+    }
+    const uint64_t yl = static_cast<uint64_t>(yv - vi * kRowVec);
+    if (yl < kRowVec) {  // the label's vector: its entry's d picked out, its gradient put in (no local memory)
+      float dy = d[k][0];
+#pragma unroll
+      for (int c = 1; c < kRowVec; ++c) dy = static_cast<uint64_t>(c) == yl ? d[k][c] : dy;
+      const float gy = logprob_grad_label(dy, in.g_lp, in.g_h, in.h, RowExp{}) * inv_t;
+#pragma unroll
+      for (int c = 0; c < kRowVec; ++c) g[c] = static_cast<uint64_t>(c) == yl ? gy : g[c];
+    }
+    row_store8<DT>(vout + vi * kRowVec, kAligned, g);
+  }
+}
+
+// Every vector of a row's walk: whole steps, then the partial last one.
+template <int32_t DT, bool kAligned>
+__device__ __forceinline__ void logprob_grad_vectors(const BitsOf<DT>* vrow, BitsOf<DT>* vout, int64_t vecs, int64_t yv,
+                                                     float inv_t, const LogprobGradRow& in) {
+  constexpr int kVecs = kRowVecs<BitsOf<DT>>;
+  int64_t v0 = threadIdx.x;
+  for (; v0 + int64_t{kVecs - 1} * kRowThreads < vecs; v0 += int64_t{kRowThreads} * kVecs)
+    logprob_grad_step<DT, kAligned, true>(vrow, vout, v0, vecs, yv, inv_t, in);
+  if (v0 < vecs) logprob_grad_step<DT, kAligned, false>(vrow, vout, v0, vecs, yv, inv_t, in);
 }
 
 template <int32_t DT>
@@ -94,27 +174,26 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(To
     const Bits* row = logits_row<DT>(a, r);
     Bits* out = grad_logits_row<DT>(a, r);
     if (!row_counted(a, r)) {
-      for (int64_t j = threadIdx.x; j < V; j += kRowThreads) out[j] = to_bits<DT>(0.0f);
+      row_fill<DT>(out, V, 0.0f);
       continue;
     }
     const LogprobGradRow in = logprob_grad_row(a, r);
-    const float gl = in.g_lp, gh = in.g_h, lse = in.lse, h = in.h;
     const int64_t y = row_label(a, r);  // out of [0, V) (never, past Python's checks): no entry is the label
-    for (int64_t j0 = threadIdx.x; j0 < V; j0 += int64_t{kRowThreads} * kRowChunk) {
-      float z[kRowChunk];
+    const RowSplit sp = row_split(row, V);
 #pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {  // all loads first: kRowChunk in flight (and read before written)
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        z[c] = j < V ? from_bits<DT>(row[j]) * inv_t : 0.0f;
+    for (int k = 0; k < 2; ++k) {  // the scalar entries
+      const int64_t j = row_scalar_entry(sp, k);
+      if (j >= 0) {
+        const float d = in.lse - from_bits<DT>(row[j]) * inv_t;
+        const float g = j == y ? logprob_grad_label(d, in.g_lp, in.g_h, in.h, RowExp{})
+                               : logprob_grad(d, in.g_lp, in.g_h, in.h, RowExp{});
+        out[j] = to_bits<DT>(g * inv_t);
       }
-#pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {
-        const int64_t j = j0 + int64_t{c} * kRowThreads;
-        if (j < V) {
-          const float d = lse - z[c];  // lse - z_j
-          out[j] = to_bits<DT>((j == y ? logprob_grad_label(d, gl, gh, h) : logprob_grad(d, gl, gh, h)) * inv_t);
-        }
-      }
+    }
+    if (row_split(out, V).phase == sp.phase) {  // in place (the same row), or a gradient row aligned alike
+      logprob_grad_vectors<DT, true>(row + sp.head, out + sp.head, sp.vecs, y - sp.head, inv_t, in);
+    } else {
+      logprob_grad_vectors<DT, false>(row + sp.head, out + sp.head, sp.vecs, y - sp.head, inv_t, in);
     }
   }
 }

@@ -29,6 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import sass
+
 # Device facts per architecture, for every target of setup.py's release list (DEFAULT_CUDA_ARCHS, 80;86;89;90;
 # 100;120; tests/test_gpu_model.py holds the two lists together). Per-SM limits as the CUDA toolkit's own
 # occupancy calculator has them (include/cuda_occupancy.h: blocks per SM, shared memory per SM and per block,
@@ -208,12 +210,12 @@ LAUNCHES = {"kl_reward forward (forward_tile)": 2, "kl_reward backward (backward
 def _row_constants():
     text = (REPO / "csrc" / "cuda" / "rows.cuh").read_text()
     threads = int(re.search(r"constexpr int kRowThreads = (\d+);", text).group(1))
-    chunk = int(re.search(r"constexpr int kRowChunk = (\d+);", text).group(1))
-    return threads, chunk
+    vec = int(re.search(r"constexpr int kRowVec = (\d+);", text).group(1))
+    return threads, vec
 
 
-# The row kernels (token_logprobs, full_kl) at the size the GPU bench measured Triton's at (H200,
-# bench/results/gpu-h200-2026-11-27): N = 8192 rows, V = 131,072, bf16 logits. Per row: (kernel family,
+# The row kernels (token_logprobs, full_kl) at the size the GPU bench measures them (H200,
+# bench/results/gpu-h200-2026-11-28): N = 8192 rows, V = 131,072, bf16 logits. Per row: (kernel family,
 # rows of V read, each once, rows of V written).
 ROW_SIZE = dict(rows=8192, vocab=131072, e=2)
 ROW_KERNELS = {
@@ -222,42 +224,88 @@ ROW_KERNELS = {
     "full_kl forward": ("full_kl_forward_kernel", 2, 0),
     "full_kl backward (both gradients)": ("full_kl_backward_kernel", 2, 2),
 }
+# What an SM issues: 4 schedulers x 32 lanes a cycle (FP32 and integer instructions alike), and its SFU's
+# 16 lanes a cycle (MUFU: the row kernels' exponentials), at an H100 SXM's boost clock.
+ISSUE_LANES_PER_CYCLE = 128
+SFU_LANES_PER_CYCLE = 16
+CLOCK_GHZ = 1.98
+ROW_DTYPE_CODE = {"bf16": "ILi1E", "fp32": "ILi0E"}  # the logits dtype as the kernels' template argument
 
 
-def row_kernel_lines(worst: dict) -> list[str]:
-    """The row kernels' section of the page: bytes per call and the predicted time against a same-bytes copy
-    (sm_90)."""
-    threads, chunk = _row_constants()
+def row_loops(so_path: str, tool: str) -> dict[tuple[str, str, str], list[sass.Loop]]:
+    """Each row kernel's innermost loading loops (``sass.inner_loading_loops``; its main loop is
+    ``sass.pick_main`` of them): ``{(arch, family, variant): [Loop, ...]}``."""
+    out = subprocess.run([tool, "--dump-sass", so_path], capture_output=True, text=True, check=True).stdout
+    loops = {}
+    for block in re.split(r"(?=\n\s*arch = sm_)", out):
+        m = re.search(r"arch = (sm_\d+)", block)
+        if not m:
+            continue
+        for name, instrs in sass.functions(block).items():
+            fam = _FAMILY.search(name)
+            if fam is None or fam.group(1) not in {k for k, _, _ in ROW_KERNELS.values()}:
+                continue
+            loops[(m.group(1), fam.group(1), fam.group(2) or "")] = sass.inner_loading_loops(instrs)
+    return loops
+
+
+def row_instructions_per_entry(loops: dict, arch: str, family: str, dtype: str, steady: bool = False) -> float | None:
+    """The main loop's instructions per entry of `family` for logits of `dtype` ("bf16"/"fp32") on `arch`: the
+    whole loop's, or (steady) its shortest path's (``sass.Loop.per_entry``); the most of the kernel's variants."""
+    streams = next(st for k, st, _ in ROW_KERNELS.values() if k == family)
+    code = ROW_DTYPE_CODE[dtype]
+    found = [sass.pick_main(inner).per_entry(16 if dtype == "bf16" else 32, streams, steady)
+             for (a, f, v), inner in loops.items() if a == arch and f == family and v.startswith(code) and inner]
+    return max(found) if found else None
+
+
+def row_kernel_lines(worst: dict, loops: dict) -> list[str]:
+    """The row kernels' section of the page: bytes and instructions per call, and the predicted time against a
+    same-bytes copy (sm_90)."""
+    threads, vec = _row_constants()
     n, v, e = ROW_SIZE["rows"], ROW_SIZE["vocab"], ROW_SIZE["e"]
+    issue = ARCH["sm_90"]["sms"] * ISSUE_LANES_PER_CYCLE * CLOCK_GHZ * 1e3  # lane-instructions per us
+    sfu = ARCH["sm_90"]["sms"] * SFU_LANES_PER_CYCLE * CLOCK_GHZ * 1e3
     lines = ["", "## The row kernels (token_logprobs, full_kl) on an H100 (sm_90)", "",
              f"One block of {threads} threads per row, rows in a grid-stride loop; every kernel reads each row once "
              "(the forwards with an online max: each thread's sums moved onto its running max as it rises, then "
-             "onto the block's, summed in a fixed order; csrc/common/row_math.h, the CPU kernels' and Triton's "
-             f"algorithm too) and loads {chunk} entries per thread and row before it uses them. Size: the GPU "
-             "bench's, N = 8,192 rows, V = 131,072, bf16 logits. Efficiency: bytes in flight per SM "
-             f"(blocks x {threads} threads x {chunk} loads x streams x 2 B) over 14 KB, capped at 1.", "",
-             "| kernel | blocks/SM | MB moved | efficiency | predicted us | copy us | fraction of copy |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "onto the block's, summed in a fixed order; csrc/common/row_math.h) in "
+             f"{vec}-entry vectors, 128-bit accesses on 16-byte aligned rows (csrc/cuda/rows.cuh). Size: the GPU "
+             f"bench's, N = {n:,} rows, V = {v:,}, bf16 logits. These kernels are bound by what they issue as much "
+             "as by their bytes, so the time is the larger of two floors: the bytes at a copy's rate, and the "
+             "main loop's instructions per entry at "
+             f"{ARCH['sm_90']['sms']} SMs x {ISSUE_LANES_PER_CYCLE} lanes x {CLOCK_GHZ} GHz, read from the SASS "
+             "(`kl_kernels/bench/sass.py`): the whole loop (its rare branches included: the rebase when a max "
+             "rises, the label's vector) and its steady path (those branches not taken), which the prediction "
+             f"uses. One exponential an entry and row also needs the SFU ({SFU_LANES_PER_CYCLE} lanes a cycle an "
+             f"SM): {n * v / sfu:.0f} us each at this size.", "",
+             "| kernel | blocks/SM | MB moved | instructions / entry (loop; steady) | bytes us | issue us | "
+             "predicted us | copy us | fraction of copy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     copy_bw = ARCH["sm_90"]["copy_tbs"] * 1e12
     for what, (kernel, streams, writes) in ROW_KERNELS.items():
         blocks = worst.get(("sm_90", kernel))
-        if blocks is None:
+        whole = row_instructions_per_entry(loops, "sm_90", kernel, "bf16")
+        steady = row_instructions_per_entry(loops, "sm_90", kernel, "bf16", steady=True)
+        if blocks is None or whole is None:
             continue
         moved = n * v * e * (streams + writes)  # each byte once
-        efficiency = bandwidth_efficiency(blocks, threads, streams, e, per=chunk)
-        us = moved / efficiency / copy_bw * 1e6 + LAUNCH_US
-        copy_us = moved / copy_bw * 1e6 + LAUNCH_US  # the floor
-        lines.append(f"| {what} | {blocks} | {moved / 1e6:.0f} | {efficiency:.2f} | {us:.0f} | {copy_us:.0f} | "
-                     f"{copy_us / us:.0%} |")
-    lines += ["", "Every CUDA row kernel now moves each byte once, so this bytes-only model puts them at the copy "
-              "floor. It leaves out the arithmetic, which here is a floor of its own: at the copy rate an H100 "
-              "streams 1.5 G bf16 entries per ms, and its FP32 pipes issue ~33.5 G instructions per ms (132 SMs x 128 "
-              "lanes x 1.98 GHz), ~22 per entry, about what an entry's exp polynomial, conversion, clamps and sums "
-              "take. Measured on an H200 (`bench/results/gpu-h200-2026-11-28/`): the CUDA token_logprobs kernels "
-              "4.5 ms forward + backward at N = 8192, V = 128k bf16 (34 % of the copy floor); their one-pass "
-              "forward 1.77 ms against 0.51 ms for a read of the same bytes at copy speed, so arithmetic, not "
-              "memory, bounds it there. What would move them further: fewer instructions per entry (the "
-              "polynomial's degree) and 128-bit loads on rows known to be 16-byte aligned."]
+        bytes_us = moved / copy_bw * 1e6
+        issue_us = n * v * steady / issue
+        us = max(bytes_us, issue_us) + LAUNCH_US
+        copy_us = bytes_us + LAUNCH_US  # the floor
+        lines.append(f"| {what} | {blocks} | {moved / 1e6:.0f} | {whole:.1f}; {steady:.1f} | {bytes_us:.0f} | "
+                     f"{issue_us:.0f} | {us:.0f} | {copy_us:.0f} | {copy_us / us:.0%} |")
+    lines += ["", "Measured on an H200 (`bench/results/gpu-h200-2026-11-28/`), before the vectors: the token_logprobs "
+              "kernels took 4.5 ms forward + backward (34 % of the copy floor), the forward 1.77 ms where a read of "
+              "the same bytes takes 0.51 ms. Their main loops then issued 50 (forward) and 55 (backward) "
+              "instructions per bf16 entry on sm_90: a software exp polynomial (~20), 16-bit loads with int64 "
+              "index and bound arithmetic per entry, a NaN flag and the label compare per entry; 50 per entry "
+              "predicts 1.6 ms for that forward (its steady path, 40 a bf16 entry: 1.3 ms), close to what was measured. "
+              "Now: 128-bit accesses and one bound check a vector, the SFU's ex2 (RowExp), the NaN flag taken from "
+              "the sums, the label handled in its vector only, bf16 stores by the F2FP conversion. The table's "
+              "times are a prediction until a GPU measures them (`.ci/gpu`); H200 rows read at ~4.3 TB/s "
+              "(a measured copy), above this H100 model's 3.0."]
     return lines
 
 
@@ -324,7 +372,7 @@ def page(so_path: str, tool: str) -> str:
                 copy_us = stream_us + LAUNCH_US  # a same-bytes copy is one kernel launch too
                 lines.append(f"| {what} | {dtype} | {per_token} | {blocks} | {eff:.2f} | {fill:.2f} | {size} | "
                              f"{f['tokens']:,} | {us:.1f} | {copy_us:.1f} | {copy_us / us:.0%} |")
-    lines += row_kernel_lines(worst)
+    lines += row_kernel_lines(worst, row_loops(so_path, tool))
     lines += ["", "## What the figures say, and what would move them", "",
               "* Measured once on a GPU (an H200, `bench/results/gpu-h200-2026-11-26/`): the whole call, not the "
               "kernels, sets the time today. `kl_reward[cuda]` took 0.45-0.51 ms per call at both sizes (8-9% of "
