@@ -192,7 +192,7 @@ def test_a_frozen_reference_gets_no_gradient(backend):
 @pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1023, 1024, 1025, 2047, 2048, 2049, 3000])
 def test_kernel_row_steps(backend, vocab):
     """The fused kernels' lanes (16), spans (256), Triton's BLOCK (1024), the CUDA kernel's threads (256) and
-    float runs (2048 = 256 x 8), and their tails; slabs too."""
+    vectors (8 entries, one or two a thread and step), their heads and tails; slabs too."""
     g = torch.Generator().manual_seed(vocab)
     x = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
     r = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)

@@ -20,7 +20,7 @@
 // A counted row with a NaN or +inf logit, or only -inf ones (in either tensor for full_kl), gives NaN.
 //
 // One pass (online max and sums): the forward reads each row once. Its entries come in runs (a CPU kernel's
-// 1024-entry run, a CUDA thread's kRowChunk-entry step, a Triton token_logprobs program's BLOCK-wide step,
+// 1024-entry run, a CUDA thread's step of one or two 8-entry vectors (cuda/rows.cuh), a Triton token_logprobs program's BLOCK-wide step,
 // kl_kernels/triton/row_math.py; Triton's full_kl forward is two-pass, by measurement): a run's max is merged into
 // the running max first, the sums so far are moved onto the new max (*_rebase: a sum against m becomes one against
 // m' = m + delta by S' = e^-delta S, W' = e^-delta (W + delta S), A' = e^-delta_m (A + (delta_n - delta_m) F), F
