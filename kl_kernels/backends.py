@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from . import _extensions, ragged
+from . import _extensions, value_checks
 from ._compat import torch as _compat_torch
 
 ENV_VAR = "KL_KERNELS_BACKEND"
@@ -170,8 +170,8 @@ def select(registry: list[Backend], backend: str, *, op: str, problem) -> Backen
     chosen = _select(registry, backend, op=op, problem=problem)
     if problem.device_free:
         chosen = next(b for b in registry if b.name == "torch")
-    if ragged.DEFERRED.pending and chosen.name not in FOLDING_BACKENDS:
-        ragged.flush_deferred()  # the validation's value checks: only the CUDA forwards make them themselves
+    if value_checks.DEFERRED.pending and chosen.name not in FOLDING_BACKENDS:
+        value_checks.flush_deferred()  # the validation's value checks: only the CUDA forwards make them themselves
     return chosen
 
 

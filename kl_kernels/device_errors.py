@@ -216,10 +216,10 @@ def check_errors(device=None) -> None:
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    from . import ragged  # (ragged imports this module)
+    from . import value_checks  # (not at import time: value_checks reads this module back)
 
-    if ragged.DEFERRED.pending:  # value checks a validation deferred to a launch that did not come
-        ragged.flush_deferred()
+    if value_checks.DEFERRED.pending:  # value checks a validation deferred to a launch that did not come
+        value_checks.flush_deferred()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     raise_pending(device)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import _extensions, codes, device_errors, ragged
+from . import _extensions, codes, device_errors, value_checks
 
 # The kernels' codes, from the one table (kl_kernels/codes.py, which csrc/common/codes.h is generated from).
 DTYPE_CODES = {getattr(torch, name): code for name, code in codes.DTYPE_CODES.items()}
@@ -161,7 +161,7 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
     (:mod:`kl_kernels.device_errors`) is raised as its ValueError (a plain read of host memory)."""
     device_errors.raise_pending(device)
     emulated = getattr(module, "EMULATED", False)
-    if ragged.DEFERRED.pending:  # the validation's deferred value checks: into this kernel, or launched first
+    if value_checks.DEFERRED.pending:  # the validation's deferred value checks: into this kernel, or launched first
         fold_value_checks(kernel, args)
     elif (emulated or device.type == "cuda") and kernel.__name__ in FOLDING_KERNELS:
         check_own_geometry(args, device)
@@ -195,14 +195,14 @@ FOLDING_KERNELS = frozenset({"kl_reward_forward", "kl_penalty_forward"})
 
 
 def fold_value_checks(kernel, args) -> None:
-    """Hand the validation's deferred value checks (:func:`kl_kernels.ragged.take_deferred`) to ``kernel``
+    """Hand the validation's deferred value checks (:func:`kl_kernels.value_checks.take_deferred`) to ``kernel``
     where it covers them: a CUDA forward of :data:`FOLDING_KERNELS` (real or emulated) over a non-empty
     batch and token space, checking the very tensors its ``args`` point at with the same bounds; its
     combine then records the first bad value in the error word of the values' device under the check's
     argument, as the check kernel would (tests/test_device_errors.py). Any other check is launched now,
     before ``kernel``, in the validation's order. (The CPU kernels are never handed any: CPU values are
     checked on the host.)"""
-    pending = ragged.take_deferred()
+    pending = value_checks.take_deferred()
     g = None
     if getattr(kernel, "__name__", None) in FOLDING_KERNELS:
         g = getattr(args, "g", args)  # (KLPenaltyArgs holds the geometry as g)
@@ -214,7 +214,7 @@ def fold_value_checks(kernel, args) -> None:
         field = _folded_field(g, entry) if g is not None else None
         code = codes.ARG_CODES.get(entry[5], 0)
         if field is None or not code or getattr(g, field):
-            ragged.launch_deferred(entry)
+            value_checks.launch_deferred(entry)
             continue
         setattr(g, field, code)
         g.errors = device_errors.word(entry[1].device).address

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from . import device_errors, ragged
+from . import device_errors, value_checks
 
 # (BLOCK, num_warps) pairs the tile kernels are tuned over on a GPU: 4 elements per thread.
 GPU_CONFIGS = ((512, 4), (1024, 8))
@@ -96,8 +96,8 @@ def launch_tiles(kernel, total: int, args, flags) -> int:
     autotuned ``BLOCK`` on a GPU, the interpreter's tile otherwise. Returns the ``BLOCK`` used. First, a
     bad value recorded in the device's error word (kl_kernels.device_errors) is raised (no sync)."""
     device_errors.raise_pending(args[0].device)
-    if ragged.DEFERRED.pending:  # a validation's deferred value checks (the Triton kernels fold none)
-        ragged.flush_deferred()
+    if value_checks.DEFERRED.pending:  # a validation's deferred value checks (the Triton kernels fold none)
+        value_checks.flush_deferred()
     if tuned(kernel):
         kernel[lambda meta: (triton_cdiv(total, meta["BLOCK"]),)](*args, **flags)
         return kernel.best_config.kwargs["BLOCK"]

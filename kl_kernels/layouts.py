@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import device_errors, ragged
+from . import device_errors, ragged, value_checks
 
 LOGPROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _DTYPE_NAMES = "float32, bfloat16, float16 (or float64 with the torch backend)"
@@ -180,7 +180,7 @@ def _pack_ragged_arg(x, name, lp_offsets, kind, empty_dtype, lp_lengths):
         same = lens_x == lens_lp
     elif offsets is lp_offsets:  # log_probs' own offsets tensor (nested tensors built on one): nothing to compare
         same = True
-    elif not ragged.checks_on_host(lp_offsets) and ragged.values_checkable(lp_offsets):
+    elif not value_checks.checks_on_host(lp_offsets) and value_checks.values_checkable(lp_offsets):
         total = _tokens_of(lp_offsets)
         if total is None:  # (unreachable: every caller hands normalize_layout's offsets)
             raise RuntimeError(f"kl_kernels: {name}: pack_ragged_arg needs log_probs' offsets from normalize_layout")
@@ -288,7 +288,7 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
         if lengths is not None:
             raise ValueError("lengths is for the padded layout [B, T]; the packed layout takes offsets only")
         if isinstance(offsets, torch.Tensor) and offsets.shape == (1,) and log_probs.shape[0] > 0 and \
-                not ragged.checks_on_host(offsets):
+                not value_checks.checks_on_host(offsets):
             # no sequence for N > 0 tokens: wrong whatever the value (offsets[0] = 0 and offsets[-1] = N), known
             # from the shapes. Refused here, before the device check records it: the kernels must never run it
             raise ValueError(f"offsets must end at the number of tokens N = {log_probs.shape[0]}, but offsets of "

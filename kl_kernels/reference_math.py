@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import ragged
+from . import ragged, value_checks
 from .layouts import and_not_nan
 
 
@@ -92,7 +92,7 @@ def _unchecked(t: torch.Tensor) -> bool:
     (:mod:`kl_kernels.device_errors`) instead of raising on the host. Such values must never reach torch's
     indexing unclamped: on a GPU an out-of-range index is a device-side assertion, which ends the CUDA
     context."""
-    return not ragged.checks_on_host(t)
+    return not value_checks.checks_on_host(t)
 
 
 def safe_offsets(offsets: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ import torch
 
 from conftest import backend_device
 import kl_kernels
-from kl_kernels import check_errors, codes, device_errors, kl_penalty_loss, kl_reward, ragged, token_logprobs
+from kl_kernels import check_errors, codes, device_errors, kl_penalty_loss, kl_reward, ragged, token_logprobs, value_checks
 
 EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.cuda_emulated)
 TRITON = pytest.param("triton", marks=pytest.mark.triton)
@@ -57,13 +57,13 @@ def _as_on_a_gpu(monkeypatch, fn, **kw):
     def on_the_emulator(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
         if module is None:
             return False
-        assert ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+        assert value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
                                    bound_kind=bound_kind, stream=0) == 0
         return True
 
     with monkeypatch.context() as mp:
-        mp.setattr(ragged, "checks_on_host", lambda t: False)
-        mp.setattr(ragged, "kernel_check", on_the_emulator)
+        mp.setattr(value_checks, "checks_on_host", lambda t: False)
+        mp.setattr(value_checks, "kernel_check", on_the_emulator)
         mp.setattr(device_errors, "raise_pending", lambda device: None)
         # every backend runs through: the torch backend too clamps what it indexes with (on a GPU an index out of
         # range in torch's own operations is a device-side assertion; here on the CPU, an IndexError)
@@ -248,7 +248,7 @@ NESTED_ARGS = [("kl_reward", a) for a in ("ref_log_probs", "mask", "reward")] + 
 @pytest.mark.parametrize("op,arg", NESTED_ARGS, ids=[f"{o}-{a}" for o, a in NESTED_ARGS])
 def test_nested_argument_with_other_sequence_lengths(monkeypatch, backend, layout, op, arg):
     """A nested argument whose sequence lengths differ from log_probs' (the same total): on an accelerator the
-    error word, not a device-side assertion (``ragged.device_check`` must not be called); the outputs NaN;
+    error word, not a device-side assertion (``value_checks.device_check`` must not be called); the outputs NaN;
     check_errors() raises the host's message; a valid call after works."""
     dev = backend_device(backend)
     fn, kw = _nested_call(op, arg, layout, dev, bad=True)
@@ -258,7 +258,7 @@ def test_nested_argument_with_other_sequence_lengths(monkeypatch, backend, layou
 
     def no_assert(*a, **k):
         raise AssertionError("a device-side assertion on a user's value")
-    monkeypatch.setattr(ragged, "device_check", no_assert)
+    monkeypatch.setattr(value_checks, "device_check", no_assert)
     if reward_kw := (arg == "reward"):
         kw["reward_placement"] = "token"
     out = _as_on_a_gpu(monkeypatch, fn, backend=backend, **kw)
@@ -289,7 +289,7 @@ def test_nested_argument_with_another_token_total_is_refused_on_the_host(monkeyp
     if arg == "reward":
         kw["reward_placement"] = "token"
     with monkeypatch.context() as mp:
-        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        mp.setattr(value_checks, "checks_on_host", lambda t: False)
         with pytest.raises(ValueError, match=f"{arg} must have the sequence lengths of log_probs: it holds 11 tokens "
                                              "in all but log_probs 12"):
             fn(backend="torch", **kw)
@@ -307,13 +307,13 @@ def test_nested_arguments_on_log_probs_own_offsets_compare_nothing(monkeypatch):
     monkeypatch.setattr(device_errors, "record_where",
                         lambda *a, **k: called.append(a) if a[2] == "lengths_mismatch" else record(*a, **k))
     with monkeypatch.context() as mp:
-        mp.setattr(ragged, "checks_on_host", lambda t: False)
+        mp.setattr(value_checks, "checks_on_host", lambda t: False)
         out = kl_reward(lp, ref, backend="torch")
     assert not called and out.kl_sum.isfinite().all()
 
 
 def test_no_device_side_assertion_left_in_the_package():
-    """No call of ``torch._assert_async`` / ``ragged.device_check`` (a device-side assertion, which ends the CUDA
+    """No call of ``torch._assert_async`` / ``value_checks.device_check`` (a device-side assertion, which ends the CUDA
     context) outside their definitions: every value check of accelerator tensors records in the error word."""
     import pathlib
     import re
@@ -321,8 +321,8 @@ def test_no_device_side_assertion_left_in_the_package():
     import kl_kernels
 
     root = pathlib.Path(kl_kernels.__file__).parent
-    # the definitions themselves: torch_compat.assert_async, and ragged.device_check's body (kept for the tests)
-    definitions = {"_compat/torch.py", 'ragged.py: torch_compat.assert_async(ok, f"kl_kernels: {message}")'}
+    # the definitions themselves: torch_compat.assert_async, and value_checks.device_check's body (kept for the tests)
+    definitions = {"_compat/torch.py", 'value_checks.py: torch_compat.assert_async(ok, f"kl_kernels: {message}")'}
     found = []
     for path in root.rglob("*.py"):
         name = str(path.relative_to(root))
@@ -460,8 +460,8 @@ def test_a_jagged_tensors_own_bad_offsets(monkeypatch, op, backend, offsets):
 
 _SHORT_OFFSETS = """
 import torch
-from kl_kernels import device_errors, kl_penalty_loss, ragged
-ragged.checks_on_host = lambda t: False          # the accelerator path of the value checks
+from kl_kernels import device_errors, kl_penalty_loss, value_checks
+value_checks.checks_on_host = lambda t: False          # the accelerator path of the value checks
 device_errors.raise_pending = lambda device: None
 for _ in range(8):  # (a heap corruption shows at some later free: several calls, as in a training loop)
     lp = -torch.rand(12)
@@ -489,8 +489,8 @@ def test_triton_loss_offsets_ending_short_of_the_data():
 
 _NO_SEQUENCE = """
 import sys, torch
-from kl_kernels import device_errors, kl_penalty_loss, kl_reward, ragged
-ragged.checks_on_host = lambda t: False          # the accelerator path of the value checks
+from kl_kernels import device_errors, kl_penalty_loss, kl_reward, value_checks
+value_checks.checks_on_host = lambda t: False          # the accelerator path of the value checks
 raise_pending = device_errors.raise_pending
 device_errors.raise_pending = lambda device: None  # as on a GPU: the check's record not yet visible to the launch
 backend, op = sys.argv[1], sys.argv[2]
@@ -606,16 +606,16 @@ def test_the_forward_checks_bad_values_itself_with_no_check_launch(monkeypatch, 
 
     def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
         launched.append(kernel)
-        assert ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+        assert value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
                                    bound_kind=bound_kind, stream=0) == 0
         return True
 
     found = {}
     for way, deferred in (("check kernels", False), ("folded", True)):
         with monkeypatch.context() as mp:
-            mp.setattr(ragged, "checks_on_host", lambda t: False)  # the accelerator path of the checks
-            mp.setattr(ragged, "kernel_check", check_kernel)
-            mp.setattr(ragged, "deferrable", lambda kernel, *t: deferred)  # as with _cuda on a GPU
+            mp.setattr(value_checks, "checks_on_host", lambda t: False)  # the accelerator path of the checks
+            mp.setattr(value_checks, "kernel_check", check_kernel)
+            mp.setattr(value_checks, "deferrable", lambda kernel, *t: deferred)  # as with _cuda on a GPU
             mp.setattr(device_errors, "raise_pending", lambda device: None)  # (the emulation ran the checks already)
             out = fn(**kw)
         found[way] = word.take()
@@ -644,9 +644,9 @@ def test_folded_check_raises_at_the_next_call_and_a_valid_call_works(monkeypatch
         raise AssertionError("a check kernel was launched")
 
     with monkeypatch.context() as mp:
-        mp.setattr(ragged, "checks_on_host", lambda t: False)
-        mp.setattr(ragged, "kernel_check", no_launch)
-        mp.setattr(ragged, "deferrable", lambda kernel, *t: True)
+        mp.setattr(value_checks, "checks_on_host", lambda t: False)
+        mp.setattr(value_checks, "kernel_check", no_launch)
+        mp.setattr(value_checks, "deferrable", lambda kernel, *t: True)
         out = kl_reward(lp, ref, offsets=bad, backend="cuda-emulated")
         assert out.kl_sum[:3].isnan().all()
         with pytest.raises(ValueError) as e:
@@ -676,17 +676,17 @@ def test_deferred_checks_are_launched_for_a_backend_that_does_not_fold_them(monk
 
     def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
         launched.append(kernel)
-        assert ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+        assert value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
                                    bound_kind=bound_kind, stream=0) == 0
         return True
 
     with monkeypatch.context() as mp:
-        mp.setattr(ragged, "checks_on_host", lambda t: False)
-        mp.setattr(ragged, "kernel_check", check_kernel)
-        mp.setattr(ragged, "deferrable", lambda kernel, *t: True)
+        mp.setattr(value_checks, "checks_on_host", lambda t: False)
+        mp.setattr(value_checks, "kernel_check", check_kernel)
+        mp.setattr(value_checks, "deferrable", lambda kernel, *t: True)
         mp.setattr(device_errors, "raise_pending", lambda device: None)
         kl_reward(lp, ref, lengths=lengths, backend=backend)
-    assert launched == ["lengths_valid"] and not ragged.DEFERRED.pending
+    assert launched == ["lengths_valid"] and not value_checks.DEFERRED.pending
     with pytest.raises(ValueError) as e:
         check_errors("cpu")
     assert str(e.value).split(" (found on ")[0] == want

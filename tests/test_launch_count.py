@@ -71,7 +71,7 @@ LOSS_BOUNDS = {"packed": 0, "padded": 0, "list": 3}
 def test_kl_reward(launches, case):
     ops = _count(kl_reward, _reward_calls, case)
     assert kernels_run(launches) == ["kl_reward_forward"]
-    checks = len(launches) - 1  # the value checks' own kernels (ragged.kernel_check)
+    checks = len(launches) - 1  # the value checks' own kernels (value_checks.kernel_check)
     print(f"\nREWARD {case}: {sum(ops.values())} torch ops + {checks} check kernels: {dict(ops)}")
     assert sum(ops.values()) + checks <= REWARD_BOUNDS[case], (ops, launches)
 

@@ -5,7 +5,7 @@ dtypes and devices, no data), and any data-dependent read (``.tolist()``, ``.ite
 ``torch.equal``) raises ``DataDependentOutputException``. Each call must get through validation,
 dispatch and the launcher's argument building to the kernel launch, which is replaced by a recorder
 (there is no GPU to launch on). The value checks of offsets, lengths, prompt_lens and ragged
-structure run on the device instead (``torch._assert_async``; ``ragged.checks_on_host``).
+structure run on the device instead (``torch._assert_async``; ``value_checks.checks_on_host``).
 
 A host-to-device copy (``torch.tensor(x, device="cuda")``, ``t.to("cuda")`` of a CPU tensor) is a
 synchronization too (a copy from pageable host memory blocks the host until the stream has drained; the
@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kl_kernels import _extensions, codes, device_errors, kl_penalty_loss, kl_reward, launching, ragged
+from kl_kernels import _extensions, codes, device_errors, kl_penalty_loss, kl_reward, launching, ragged, value_checks
 from kl_kernels.kl_penalty import backends as loss_backends
 from kl_kernels.kl_penalty import launch as loss_launch
 from kl_kernels.kl_reward import backends as reward_backends
@@ -45,7 +45,7 @@ def launches(monkeypatch):
 
     def record(module, kernel, args, device, what, workspace_bytes=None):
         assert device.type == "cuda"
-        if ragged.DEFERRED.pending:  # as launching.launch_kernel: the forwards take over the value checks
+        if value_checks.DEFERRED.pending:  # as launching.launch_kernel: the forwards take over the value checks
             launching.fold_value_checks(kernel, args)
         recorded.append(kernel.__name__)
 
@@ -70,8 +70,8 @@ def launches(monkeypatch):
         recorded.append(kernel)
         return True
 
-    monkeypatch.setattr(ragged, "kernel_check", value_check)
-    monkeypatch.setattr(ragged, "deferrable", lambda kernel, *tensors: True)  # (as with _cuda on a GPU)
+    monkeypatch.setattr(value_checks, "kernel_check", value_check)
+    monkeypatch.setattr(value_checks, "deferrable", lambda kernel, *tensors: True)  # (as with _cuda on a GPU)
     # the error word of a fake CUDA device, made once as on a GPU (device_errors.word makes one per call there);
     # its tensor (a fake one, for the records made with torch operations, e.g. a nested argument's lengths
     # mismatch) only when one is read, so that the launch counts see no allocation of it
@@ -95,7 +95,7 @@ def launches(monkeypatch):
 
 
 def kernels_run(launches) -> list:
-    """The recorded launches but the value checks' (``*_valid``, see ``ragged.kernel_check``)."""
+    """The recorded launches but the value checks' (``*_valid``, see ``value_checks.kernel_check``)."""
     return [k for k in launches if not k.endswith("_valid")]
 
 
@@ -243,8 +243,7 @@ def test_host_checks_opt_in_is_a_host_read(launches, monkeypatch, case):
 def test_device_checks_catch_bad_values_on_cpu_tensors_too():
     """The device-side form of the checks is the same predicate: run on CPU tensors (where
     _assert_async raises at once) it rejects what the host checks reject."""
-    from kl_kernels import ragged
-
     bad = torch.tensor([0, 3, 2, 5])
     with pytest.raises(RuntimeError, match="offsets must start at 0, be non-decreasing"):
-        ragged.device_check((bad[1:] >= bad[:-1]).all(), "offsets must start at 0, be non-decreasing and end at N = 5")
+        value_checks.device_check((bad[1:] >= bad[:-1]).all(),
+                                  "offsets must start at 0, be non-decreasing and end at N = 5")

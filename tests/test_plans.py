@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kl_kernels import kl_reward, plans, ragged
+from kl_kernels import kl_reward, plans, value_checks
 
 B, T = 8, 30
 KL_REWARD_BUDGET = 60  # Python-level calls (sys.setprofile "call" + "c_call") of one planned eager call, B = 8
@@ -235,7 +235,8 @@ def _loss_call(layout, g, beta=0.05, out=None, **over):
 
 # The same call through the CUDA kernels' host path (api.py's _DevicePlan), counted through their host emulation
 # with the value checks on their accelerator path (deferred by the plan's CallChecks and folded into the forward's
-# combine: ragged.checks_on_host and ragged.deferrable stubbed as on a GPU, where deferrable makes ~5 calls more):
+# combine: value_checks.checks_on_host and value_checks.deferrable stubbed as on a GPU, where deferrable makes ~5
+# calls more):
 # 159 at this commit. ~500 before the device plan (every call validated in full); 146 before the folded checks
 # (their deferral costs ~13 calls, the check launch it saves ~5 us of a GPU's host time).
 DEVICE_LOSS_BUDGET = 160
@@ -249,8 +250,8 @@ def test_a_planned_loss_forward_backward_stays_within_its_call_budget(layout, ba
 
     lp, old, adv, kw = _loss_call(layout, torch.Generator().manual_seed(0))
     if backend == "cuda-emulated":  # the checks' accelerator path, as on a GPU (see DEVICE_LOSS_BUDGET)
-        monkeypatch.setattr(ragged, "checks_on_host", lambda t: False)
-        monkeypatch.setattr(ragged, "deferrable", lambda kernel, *tensors: True)
+        monkeypatch.setattr(value_checks, "checks_on_host", lambda t: False)
+        monkeypatch.setattr(value_checks, "deferrable", lambda kernel, *tensors: True)
 
     def call():
         kl_penalty_loss(lp, old, adv, backend=backend, **kw).loss.backward()

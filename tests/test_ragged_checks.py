@@ -1,5 +1,5 @@
 """The device-side value checks of offsets and lengths (csrc/cuda/ragged_checks.cu), which an eager
-call on CUDA tensors enqueues instead of six torch operations per check (``ragged.kernel_check``).
+call on CUDA tensors enqueues instead of six torch operations per check (``value_checks.kernel_check``).
 
 Run here under the host emulation (``kl_kernels._cuda_emu``, the same source): on random offsets and
 lengths, valid or broken at one place, across the block's 256 threads (B up to 700), what the kernel
@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from batches import LAYOUTS, check
-from kl_kernels import _extensions, codes, device_errors, ragged
+from kl_kernels import _extensions, codes, device_errors, ragged, value_checks
 from strategies import cases
 from test_kl_reward_oracle import _auto_is_ambiguous
 
@@ -38,7 +38,7 @@ def _kernel_says(kernel: str, values: torch.Tensor, batch: int, bound: int, *per
     """The emulated kernel's finding as the message it raises (None: valid)."""
     module = _extensions.load("_cuda_emu")[0]
     assert _recorded(values) is None  # nothing left over
-    code = ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+    code = value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
                                bound_kind=bound_kind, stream=0)
     assert code == 0
     return _recorded(values)
@@ -125,8 +125,8 @@ def test_prompt_lens_kernel_agrees_with_the_host_check(data):
 def test_kernel_check_falls_back_where_it_cannot_run():
     """CPU tensors, other dtypes and strided values are not the kernels': False, and the caller uses
     torch operations (or the host check, for CPU tensors)."""
-    assert ragged.kernel_check("offsets_valid", torch.tensor([0, 1]), 1, 1, name="offsets") is False
-    assert ragged.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3, None, None,
+    assert value_checks.kernel_check("offsets_valid", torch.tensor([0, 1]), 1, 1, name="offsets") is False
+    assert value_checks.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3, None, None,
                                name="lengths") is False
 
 
@@ -139,13 +139,13 @@ def _checks_as_on_a_gpu(monkeypatch) -> list:
 
     def on_the_emulator(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
         calls.append(kernel)
-        code = ragged.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+        code = value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
                                    bound_kind=bound_kind, stream=0)
         assert code == 0
         return True
 
-    monkeypatch.setattr(ragged, "checks_on_host", lambda t: False)
-    monkeypatch.setattr(ragged, "kernel_check", on_the_emulator)
+    monkeypatch.setattr(value_checks, "checks_on_host", lambda t: False)
+    monkeypatch.setattr(value_checks, "kernel_check", on_the_emulator)
     return calls
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import backends as _dispatch
-from .. import full_estimator, plans, ragged
+from .. import full_estimator, plans, ragged, value_checks
 from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
 from ..reference_math import final_mask, token_frame
 from .aggregate import KLPenaltyLossOutput, aggregate, device_weight, on_device, on_host, run_split
@@ -238,8 +238,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         key = None
         if plan is not None:
             # The plan checks the same values again (CallChecks), folded into its forward: the validation's
-            # deferred checks (ragged.DEFERRED) are dropped, not launched on their own first.
-            ragged.take_deferred()
+            # deferred checks (value_checks.DEFERRED) are dropped, not launched on their own first.
+            value_checks.take_deferred()
             return plan(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out)
     if key is not None and not (impl.name == "cpu" and on_host(problem, process_group)):
         _PLANS.put(key, plans.Unplanned(REGISTRY))  # (the plans are of the calls the kernels aggregate)

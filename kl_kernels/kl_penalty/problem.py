@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _checks, codes, ragged
+from .. import _checks, codes, ragged, value_checks
 from ..codes import ESTIMATORS
 from ..layouts import NativeLayout, check_device, check_logprob_tensor, normalize_layout, pack_ragged_arg, same_device
 
@@ -311,11 +311,11 @@ class CallChecks:
         # dtype, shape, device; only the values are checked again. plain: the plan is made only for
         # int64 contiguous index tensors (int32 ones widened into those) without the negative bit and a
         # non-empty batch: api.py's plan builder)
-        # (their device checks deferred to the plan's launch, whose combine kernel makes them: ragged.defer_checks,
-        # written out: no Python-level call on a path whose calls tests/test_plans.py counts)
-        deferred = ragged.DEFERRED
+        # (their device checks deferred to the plan's launch, whose combine kernel makes them:
+        # value_checks.defer_checks, written out: no Python-level call on a path whose calls tests/test_plans.py counts)
+        deferred = value_checks.DEFERRED
         if deferred.pending:
-            ragged.flush_deferred()
+            value_checks.flush_deferred()
         deferred.active = True
         try:
             if offsets is not None:
@@ -337,7 +337,7 @@ def build_problem(*args, **kwargs):
     The value checks of accelerator tensors (offsets, lengths) are deferred to the launch that
     follows (kl_kernels.ragged's ``defer_checks``): the CUDA forward checks them in its own combine kernel instead
     of launches of their own; anything else launches them first. A validation that fails launches them at once."""
-    return ragged.deferring(_build_problem, *args, **kwargs)
+    return value_checks.deferring(_build_problem, *args, **kwargs)
 
 
 def _build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta, estimator, mask, offsets, lengths,

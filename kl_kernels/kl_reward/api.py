@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from .. import backends as _dispatch
-from .. import plans, ragged
+from .. import plans, ragged, value_checks
 from .. import full_estimator
 from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
 from ..reference_math import final_mask, token_frame
@@ -237,8 +237,8 @@ def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1",
         _PLANS.put(plan_key, plans.Unplanned(REGISTRY) if plan is None else plan)
         if plan is not None:
             # The plan checks the same values again (CallChecks), folded into its forward on a device: the
-            # validation's deferred checks (ragged.DEFERRED) are dropped, not launched on their own first.
-            ragged.take_deferred()
+            # validation's deferred checks (value_checks.DEFERRED) are dropped, not launched on their own first.
+            value_checks.take_deferred()
             return plan(log_probs, ref_log_probs, reward, coef, mask, offsets, lengths, prompt_lens, out)
     with torch.no_grad() if detach else nullcontext():
         raw = impl.run(problem)

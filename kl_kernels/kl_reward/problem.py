@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _checks, codes, device_errors, ragged
+from .. import _checks, codes, device_errors, ragged, value_checks
 # The layout rules both ops share (kl_kernels/layouts.py), under the names this module has always used.
 from ..layouts import _FLOAT_DTYPES, NativeLayout, TokenLayout, and_not_nan
 from ..layouts import check_device as _check_device
@@ -317,7 +317,7 @@ def _normalize_coef(coef, batch, device):
 
 def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device):
     prompt_lens = _int_vector(prompt_lens, "prompt_lens", batch, device)
-    if batch and ragged.values_checkable(prompt_lens):
+    if batch and value_checks.values_checkable(prompt_lens):
         padded = kind == "padded"
         # what bounds them, as an index into device_errors.SEQUENCE_BOUNDS (one message for host and device)
         bound_kind = (1 if lengths is not None else 2) if padded else 0
@@ -326,9 +326,9 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
             if padded:
                 return lengths if lengths is not None else torch.full((batch,), width, device=device)
             return ragged.offsets_to_lengths(offsets)
-        if not ragged.checks_on_host(prompt_lens):
+        if not value_checks.checks_on_host(prompt_lens):
             # (packed: the kernel bounds each sequence by its offsets and reads no width; the binding takes an int)
-            if not ragged.value_check("lengths_valid", prompt_lens, batch, width if padded else 0,
+            if not value_checks.value_check("lengths_valid", prompt_lens, batch, width if padded else 0,
                                        None if padded else offsets, lengths if padded else None,
                                        name="prompt_lens", bound_kind=bound_kind):
                 device_errors.record_where(prompt_lens.lt(0), prompt_lens, "below_zero", "prompt_lens", 0)
@@ -405,11 +405,11 @@ class CallChecks:
         # dtype, shape, device; only the values are checked again. plain: the plan is made only for
         # int64 contiguous index tensors (int32 ones widened into those) without the negative bit and a
         # non-empty batch: api.py's plan builder)
-        # (their device checks deferred to the plan's launch, whose combine kernel makes them: ragged.defer_checks,
-        # written out: no Python-level call on a path whose calls tests/test_plans.py counts)
-        deferred = ragged.DEFERRED
+        # (their device checks deferred to the plan's launch, whose combine kernel makes them:
+        # value_checks.defer_checks, written out: no Python-level call on a path whose calls tests/test_plans.py counts)
+        deferred = value_checks.DEFERRED
         if deferred.pending:
-            ragged.flush_deferred()
+            value_checks.flush_deferred()
         deferred.active = True
         try:
             if offsets is not None:
@@ -434,7 +434,7 @@ def build_problem(*args, **kwargs):
     The value checks of accelerator tensors (offsets, lengths, prompt_lens) are deferred to the launch that
     follows (kl_kernels.ragged's ``defer_checks``): the CUDA forward checks them in its own combine kernel instead
     of launches of their own; anything else launches them first. A validation that fails launches them at once."""
-    return ragged.deferring(_build_problem, *args, **kwargs)
+    return value_checks.deferring(_build_problem, *args, **kwargs)
 
 
 def _build_problem(log_probs, ref_log_probs, reward, *, coef, estimator, mask, offsets, lengths, padding_side,

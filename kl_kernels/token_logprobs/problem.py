@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import device_errors, ragged
+from .. import device_errors, value_checks
 from ..vocab_rows import LOGIT_DTYPES, RowsProblem, check_logits
 
 __all__ = ["LOGIT_DTYPES", "TokenLogprobsProblem", "build_problem"]
@@ -76,9 +76,9 @@ def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_i
         counted = counted & mask
     vocab = logits.shape[-1]
     bad = counted & ((labels < 0) | (labels >= vocab))
-    if not ragged.values_checkable(labels):  # traced by torch.compile (no host read there), or meta
+    if not value_checks.values_checkable(labels):  # traced by torch.compile (no host read there), or meta
         pass
-    elif ragged.checks_on_host(labels):
+    elif value_checks.checks_on_host(labels):
         if labels.numel() and bool(bad.any()):
             first = labels[bad].reshape(-1)[0].item()
             raise ValueError(device_errors.value_error_message("label_range", "labels", first, vocab,
