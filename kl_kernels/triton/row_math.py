@@ -23,8 +23,27 @@ from .. import codes
 # which csrc/common/codes.h's kRowFar is generated from)
 FAR = tl.constexpr(codes.ROW_FAR)
 LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX
+LOG2E = tl.constexpr(1.4426950408889634)
 # steps a lane adds in float32 before its sums go into float64 ones (also before every move onto a new max)
 FOLD = tl.constexpr(16)
+
+
+# The row kernels' programs (one per row; token_logprobs.py, full_kl.py): warps, and the entries of a row each
+# thread reads per step, 16 bytes (one 128-bit load: 8 bf16/fp16, 4 fp32)
+ROW_WARPS = 8
+
+
+def row_chunk(element_size: int) -> int:
+    """Entries of a row a thread reads per step for logits of ``element_size`` bytes (the launchers' CHUNK)."""
+    return 16 // element_size
+
+
+@triton.jit
+def exp_ftz(y):
+    """e^y in float32 as 2^(y log2 e): one FMUL and one MUFU.EX2 (``tl.exp2`` of float32 lowers to libdevice's
+    exp2f, ``ex2.approx.ftz``: results below FLT_MIN flush to 0, as kl_math.exp_row's do; ``tl.exp`` lowers to
+    the non-ftz ``ex2.approx``, three more instructions for subnormal results). -inf gives 0, NaN NaN."""
+    return tl.exp2(y * LOG2E)
 
 
 @triton.jit
@@ -41,18 +60,6 @@ def row_shift(frm, to):
 
 
 @triton.jit
-def step_max(z):
-    """The max of a step's entries, NaN skipped (the caller flags it); -inf for a step of only -inf/NaN."""
-    return tl.max(tl.where(z == z, z, float("-inf")), 0)
-
-
-@triton.jit
-def fold(a64, b64, a32, b32):
-    """Two float32 lane sums added into their float64 ones, and zeroed."""
-    return a64 + a32.to(tl.float64), b64 + b32.to(tl.float64), tl.zeros_like(a32), tl.zeros_like(b32)
-
-
-@triton.jit
 def logprob_rebase(m, s, w, run_max):
     """``kl::logprob_rebase``: (m, S, W) moved onto max(m, run_max), and the value to take the step's
     terms against. Where the max does not rise, delta is 0 and the factor 1: S and W stay as they are."""
@@ -61,3 +68,40 @@ def logprob_rebase(m, s, w, run_max):
     w = tl.where(factor == 0.0, 0.0, factor * (w + delta * s))
     s = factor * s
     return new_m, s, w, row_floor(new_m)
+
+
+# ---------------------------------------------------------------------------------- per-lane running state
+# The token_logprobs forward keeps one running state per lane (a thread's CHUNK contiguous entries of each step,
+# a [LANES, CHUNK] tile): the lane's max m (float32), its sums S and W against row_floor(m) in float32 over up to
+# FOLD steps (a float32 move onto a risen max, exp2-based), then folded into float64 sums against the max they
+# were last folded at (the float64 move of row_shift: exact delta, float64 factor). No per-entry flag: a NaN
+# entry's term is NaN (so is a +inf entry's, whose row max is +inf anyway), and S keeps it (nothing selects S
+# away; W may lose it: the row is undefined by S alone). The lanes' states are merged at the end of the row.
+
+
+@triton.jit
+def lane_step(m, s32, w32, z):
+    """One step of each lane: z [LANES, CHUNK] (float32, -inf where masked) merged into the lanes' running max m
+    [LANES] and float32 sums s32, w32 (moved onto the risen max first: S' = e^-delta S, W' = e^-delta (W +
+    delta S), 0 beyond FAR; delta 0 where the max did not rise). Returns (m, s32, w32)."""
+    new_m = tl.maximum(m, tl.max(z, 1))  # NaN skipped (maxnum): its term below makes S NaN
+    delta = row_floor(new_m) - row_floor(m)
+    far = delta > FAR
+    factor = tl.where(far, 0.0, exp_ftz(-delta))
+    w32 = tl.where(far, 0.0, factor * (w32 + delta * s32))
+    s32 = factor * s32  # (never selected: keeps a NaN)
+    d = row_floor(new_m)[:, None] - z
+    e = exp_ftz(-d)
+    s32 += tl.sum(e, 1)
+    w32 += tl.sum(e * tl.minimum(d, FAR), 1)
+    return new_m, s32, w32
+
+
+@triton.jit
+def lane_fold(m64, s64, w64, m, s32, w32):
+    """The lanes' float64 sums (against their max m64) moved onto their current max m and the float32 sums
+    (against m) added in. Returns (m, s64, w64, 0, 0): the float32 sums start again."""
+    delta, factor = row_shift(m64, m)
+    w64 = tl.where(factor == 0.0, 0.0, factor * (w64 + delta * s64)) + w32.to(tl.float64)
+    s64 = factor * s64 + s32.to(tl.float64)
+    return m, s64, w64, tl.zeros_like(s32), tl.zeros_like(w32)
