@@ -139,10 +139,11 @@ def test_matches_the_oracle(case, entropy, backend):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("vocab", [1, 15, 16, 1023, 1024, 1025, 2047, 2048, 2049, 4100])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 1023, 1024, 1025, 2047, 2048, 2049, 2064, 4096, 4100])
 def test_triton_row_steps(vocab):
     """The Triton kernels' steps over a row (256 lanes of 16 bytes: 2048 bf16, 1024 fp32 entries), the masked
-    tail step after the full ones, a slab layout too."""
+    tail step after the full ones, a slab layout too; rows 16-byte aligned (V % 16 == 0: each lane's entries
+    contiguous) and not (strided lanes, row_math.lane_tile)."""
     g = torch.Generator().manual_seed(vocab)
     x = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
     x[0, 1, vocab // 2] = -math.inf
@@ -192,9 +193,9 @@ ONE_PASS_CASES = [pytest.param(b, d, v, marks=CUDA_EMULATED.marks if b == "cuda-
 ONE_PASS_CASES += [pytest.param("triton", d, 2500, marks=pytest.mark.triton)
                    for d in (torch.float32, torch.bfloat16)]
 # Triton's lanes add 16 steps in float32 before float64 (row_math.FOLD): 17 steps and a partial one (a step is
-# 2048 bf16 / 1024 fp32 entries)
+# 2048 bf16 / 1024 fp32 entries); rows not 16-byte aligned (bf16 here) and aligned (fp32)
 ONE_PASS_CASES += [pytest.param("triton", torch.bfloat16, 17 * 2048 + 5, marks=pytest.mark.triton),
-                   pytest.param("triton", torch.float32, 17 * 1024 + 5, marks=pytest.mark.triton)]
+                   pytest.param("triton", torch.float32, 17 * 1024 + 16, marks=pytest.mark.triton)]
 # On a GPU: the CUDA kernels' grid-stride steps (2048 entries a block step) and Triton's, up to 40 steps
 ONE_PASS_CASES += [pytest.param(b, d, v, marks=pytest.mark.cuda)
                    for b in ("cuda", "triton") for d in (torch.float32, torch.bfloat16, torch.float16)

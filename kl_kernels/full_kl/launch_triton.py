@@ -15,11 +15,12 @@ def _kernels():
     return k.full_kl_fwd_kernel, k.full_kl_bwd_kernel
 
 
-def _steps(logits) -> tuple[int, int, int]:
-    """(threads, entries a thread reads per step, warps) of a row's program (``triton/row_math.py``)."""
-    from ..triton.row_math import ROW_WARPS, row_chunk
+def _steps(logits, *rows) -> tuple[int, int, int, bool]:
+    """(threads, entries a thread reads per step, warps, whether each ``(tensor, stride_outer, stride_inner)`` of
+    ``rows`` has 16-byte aligned rows) of a row's program (``triton/row_math.py``)."""
+    from ..triton.row_math import ROW_WARPS, row_chunk, rows_aligned
 
-    return 32 * ROW_WARPS, row_chunk(logits.element_size()), ROW_WARPS
+    return 32 * ROW_WARPS, row_chunk(logits.element_size()), ROW_WARPS, rows_aligned(*rows)
 
 
 def forward(logits, ref_logits, counted, temperature: float):
@@ -34,9 +35,9 @@ def forward(logits, ref_logits, counted, temperature: float):
         inner, so, si = row_map(x)
         _, rso, rsi = row_map(r)
         flags = counted.contiguous().view(torch.uint8)  # the kernels read the bool mask as bytes
-        lanes, chunk, warps = _steps(x)
+        lanes, chunk, warps, aligned = _steps(x, (x, so, si), (r, rso, rsi))
         fwd[(n,)](x, r, flags, kl, lse, ref_lse, n, x.shape[-1], inner, so, si, rso, rsi, 1.0 / temperature,
-                  LANES=lanes, CHUNK=chunk, num_warps=warps)
+                  LANES=lanes, CHUNK=chunk, ALIGNED=aligned, num_warps=warps)
     return kl, lse, ref_lse
 
 
@@ -56,7 +57,7 @@ def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, 
     g = grad_kl.reshape(-1).to(torch.float32).contiguous()
     flags = counted.contiguous().view(torch.uint8)
     stand_in = gx if gx is not None else gr  # an absent output's pointer: never written (WANT_* off)
-    lanes, chunk, warps = _steps(x)
+    lanes, chunk, warps, _ = _steps(x)
     bwd[(n,)](x, r, flags, kl.reshape(-1), lse, ref_lse, g, gx if gx is not None else stand_in,
               gr if gr is not None else stand_in, n, x.shape[-1], inner, so, si, rso, rsi, gso, gsi, grso, grsi,
               1.0 / temperature, WANT_X=gx is not None, WANT_R=gr is not None, BLOCK=lanes * chunk,

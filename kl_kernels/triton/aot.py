@@ -15,7 +15,14 @@ disassembles only the kernels whose load widths it checks); ptxas and cuobjdump 
 in the Triton wheel.
 
 Coverage: every autotune config for fp32 and bf16 inputs, packed and padded, forward and
-backward of both ops, plus the combine kernels and the loss's totals kernel.
+backward of both ops, plus the combine kernels and the loss's totals kernel; the row kernels of
+token_logprobs and full_kl (fp32 and bf16 rows 16-byte aligned, bf16 rows at an odd V), every variant.
+
+The row kernels' main loops (issue 48): ``python -m kl_kernels.triton.aot --ops token_logprobs,full_kl
+--rows`` prints, for each, the instructions and loaded bits per iteration of its pass(es) over a row
+(``row_passes``, with ``kl_kernels/bench/sass.py``), instructions per entry and the issue-rate time they
+predict at N = 8192, V = 131,072 on an H200 (``row_table``; bench/results/triton-row-loops-sass-2026-11-28
+has the before/after tables); tests/test_triton_static.py holds them to a budget.
 """
 
 from __future__ import annotations
@@ -230,10 +237,11 @@ def _token_logprobs(g, case):
 
     from kl_kernels.token_logprobs import launch_triton as T
 
-    for dtype in (torch.float32, torch.bfloat16):
-        case["name"] = f"{str(dtype)[6:]}-rows"
-        logits = torch.randn(6, 4096, generator=g).to(dtype)  # rows 16-byte aligned, as at any V % 16 == 0
-        labels, counted = torch.randint(0, 4096, (6,), generator=g), torch.rand(6, generator=g) > 0.2
+    for dtype, vocab in ((torch.float32, 4096), (torch.bfloat16, 4096), (torch.bfloat16, 3001)):
+        # rows 16-byte aligned, as at any V % 16 == 0; and an odd V (rows at any 2-byte boundary: scalar loads)
+        case["name"] = f"{str(dtype)[6:]}-rows" + ("" if vocab % 16 == 0 else "-unaligned")
+        logits = torch.randn(6, vocab, generator=g).to(dtype)
+        labels, counted = torch.randint(0, vocab, (6,), generator=g), torch.rand(6, generator=g) > 0.2
         for entropy in (False, True):
             _, ent, lse = T.forward(logits, labels, counted, 0.7, entropy)
             T.backward(torch.randn(6), torch.randn(6) if entropy else None, logits, labels, counted, 0.7, lse, ent,
@@ -246,9 +254,9 @@ def _full_kl(g, case):
 
     from kl_kernels.full_kl import launch_triton as F
 
-    for dtype in (torch.float32, torch.bfloat16):
-        case["name"] = f"{str(dtype)[6:]}-rows"
-        logits, ref = torch.randn(6, 4096, generator=g).to(dtype), torch.randn(6, 4096, generator=g).to(dtype)
+    for dtype, vocab in ((torch.float32, 4096), (torch.bfloat16, 4096), (torch.bfloat16, 3001)):
+        case["name"] = f"{str(dtype)[6:]}-rows" + ("" if vocab % 16 == 0 else "-unaligned")
+        logits, ref = torch.randn(6, vocab, generator=g).to(dtype), torch.randn(6, vocab, generator=g).to(dtype)
         counted = torch.rand(6, generator=g) > 0.2
         kl, lse, ref_lse = F.forward(logits, ref, counted, 0.7)
         for want_ref in (False, True):
@@ -332,7 +340,8 @@ def row_table(records: list[dict]) -> str:
         lp = r["row_loop"]
         passes = " + ".join(f"{p['instructions']} / {p['load_bits']}" for p in lp["passes"])
         ms = lp["per_entry"] * MODEL_N * MODEL_V / LANE_INSTRUCTIONS_PER_S * 1e3
-        lines.append(f"| {r['kernel']} | {r['flags'] or '-'} | {r['arch']} | {r['case'].split('-')[0]} "
+        dtype = r["case"].split("-")[0] + (" (odd V)" if r["case"].endswith("unaligned") else "")
+        lines.append(f"| {r['kernel']} | {r['flags'] or '-'} | {r['arch']} | {dtype} "
                      f"| {r['BLOCK']} x {r['num_warps']} | {r['regs']} | {passes} | {lp['per_entry']:.2f} | {ms:.2f} |")
     return "\n".join(lines)
 

@@ -7,17 +7,25 @@
     backward: p_j = e^(z_j - lse), q_j = e^(w_j - ref_lse)
               dx_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T;  dr_j = g (q_j - p_j) / T
 
-with z = x / T and w = r / T (as x * (1 / T)), the sums per BLOCK-wide step in float32 and across steps in
-float64, in a fixed order: deterministic. NaN/+inf in either row, or a row of only -inf, gives NaN; a row
-whose KL is not finite has NaN gradients. Row r of each tensor starts at (r // inner) * stride_outer +
-(r % inner) * stride_inner elements with that tensor's strides.
+with z = x / T and w = r / T (as x * (1 / T)), e^y as 2^(y log2 e) (row_math.exp_ftz), each lane's sums in
+float32 over up to FOLD steps of its CHUNK entries and in float64 across them, the lanes added at the end in a
+fixed order: deterministic. NaN/+inf in either row, or a row of only -inf, gives NaN (a NaN entry found from the
+sums, no per-entry flag); a row whose KL is not finite has NaN gradients (through g, no per-entry select). Row r
+of each tensor starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements with that tensor's
+strides. Each thread reads 16 bytes of each row a step (128-bit loads where every row is 16-byte aligned:
+row_math.lane_tile); full steps unmasked, one masked tail step; a row not counted is not read.
 
 The forward reads both rows twice (a max pass, then a sums pass), unlike the CPU and CUDA forwards (one pass,
 online maxima, row_math.h): on an H200, side by side (bench/results/gpu-h200-2026-11-28/triton_ab.log, N =
-8192, V = 131,072), this two-pass forward took 4.90 ms (bf16) / 5.32 ms (fp32), a one-pass one with per-step
-block sums 6.50 / 6.46 ms and one with per-lane sums 5.89 / 5.85 ms: two block-wide max reductions per step
-cost more here than the second read saves. Run on an H200: "auto" takes these kernels on a GPU after the
-fused CUDA ones, once the first-use self-check (``kl_kernels/selfcheck.py``) passed.
+8192, V = 131,072), the two-pass forward of then took 4.90 ms (bf16) / 5.32 ms (fp32), a one-pass one with
+per-step block sums 6.50 / 6.46 ms and one with per-lane sums 5.89 / 5.85 ms: two block-wide max reductions per
+step cost more there than the second read saves. Since issue 48 each pass is per lane (no block-wide reduction
+in either loop): ~23 instructions per bf16 position on sm_90 (pass 1 ~6, pass 2 ~17), 0.73 ms of issue at that
+size against 2.04 ms for its two reads of both rows at copy speed, so by the paper model
+(kl_kernels/triton/aot.py) it is bound by its bytes, and a per-lane one-pass forward (est. ~28 instructions: the
+running maxima, F and the lost max of row_math.h on top of pass 2's) would take about half (~1.02 ms): an A/B
+for a GPU session. Run on an H200: "auto" takes these kernels on a GPU after the fused CUDA ones, once the
+first-use self-check (``kl_kernels/selfcheck.py``) passed.
 """
 
 from __future__ import annotations
@@ -25,40 +33,34 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .row_math import FAR, FOLD, exp_ftz
+from .row_math import FAR, FOLD, exp_ftz, lane_tile
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _fold_sums(s64, r64, a64, s32, r32, a32):
-    """The lanes' float32 sums [LANES, CHUNK] added into their float64 ones [LANES] (each lane's CHUNK first)."""
-    return (s64 + tl.sum(s32, 1).to(tl.float64), r64 + tl.sum(r32, 1).to(tl.float64),
-            a64 + tl.sum(a32, 1).to(tl.float64))
-
-
-@triton.jit
 def _sum_terms(x, w, m, n, inv_t, s32, r32, a32):
-    """One step's terms added to the lanes' float32 sums: u = m - z, v = n - w (z = x / T, w = r / T),
-    S += e^-u, R += e^-v, A += e^-u (v - u) (0 where e^-u is: no 0 * inf at a -inf reference entry)."""
+    """One step's terms [LANES, CHUNK] added to the lanes' float32 sums [LANES]: u = m - z, v = n - w (z = x / T,
+    w = r / T), S += e^-u, R += e^-v, A += e^-u (v - u) (0 where e^-u is: no 0 * inf at a -inf reference entry)."""
     u = m - x.to(tl.float32) * inv_t
     v = n - w.to(tl.float32) * inv_t
     e = exp_ftz(-u)
-    return s32 + e, r32 + exp_ftz(-v), a32 + e * tl.where(e > 0.0, v - u, 0.0)
+    return (s32 + tl.sum(e, 1), r32 + tl.sum(exp_ftz(-v), 1),
+            a32 + tl.sum(e * tl.where(e > 0.0, v - u, 0.0), 1))
 
 
 @triton.jit(do_not_specialize=("rows",))
 def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, rows, vocab, inner, stride_outer,
                        stride_inner, ref_stride_outer, ref_stride_inner, inv_t, LANES: tl.constexpr,
-                       CHUNK: tl.constexpr):
+                       CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
     BLOCK: tl.constexpr = LANES * CHUNK
     r = tl.program_id(0).to(tl.int64)
     xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the rows (int64), then int32 offsets
     rb = r_ptr + (r // inner) * ref_stride_outer + (r % inner) * ref_stride_inner
     counted = tl.load(counted_ptr + r) != 0  # (a uint8 view of the bool mask)
-    # each lane (thread) reads CHUNK contiguous entries of each row a step (128-bit loads); full steps unmasked,
-    # one masked step for the tail; a row not counted is not read (n = 0)
-    offs = tl.arange(0, LANES)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    # each lane (thread) reads CHUNK entries of each row a step (row_math.lane_tile: 128-bit loads on aligned
+    # rows); full steps unmasked, one masked step for the tail; a row not counted is not read (n = 0)
+    offs = lane_tile(LANES, CHUNK, ALIGNED)
     n_row = tl.where(counted, vocab, 0)
     full = n_row - n_row % BLOCK
     tail = offs < n_row - full
@@ -88,18 +90,18 @@ def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
     r64 = tl.zeros([LANES], tl.float64)
     a64 = tl.zeros([LANES], tl.float64)
     for g0 in range(0, full, FOLD * BLOCK):
-        s32 = tl.zeros([LANES, CHUNK], tl.float32)
-        r32 = tl.zeros([LANES, CHUNK], tl.float32)
-        a32 = tl.zeros([LANES, CHUNK], tl.float32)
+        s32 = tl.zeros([LANES], tl.float32)
+        r32 = tl.zeros([LANES], tl.float32)
+        a32 = tl.zeros([LANES], tl.float32)
         for j0 in range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK):
             s32, r32, a32 = _sum_terms(tl.load(xb + j0 + offs), tl.load(rb + j0 + offs), m_safe, n_safe, inv_t,
                                        s32, r32, a32)
-        s64, r64, a64 = _fold_sums(s64, r64, a64, s32, r32, a32)
-    zero = tl.zeros([LANES, CHUNK], tl.float32)
+        s64, r64, a64 = s64 + s32.to(tl.float64), r64 + r32.to(tl.float64), a64 + a32.to(tl.float64)
+    zero = tl.zeros([LANES], tl.float32)
     s32, r32, a32 = _sum_terms(tl.load(xb + full + offs, mask=tail, other=float("-inf")),
                                tl.load(rb + full + offs, mask=tail, other=float("-inf")), m_safe, n_safe, inv_t,
                                zero, zero, zero)
-    s64, r64, a64 = _fold_sums(s64, r64, a64, s32, r32, a32)
+    s64, r64, a64 = s64 + s32.to(tl.float64), r64 + r32.to(tl.float64), a64 + a32.to(tl.float64)
     s = tl.sum(s64, 0)
     rr = tl.sum(r64, 0)
     bad = bad | (s != s) | (rr != rr)  # a NaN entry: its terms are NaN

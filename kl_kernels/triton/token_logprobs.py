@@ -3,12 +3,17 @@
 
     forward:  m = max z;  S = sum_j e^(z_j - m);  W = sum_j e^(z_j - m) min(m - z_j, 88)
               lse = m + log S;  log_prob = z_y - lse;  entropy = W / S + log S
-              one pass over the row: m is a running max, S and W moved onto it as it rises (row_math.py)
+              one pass over the row: each lane's m a running max, its S and W moved onto it as it rises
+              (row_math.py), the lanes merged at the end
     backward: p_j = e^(z_j - lse);  dx_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, 88) - H)) / T
 
-with z = x / T (as x * (1 / T)), each lane's sums in float32 over up to FOLD steps, then in float64, the lanes
-added in float64 at the end, in a fixed order: deterministic. A counted row with a NaN or +inf logit, or only -inf
-ones, gives NaN. Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view
+with z = x / T (as x * (1 / T)), e^y as 2^(y log2 e) (row_math.exp_ftz: MUFU.EX2, 0 below FLT_MIN), each lane's
+sums in float32 over up to FOLD steps, then in float64, the lanes added in float64 at the end, in a fixed order:
+deterministic. A counted row with a NaN or +inf logit, or only -inf ones, gives NaN (found from the sums: a NaN
+or +inf entry makes S NaN, no per-entry flag). Each thread reads 16 bytes of a row a step (128-bit loads on rows
+16 bytes aligned: any V % 16 == 0); full steps unmasked, one masked step for the tail; a row not counted is not
+read. Main-loop cost per bf16 entry on sm_90 (tests/test_triton_static.py holds it): forward ~9 (~12 with the
+entropy), backward ~9. Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view
 or [B, T, V] slabs), the vocabulary contiguous. Compiled for sm_80/sm_90 and run under the interpreter in CI; run
 on H200s (bench/results/gpu-h200-2026-11-27, -28): "auto" takes them on a GPU after the CUDA kernels, once the
 self-check passed.
@@ -19,27 +24,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import codes
-from .kl_math import exp_row as _exp
-from .row_math import FAR, FOLD, exp_ftz, lane_fold, lane_step
+from .row_math import FAR, FOLD, exp_ftz, lane_fold, lane_step, lane_tile
 
 
 @triton.jit(do_not_specialize=("rows",))
 def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_ptr, ent_ptr, rows, vocab, inner,
                               stride_outer, stride_inner, inv_t, WANT_ENTROPY: tl.constexpr, LANES: tl.constexpr,
-                              CHUNK: tl.constexpr):
+                              CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
     BLOCK: tl.constexpr = LANES * CHUNK
     r = tl.program_id(0).to(tl.int64)
     base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the row (int64), then int32
     counted = tl.load(counted_ptr + r) != 0  # (a uint8 view of the bool mask)
-    y = tl.load(labels_ptr + r)
-    in_vocab = (y >= 0) & (y < vocab)
-    zy = tl.load(base + tl.where(in_vocab, y, 0)).to(tl.float32) * inv_t  # every row exists: no mask needed
-    # each lane (thread) reads CHUNK contiguous entries a step (one 128-bit load) and keeps its own running max and
-    # sums (row_math.lane_step): no block-wide reduction until the row's end. Full steps unmasked, FOLD at a time
-    # (then the lanes' float32 sums go into float64 ones), one masked step for the tail; a row not counted is not
-    # read (n = 0)
-    offs = tl.arange(0, LANES)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    # each lane (thread) reads CHUNK entries a step (row_math.lane_tile: one 128-bit load on aligned rows) and
+    # keeps its own running max and sums (row_math.lane_step): no block-wide reduction until the row's end. Full
+    # steps unmasked, FOLD at a time (then the lanes' float32 sums go into float64 ones), one masked step for the
+    # tail; a row not counted is not read (n = 0)
+    offs = lane_tile(LANES, CHUNK, ALIGNED)
     n = tl.where(counted, vocab, 0)
     full = n - n % BLOCK
     m = tl.full([LANES], float("-inf"), tl.float32)
@@ -50,12 +50,11 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
     w64 = tl.zeros([LANES], tl.float64)
     for g0 in range(0, full, FOLD * BLOCK):
         for j0 in range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK):
-            z = tl.load(base + j0 + offs).to(tl.float32) * inv_t
-            m, s32, w32 = lane_step(m, s32, w32, z)
+            m, s32, w32 = lane_step(m, s32, w32, tl.load(base + j0 + offs).to(tl.float32), inv_t)
         m64, s64, w64, s32, w32 = lane_fold(m64, s64, w64, m, s32, w32)
     if full < n:
-        z = tl.load(base + full + offs, mask=offs < n - full, other=float("-inf")).to(tl.float32) * inv_t
-        m, s32, w32 = lane_step(m, s32, w32, z)
+        x = tl.load(base + full + offs, mask=offs < n - full, other=float("-inf")).to(tl.float32)
+        m, s32, w32 = lane_step(m, s32, w32, x, inv_t)
         m64, s64, w64, s32, w32 = lane_fold(m64, s64, w64, m, s32, w32)
     # the lanes merged: each lane's sums moved onto the row's max, added in a fixed order (float64)
     m = tl.max(m64, 0)
@@ -63,6 +62,10 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
     s_total = tl.sum(s64, 0)
     w_total = tl.sum(w64, 0)
     bad = (s_total != s_total) | (m == float("inf")) | (m == float("-inf"))
+    # the label's logit (after the loop: a value live across it was spilled to the stack)
+    y = tl.load(labels_ptr + r)
+    in_vocab = (y >= 0) & (y < vocab)
+    zy = tl.load(base + tl.where(in_vocab, y, 0)).to(tl.float32) * inv_t  # every row exists: no mask needed
     m_safe = tl.where(bad, 0.0, m)
     log_s = tl.log(s_total.to(tl.float32))
     lse = m_safe + log_s
