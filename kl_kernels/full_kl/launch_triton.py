@@ -37,7 +37,8 @@ def forward(logits, ref_logits, counted, temperature: float):
         flags = counted.contiguous().view(torch.uint8)  # the kernels read the bool mask as bytes
         lanes, chunk, warps, aligned = _steps(x, (x, so, si), (r, rso, rsi))
         fwd[(n,)](x, r, flags, kl, lse, ref_lse, n, x.shape[-1], inner, so, si, rso, rsi, 1.0 / temperature,
-                  LANES=lanes, CHUNK=chunk, ALIGNED=aligned, num_warps=warps)
+                  LANES=lanes, CHUNK=chunk, ALIGNED=aligned, BLOCK=lanes * chunk,
+                  num_warps=warps)
     return kl, lse, ref_lse
 
 

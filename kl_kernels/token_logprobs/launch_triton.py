@@ -37,7 +37,7 @@ def forward(logits, labels, counted, temperature: float, want_entropy: bool):
         lanes, chunk, warps, aligned = _steps(rows, (rows, so, si))
         fwd[(n,)](rows, labels.contiguous(), flags, lp, lse, ent if want_entropy else lp, n, rows.shape[-1], inner, so,
                   si, 1.0 / temperature, WANT_ENTROPY=want_entropy, LANES=lanes, CHUNK=chunk,
-                  ALIGNED=aligned, num_warps=warps)
+                  ALIGNED=aligned, BLOCK=lanes * chunk, num_warps=warps)
     return lp, ent, lse
 
 

@@ -156,7 +156,7 @@ def _child(arch: int, out_dir: str, sass_kernels: frozenset | None = None, ops: 
         entry_bits = 32 if case["name"].startswith("float32") else 16
         flags = ",".join(sorted(n for n, v in kwargs.items() if n.isupper() and v is True))
         records.append(dict(kernel=self.__name__, arch=arch, case=case["name"], flags=flags,
-                            BLOCK=kwargs.get("BLOCK") or kwargs.get("LANES", 0) * kwargs.get("CHUNK", 0) or None,
+                            BLOCK=kwargs.get("BLOCK"),
                             num_warps=k.metadata.num_warps, dyn_smem=k.metadata.shared, cubin=path,
                             **res_usage(path), ptx_loads=ptx_global_loads(k.asm["ptx"]),
                             loads=None if sass_text is None else global_loads(sass_text),

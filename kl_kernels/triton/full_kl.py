@@ -52,8 +52,8 @@ def _sum_terms(x, w, m, n, inv_t, s32, r32, a32):
 @triton.jit(do_not_specialize=("rows",))
 def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, rows, vocab, inner, stride_outer,
                        stride_inner, ref_stride_outer, ref_stride_inner, inv_t, LANES: tl.constexpr,
-                       CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
-    BLOCK = LANES * CHUNK  # (a constexpr: a product of constexprs)
+                       CHUNK: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product)
     r = tl.program_id(0).to(tl.int64)
     xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the rows (int64), then int32 offsets
     rb = r_ptr + (r // inner) * ref_stride_outer + (r % inner) * ref_stride_inner

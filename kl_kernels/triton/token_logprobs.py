@@ -30,8 +30,9 @@ from .row_math import FAR, FOLD, exp_ftz, lane_fold, lane_step, lane_tile
 @triton.jit(do_not_specialize=("rows",))
 def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_ptr, ent_ptr, rows, vocab, inner,
                               stride_outer, stride_inner, inv_t, WANT_ENTROPY: tl.constexpr, LANES: tl.constexpr,
-                              CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
-    BLOCK = LANES * CHUNK  # (a constexpr: a product of constexprs)
+                              CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product)
     r = tl.program_id(0).to(tl.int64)
     base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the row (int64), then int32
     counted = tl.load(counted_ptr + r) != 0  # (a uint8 view of the bool mask)
