@@ -189,10 +189,11 @@ def test_a_frozen_reference_gets_no_gradient(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1023, 1024, 1025, 2047, 2048, 2049, 3000])
+@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1023, 1024, 1025, 2047, 2048, 2049, 2064, 3000, 4096])
 def test_kernel_row_steps(backend, vocab):
-    """The fused kernels' lanes (16), spans (256), Triton's BLOCK (1024), the CUDA kernel's threads (256) and
-    vectors (8 entries, one or two a thread and step), their heads and tails; slabs too."""
+    """The fused kernels' lanes (16), spans (256), Triton's steps (256 lanes of 16 bytes: 2048 bf16 entries; rows
+    16-byte aligned at V % 16 == 0, else strided lanes), the CUDA kernel's threads (256) and vectors (8 entries,
+    one or two a thread and step), their heads and tails; slabs too."""
     g = torch.Generator().manual_seed(vocab)
     x = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
     r = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
@@ -226,6 +227,10 @@ def test_rows_at_every_alignment(backend, dtype, vocab):
 ONE_PASS_CASES = [pytest.param(b, d, v, marks=CUDA_EMULATED.marks if b == "cuda-emulated" else ())
                   for b in ("cpu", "cuda-emulated") for d in (torch.float32, torch.bfloat16) for v in (300, 2500, 5000)]
 ONE_PASS_CASES += [pytest.param("triton", torch.bfloat16, 2500, marks=pytest.mark.triton)]
+# Triton's forward adds each lane's terms in float32 over 16 steps (row_math.FOLD), then in float64: 17 steps and
+# a partial one (a step is 2048 bf16 / 1024 fp32 entries); rows aligned (V % 16 == 0) and not
+ONE_PASS_CASES += [pytest.param("triton", torch.bfloat16, 17 * 2048 + 16, marks=pytest.mark.triton),
+                   pytest.param("triton", torch.float32, 17 * 1024 + 5, marks=pytest.mark.triton)]
 # On a GPU: the CUDA kernels' grid-stride steps (2048 entries a block step) and Triton's, up to 40 steps
 ONE_PASS_CASES += [pytest.param(b, d, v, marks=pytest.mark.cuda)
                    for b in ("cuda", "triton") for d in (torch.float32, torch.bfloat16) for v in (5000, 81921)]

@@ -139,9 +139,11 @@ def test_matches_the_oracle(case, entropy, backend):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("vocab", [1, 1023, 1024, 1025, 2500])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 1023, 1024, 1025, 2047, 2048, 2049, 2064, 4096, 4100])
 def test_triton_row_steps(vocab):
-    """The Triton kernels' BLOCK-wide steps over a row (1024) and their tails, a slab layout too."""
+    """The Triton kernels' steps over a row (256 lanes of 16 bytes: 2048 bf16, 1024 fp32 entries), the masked
+    tail step after the full ones, a slab layout too; rows 16-byte aligned (V % 16 == 0: each lane's entries
+    contiguous) and not (strided lanes, row_math.lane_tile)."""
     g = torch.Generator().manual_seed(vocab)
     x = (torch.randn(2, 3, vocab, generator=g) * 4).to(torch.bfloat16)
     x[0, 1, vocab // 2] = -math.inf
@@ -219,8 +221,10 @@ ONE_PASS_CASES = [pytest.param(b, d, v, marks=CUDA_EMULATED.marks if b == "cuda-
                   for v in (300, 2500, 5000)]
 ONE_PASS_CASES += [pytest.param("triton", d, 2500, marks=pytest.mark.triton)
                    for d in (torch.float32, torch.bfloat16)]
-# Triton's lanes add 16 steps in float32 before float64 (row_math.FOLD): 17 steps and a partial one
-ONE_PASS_CASES += [pytest.param("triton", torch.bfloat16, 17 * 1024 + 5, marks=pytest.mark.triton)]
+# Triton's lanes add 16 steps in float32 before float64 (row_math.FOLD): 17 steps and a partial one (a step is
+# 2048 bf16 / 1024 fp32 entries); rows not 16-byte aligned (bf16 here) and aligned (fp32)
+ONE_PASS_CASES += [pytest.param("triton", torch.bfloat16, 17 * 2048 + 5, marks=pytest.mark.triton),
+                   pytest.param("triton", torch.float32, 17 * 1024 + 16, marks=pytest.mark.triton)]
 # On a GPU: the CUDA kernels' grid-stride steps (2048 entries a block step) and Triton's, up to 40 steps
 ONE_PASS_CASES += [pytest.param(b, d, v, marks=pytest.mark.cuda)
                    for b in ("cuda", "triton") for d in (torch.float32, torch.bfloat16, torch.float16)
@@ -232,7 +236,7 @@ def test_one_pass_rows_whose_max_moves(backend, dtype, vocab):
     """The forward reads each row once, moving its sums onto a running max (csrc/common/row_math.h):
     rows whose max rises at every run, past the far bound, from -inf, -1e30 or -FLT_MAX, only at the end,
     or never (tests/row_batches.py), labels at both ends, against the oracle (values and gradients). Runs:
-    the CPU kernel's 1024-entry runs, Triton's 1024-entry steps, a CUDA thread's step (one or two 8-entry
+    the CPU kernel's 1024-entry runs, a Triton lane's 16-byte steps, a CUDA thread's step (one or two 8-entry
     vectors, 2048 entries apart)."""
     x = row_batches.moving_max_rows(vocab, seed=vocab).to(dtype)
     n = x.shape[0]

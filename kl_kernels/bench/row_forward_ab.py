@@ -339,25 +339,34 @@ def _timed(call, dev: torch.device):
 
 
 def triton_ab(base: str, rows: int, vocab: int, repeats: int, device: str = "cuda") -> list[dict]:
-    """The Triton forwards of ``base`` (its kernel modules, loaded as siblings of the tree's, reading the
-    tree's kl_math/codes, unchanged since) against the tree's, through the tree's launchers, alternately on
+    """The Triton forwards of ``base`` (its kernel modules and row_math, loaded as siblings of the tree's, reading
+    the tree's kl_math/codes, unchanged since, through base's launchers) against the tree's, alternately on
     the current GPU; best and median of ``repeats`` CUDA-event timings each (``device="cpu"``: under the
     Triton interpreter, wall-clock: a test of this tool, not a measurement)."""
-    from ..full_kl import launch_triton as fk_launch
-    from ..token_logprobs import launch_triton as tlp_launch
-
     here = REPO / "kl_kernels" / "triton"
     written = []
     try:
-        kernels = {}
+        # base's row_math too (the kernels' shared helpers change with them), and base's launchers (they pass
+        # the kernels' own arguments: BLOCK, or LANES/CHUNK/ALIGNED/BLOCK since issue 48), each base module
+        # importing base's siblings
+        path = here / "_ab_base_row_math.py"
+        path.write_text(_git("show", f"{base}:kl_kernels/triton/row_math.py") + "\n")
+        written.append(path)
+        kernels, launch = {}, {}
         for name in TRITON_MODULES:
             path = here / f"_ab_base_{name}.py"
-            path.write_text(_git("show", f"{base}:kl_kernels/triton/{name}.py") + "\n")
+            path.write_text(_git("show", f"{base}:kl_kernels/triton/{name}.py").replace(
+                "from .row_math import", "from ._ab_base_row_math import") + "\n")
             written.append(path)
             old = importlib.import_module(f"kl_kernels.triton._ab_base_{name}")
             new = importlib.import_module(f"kl_kernels.triton.{name}")
             kernels[name] = {"base": (getattr(old, f"{name}_fwd_kernel"), getattr(old, f"{name}_bwd_kernel")),
                              "head": (getattr(new, f"{name}_fwd_kernel"), getattr(new, f"{name}_bwd_kernel"))}
+            path = REPO / "kl_kernels" / name / "_ab_base_launch_triton.py"
+            path.write_text(_git("show", f"{base}:kl_kernels/{name}/launch_triton.py") + "\n")
+            written.append(path)
+            launch[name] = {"base": importlib.import_module(f"kl_kernels.{name}._ab_base_launch_triton"),
+                            "head": importlib.import_module(f"kl_kernels.{name}.launch_triton")}
         dev = torch.device(device)
         out = []
         for dtype in (torch.bfloat16, torch.float32):
@@ -366,16 +375,15 @@ def triton_ab(base: str, rows: int, vocab: int, repeats: int, device: str = "cud
             r = (torch.randn(rows, vocab, generator=g, device=dev) * 3).to(dtype)
             labels = torch.arange(rows, device=dev) * 7919 % vocab
             counted = torch.ones(rows, dtype=torch.bool, device=dev)
-            calls = {"token_logprobs": lambda: tlp_launch.forward(x, labels, counted, 0.7, True)[:2],
-                     "full_kl": lambda: fk_launch.forward(x, r, counted, 0.7)[:1]}
-            launchers = {"token_logprobs": tlp_launch, "full_kl": fk_launch}
+            calls = {"token_logprobs": lambda m: m.forward(x, labels, counted, 0.7, True)[:2],
+                     "full_kl": lambda m: m.forward(x, r, counted, 0.7)[:1]}
             times = {(rev, op): [] for rev in ("base", "head") for op in TRITON_MODULES}
             results = {}
             for rep in range(-1, repeats):  # -1: the warm-up (compiles), not counted
                 for rev in ("base", "head"):
                     for op in TRITON_MODULES:
-                        with mock.patch.object(launchers[op], "_kernels", lambda k=kernels[op][rev]: k):
-                            ms, got = _timed(calls[op], dev)
+                        with mock.patch.object(launch[op][rev], "_kernels", lambda k=kernels[op][rev]: k):
+                            ms, got = _timed(lambda op=op, rev=rev: calls[op](launch[op][rev]), dev)
                         if rep >= 0:
                             times[rev, op].append(ms)
                         results[rev, op] = got
@@ -392,7 +400,7 @@ def triton_ab(base: str, rows: int, vocab: int, repeats: int, device: str = "cud
     finally:
         for path in written:
             path.unlink()
-            sys.modules.pop(f"kl_kernels.triton.{path.stem}", None)
+            sys.modules.pop(f"kl_kernels.{path.parent.name}.{path.stem}", None)
 
 
 def _table(runs: list) -> None:

@@ -8,13 +8,19 @@ import torch
 from ..launching import resolved
 from ..vocab_rows import row_map, rows_of
 
-BLOCK = 1024  # entries of a row per step (4 per thread at 8 warps)
-
 
 def _kernels():
     from ..triton import full_kl as k  # imported on first use: triton is optional
 
     return k.full_kl_fwd_kernel, k.full_kl_bwd_kernel
+
+
+def _steps(logits, *rows) -> tuple[int, int, int, bool]:
+    """(threads, entries a thread reads per step, warps, whether each ``(tensor, stride_outer, stride_inner)`` of
+    ``rows`` has 16-byte aligned rows) of a row's program (``triton/row_math.py``)."""
+    from ..triton.row_math import ROW_WARPS, row_chunk, rows_aligned
+
+    return 32 * ROW_WARPS, row_chunk(logits.element_size()), ROW_WARPS, rows_aligned(*rows)
 
 
 def forward(logits, ref_logits, counted, temperature: float):
@@ -29,8 +35,10 @@ def forward(logits, ref_logits, counted, temperature: float):
         inner, so, si = row_map(x)
         _, rso, rsi = row_map(r)
         flags = counted.contiguous().view(torch.uint8)  # the kernels read the bool mask as bytes
+        lanes, chunk, warps, aligned = _steps(x, (x, so, si), (r, rso, rsi))
         fwd[(n,)](x, r, flags, kl, lse, ref_lse, n, x.shape[-1], inner, so, si, rso, rsi, 1.0 / temperature,
-                  BLOCK=BLOCK, num_warps=8)
+                  LANES=lanes, CHUNK=chunk, ALIGNED=aligned, BLOCK=lanes * chunk,
+                  num_warps=warps)
     return kl, lse, ref_lse
 
 
@@ -50,6 +58,8 @@ def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, 
     g = grad_kl.reshape(-1).to(torch.float32).contiguous()
     flags = counted.contiguous().view(torch.uint8)
     stand_in = gx if gx is not None else gr  # an absent output's pointer: never written (WANT_* off)
+    lanes, chunk, warps, _ = _steps(x)
     bwd[(n,)](x, r, flags, kl.reshape(-1), lse, ref_lse, g, gx if gx is not None else stand_in,
               gr if gr is not None else stand_in, n, x.shape[-1], inner, so, si, rso, rsi, gso, gsi, grso, grsi,
-              1.0 / temperature, WANT_X=gx is not None, WANT_R=gr is not None, BLOCK=BLOCK, num_warps=8)
+              1.0 / temperature, WANT_X=gx is not None, WANT_R=gr is not None, BLOCK=lanes * chunk,
+              num_warps=warps)

@@ -7,17 +7,25 @@
     backward: p_j = e^(z_j - lse), q_j = e^(w_j - ref_lse)
               dx_j = g p_j ((ref_lse - w_j) - (lse - z_j) - KL) / T;  dr_j = g (q_j - p_j) / T
 
-with z = x / T and w = r / T (as x * (1 / T)), the sums per BLOCK-wide step in float32 and across steps in
-float64, in a fixed order: deterministic. NaN/+inf in either row, or a row of only -inf, gives NaN; a row
-whose KL is not finite has NaN gradients. Row r of each tensor starts at (r // inner) * stride_outer +
-(r % inner) * stride_inner elements with that tensor's strides.
+with z = x / T and w = r / T (as x * (1 / T)), e^y as 2^(y log2 e) (row_math.exp_ftz), each lane's sums in
+float32 over up to FOLD steps of its CHUNK entries and in float64 across them, the lanes added at the end in a
+fixed order: deterministic. NaN/+inf in either row, or a row of only -inf, gives NaN (a NaN entry found from the
+sums, no per-entry flag); a row whose KL is not finite has NaN gradients (through g, no per-entry select). Row r
+of each tensor starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements with that tensor's
+strides. Each thread reads 16 bytes of each row a step (128-bit loads where every row is 16-byte aligned:
+row_math.lane_tile); full steps unmasked, one masked tail step; a row not counted is not read.
 
 The forward reads both rows twice (a max pass, then a sums pass), unlike the CPU and CUDA forwards (one pass,
 online maxima, row_math.h): on an H200, side by side (bench/results/gpu-h200-2026-11-28/triton_ab.log, N =
-8192, V = 131,072), this two-pass forward took 4.90 ms (bf16) / 5.32 ms (fp32), a one-pass one with per-step
-block sums 6.50 / 6.46 ms and one with per-lane sums 5.89 / 5.85 ms: two block-wide max reductions per step
-cost more here than the second read saves. Run on an H200: "auto" takes these kernels on a GPU after the
-fused CUDA ones, once the first-use self-check (``kl_kernels/selfcheck.py``) passed.
+8192, V = 131,072), the two-pass forward of then took 4.90 ms (bf16) / 5.32 ms (fp32), a one-pass one with
+per-step block sums 6.50 / 6.46 ms and one with per-lane sums 5.89 / 5.85 ms: two block-wide max reductions per
+step cost more there than the second read saves. Since issue 48 each pass is per lane (no block-wide reduction
+in either loop): ~23 instructions per bf16 position on sm_90 (pass 1 ~6, pass 2 ~17), 0.73 ms of issue at that
+size against 2.04 ms for its two reads of both rows at copy speed, so by the paper model
+(kl_kernels/triton/aot.py) it is bound by its bytes, and a per-lane one-pass forward (est. ~28 instructions: the
+running maxima, F and the lost max of row_math.h on top of pass 2's) would take about half (~1.02 ms): an A/B
+for a GPU session. Run on an H200: "auto" takes these kernels on a GPU after the fused CUDA ones, once the
+first-use self-check (``kl_kernels/selfcheck.py``) passed.
 """
 
 from __future__ import annotations
@@ -25,97 +33,143 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kl_math import exp_row
+from .row_math import FAR, FOLD, exp_ftz, lane_tile
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
-@triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner", "ref_stride_outer",
-                               "ref_stride_inner"))
+@triton.jit
+def _sum_terms(x, w, m, n, inv_t, s32, r32, a32):
+    """One step's terms [LANES, CHUNK] added to the lanes' float32 sums [LANES]: u = m - z, v = n - w (z = x / T,
+    w = r / T), S += e^-u, R += e^-v, A += e^-u (v - u) (0 where e^-u is: no 0 * inf at a -inf reference entry)."""
+    u = m - x.to(tl.float32) * inv_t
+    v = n - w.to(tl.float32) * inv_t
+    e = exp_ftz(-u)
+    return (s32 + tl.sum(e, 1), r32 + tl.sum(exp_ftz(-v), 1),
+            a32 + tl.sum(e * tl.where(e > 0.0, v - u, 0.0), 1))
+
+
+@triton.jit(do_not_specialize=("rows",))
 def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, rows, vocab, inner, stride_outer,
-                       stride_inner, ref_stride_outer, ref_stride_inner, inv_t, BLOCK: tl.constexpr):
+                       stride_inner, ref_stride_outer, ref_stride_inner, inv_t, LANES: tl.constexpr,
+                       CHUNK: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product)
     r = tl.program_id(0).to(tl.int64)
-    xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner
+    xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the rows (int64), then int32 offsets
     rb = r_ptr + (r // inner) * ref_stride_outer + (r % inner) * ref_stride_inner
-    cnt = tl.load(counted_ptr + r).to(tl.int32)  # (a uint8 view of the bool mask)
-    counted = cnt != 0
-    lanes = tl.arange(0, BLOCK)
-    counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0
-    # pass 1: both maxima (a +inf shows there) and whether a NaN is in either row
-    mz = tl.full([BLOCK], float("-inf"), tl.float32)
-    mw = tl.full([BLOCK], float("-inf"), tl.float32)
-    nan = tl.zeros([BLOCK], tl.int32)
-    for j0 in range(0, vocab, BLOCK):
-        offs = j0 + lanes
-        ok = (offs < vocab) & counted_v
-        z = tl.load(xb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        w = tl.load(rb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        mz = tl.where(z > mz, z, mz)
-        mw = tl.where(w > mw, w, mw)
-        nan = tl.where((z != z) | (w != w), 1, nan)
-    m = tl.max(mz, 0)
-    n = tl.max(mw, 0)
-    bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf")) | (n == float("inf")) \
-        | (n == float("-inf"))
+    counted = tl.load(counted_ptr + r) != 0  # (a uint8 view of the bool mask)
+    # each lane (thread) reads CHUNK entries of each row a step (row_math.lane_tile: 128-bit loads on aligned
+    # rows); full steps unmasked, one masked step for the tail; a row not counted is not read (n = 0)
+    offs = lane_tile(LANES, CHUNK, ALIGNED)
+    n_row = tl.where(counted, vocab, 0)
+    full = n_row - n_row % BLOCK
+    tail = offs < n_row - full
+    # pass 1: both maxima, of the logits as read (x / T is monotone in x: the max of z is max x / T, bit for bit),
+    # per entry of each lane, NaN skipped (maxnum; a NaN makes pass 2's sums NaN); a +inf shows in the max
+    # (in float32: a 16-bit maximum would be one packed instruction per two entries, but Triton's interpreter
+    # takes the max of bf16 bit patterns)
+    mx = tl.full([LANES, CHUNK], float("-inf"), tl.float32)
+    mr = tl.full([LANES, CHUNK], float("-inf"), tl.float32)
+    for j0 in range(0, full, BLOCK):
+        mx = tl.maximum(mx, tl.load(xb + j0 + offs).to(tl.float32))
+        mr = tl.maximum(mr, tl.load(rb + j0 + offs).to(tl.float32))
+    mx = tl.maximum(mx, tl.load(xb + full + offs, mask=tail, other=float("-inf")).to(tl.float32))
+    mr = tl.maximum(mr, tl.load(rb + full + offs, mask=tail, other=float("-inf")).to(tl.float32))
+    m = tl.max(tl.max(mx, 1), 0) * inv_t
+    n = tl.max(tl.max(mr, 1), 0) * inv_t
+    bad = (m == float("inf")) | (m == float("-inf")) | (n == float("inf")) | (n == float("-inf"))
     # pass 2: S, R and A against the final maxima (so a -inf reference entry makes the KL +inf only where the
     # policy's probability is positive against the final max: the two-pass rule row_math.h's one pass keeps),
-    # float32 per step, float64 across steps
-    s_total = tl.zeros([1], tl.float64)
-    r_total = tl.zeros([1], tl.float64)
-    a_total = tl.zeros([1], tl.float64)
+    # each lane's float32 sums over FOLD steps, then float64; a row with an infinite max is not read again
     m_safe = tl.where(bad, 0.0, m)
     n_safe = tl.where(bad, 0.0, n)
-    live_v = counted_v & ((tl.zeros([BLOCK], tl.int32) + bad.to(tl.int32)) == 0)
-    for j0 in range(0, vocab, BLOCK):
-        offs = j0 + lanes
-        ok = (offs < vocab) & live_v
-        u = m_safe - tl.load(xb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        v = n_safe - tl.load(rb + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        e = exp_row(-u)
-        s_total += tl.sum(e, 0).to(tl.float64)
-        r_total += tl.sum(exp_row(-v), 0).to(tl.float64)
-        a_total += tl.sum(tl.where(e > 0.0, e * (v - u), 0.0), 0).to(tl.float64)
-    s = tl.max(s_total, 0)
-    rr = tl.max(r_total, 0)
+    n_row = tl.where(bad, 0, n_row)
+    full = n_row - n_row % BLOCK
+    tail = offs < n_row - full
+    s64 = tl.zeros([LANES], tl.float64)
+    r64 = tl.zeros([LANES], tl.float64)
+    a64 = tl.zeros([LANES], tl.float64)
+    for g0 in range(0, full, FOLD * BLOCK):
+        s32 = tl.zeros([LANES], tl.float32)
+        r32 = tl.zeros([LANES], tl.float32)
+        a32 = tl.zeros([LANES], tl.float32)
+        for j0 in range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK):
+            s32, r32, a32 = _sum_terms(tl.load(xb + j0 + offs), tl.load(rb + j0 + offs), m_safe, n_safe, inv_t,
+                                       s32, r32, a32)
+        s64, r64, a64 = s64 + s32.to(tl.float64), r64 + r32.to(tl.float64), a64 + a32.to(tl.float64)
+    zero = tl.zeros([LANES], tl.float32)
+    s32, r32, a32 = _sum_terms(tl.load(xb + full + offs, mask=tail, other=float("-inf")),
+                               tl.load(rb + full + offs, mask=tail, other=float("-inf")), m_safe, n_safe, inv_t,
+                               zero, zero, zero)
+    s64, r64, a64 = s64 + s32.to(tl.float64), r64 + r32.to(tl.float64), a64 + a32.to(tl.float64)
+    s = tl.sum(s64, 0)
+    rr = tl.sum(r64, 0)
+    bad = bad | (s != s) | (rr != rr)  # a NaN entry: its terms are NaN
     log_s = tl.log(s.to(tl.float32))
     log_r = tl.log(rr.to(tl.float32))
-    kl = (tl.max(a_total, 0) / s).to(tl.float32) + (log_r - log_s)
+    kl = (tl.sum(a64, 0) / s).to(tl.float32) + (log_r - log_s)
     nan_value = float("nan")
     tl.store(kl_ptr + r, tl.where(counted, tl.where(bad, nan_value, kl), 0.0))
     tl.store(lse_ptr + r, tl.where(counted, tl.where(bad, nan_value, m_safe + log_s), 0.0))
     tl.store(ref_lse_ptr + r, tl.where(counted, tl.where(bad, nan_value, n_safe + log_r), 0.0))
 
 
-@triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner", "ref_stride_outer",
-                               "ref_stride_inner", "g_stride_outer", "g_stride_inner", "gr_stride_outer",
-                               "gr_stride_inner"))
+@triton.jit
+def _grads(x, w, lse, ref_lse, kl, gx_row, gr_row, inv_t, WANT_X: tl.constexpr, WANT_R: tl.constexpr):
+    """dx_j and dr_j of entries x, w (as read): u = lse - z, v = ref_lse - w, p = e^-u, q = e^-v,
+    dx = (p g / T) ((v - u) - KL), dr = g (q - p) / T, with gx_row = g / T, gr_row = g / T (NaN where the KL
+    is not finite). v and u are clamped to FLT_MAX and FAR: where p > 0 (u < FAR) and the KL is finite, v is
+    finite too, so the clamps change nothing there, and where p = 0 they keep 0 * inf out of dx (the second
+    factor stays finite: KL is finite where gx_row is)."""
+    u = lse - x.to(tl.float32) * inv_t
+    v = ref_lse - w.to(tl.float32) * inv_t
+    p = exp_ftz(-u)
+    gx = p
+    gr = p
+    if WANT_X:
+        gx = (p * gx_row) * ((tl.minimum(v, FLT_MAX) - tl.minimum(u, FAR)) - kl)
+    if WANT_R:
+        gr = gr_row * (exp_ftz(-v) - p)
+    return gx, gr
+
+
+@triton.jit(do_not_specialize=("rows",))
 def full_kl_bwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, g_ptr, gx_ptr, gr_ptr, rows, vocab,
                        inner, stride_outer, stride_inner, ref_stride_outer, ref_stride_inner, g_stride_outer,
                        g_stride_inner, gr_stride_outer, gr_stride_inner, inv_t, WANT_X: tl.constexpr,
                        WANT_R: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner
+    xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the rows (int64), then int32 offsets
     rb = r_ptr + (r // inner) * ref_stride_outer + (r % inner) * ref_stride_inner
     gxb = gx_ptr + (r // inner) * g_stride_outer + (r % inner) * g_stride_inner
     grb = gr_ptr + (r // inner) * gr_stride_outer + (r % inner) * gr_stride_inner
-    cnt = tl.load(counted_ptr + r).to(tl.int32)
-    counted = cnt != 0
+    counted = tl.load(counted_ptr + r) != 0
     lanes = tl.arange(0, BLOCK)
-    counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0
-    kl = tl.load(kl_ptr + r)
-    finite = (kl == kl) & (kl != float("inf")) & (kl != float("-inf"))
-    g = tl.where(counted, tl.load(g_ptr + r), 0.0) * inv_t
-    lse = tl.load(lse_ptr + r)
-    ref_lse = tl.load(ref_lse_ptr + r)
-    for j0 in range(0, vocab, BLOCK):
-        offs = j0 + lanes
-        ok = offs < vocab
-        u = lse - tl.load(xb + offs, mask=ok & counted_v, other=0.0).to(tl.float32) * inv_t
-        v = ref_lse - tl.load(rb + offs, mask=ok & counted_v, other=0.0).to(tl.float32) * inv_t
-        p = exp_row(-u)
+    full = vocab - vocab % BLOCK
+    tail = lanes < vocab - full
+    if counted:
+        kl = tl.load(kl_ptr + r)
+        finite = (kl == kl) & (kl != float("inf")) & (kl != float("-inf"))
+        # g / T for the row, NaN where the KL is not finite (so every entry's gradient is: 0 * NaN is NaN)
+        g_row = tl.where(finite, tl.load(g_ptr + r) * inv_t, float("nan"))
+        lse = tl.load(lse_ptr + r)
+        ref_lse = tl.load(ref_lse_ptr + r)
+        for j0 in range(0, full, BLOCK):
+            gx, gr = _grads(tl.load(xb + j0 + lanes), tl.load(rb + j0 + lanes), lse, ref_lse, kl, g_row, g_row, inv_t,
+                            WANT_X, WANT_R)
+            if WANT_X:
+                tl.store(gxb + j0 + lanes, gx.to(gx_ptr.dtype.element_ty))
+            if WANT_R:
+                tl.store(grb + j0 + lanes, gr.to(gr_ptr.dtype.element_ty))
+        gx, gr = _grads(tl.load(xb + full + lanes, mask=tail, other=0.0), tl.load(rb + full + lanes, mask=tail,
+                        other=0.0), lse, ref_lse, kl, g_row, g_row, inv_t, WANT_X, WANT_R)
         if WANT_X:
-            gx = tl.where(p > 0.0, g * (p * ((v - u) - kl)), 0.0)
-            gx = tl.where(counted, tl.where(finite, gx, float("nan")), 0.0)
-            tl.store(gxb + offs, gx.to(gx_ptr.dtype.element_ty), mask=ok)
+            tl.store(gxb + full + lanes, gx.to(gx_ptr.dtype.element_ty), mask=tail)
         if WANT_R:
-            gr = g * (exp_row(-v) - p)
-            gr = tl.where(counted, tl.where(finite, gr, float("nan")), 0.0)
-            tl.store(grb + offs, gr.to(gr_ptr.dtype.element_ty), mask=ok)
+            tl.store(grb + full + lanes, gr.to(gr_ptr.dtype.element_ty), mask=tail)
+    else:
+        for j0 in range(0, vocab, BLOCK):
+            if WANT_X:
+                tl.store(gxb + j0 + lanes, tl.zeros([BLOCK], gx_ptr.dtype.element_ty), mask=j0 + lanes < vocab)
+            if WANT_R:
+                tl.store(grb + j0 + lanes, tl.zeros([BLOCK], gr_ptr.dtype.element_ty), mask=j0 + lanes < vocab)

@@ -3,12 +3,17 @@
 
     forward:  m = max z;  S = sum_j e^(z_j - m);  W = sum_j e^(z_j - m) min(m - z_j, 88)
               lse = m + log S;  log_prob = z_y - lse;  entropy = W / S + log S
-              one pass over the row: m is a running max, S and W moved onto it as it rises (row_math.py)
+              one pass over the row: each lane's m a running max, its S and W moved onto it as it rises
+              (row_math.py), the lanes merged at the end
     backward: p_j = e^(z_j - lse);  dx_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, 88) - H)) / T
 
-with z = x / T (as x * (1 / T)), each lane's sums in float32 over up to FOLD steps, then in float64, the lanes
-added in float64 at the end, in a fixed order: deterministic. A counted row with a NaN or +inf logit, or only -inf
-ones, gives NaN. Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view
+with z = x / T (as x * (1 / T)), e^y as 2^(y log2 e) (row_math.exp_ftz: MUFU.EX2, 0 below FLT_MIN), each lane's
+sums in float32 over up to FOLD steps, then in float64, the lanes added in float64 at the end, in a fixed order:
+deterministic. A counted row with a NaN or +inf logit, or only -inf ones, gives NaN (found from the sums: a NaN
+or +inf entry makes S NaN, no per-entry flag). Each thread reads 16 bytes of a row a step (128-bit loads on rows
+16 bytes aligned: any V % 16 == 0); full steps unmasked, one masked step for the tail; a row not counted is not
+read. Main-loop cost per bf16 entry on sm_90 (tests/test_triton_static.py holds it): forward ~9 (~12 with the
+entropy), backward ~9. Row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner elements (an [N, V] view
 or [B, T, V] slabs), the vocabulary contiguous. Compiled for sm_80/sm_90 and run under the interpreter in CI; run
 on H200s (bench/results/gpu-h200-2026-11-27, -28): "auto" takes them on a GPU after the CUDA kernels, once the
 self-check passed.
@@ -19,54 +24,50 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import codes
-from .kl_math import exp_row as _exp
-from .row_math import FAR, FOLD, fold, logprob_rebase, row_floor, step_max
+from .row_math import FAR, FOLD, exp_ftz, lane_fold, lane_step, lane_tile
 
 
-@triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner"))
+@triton.jit(do_not_specialize=("rows",))
 def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_ptr, ent_ptr, rows, vocab, inner,
-                              stride_outer, stride_inner, inv_t, WANT_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+                              stride_outer, stride_inner, inv_t, WANT_ENTROPY: tl.constexpr, LANES: tl.constexpr,
+                              CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product)
     r = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner
-    cnt = tl.load(counted_ptr + r).to(tl.int32)  # (a uint8 view of the bool mask)
-    counted = cnt != 0
-    lanes = tl.arange(0, BLOCK)
-    counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0  # as a block: a scalar mask would not broadcast
-    # one pass (row_math.py): per step the entries' max (NaN skipped, flagged; the step's one block-wide
-    # reduction), the lanes' sums moved onto the running max where it rises (a branch the whole program
-    # takes or skips), then each lane adds its entries' terms: float32 lane sums, added into float64 ones
-    # every FOLD steps and before each move; one block-wide sum at the end (float64, a fixed order)
-    m = tl.full([], float("-inf"), tl.float32)
-    s64 = tl.zeros([BLOCK], tl.float64)
-    w64 = tl.zeros([BLOCK], tl.float64)
-    s32 = tl.zeros([BLOCK], tl.float32)
-    w32 = tl.zeros([BLOCK], tl.float32)
-    nan = tl.zeros([BLOCK], tl.int32)
-    steps = tl.zeros([], tl.int32)  # since the last fold
-    for j0 in range(0, vocab, BLOCK):
-        offs = j0 + lanes
-        z = tl.load(base + offs, mask=(offs < vocab) & counted_v, other=float("-inf")).to(tl.float32) * inv_t
-        nan = tl.where(z != z, 1, nan)
-        run_max = step_max(z)
-        if run_max > m:
-            s64, w64, s32, w32 = fold(s64, w64, s32, w32)
-            m, s64, w64, _ = logprob_rebase(m, s64, w64, run_max)
-        d = row_floor(m) - z
-        e = _exp(-d)
-        s32 += e
-        w32 += e * tl.where(d <= FAR, d, FAR)
-        steps += 1
-        if steps == FOLD:
-            steps = tl.zeros([], tl.int32)
-            s64, w64, s32, w32 = fold(s64, w64, s32, w32)
-    s_total = tl.sum(s64 + s32.to(tl.float64), 0)
-    w_total = tl.sum(w64 + w32.to(tl.float64), 0)
-    bad = (tl.max(nan, 0) > 0) | (m == float("inf")) | (m == float("-inf"))
-    m_safe = tl.where(bad, 0.0, m)
+    base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the row (int64), then int32
+    counted = tl.load(counted_ptr + r) != 0  # (a uint8 view of the bool mask)
+    # each lane (thread) reads CHUNK entries a step (row_math.lane_tile: one 128-bit load on aligned rows) and
+    # keeps its own running max and sums (row_math.lane_step): no block-wide reduction until the row's end. Full
+    # steps unmasked, FOLD at a time (then the lanes' float32 sums go into float64 ones), one masked step for the
+    # tail; a row not counted is not read (n = 0)
+    offs = lane_tile(LANES, CHUNK, ALIGNED)
+    n = tl.where(counted, vocab, 0)
+    full = n - n % BLOCK
+    m = tl.full([LANES], float("-inf"), tl.float32)
+    s32 = tl.zeros([LANES], tl.float32)
+    w32 = tl.zeros([LANES], tl.float32)
+    m64 = tl.full([LANES], float("-inf"), tl.float32)
+    s64 = tl.zeros([LANES], tl.float64)
+    w64 = tl.zeros([LANES], tl.float64)
+    for g0 in range(0, full, FOLD * BLOCK):
+        for j0 in range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK):
+            m, s32, w32 = lane_step(m, s32, w32, tl.load(base + j0 + offs).to(tl.float32), inv_t)
+        m64, s64, w64, s32, w32 = lane_fold(m64, s64, w64, m, s32, w32)
+    if full < n:
+        x = tl.load(base + full + offs, mask=offs < n - full, other=float("-inf")).to(tl.float32)
+        m, s32, w32 = lane_step(m, s32, w32, x, inv_t)
+        m64, s64, w64, s32, w32 = lane_fold(m64, s64, w64, m, s32, w32)
+    # the lanes merged: each lane's sums moved onto the row's max, added in a fixed order (float64)
+    m = tl.max(m64, 0)
+    _, s64, w64, _, _ = lane_fold(m64, s64, w64, m, s32, w32)
+    s_total = tl.sum(s64, 0)
+    w_total = tl.sum(w64, 0)
+    bad = (s_total != s_total) | (m == float("inf")) | (m == float("-inf"))
+    # the label's logit (after the loop: a value live across it was spilled to the stack)
     y = tl.load(labels_ptr + r)
     in_vocab = (y >= 0) & (y < vocab)
     zy = tl.load(base + tl.where(in_vocab, y, 0)).to(tl.float32) * inv_t  # every row exists: no mask needed
+    m_safe = tl.where(bad, 0.0, m)
     log_s = tl.log(s_total.to(tl.float32))
     lse = m_safe + log_s
     undefined = bad | (~in_vocab)
@@ -79,34 +80,46 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
         tl.store(ent_ptr + r, tl.where(counted, tl.where(undefined, nan_value, h), 0.0))
 
 
-@triton.jit(do_not_specialize=("rows", "vocab", "inner", "stride_outer", "stride_inner", "g_stride_outer",
-                               "g_stride_inner"))
+@triton.jit(do_not_specialize=("rows",))
 def token_logprobs_bwd_kernel(logits_ptr, labels_ptr, counted_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, out_ptr,
                               rows, vocab, inner, stride_outer, stride_inner, g_stride_outer, g_stride_inner, inv_t,
                               HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner
+    base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the row (int64), then int32
     out = out_ptr + (r // inner) * g_stride_outer + (r % inner) * g_stride_inner
-    cnt = tl.load(counted_ptr + r).to(tl.int32)  # (a uint8 view of the bool mask)
-    counted = cnt != 0
+    counted = tl.load(counted_ptr + r) != 0  # (a uint8 view of the bool mask)
     lanes = tl.arange(0, BLOCK)
-    counted_v = (tl.zeros([BLOCK], tl.int32) + cnt) != 0
-    # (absent gradients come with a valid stand-in pointer: always loaded, then zeroed)
-    gl = tl.where(counted & HAS_G_LP, tl.load(g_lp_ptr + r), 0.0)
-    gh = tl.where(counted & HAS_G_ENT, tl.load(g_ent_ptr + r), 0.0)
-    h = tl.where(HAS_G_ENT, tl.load(ent_ptr + r), 0.0)
-    lse = tl.load(lse_ptr + r)
-    y = tl.load(labels_ptr + r)
-    for j0 in range(0, vocab, BLOCK):
-        offs = j0 + lanes
-        ok = offs < vocab
-        x = tl.load(base + offs, mask=ok & counted_v, other=0.0).to(tl.float32)
-        d = lse - x * inv_t
-        p = _exp(-d)
-        g = tl.where(offs == y, gl * (1.0 - p), -gl * p) + gh * (p * (tl.where(d <= FAR, d, FAR) - h))
-        # an undefined row (the forward stored a NaN lse: NaN or +inf logits, all -inf, a label outside [0, V)) has
-        # a NaN gradient whatever the upstream terms: exp_row gives 0 for NaN, so without the entropy term nothing
-        # else would carry it
-        g = tl.where(lse == lse, g, float("nan"))
-        g = tl.where(counted, g * inv_t, 0.0)
-        tl.store(out + offs, g.to(out_ptr.dtype.element_ty), mask=ok)
+    if counted:
+        # (absent gradients come with a valid stand-in pointer: always loaded, then zeroed)
+        gl = tl.where(HAS_G_LP, tl.load(g_lp_ptr + r), 0.0)
+        gh = tl.where(HAS_G_ENT, tl.load(g_ent_ptr + r), 0.0)
+        h = tl.where(HAS_G_ENT, tl.load(ent_ptr + r), 0.0)
+        lse = tl.load(lse_ptr + r)
+        y = tl.load(labels_ptr + r)
+        # the label's entry, read before the loop overwrites it (an in-place backward writes over the logits)
+        label = (y >= 0) & (y < vocab) & (lse == lse)
+        d_y = lse - tl.load(base + tl.where(label, y, 0)).to(tl.float32) * inv_t
+        # dx_j = p_j (g_H (min(d_j, FAR) - H) - g_lp) / T for every entry, the label's g_lp / T added after the
+        # loop: the row's constants folded once (a = g_H / T, b = (g_H H + g_lp) / T). An undefined row (the
+        # forward stored a NaN lse: NaN or +inf logits, all -inf, a label outside [0, V)) has d_j and p_j NaN, so a
+        # NaN gradient whatever the upstream terms (0 * NaN is NaN)
+        a = gh * inv_t
+        b = (gh * h + gl) * inv_t
+        full = vocab - vocab % BLOCK
+        for j0 in range(0, full, BLOCK):
+            d = lse - tl.load(base + j0 + lanes).to(tl.float32) * inv_t
+            p = exp_ftz(-d)
+            tl.store(out + j0 + lanes, (p * (a * tl.minimum(d, FAR) - b)).to(out_ptr.dtype.element_ty))
+        tail = lanes < vocab - full
+        d = lse - tl.load(base + full + lanes, mask=tail, other=0.0).to(tl.float32) * inv_t
+        p = exp_ftz(-d)
+        tl.store(out + full + lanes, (p * (a * tl.minimum(d, FAR) - b)).to(out_ptr.dtype.element_ty), mask=tail)
+        if label:
+            p_y = exp_ftz(-d_y)
+            g_y = (gl * (1.0 - p_y) + gh * (p_y * (tl.minimum(d_y, FAR) - h))) * inv_t
+            tl.debug_barrier()  # the loop's store of the label's entry (another thread's) comes first
+            tl.store(out + y, g_y.to(out_ptr.dtype.element_ty))
+    else:
+        zero = tl.zeros([BLOCK], tl.float32).to(out_ptr.dtype.element_ty)
+        for j0 in range(0, vocab, BLOCK):
+            tl.store(out + j0 + lanes, zero, mask=j0 + lanes < vocab)
