@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import op_library
 from . import launch, launch_triton, reference
 from .problem import FullKLProblem
 
@@ -39,8 +40,8 @@ def _register(name: str, forward, backward, device_types=None):
                  g_logits if want_logits else None, g_ref if want_ref else None)
         return g_logits, g_ref
 
-    fwd_op = torch.library.custom_op(f"kl_kernels::{name}_fwd", fwd, mutates_args=(), device_types=device_types)
-    bwd_op = torch.library.custom_op(f"kl_kernels::{name}_bwd", bwd, mutates_args=(), device_types=device_types)
+    fwd_op = op_library.define(f"kl_kernels::{name}_fwd", fwd, device_types=device_types)
+    bwd_op = op_library.define(f"kl_kernels::{name}_bwd", bwd, device_types=device_types)
     fwd_op.register_fake(_fake_forward)
     bwd_op.register_fake(_fake_backward)
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import op_library
 from .._compat import torch as torch_compat
 from ..launching import ESTIMATOR_CODES, LAYOUT_CODES, clamp_bounds
 from . import launch, launch_triton
@@ -59,7 +60,7 @@ def _define(name: str, launcher):
     """Register ``kl_kernels::<name>_fwd`` / ``<name>_bwd`` around ``launcher``'s forward and backward
     (``launch`` or ``launch_triton``: same signatures), with fake implementations and autograd."""
 
-    @torch.library.custom_op(f"kl_kernels::{name}_fwd", mutates_args=(), device_types=_DEVICES)
+    @op_library.define(f"kl_kernels::{name}_fwd", device_types=_DEVICES)
     def fwd(log_probs: Tensor, old_log_probs: Tensor, ref_log_probs: Optional[Tensor], advantages: Tensor,
             entropy: Optional[Tensor], mask: Optional[Tensor], offsets: Optional[Tensor], lengths: Optional[Tensor],
             beta: Optional[Tensor], beta_scalar: float, adv_per_seq: bool, layout: int, left_pad: bool,
@@ -83,7 +84,7 @@ def _define(name: str, launcher):
                 log_probs.new_empty((batch,), dtype=torch.int64),
                 log_probs.new_empty((4, *shape) if token_out else (0,), **f32), log_probs.new_empty(shape, **f32))
 
-    @torch.library.custom_op(f"kl_kernels::{name}_bwd", mutates_args=(), device_types=_DEVICES)
+    @op_library.define(f"kl_kernels::{name}_bwd", device_types=_DEVICES)
     def bwd(grad: Tensor, g_seq: Optional[Tensor], g_tok: Optional[Tensor], mask: Optional[Tensor],
             offsets: Optional[Tensor], lengths: Optional[Tensor], layout: int, left_pad: bool, lp_dtype: torch.dtype,
             entropy_grad: bool, aux_dtype: torch.dtype, entropy_coef: float) -> tuple[Tensor, Tensor]:
@@ -176,8 +177,7 @@ def run_fused(p: KLPenaltyProblem, triton: bool = False, emulated: bool = False)
     needs_graph = torch.is_grad_enabled() and (lp.requires_grad or (ent is not None and ent.requires_grad))
     launcher = launch_triton if triton else launch.emulated if emulated else launch
     if torch.compiler.is_compiling():  # (no out= here: problem.py refuses it under compile)
-        op = (torch.ops.kl_kernels.kl_penalty_triton_fwd if triton else
-              torch.ops.kl_kernels.kl_penalty_cuda_emu_fwd if emulated else torch.ops.kl_kernels.kl_penalty_fwd)
+        op = kl_penalty_triton_fwd if triton else kl_penalty_cuda_emu_fwd if emulated else kl_penalty_fwd
         seq_loss, stats, count, tok, _ = op(*args)
     elif needs_graph:
         seq_loss, stats, count, tok, _ = _EagerFused.apply(launcher, p.grad_out, *args)

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import launching
+from .. import launching, op_library
 from . import launch, launch_triton
 from .problem import KLRewardProblem, RawOutputs
 
@@ -30,7 +30,7 @@ def _define(name: str, launcher):
     """Register ``kl_kernels::<name>_fwd`` / ``<name>_bwd`` around ``launcher``'s forward and
     backward (same signatures for every launcher), with fake implementations and autograd."""
 
-    @torch.library.custom_op(f"kl_kernels::{name}_fwd", mutates_args=(), device_types=_DEVICES)
+    @op_library.define(f"kl_kernels::{name}_fwd", device_types=_DEVICES)
     def fwd(log_probs: Tensor, ref_log_probs: Tensor, mask: Optional[Tensor], offsets: Optional[Tensor],
             lengths: Optional[Tensor], prompt_lens: Optional[Tensor], reward: Optional[Tensor],
             coef: Optional[Tensor], coef_scalar: float, layout: int, left_pad: bool, placement: int,
@@ -50,7 +50,7 @@ def _define(name: str, launcher):
                 ref_log_probs.new_empty(shape if return_ref else (0,)),
                 log_probs.new_empty((batch,), dtype=torch.float32), log_probs.new_empty((batch,), dtype=torch.int64))
 
-    @torch.library.custom_op(f"kl_kernels::{name}_bwd", mutates_args=(), device_types=_DEVICES)
+    @op_library.define(f"kl_kernels::{name}_bwd", device_types=_DEVICES)
     def bwd(log_probs: Tensor, ref_log_probs: Tensor, mask: Optional[Tensor], offsets: Optional[Tensor],
             lengths: Optional[Tensor], prompt_lens: Optional[Tensor], coef: Optional[Tensor], coef_scalar: float,
             layout: int, left_pad: bool, estimator: int, straight_through: bool, clamp: Sequence[float],
@@ -102,8 +102,7 @@ def run_fused(p: KLRewardProblem, triton: bool = False, emulated: bool = False) 
         # out= buffers too (lists take no out=), so no per-call [B, T] temporary is made and copied.
         kl, reward, ref_out, kl_sum, count = launch.forward(*args, mask_nan=p.mask_nan, out=p.out)
     elif needs_graph or torch.compiler.is_compiling():
-        op = (torch.ops.kl_kernels.kl_reward_triton_fwd if triton else
-              torch.ops.kl_kernels.kl_reward_cuda_emu_fwd if emulated else torch.ops.kl_kernels.kl_reward_fwd)
+        op = kl_reward_triton_fwd if triton else kl_reward_cuda_emu_fwd if emulated else kl_reward_fwd
         kl, reward, ref_out, kl_sum, count = op(*args)
     elif triton:
         # Eager and no autograd: the op would only add dispatcher overhead around the same launch.

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import op_library
 from . import launch, launch_triton, reference
 from .problem import TokenLogprobsProblem
 
@@ -68,8 +69,8 @@ def _define(name: str, launcher, device_types=None):
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         return launcher.backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy, out)
 
-    fwd_op = torch.library.custom_op(f"kl_kernels::{name}_fwd", fwd, mutates_args=(), device_types=device_types)
-    bwd_op = torch.library.custom_op(f"kl_kernels::{name}_bwd", bwd, mutates_args=(), device_types=device_types)
+    fwd_op = op_library.define(f"kl_kernels::{name}_fwd", fwd, device_types=device_types)
+    bwd_op = op_library.define(f"kl_kernels::{name}_bwd", bwd, device_types=device_types)
     fwd_op.register_fake(_fake_forward)
     bwd_op.register_fake(_fake_backward)
     fwd_op.register_autograd(_backward_with(bwd_op, launcher.backward), setup_context=_setup_context)
