@@ -72,7 +72,8 @@ class Op:
         torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=LIB)
 
 
-def _define(name: str, fn: Callable, device_types) -> torch._ops.OpOverload:
+def _define(name: str, fn: Callable, device_types):
+    """The op `kl_kernels::<name>` around `fn` at its devices' dispatch keys; its default overload."""
     LIB.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
     if device_types is None:  # every device: as custom_op with device_types=None
         keys = ["CompositeExplicitAutograd"]
