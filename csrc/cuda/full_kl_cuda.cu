@@ -82,22 +82,16 @@ __device__ __forceinline__ void full_kl_load_step(const BitsOf<DT>* vx, const Bi
   }
 }
 
-// Every vector of a row's walk into s: whole steps, then the partial last one.
+// Every vector of a row's walk into s (row_steps).
 template <int32_t DT, bool kAligned>
 __device__ __forceinline__ void full_kl_vectors(FullKLSums& s, const BitsOf<DT>* vx, const BitsOf<DT>* vy, int64_t vecs,
                                                 float inv_t) {
   constexpr int kVecs = kRowVecs<BitsOf<DT>, 2>;
-  int64_t v0 = threadIdx.x;
-  for (; v0 + int64_t{kVecs - 1} * kRowThreads < vecs; v0 += int64_t{kRowThreads} * kVecs) {
+  row_steps<kVecs>(vecs, [&](auto full, int64_t v0) {
     float z[kVecs][kRowVec], w[kVecs][kRowVec];
-    full_kl_load_step<DT, kAligned, true>(vx, vy, v0, vecs, inv_t, z, w);
+    full_kl_load_step<DT, kAligned, decltype(full)::value>(vx, vy, v0, vecs, inv_t, z, w);
     full_kl_step(s, z, w);
-  }
-  if (v0 < vecs) {
-    float z[kVecs][kRowVec], w[kVecs][kRowVec];
-    full_kl_load_step<DT, kAligned, false>(vx, vy, v0, vecs, inv_t, z, w);
-    full_kl_step(s, z, w);
-  }
+  });
 }
 
 template <int32_t DT>
@@ -184,11 +178,9 @@ __device__ __forceinline__ void full_kl_grad_step(const BitsOf<DT>* vx, const Bi
 template <int32_t DT, bool kAligned>
 __device__ __forceinline__ void full_kl_grad_vectors(const BitsOf<DT>* vx, const BitsOf<DT>* vy, BitsOf<DT>* gx,
                                                      BitsOf<DT>* gr, int64_t vecs, float inv_t, const FullKLGradRow& in) {
-  constexpr int kVecs = kRowVecs<BitsOf<DT>, 2>;
-  int64_t v0 = threadIdx.x;
-  for (; v0 + int64_t{kVecs - 1} * kRowThreads < vecs; v0 += int64_t{kRowThreads} * kVecs)
-    full_kl_grad_step<DT, kAligned, true>(vx, vy, gx, gr, v0, vecs, inv_t, in);
-  if (v0 < vecs) full_kl_grad_step<DT, kAligned, false>(vx, vy, gx, gr, v0, vecs, inv_t, in);
+  row_steps<kRowVecs<BitsOf<DT>, 2>>(vecs, [&](auto full, int64_t v0) {
+    full_kl_grad_step<DT, kAligned, decltype(full)::value>(vx, vy, gx, gr, v0, vecs, inv_t, in);
+  });
 }
 
 template <int32_t DT>

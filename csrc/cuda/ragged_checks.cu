@@ -19,21 +19,7 @@
 namespace kl {
 namespace {
 
-constexpr int64_t kNoFinding = INT64_MAX;
-
-// The block's smallest key (rank * (batch + 2) + index: earlier rank first, then lower index), in a fixed
-// tree; every thread gets it.
-__device__ __forceinline__ int64_t block_first(int64_t key, int64_t* keys) {
-  keys[threadIdx.x] = key;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half >>= 1) {
-    if (static_cast<int>(threadIdx.x) < half && keys[threadIdx.x + half] < keys[threadIdx.x])
-      keys[threadIdx.x] = keys[threadIdx.x + half];
-    __syncthreads();
-  }
-  return keys[0];
-}
-
+// A finding as a key, rank * (batch + 2) + index (earlier rank first, then lower index): the smaller of it and `key`.
 __device__ __forceinline__ int64_t first_key(int64_t key, int64_t rank, int64_t index, int64_t batch) {
   const int64_t k = rank * (batch + 2) + index;
   return k < key ? k : key;
@@ -42,13 +28,13 @@ __device__ __forceinline__ int64_t first_key(int64_t key, int64_t rank, int64_t 
 __global__ void __launch_bounds__(kThreads) offsets_valid(const int64_t* off, int64_t batch, int64_t total,
                                                           uintptr_t errors, int32_t arg) {
   __shared__ int64_t keys[kThreads];
-  int64_t key = kNoFinding;
+  int64_t key = kNoCheckFinding;
   if (threadIdx.x == 0 && off[0] != 0) key = first_key(key, 0, 0, batch);
   for (int64_t b = threadIdx.x; b < batch; b += kThreads)
     if (off[b + 1] < off[b]) key = first_key(key, 1, b + 1, batch);
   if (threadIdx.x == 0 && off[batch] != total) key = first_key(key, 2, batch, batch);
   key = block_first(key, keys);
-  if (threadIdx.x != 0 || key == kNoFinding) return;
+  if (threadIdx.x != 0 || key == kNoCheckFinding) return;
   const int64_t rank = key / (batch + 2), index = key % (batch + 2);
   const int32_t kind = rank == 0 ? kErrOffsetsStart : rank == 1 ? kErrOffsetsDecreasing : kErrOffsetsEnd;
   record_value_error(errors, kind, arg, index, off[index], total);
@@ -58,14 +44,14 @@ __global__ void __launch_bounds__(kThreads) lengths_valid(const int64_t* len, in
                                                           const int64_t* off, const int64_t* seq_len,
                                                           uintptr_t errors, int32_t arg, int32_t bound_kind) {
   __shared__ int64_t keys[kThreads];
-  int64_t key = kNoFinding;
+  int64_t key = kNoCheckFinding;
   for (int64_t b = threadIdx.x; b < batch; b += kThreads) {
     const int64_t hi = off ? off[b + 1] - off[b] : seq_len ? seq_len[b] : width;
     if (len[b] < 0) key = first_key(key, 0, b, batch);
     if (len[b] > hi) key = first_key(key, 1, b, batch);
   }
   key = block_first(key, keys);
-  if (threadIdx.x != 0 || key == kNoFinding) return;
+  if (threadIdx.x != 0 || key == kNoCheckFinding) return;
   const int64_t rank = key / (batch + 2), b = key % (batch + 2);
   const int64_t hi = off ? off[b + 1] - off[b] : seq_len ? seq_len[b] : width;
   // lengths against the width; prompt_lens against their sequence (bound_kind >= 0: SEQUENCE_BOUNDS' index)

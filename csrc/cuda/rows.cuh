@@ -17,6 +17,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/kl_math.h"   // BitsOf, from_bits, to_bits
 #include "common/row_math.h"  // with_logits_dtype
@@ -100,6 +101,16 @@ __device__ __forceinline__ void row_store8(BitsOf<DT>* p, bool aligned, const fl
 #pragma unroll
     for (int c = 0; c < kRowVec; ++c) p[c] = to_bits<DT>(g[c]);
   }
+}
+
+// Every step of a row's walk over `vecs` vectors, kVecs vectors a thread and step: step(std::true_type, v0) for
+// each whole step (all kVecs vectors in the row: no check per vector in the main loop), then step(std::false_type,
+// v0) for this thread's partial last one, if any (vectors past `vecs` skipped). v0: the step's first vector.
+template <int kVecs, class Step>
+__device__ __forceinline__ void row_steps(int64_t vecs, Step&& step) {
+  int64_t v0 = threadIdx.x;
+  for (; v0 + int64_t{kVecs - 1} * kRowThreads < vecs; v0 += int64_t{kRowThreads} * kVecs) step(std::true_type{}, v0);
+  if (v0 < vecs) step(std::false_type{}, v0);
 }
 
 // Every entry of a row of V set to `value` by the block (a row not counted, or a gradient that is NaN).

@@ -434,11 +434,9 @@ __device__ __forceinline__ int64_t first_check_of_sequences(const KLRewardArgs& 
   return key;
 }
 
-// End of a combine kernel (every thread of every block, `key` the first finding of the sequences the combine
-// gave it: check_key in its walk): the grid's first finding, recorded by the last block. Call only when
-// checks_folded(a) (block-uniform).
-__device__ __forceinline__ void record_first_check(const KLRewardArgs& a, int64_t key, int64_t* state) {
-  __shared__ int64_t keys[kThreads];
+// The block's smallest key in a fixed tree (`keys`: shared [kThreads]); every thread gets it. Finds the value
+// checks' first finding: at the end of a combine (below) and in ragged_checks.cu's check kernels.
+__device__ __forceinline__ int64_t block_first(int64_t key, int64_t* keys) {
   keys[threadIdx.x] = key;
   __syncthreads();
   for (int half = kThreads / 2; half > 0; half >>= 1) {
@@ -446,9 +444,18 @@ __device__ __forceinline__ void record_first_check(const KLRewardArgs& a, int64_
       keys[threadIdx.x] = keys[threadIdx.x + half];
     __syncthreads();
   }
+  return keys[0];
+}
+
+// End of a combine kernel (every thread of every block, `key` the first finding of the sequences the combine
+// gave it: check_key in its walk): the grid's first finding, recorded by the last block. Call only when
+// checks_folded(a) (block-uniform).
+__device__ __forceinline__ void record_first_check(const KLRewardArgs& a, int64_t key, int64_t* state) {
+  __shared__ int64_t keys[kThreads];
+  key = block_first(key, keys);
   if (threadIdx.x != 0) return;
   long long* first = reinterpret_cast<long long*>(state);
-  if (keys[0] != kNoCheckFinding) atomicMin(first, static_cast<long long>(keys[0]));
+  if (key != kNoCheckFinding) atomicMin(first, static_cast<long long>(key));
   __threadfence();  // this block's minimum is in before it counts itself done
   const unsigned long long done = atomicAdd(reinterpret_cast<unsigned long long*>(state + 1), 1ull);
   if (done != gridDim.x - 1ull) return;

@@ -51,6 +51,23 @@ __device__ __forceinline__ void logprob_step(LogprobSums& s, const float (&z)[K]
   s.W += sw;
 }
 
+// Vectors [v0, v0 + kVecs x kRowThreads) of a row's walk (vrow: its first vector) into z, times inv_t (-inf
+// past `vecs` unless kFull: terms of 0).
+template <int32_t DT, bool kFull>
+__device__ __forceinline__ void logprob_load_step(const BitsOf<DT>* vrow, int64_t v0, int64_t vecs, float inv_t,
+                                                  float (&z)[kRowVecs<BitsOf<DT>>][kRowVec]) {
+#pragma unroll
+  for (int k = 0; k < kRowVecs<BitsOf<DT>>; ++k) {
+    const int64_t vi = v0 + int64_t{k} * kRowThreads;
+    if (kFull || vi < vecs) {
+      row_load8<DT>(vrow + vi * kRowVec, true, inv_t, z[k]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kRowVec; ++c) z[k][c] = -INFINITY;
+    }
+  }
+}
+
 template <int32_t DT>
 __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(TokenLogprobsArgs a) {
   __shared__ float max_sm[1][kRowWarps];
@@ -76,29 +93,11 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
       }
       logprob_step(sums, z);
     }
-    // whole steps (every vector of the step in the row: no check per vector), then the partial last one
-    const Bits* vrow = row + sp.head;
-    int64_t v0 = threadIdx.x;
-    for (; v0 + int64_t{kVecs - 1} * kRowThreads < sp.vecs; v0 += int64_t{kRowThreads} * kVecs) {
+    row_steps<kVecs>(sp.vecs, [&](auto full, int64_t v0) {  // kVecs 128-bit loads in flight, then their terms
       float z[kVecs][kRowVec];
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) row_load8<DT>(vrow + (v0 + int64_t{k} * kRowThreads) * kRowVec, true, inv_t, z[k]);
-      logprob_step(sums, z);  // kVecs 128-bit loads in flight before
-    }
-    if (v0 < sp.vecs) {
-      float z[kVecs][kRowVec];
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        const int64_t vi = v0 + int64_t{k} * kRowThreads;
-        if (vi < sp.vecs) {
-          row_load8<DT>(vrow + vi * kRowVec, true, inv_t, z[k]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < kRowVec; ++c) z[k][c] = -INFINITY;  // past the row: terms of 0
-        }
-      }
+      logprob_load_step<DT, decltype(full)::value>(row + sp.head, v0, sp.vecs, inv_t, z);
       logprob_step(sums, z);
-    }
+    });
     // the block's max; every thread's sums moved onto it, then summed in a fixed order
     float mx[1] = {sums.m};
     block_max(mx, max_sm);
@@ -154,15 +153,13 @@ __device__ __forceinline__ void logprob_grad_step(const BitsOf<DT>* vrow, BitsOf
   }
 }
 
-// Every vector of a row's walk: whole steps, then the partial last one.
+// Every vector of a row's walk (row_steps).
 template <int32_t DT, bool kAligned>
 __device__ __forceinline__ void logprob_grad_vectors(const BitsOf<DT>* vrow, BitsOf<DT>* vout, int64_t vecs, int64_t yv,
                                                      float inv_t, const LogprobGradRow& in) {
-  constexpr int kVecs = kRowVecs<BitsOf<DT>>;
-  int64_t v0 = threadIdx.x;
-  for (; v0 + int64_t{kVecs - 1} * kRowThreads < vecs; v0 += int64_t{kRowThreads} * kVecs)
-    logprob_grad_step<DT, kAligned, true>(vrow, vout, v0, vecs, yv, inv_t, in);
-  if (v0 < vecs) logprob_grad_step<DT, kAligned, false>(vrow, vout, v0, vecs, yv, inv_t, in);
+  row_steps<kRowVecs<BitsOf<DT>>>(vecs, [&](auto full, int64_t v0) {
+    logprob_grad_step<DT, kAligned, decltype(full)::value>(vrow, vout, v0, vecs, yv, inv_t, in);
+  });
 }
 
 template <int32_t DT>
