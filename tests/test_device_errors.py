@@ -47,6 +47,24 @@ def _host_message(fn, **kw) -> str:
     return str(e.value)
 
 
+def _emulated_check_kernel(module, launched=None):
+    """A stand-in for ``value_checks.kernel_check``: the check kernel run by the emulation (``module``:
+    ``_cuda_emu``; False, as when it cannot run, without it) through the same argument marshalling
+    (``value_checks.launch_check``), recording into the CPU's error word; each kernel's name appended to
+    ``launched``."""
+
+    def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
+        if module is None:
+            return False
+        if launched is not None:
+            launched.append(kernel)
+        assert value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
+                                         bound_kind=bound_kind, stream=0) == 0
+        return True
+
+    return check_kernel
+
+
 def _as_on_a_gpu(monkeypatch, fn, **kw):
     """``fn(**kw)`` with the value checks on their accelerator path and the launchers' read of the error
     word off (see the module doc): the outputs a GPU call returns before its error surfaces."""
@@ -54,16 +72,9 @@ def _as_on_a_gpu(monkeypatch, fn, **kw):
 
     module = _extensions.load("_cuda_emu")[0]
 
-    def on_the_emulator(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
-        if module is None:
-            return False
-        assert value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
-                                   bound_kind=bound_kind, stream=0) == 0
-        return True
-
     with monkeypatch.context() as mp:
         mp.setattr(value_checks, "checks_on_host", lambda t: False)
-        mp.setattr(value_checks, "kernel_check", on_the_emulator)
+        mp.setattr(value_checks, "kernel_check", _emulated_check_kernel(module))
         mp.setattr(device_errors, "raise_pending", lambda device: None)
         # every backend runs through: the torch backend too clamps what it indexes with (on a GPU an index out of
         # range in torch's own operations is a device-side assertion; here on the CPU, an IndexError)
@@ -604,11 +615,7 @@ def test_the_forward_checks_bad_values_itself_with_no_check_launch(monkeypatch, 
     word = device_errors.word("cpu")
     launched = []
 
-    def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
-        launched.append(kernel)
-        assert value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
-                                   bound_kind=bound_kind, stream=0) == 0
-        return True
+    check_kernel = _emulated_check_kernel(module, launched)
 
     found = {}
     for way, deferred in (("check kernels", False), ("folded", True)):
@@ -674,11 +681,7 @@ def test_deferred_checks_are_launched_for_a_backend_that_does_not_fold_them(monk
                          backend="torch")
     launched = []
 
-    def check_kernel(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
-        launched.append(kernel)
-        assert value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
-                                   bound_kind=bound_kind, stream=0) == 0
-        return True
+    check_kernel = _emulated_check_kernel(module, launched)
 
     with monkeypatch.context() as mp:
         mp.setattr(value_checks, "checks_on_host", lambda t: False)

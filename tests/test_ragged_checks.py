@@ -39,7 +39,7 @@ def _kernel_says(kernel: str, values: torch.Tensor, batch: int, bound: int, *per
     module = _extensions.load("_cuda_emu")[0]
     assert _recorded(values) is None  # nothing left over
     code = value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
-                               bound_kind=bound_kind, stream=0)
+                                     bound_kind=bound_kind, stream=0)
     assert code == 0
     return _recorded(values)
 
@@ -127,7 +127,7 @@ def test_kernel_check_falls_back_where_it_cannot_run():
     torch operations (or the host check, for CPU tensors)."""
     assert value_checks.kernel_check("offsets_valid", torch.tensor([0, 1]), 1, 1, name="offsets") is False
     assert value_checks.kernel_check("lengths_valid", torch.tensor([1, 2], dtype=torch.int32), 2, 3, None, None,
-                               name="lengths") is False
+                                     name="lengths") is False
 
 
 def _checks_as_on_a_gpu(monkeypatch) -> list:
@@ -140,7 +140,7 @@ def _checks_as_on_a_gpu(monkeypatch) -> list:
     def on_the_emulator(kernel, values, batch, bound, *per_sequence, name, bound_kind=-1):
         calls.append(kernel)
         code = value_checks.launch_check(getattr(module, kernel), values, batch, bound, *per_sequence, name=name,
-                                   bound_kind=bound_kind, stream=0)
+                                         bound_kind=bound_kind, stream=0)
         assert code == 0
         return True
 

@@ -329,8 +329,8 @@ def _check_prompt_lens(prompt_lens, kind, offsets, lengths, width, batch, device
         if not value_checks.checks_on_host(prompt_lens):
             # (packed: the kernel bounds each sequence by its offsets and reads no width; the binding takes an int)
             if not value_checks.value_check("lengths_valid", prompt_lens, batch, width if padded else 0,
-                                       None if padded else offsets, lengths if padded else None,
-                                       name="prompt_lens", bound_kind=bound_kind):
+                                             None if padded else offsets, lengths if padded else None,
+                                             name="prompt_lens", bound_kind=bound_kind):
                 device_errors.record_where(prompt_lens.lt(0), prompt_lens, "below_zero", "prompt_lens", 0)
                 bound = seq_lengths()
                 device_errors.record_where(prompt_lens.gt(bound), prompt_lens, "above_sequence", "prompt_lens",
