@@ -50,6 +50,9 @@ CHUNK_LOGITS = 1 << 24
 # N = 8192, H = 4096, V = 128k is the head's gradient (0.98 GiB) + d hidden in float32 (2 x 128 MiB while a
 # slice's share is added) + a slice: under 1.5 GiB.
 GPU_CHUNK_LOGITS = 1 << 27
+# A GPU chunk's tokens are the rows of its GEMMs: whole multiples of a tensor-core tile's 128 rows (1,046 tokens
+# at V = 128,256 would leave 22-row tiles, and an N = 8192 batch a short last chunk; 1,024 makes 8 equal ones).
+GPU_TOKEN_TILE = 128
 GPU_SLICE_LOGITS = 1 << 25
 SCHEDULES = ("tokens", "vocab")
 
@@ -108,10 +111,13 @@ def check_ref_head(hidden, vocab: int, ref_hidden, ref_weight, ref_bias, *, requ
 
 def chunk_tokens(chunk_size, vocab: int, device=None) -> int:
     """Tokens per forward chunk: ``chunk_size`` (an int >= 1) or, for None, about ``CHUNK_LOGITS`` logits
-    on the CPU (``device`` None or a CPU one), ``GPU_CHUNK_LOGITS`` elsewhere."""
+    on the CPU (``device`` None or a CPU one), ``GPU_CHUNK_LOGITS`` elsewhere, there in whole multiples of
+    ``GPU_TOKEN_TILE`` tokens when that many fit."""
     if chunk_size is None:
-        budget = CHUNK_LOGITS if device is None or torch.device(device).type == "cpu" else GPU_CHUNK_LOGITS
-        return max(1, budget // vocab)
+        if device is None or torch.device(device).type == "cpu":
+            return max(1, CHUNK_LOGITS // vocab)
+        tokens = max(1, GPU_CHUNK_LOGITS // vocab)
+        return tokens - tokens % GPU_TOKEN_TILE if tokens >= GPU_TOKEN_TILE else tokens
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size must be None or an int >= 1 (tokens per chunk), got {chunk_size!r}")
     return int(chunk_size)
@@ -197,7 +203,7 @@ def vocab_walk_grads(needs, hidden, weight, bias, width: int, slice_grad) -> tup
     dtypes (None where ``needs``, three bools, says no), from ``slice_grad(v0, v1, logits_s)``, which writes
     the gradient of the logits of every token against ``weight[v0:v1]`` over ``logits_s [N, v1 - v0]``
     (and returns it). ``width`` entries per slice (:func:`slice_width`)."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    vocab = weight.shape[0]
     # (contiguous: a slice of rows is then a block the GEMM writes in place)
     g_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if needs[1] else None
     g_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None and needs[2] else None

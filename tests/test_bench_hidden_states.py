@@ -62,3 +62,68 @@ def test_the_verl_import_leaves_no_stub_behind():
             __import__(root + ".sub")
     assert not [n for n in sys.modules if n.partition(".")[0] in absent]
     assert all(importlib.util.find_spec(r) is None for r in absent)
+
+
+def test_rows_carry_the_gemm_physics(tmp_path):
+    """One head GEMM is timed per size and task; every timed row says how many of them its step took, and ours
+    and eager (whose algorithms we know) their GEMM floor: count x the GEMM's time, and the row's % of it."""
+    rows = hs.run([(32, 8, 40)], "cpu", contenders=["ours", "eager"], repeats=2)
+    assert {(r["task"], r["contender"]) for r in rows} == {(t, c) for t in ("logprobs", "grpo_loss")
+                                                           for c in ("ours", "eager")}
+    for r in rows:
+        assert r["head_gemm_ms"] > 0 and r["head_gemm_tflops"] > 0
+        assert r["head_gemms"] == round(r["ms"] / r["head_gemm_ms"], 2)
+        count = hs.head_gemms(r["task"], r["contender"], "cpu")
+        assert r["gemm_floor_ms"] == round(count * r["head_gemm_ms"], 3)
+        assert r["pct_of_gemm_floor"] == round(100 * count * r["head_gemm_ms"] / r["ms"], 1)
+    assert hs.head_gemms("grpo_loss", "ours", "cuda") == 5 and hs.head_gemms("grpo_loss", "ours", "cpu") == 4
+    assert hs.head_gemms("logprobs", "verl", "cuda") is None  # a peer's algorithm: not claimed
+
+
+def test_a_contender_failing_after_its_first_step_is_a_row(monkeypatch):
+    """The rounds interleave the contenders; one that fails in them is timed alone again, fails again and
+    becomes an error row, while the others keep their times."""
+    real = hs._logprobs_fn
+    calls = []
+
+    def flaky(name):
+        fn = real(name)
+        if name != "eager":
+            return fn
+
+        def once(h, w, y):
+            calls.append(1)
+            if len(calls) > 1:
+                raise ValueError("second call refused")
+            return fn(h, w, y)
+        return once
+    monkeypatch.setattr(hs, "_logprobs_fn", flaky)
+    rows = hs.run([(16, 8, 30)], "cpu", contenders=["ours", "eager"], tasks=("logprobs",), repeats=2)
+    got = {r["contender"]: r for r in rows}
+    assert got["ours"]["ms"] > 0 and "error" not in got["ours"]
+    assert got["eager"]["ms"] is None and "second call refused" in got["eager"]["error"]
+
+
+def _row(task, contender, ms, peak=1000.0, gh=1e-3, gw=1e-3, size=hs.ACCEPTANCE):
+    n, h, v = size
+    row = dict(task=task, contender=contender, n=n, hidden=h, vocab=v, ms=ms, peak_extra_mib=peak,
+               grad_hidden_rel_err=gh, grad_weight_rel_err=gw)
+    count = hs.head_gemms(task, contender, "cuda")
+    return hs._physics(row, dict(head_gemm_ms=11.0, head_gemm_tflops=780.0), task, "cuda") if count else row
+
+
+def test_acceptance_reads_the_bounds():
+    rows = [_row("logprobs", "ours", 50.0), _row("logprobs", "eager", 66.0, gh=4e-3, gw=5e-3),
+            _row("logprobs", "verl", 77.0), _row("grpo_loss", "ours", 58.0, peak=1600.0),
+            _row("grpo_loss", "eager", 66.0), _row("grpo_loss", "liger", 400.0)]
+    lines = hs.acceptance(rows)
+    assert [t.split()[0] for t in lines] == ["PASS"] * 5 + ["FAIL", "FAIL", "PASS"]
+    assert "0.758 x eager's 66.0 ms" in lines[0] and "44.0 ms (4 head GEMMs at 780 TFLOP/s)" in lines[0]
+    assert "ours' floor 55.0 ms (5 head GEMMs" in lines[5] and "bound 0.85 x = 56.1 ms" in lines[5]
+    assert "1600 MiB" in lines[6] and "6.9x Liger's" in lines[7]
+    # gradients further from float32 than the bound, but no further than eager's: pass; beyond both: fail
+    rows[0] = _row("logprobs", "ours", 50.0, gh=3e-3, gw=6e-3)
+    assert [t.split()[0] for t in hs.acceptance(rows)[2:4]] == ["PASS", "FAIL"]
+    # rows of another size, or without a time, decide nothing
+    assert hs.acceptance([_row("logprobs", "ours", 1.0, size=(1, 2, 3))])[0].startswith("n/a")
+    assert all(t.startswith("n/a") for t in hs.acceptance([dict(_row("logprobs", "ours", 1.0), ms=None)]))

@@ -149,7 +149,11 @@ def test_device_defaults_and_override(monkeypatch):
     assert lm_head.schedule(torch.device("cpu")) == "vocab"
     assert lm_head.schedule(torch.device("meta")) == "vocab"  # any accelerator
     assert lm_head.chunk_tokens(None, 128256, torch.device("cpu")) == (1 << 24) // 128256
-    assert lm_head.chunk_tokens(None, 128256, torch.device("meta")) == (1 << 27) // 128256
+    # on a GPU whole tensor-core tiles of tokens (128 rows): 1046 -> 1024 at V = 128k, N = 8192 in 8 equal chunks
+    assert lm_head.chunk_tokens(None, 128256, torch.device("meta")) == 1024
+    assert lm_head.chunk_tokens(None, 151936, torch.device("meta")) == 768
+    assert lm_head.chunk_tokens(None, 32000, torch.device("meta")) == 4096
+    assert lm_head.chunk_tokens(None, 1 << 21, torch.device("meta")) == 64  # under one tile: as it comes
     assert lm_head.chunk_tokens(7, 128256, torch.device("meta")) == 7
     # the GPU case: 4096 columns a slice, whole tensor-core tiles; small problems one slice
     assert lm_head.slice_width(1046, 8192, 128256, torch.device("meta")) == 4096

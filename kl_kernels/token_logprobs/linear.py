@@ -120,8 +120,9 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         bias: optional ``[V]`` (gradients flow).
         temperature, return_entropy, mask, ignore_index: as :func:`kl_kernels.token_logprobs`.
         chunk_size: tokens per forward chunk (an int >= 1); default ``max(1, 2**24 // V)`` on the CPU,
-            ``max(1, 2**27 // V)`` on a GPU. On a GPU's vocabulary walk backward's slices hold as many
-            logits (by default at most ``2**25``: :mod:`kl_kernels.lm_head`).
+            ``max(1, 2**27 // V)`` on a GPU, rounded down to whole 128s there (1,024 at V = 128k). On a
+            GPU's vocabulary walk backward's slices hold as many logits (by default at most ``2**25``:
+            :mod:`kl_kernels.lm_head`).
         backend: the row pass's, chosen as :func:`kl_kernels.token_logprobs` chooses for a chunk's
             logits: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, Triton on a
             GPU after its self-check, else the chunked torch math), ``"cpu"``, ``"triton"`` or ``"torch"``.
