@@ -124,8 +124,9 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
             GPU's vocabulary walk backward's slices hold as many logits (by default at most ``2**25``:
             :mod:`kl_kernels.lm_head`).
         backend: the row pass's, chosen as :func:`kl_kernels.token_logprobs` chooses for a chunk's
-            logits: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16, Triton on a
-            GPU after its self-check, else the chunked torch math), ``"cpu"``, ``"triton"`` or ``"torch"``.
+            logits: ``"auto"`` (the fused CPU row kernel for CPU tensors of fp32/bf16/fp16; on a GPU the
+            CUDA C++ row kernel where ``_cuda`` is built, else Triton, each after its self-check; else the
+            chunked torch math), ``"cpu"``, ``"cuda"``, ``"triton"`` or ``"torch"``.
         ref_hidden, ref_weight, ref_bias: optional, the reference model's hidden states ``[*S, H_ref]``
             (its own width), LM head ``[V, H_ref]`` (the same vocabulary) and bias ``[V]``, hidden's dtype
             and device: its log-probs of the same labels, temperature and mask come out of the same chunk
