@@ -127,3 +127,27 @@ def test_acceptance_reads_the_bounds():
     # rows of another size, or without a time, decide nothing
     assert hs.acceptance([_row("logprobs", "ours", 1.0, size=(1, 2, 3))])[0].startswith("n/a")
     assert all(t.startswith("n/a") for t in hs.acceptance([dict(_row("logprobs", "ours", 1.0), ms=None)]))
+
+
+def test_verl_imports_where_its_heavy_dependencies_are_absent():
+    """The GPU machine's image has torch, triton and transformers but neither tensordict nor ray nor codetiming,
+    all of which verl's package imports at import time (verl/__init__ -> verl.protocol -> tensordict): its fused
+    kernel must import there all the same, or the benchmark reports verl as unavailable. A child process with
+    those packages made absent (the path finder, which finds installed packages, told not to find them)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("verl") is None:
+        import pytest
+
+        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    child = ("import importlib.machinery as m, importlib.util\n"
+             "absent, find = {'tensordict', 'ray', 'codetiming', 'transformers'}, m.PathFinder.find_spec\n"
+             "m.PathFinder.find_spec = classmethod(lambda cls, name, path=None, target=None: None\n"
+             "    if name.partition('.')[0] in absent else find(name, path, target))\n"
+             "assert importlib.util.find_spec('tensordict') is None\n"
+             "from kl_kernels.bench import hidden_states as hs\n"
+             "print(hs._verl_logprobs())\n")
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]

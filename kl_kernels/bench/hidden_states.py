@@ -8,8 +8,8 @@ upstream gradients of a weighted sum ``sum(u * log_probs + u2 * entropy)``:
 * ``eager``: ``h @ W.T``, ``log_softmax`` in float32, gather, entropy, as RL trainers write it;
 * ``compile``: ``torch.compile`` of that;
 * ``verl``: verl's fused kernel, ``verl.utils.kernel.linear_cross_entropy`` (verl 0.9.1, installed with
-  ``--no-deps``; its import chain's ray/transformers/codetiming are stubbed when absent, as tests/peers.py
-  does); reported as unavailable, with the reason, where it cannot run.
+  ``--no-deps``; its import chain's ray/transformers/codetiming/tensordict are stubbed when absent, as
+  tests/peers.py does); reported as unavailable, with the reason, where it cannot run.
 
 task ``grpo_loss``: a GRPO step from hidden states, policy and reference heads, ``B = 8`` sequences of
 ``T = N / 8`` tokens, k3 KL to the reference (beta 0.04), clip 0.2, per-sequence token means (Liger's
@@ -94,7 +94,9 @@ def _verl_logprobs():
     (log_probs, entropy)``, or raises ImportError/RuntimeError saying why it cannot run here."""
     if importlib.util.find_spec("verl") is None:
         raise ImportError("verl is not installed (pip install --no-deps verl==0.9.1)")
-    with peer_stubs.stubbed(("ray", "transformers", "codetiming")):
+    # (verl's package imports these at import time, verl.protocol tensordict among them; the GPU machine's image
+    # has none of them but transformers; the kernel uses none)
+    with peer_stubs.stubbed(("ray", "transformers", "codetiming", "tensordict")):
         mod = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
     fn = mod.linear_cross_entropy
 
