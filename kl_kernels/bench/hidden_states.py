@@ -388,8 +388,9 @@ def run(sizes, device, dtype="bfloat16", tasks=("logprobs", "grpo_loss"), conten
                 _free(device)
             if ready:
                 try:
-                    timed = measure_interleaved([s for s, _ in ready.values()], device, warmup=0, repeats=repeats,
-                                                budget_s=0.0)
+                    # (each step's results dropped right after it: the next contender starts from the same memory)
+                    timed = measure_interleaved([lambda s=s, st=st: (s(), st.clear()) for s, st in ready.values()],
+                                                device, warmup=0, repeats=repeats, budget_s=0.0)
                     for (name, (step, state)), (t, _) in zip(ready.items(), timed):
                         state.clear()
                         done[name] = dict(ms=round(t.median_ms, 3), min_ms=round(t.min_ms, 3), runs=t.repeats)
