@@ -286,6 +286,11 @@ def _peak_and_errors(step, state, ref, task, device) -> dict:
     return row
 
 
+def _timing_fields(t) -> dict:
+    """A contender's row fields from its ``timing.Timing``."""
+    return dict(ms=round(t.median_ms, 3), min_ms=round(t.min_ms, 3), runs=t.repeats)
+
+
 def _failure(e: BaseException) -> dict:
     """A contender that could not run, as the fields of its row."""
     if isinstance(e, torch.OutOfMemoryError):
@@ -391,15 +396,14 @@ def run(sizes, device, dtype="bfloat16", tasks=("logprobs", "grpo_loss"), conten
                     # (each step's results dropped right after it: the next contender starts from the same memory)
                     timed = measure_interleaved([lambda s=s, st=st: (s(), st.clear()) for s, st in ready.values()],
                                                 device, warmup=0, repeats=repeats, budget_s=0.0)
-                    for (name, (step, state)), (t, _) in zip(ready.items(), timed):
-                        state.clear()
-                        done[name] = dict(ms=round(t.median_ms, 3), min_ms=round(t.min_ms, 3), runs=t.repeats)
+                    for name, (t, _) in zip(ready, timed):
+                        done[name] = _timing_fields(t)
                 except Exception as e:  # (a contender failing after its first step: time each alone)
                     print(f"{task}: the interleaved rounds failed ({type(e).__name__}: {e}); timing each alone")
                     for name, (step, state) in ready.items():
                         try:
                             t = measure(step, device, warmup=0, repeats=repeats, budget_s=0.0)
-                            done[name] = dict(ms=round(t.median_ms, 3), min_ms=round(t.min_ms, 3), runs=t.repeats)
+                            done[name] = _timing_fields(t)
                         except Exception as e2:
                             done[name] = _failure(e2)
                         state.clear()
