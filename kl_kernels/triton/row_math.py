@@ -33,7 +33,7 @@ from .. import codes
 # which csrc/common/codes.h's kRowFar is generated from)
 FAR = tl.constexpr(codes.ROW_FAR)
 LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX
-LOG2E = tl.constexpr(1.4426950408889634)
+NEG_LOG2E = tl.constexpr(-1.4426950408889634)
 # steps a lane adds in float32 before its sums go into float64 ones
 FOLD = tl.constexpr(16)
 
@@ -72,11 +72,13 @@ def lane_tile(LANES: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def exp_ftz(y):
-    """e^y in float32 as 2^(y log2 e): one FMUL and one MUFU.EX2 (``tl.exp2`` of float32 lowers to libdevice's
+def exp_neg_ftz(y):
+    """e^-y in float32 as 2^(y (-log2 e)): one FMUL and one MUFU.EX2 (``tl.exp2`` of float32 lowers to libdevice's
     exp2f, ``ex2.approx.ftz``: results below FLT_MIN flush to 0, as kl_math.exp_row's do; ``tl.exp`` lowers to
-    the non-ftz ``ex2.approx``, three more instructions for subnormal results). -inf gives 0, NaN NaN."""
-    return tl.exp2(y * LOG2E)
+    the non-ftz ``ex2.approx``, three more instructions for subnormal results). +inf gives 0, NaN NaN. The sign
+    goes on the constant, not on y: y (-c) is (-y) c bit for bit, but Triton 3.6 (torch 2.11's, the GPU image's)
+    lowers ``-y`` to ``0 - y`` (not a negation for y = 0), an FADD an entry that ptxas cannot fold away."""
+    return tl.exp2(y * NEG_LOG2E)
 
 
 @triton.jit
@@ -122,11 +124,11 @@ def lane_step(m, s32, w32, x, inv_t):
     new_m = tl.maximum(m, tl.max(x, 1) * inv_t)  # NaN skipped (maxnum): its term below makes S NaN
     delta = row_floor(new_m) - row_floor(m)
     far = delta > FAR
-    factor = tl.where(far, 0.0, exp_ftz(-delta))
+    factor = tl.where(far, 0.0, exp_neg_ftz(delta))
     w32 = tl.where(far, 0.0, factor * (w32 + delta * s32))
     s32 = factor * s32  # (never selected: keeps a NaN)
     d = row_floor(new_m)[:, None] - x * inv_t
-    e = exp_ftz(-d)
+    e = exp_neg_ftz(d)
     s32 += tl.sum(e, 1)
     w32 += tl.sum(e * tl.minimum(d, FAR), 1)
     return new_m, s32, w32

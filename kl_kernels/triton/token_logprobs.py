@@ -7,7 +7,7 @@
               (row_math.py), the lanes merged at the end
     backward: p_j = e^(z_j - lse);  dx_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, 88) - H)) / T
 
-with z = x / T (as x * (1 / T)), e^y as 2^(y log2 e) (row_math.exp_ftz: MUFU.EX2, 0 below FLT_MIN), each lane's
+with z = x / T (as x * (1 / T)), e^-y as 2^(y (-log2 e)) (row_math.exp_neg_ftz: MUFU.EX2, 0 below FLT_MIN), each lane's
 sums in float32 over up to FOLD steps, then in float64, the lanes added in float64 at the end, in a fixed order:
 deterministic. A counted row with a NaN or +inf logit, or only -inf ones, gives NaN (found from the sums: a NaN
 or +inf entry makes S NaN, no per-entry flag). Each thread reads 16 bytes of a row a step (128-bit loads on rows
@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .row_math import FAR, FOLD, exp_ftz, lane_fold, lane_step, lane_tile
+from .row_math import FAR, FOLD, exp_neg_ftz, lane_fold, lane_step, lane_tile
 
 
 @triton.jit(do_not_specialize=("rows",))
@@ -50,7 +50,9 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
     s64 = tl.zeros([LANES], tl.float64)
     w64 = tl.zeros([LANES], tl.float64)
     for g0 in range(0, full, FOLD * BLOCK):
-        for j0 in range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK):
+        # unrolled 4 times in Triton's IR: Triton 3.6 (torch 2.11's) left this loop rolled, ~3 instructions an
+        # entry more than 3.9, which unrolls it itself (tests/test_triton_static.py ROW_ENTRY_BUDGET)
+        for j0 in tl.range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK, loop_unroll_factor=4):
             m, s32, w32 = lane_step(m, s32, w32, tl.load(base + j0 + offs).to(tl.float32), inv_t)
         m64, s64, w64, s32, w32 = lane_fold(m64, s64, w64, m, s32, w32)
     if full < n:
@@ -108,14 +110,14 @@ def token_logprobs_bwd_kernel(logits_ptr, labels_ptr, counted_ptr, lse_ptr, ent_
         full = vocab - vocab % BLOCK
         for j0 in range(0, full, BLOCK):
             d = lse - tl.load(base + j0 + lanes).to(tl.float32) * inv_t
-            p = exp_ftz(-d)
+            p = exp_neg_ftz(d)
             tl.store(out + j0 + lanes, (p * (a * tl.minimum(d, FAR) - b)).to(out_ptr.dtype.element_ty))
         tail = lanes < vocab - full
         d = lse - tl.load(base + full + lanes, mask=tail, other=0.0).to(tl.float32) * inv_t
-        p = exp_ftz(-d)
+        p = exp_neg_ftz(d)
         tl.store(out + full + lanes, (p * (a * tl.minimum(d, FAR) - b)).to(out_ptr.dtype.element_ty), mask=tail)
         if label:
-            p_y = exp_ftz(-d_y)
+            p_y = exp_neg_ftz(d_y)
             g_y = (gl * (1.0 - p_y) + gh * (p_y * (tl.minimum(d_y, FAR) - h))) * inv_t
             tl.debug_barrier()  # the loop's store of the label's entry (another thread's) comes first
             tl.store(out + y, g_y.to(out_ptr.dtype.element_ty))
