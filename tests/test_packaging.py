@@ -247,3 +247,30 @@ def test_clang_is_asked_of_the_compiler_object(tmp_path, monkeypatch):
     assert clang(object()) is False  # no command on the object: the environment's (g++ here)
     monkeypatch.setenv("CXX", str(clang_like))
     assert clang(object()) is True
+
+
+def test_gpu_prebuild_stamp_follows_the_sources_the_arch_and_the_python(tmp_path):
+    """.ci/gpu uses extensions built on the CPU machine (.ci/gpu-prebuild) only when their stamp is the one the
+    sources it runs give: any edit under csrc/ or to setup.py, another arch or another Python's suffix changes it,
+    so a GPU run never times or tests a stale build."""
+    shutil.copytree(REPO / "csrc", tmp_path / "csrc")
+    shutil.copy(REPO / "setup.py", tmp_path / "setup.py")
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(REPO / ".ci" / "gpu-prebuild", tmp_path / ".ci" / "gpu-prebuild")
+
+    def stamp(arch="90", suffix=".cpython-312-x86_64-linux-gnu.so"):
+        out = subprocess.run(["bash", str(tmp_path / ".ci" / "gpu-prebuild"), "--stamp", arch, suffix],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert len(out) == 64, out
+        return out
+
+    first = stamp()
+    assert stamp() == first
+    assert stamp(arch="100") != first and stamp(suffix=".cpython-313-x86_64-linux-gnu.so") != first
+    header = tmp_path / "csrc" / "common" / "row_math.h"
+    header.write_text(header.read_text() + "\n")
+    assert stamp() != first
+    header.write_text((REPO / "csrc" / "common" / "row_math.h").read_text())
+    assert stamp() == first
+    (tmp_path / "csrc" / "cuda" / "new_kernel.cu").write_text("// a new file\n")
+    assert stamp() != first
