@@ -157,8 +157,8 @@ def _worker(rank, world, port, backends):
         sizes = SPLITS[world]
         # The argument checks first: their refused calls leave the group in reference cycles (the mock's
         # call records, the exceptions' frames). A ProcessGroupGloo that outlives destroy_process_group is
-        # destroyed at interpreter exit, after its threads' runtime is gone: std::terminate, SIGABRT (~1 run
-        # in 10 on the 2-core CI machine). Collected here, while the interpreter is whole.
+        # destroyed at interpreter exit, after its threads' runtime is gone: std::terminate, SIGABRT (1 run of
+        # this file in 4 on the 2-core CI machine). Collected here, while the interpreter is whole.
         _check_arguments(rank, sizes, group)
         gc.collect()
         for backend in backends:
