@@ -6,6 +6,7 @@ or the test is skipped when that peer is not installed.
     verl_core_algos()          verl.trainer.ppo.core_algos   (kl_penalty, agg_loss, policy losses, KL controllers)
     verl_torch_functional()    verl.utils.torch_functional   (masked_mean, masked_sum, ...)
     verl_apply_kl_penalty()    verl's apply_kl_penalty function itself (see its docstring)
+    verl_monkey_patch()        verl.models.transformers.monkey_patch (needs transformers: the verl lane)
     openrlhf_utils()           openrlhf.models.utils         (compute_approx_kl, compute_reward, masked_mean)
     openrlhf_loss()            openrlhf.models.loss          (PolicyLoss, aggregate_loss)
     openrlhf_kl_controllers()  openrlhf.trainer.ppo_utils.kl_controller
@@ -110,6 +111,14 @@ def verl_apply_kl_penalty():
     namespace = {"torch": torch, "core_algos": core_algos, "masked_mean": verl_F.masked_mean, "DataProto": object}
     exec(compile(ast.Module(body=[node], type_ignores=[]), spec.origin, "exec"), namespace)
     return namespace["apply_kl_penalty"]
+
+
+def verl_monkey_patch():
+    """verl.models.transformers.monkey_patch (verl 0.9.1): apply_monkey_patch, which routes a Hugging Face model's
+    forward through verl's fused kernels. Needs transformers really installed (the verl lane, .ci/lane-verl: a
+    stub cannot build a model); skipped without it. ray and codetiming are stubbed only where absent."""
+    _require("verl's model patch", ("transformers",))
+    return _import("verl", "verl.models.transformers.monkey_patch", _VERL_REAL, ("ray", "codetiming"))
 
 
 # OpenRLHF: openrlhf/models/__init__ imports the whole model package (Actor, reward models, ring attention), and

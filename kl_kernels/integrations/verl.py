@@ -23,6 +23,9 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+import sys
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -30,7 +33,7 @@ import torch
 from ..full_kl import full_kl
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
-from ..token_logprobs import token_logprobs
+from ..token_logprobs import linear_token_logprobs, token_logprobs
 from ._common import FixedValue, ProportionalValue, at_least_one
 
 # verl's kl_penalty modes -> (our estimator, clamp_input, clamp_output). verl's low_var_kl / k3
@@ -332,6 +335,138 @@ def register(name: str = "kl_kernels", *, override_vanilla: bool = False, overri
     return [n for n, _ in plan]
 
 
+# ----------------------------------------------------------------------------------- verl's fused kernels
+# verl 0.9.1's patched forwards (verl/models/transformers/dense_common.py and the VLM modules: qwen2_vl, qwen3_vl,
+# glm4v, qwen3_5) look both functions up at call time, in these two modules: replacing the names there reroutes
+# every forward that apply_monkey_patch installed, before or after this patch.
+VERL_FUSED_VERSIONS = ("0.9.1",)
+_TORCH_MODULE = "verl.utils.experimental.torch_functional"
+_TRITON_MODULE = "verl.utils.kernel.linear_cross_entropy"
+_ORIGINALS: dict = {}  # (module, name) -> verl's object, while patched
+_WARNED: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _head_inputs(hidden, weight):
+    """``(hidden, weight)`` as verl's ``hidden @ weight.T`` sees them: under autocast (verl's FSDP engine runs
+    the forward in ``torch.autocast``), both in the autocast dtype, as the matmul would cast them."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        return hidden.to(dtype), weight.to(dtype)
+    return hidden, weight
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """verl's ``FusedLinearForPPO`` (``fused_kernels_backend="torch"``) computed by
+    :func:`kl_kernels.linear_token_logprobs`: ``forward(hidden_states [*S, H], vocab_weights [V, H], input_ids
+    [*S], temperature=1.0) -> (log_probs [*S] float32, entropy [*S] in hidden_states' dtype)`` of
+    ``softmax(hidden_states @ vocab_weights.T / temperature)``, gradients to both, as verl's. ``chunk_size`` is
+    verl's argument, kept for its signature (ours chooses its own chunks). ``impl_backend="liger"`` (verl's
+    Liger route) is handed to verl's own class, with one warning."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
+        super().__init__()
+        if impl_backend not in ("torch", "liger"):
+            raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'.")
+        self.chunk_size = chunk_size
+        self.impl_backend = impl_backend
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        if self.impl_backend == "liger":
+            original = _ORIGINALS.get((_TORCH_MODULE, "FusedLinearForPPO"))
+            if original is None:
+                raise RuntimeError("impl_backend='liger' is verl's Liger route: it runs verl's own class, which "
+                                   "patch_fused_kernels keeps only while verl is patched")
+            _warn_once("liger", "kl_kernels.integrations.verl: fused_kernels_backend='liger' is left to verl's own "
+                                "FusedLinearForPPO (Liger-Kernel); 'torch' and 'triton' run kl_kernels")
+            return original(chunk_size=self.chunk_size, impl_backend="liger").forward(
+                hidden_states, vocab_weights, input_ids, temperature)
+        h, w = _head_inputs(hidden_states, vocab_weights)
+        out = linear_token_logprobs(h, w, input_ids.to(torch.int64), temperature=temperature, return_entropy=True)
+        return out.log_probs, out.entropy.to(hidden_states.dtype)
+
+
+def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduction: str = "none",
+                         dist_process_group=None):
+    """verl's ``linear_cross_entropy`` (``fused_kernels_backend="triton"``: NVIDIA's Triton kernel, CUDA only,
+    ``H % 128 == 0``) computed by :func:`kl_kernels.linear_token_logprobs`, on any device and width: ``hidden
+    [*S, H]``, ``weight [V, H]``, ``labels [*S]`` -> ``(log_probs [N], entropy [N])``, float32, flattened as
+    verl's. ``reduction`` other than ``"none"`` and a ``dist_process_group`` (Megatron's vocabulary split) are
+    handed to verl's own function, with one warning."""
+    if reduction != "none" or dist_process_group is not None:
+        what = f"reduction={reduction!r}" if reduction != "none" else "dist_process_group"
+        original = _ORIGINALS.get((_TRITON_MODULE, "linear_cross_entropy"))
+        if original is None:
+            raise NotImplementedError(f"linear_cross_entropy: {what} is verl's own kernel's (not patched now)")
+        _warn_once(f"lce-{what}", f"kl_kernels.integrations.verl.linear_cross_entropy: {what} is left to verl's own "
+                                  "Triton kernel")
+        return original(hidden, weight, labels, temperature, reduction, dist_process_group)
+    h, w = _head_inputs(hidden, weight)
+    out = linear_token_logprobs(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1).to(torch.int64),
+                                temperature=temperature, return_entropy=True)
+    return out.log_probs, out.entropy
+
+
+class _Patch:
+    """What :func:`patch_fused_kernels` returns: a context manager that undoes the patch at exit (if this call
+    made it)."""
+
+    def __init__(self, made: bool):
+        self.made = made
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.made:
+            unpatch_fused_kernels()
+        return False
+
+
+def patch_fused_kernels() -> _Patch:
+    """Route verl's ``use_fused_kernels=True`` through kl_kernels: verl's ``FusedLinearForPPO``
+    (``fused_kernels_backend="torch"``) and ``linear_cross_entropy`` (``"triton"``, which then also runs without
+    a GPU and at any hidden width) are replaced, in the modules verl's patched forwards look them up in, by
+    :class:`FusedLinearForPPO` and :func:`linear_cross_entropy` of this module (one
+    :func:`kl_kernels.linear_token_logprobs` call each). Call it before or after verl's ``apply_monkey_patch``,
+    in every process that runs the model (verl's workers: e.g. at the top of a custom worker or ``main``).
+    Idempotent; :func:`unpatch_fused_kernels` restores verl's, and so does leaving ``with
+    patch_fused_kernels():``. Checked for verl 0.9.1 (another version raises ``RuntimeError``). Megatron's
+    forwards (``verl.models.mcore``, which bind ``linear_cross_entropy`` at import and pass a tensor-parallel
+    group) are not rerouted."""
+    try:
+        import verl
+        torch_functional = importlib.import_module(_TORCH_MODULE)
+        lce = importlib.import_module(_TRITON_MODULE)
+    except ImportError as exc:
+        raise ImportError(f"kl_kernels.integrations.verl.patch_fused_kernels needs verl installed ({exc})") from exc
+    version = getattr(verl, "__version__", None)
+    if version not in VERL_FUSED_VERSIONS:
+        raise RuntimeError(f"patch_fused_kernels is checked against verl {', '.join(VERL_FUSED_VERSIONS)}, found "
+                           f"verl {version}: its fused forwards may look the kernels up elsewhere")
+    if _ORIGINALS:
+        return _Patch(False)
+    for module, name, ours in ((torch_functional, "FusedLinearForPPO", FusedLinearForPPO),
+                               (lce, "linear_cross_entropy", linear_cross_entropy)):
+        _ORIGINALS[(module.__name__, name)] = getattr(module, name)
+        setattr(module, name, ours)
+    return _Patch(True)
+
+
+def unpatch_fused_kernels() -> None:
+    """Undo :func:`patch_fused_kernels` (nothing when not patched)."""
+    for (module, name), original in list(_ORIGINALS.items()):
+        setattr(sys.modules[module], name, original)
+    _ORIGINALS.clear()
+
+
 __all__ = ["KL_MODES", "AGG_MODES", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
            "compute_policy_loss_gspo", "compute_policy_loss_with_kl",
-           "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register"]
+           "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register",
+           "FusedLinearForPPO", "linear_cross_entropy", "patch_fused_kernels", "unpatch_fused_kernels"]
