@@ -217,9 +217,32 @@ def test_gspo_shim_goes_through_the_sequence_level_option(monkeypatch):
     real = mod.kl_penalty_loss
     monkeypatch.setattr(mod, "kl_penalty_loss", lambda *a, **k: seen.append(k) or real(*a, **k))
     lp, old = torch.randn(2, 5), torch.randn(2, 5)
-    config = dict(clip_ratio=0.2, clip_ratio_c=3.0)  # a plain dict: this needs neither verl nor omegaconf
+    config = SimpleNamespace(clip_ratio=0.2, clip_ratio_c=3.0)  # attributes, as verl reads: no verl needed
     kv.compute_policy_loss_gspo(old, lp, torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool), config=config)
     assert seen[0]["importance_sampling_level"] == "sequence" and seen[0]["dual_clip"] is None
+
+
+@pytest.mark.parametrize("fn", ["compute_policy_loss_vanilla", "compute_policy_loss_gspo"])
+def test_a_plain_dict_config_is_refused_as_verl_refuses_it(fn):
+    """verl reads its config by attribute (ActorConfig, an OmegaConf DictConfig): a plain dict raises
+    AttributeError there. The same call must behave the same: ours raises an error that is an AttributeError (what
+    verl's callers catch) and a TypeError (this project's error for an argument of the wrong type), naming the
+    argument; accepting the dict would let code pass here and fail once verl's own function is back."""
+    ca = peers.verl_core_algos()
+    lp, old, adv = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    config = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "global_batch_info": {}}
+    with pytest.raises(AttributeError if fn.endswith("vanilla") else AssertionError):  # gspo: asserts ActorConfig
+        getattr(ca, fn)(old, lp, adv, mask, "token-mean", config)
+    with pytest.raises(AttributeError, match="config") as err:
+        getattr(kv, fn)(old, lp, adv, mask, "token-mean", config)
+    assert isinstance(err.value, TypeError)
+    with pytest.raises(AttributeError, match="config"):
+        kv.compute_policy_loss_with_kl(old, lp, old, adv, mask, "token-mean", config)
+    with pytest.raises(AttributeError):
+        ca.get_kl_controller({"type": "fixed", "kl_coef": 0.1})
+    with pytest.raises(AttributeError, match="kl_ctrl"):
+        kv.get_kl_controller({"type": "fixed", "kl_coef": 0.1})
 
 
 @pytest.mark.parametrize("mode", ["kl", "low_var_kl", "mse", "abs", "k3+"])

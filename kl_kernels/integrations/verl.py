@@ -159,11 +159,25 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     return per_seq.sum() / m.shape[0] * factor
 
 
+class ConfigTypeError(TypeError, AttributeError):
+    """A plain ``dict`` where verl reads a config by attribute (``ActorConfig``, ``KLControlConfig``, an OmegaConf
+    ``DictConfig``). verl's own function raises ``AttributeError`` there; this error is one too (what verl's
+    callers catch) and a ``TypeError`` (a wrong argument type), so the same call fails the same way with either."""
+
+
+def _config(config, name: str):
+    """``config``, unless it is a plain dict (refused as verl refuses it: :class:`ConfigTypeError`)."""
+    if isinstance(config, dict):
+        raise ConfigTypeError(f"{name} must be verl's config object (e.g. verl.workers.config.ActorConfig, "
+                              "verl.trainer.config.KLControlConfig, or an OmegaConf DictConfig), read by attribute "
+                              f"as verl reads it; got a plain dict, which verl's own function refuses too "
+                              "('dict' object has no attribute ...): wrap it, e.g. OmegaConf.create(d)")
+    return config
+
+
 def _get(config, key, default=None):
     if config is None:
         return default
-    if isinstance(config, dict):
-        return config.get(key, default)
     getter = getattr(config, "get", None)
     if callable(getter):
         try:
@@ -222,6 +236,7 @@ def _policy_loss(old_log_prob, log_prob, ref_log_prob, advantages, response_mask
     if config is None:
         raise ValueError(f"compute_policy_loss_{'gspo' if gspo else 'vanilla'} needs the actor config (clip_ratio, "
                          "clip_ratio_c, ...)")
+    _config(config, "config")
     clip_ratio = _get(config, "clip_ratio")
     low = _get(config, "clip_ratio_low")
     high = _get(config, "clip_ratio_high")
@@ -285,7 +300,7 @@ class FixedKLController(FixedValue):
 
 def get_kl_controller(kl_ctrl):
     """verl's factory: ``kl_ctrl.type`` ``"fixed"`` or ``"adaptive"`` (``kl_coef``, ``target_kl``, ``horizon``)."""
-    kind = _get(kl_ctrl, "type")
+    kind = _get(_config(kl_ctrl, "kl_ctrl"), "type")
     if kind == "fixed":
         return FixedKLController(kl_coef=_get(kl_ctrl, "kl_coef"))
     if kind == "adaptive":
@@ -466,7 +481,7 @@ def unpatch_fused_kernels() -> None:
     _ORIGINALS.clear()
 
 
-__all__ = ["KL_MODES", "AGG_MODES", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
+__all__ = ["KL_MODES", "AGG_MODES", "ConfigTypeError", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
            "compute_policy_loss_gspo", "compute_policy_loss_with_kl",
            "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register",
            "FusedLinearForPPO", "linear_cross_entropy", "patch_fused_kernels", "unpatch_fused_kernels"]
