@@ -91,7 +91,8 @@ def test_grpo_loss_with_bias_corrected_kl_equals_trls(loss_type, beta, use_vllm,
 
 
 # GSPO (importance_sampling_level="sequence"): TRL's recommended grpo/luspo and the token-summing dapo; the
-# vLLM ratio sequence-shaped [B, 1] (a token-shaped one with sequence level is refused, test below)
+# vLLM ratio sequence-shaped [B, 1] or token-shaped [B, T] (TRL's loss and gradient through the sequence mean are
+# those of the ratio's mean over the sequence's counted tokens, which the fused call takes)
 SEQ_CASES = [("grpo", 0.0, False, None), ("grpo", 0.04, True, 2.0), ("dapo", 0.04, True, None),
              ("luspo", 0.0, True, None)]
 
@@ -118,7 +119,7 @@ def _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, level, b
         data.old = (data.lp.double() + (data.old.double() - data.lp.double()).clamp(-5, 5)).to(data.dtype)
     peer = exact(data)
     adv = data.adv[:, 0].contiguous()  # TRL's [B] advantages
-    isr = (data.weights[:, :1] if b % 2 or level == "sequence" else data.weights) if use_vllm else None  # [B, 1]/[B, T]
+    isr = (data.weights[:, :1] if b % 2 else data.weights) if use_vllm else None  # [B, 1] or [B, T]
     n_items = torch.tensor(float(data.mask.sum()) * 3)
     kw = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, training=training, delta=delta,
               importance_sampling_level=level)
@@ -173,8 +174,6 @@ def _compare_with_trl(loss_type, beta, use_vllm, delta, training, data, level, b
 def test_options_not_fused_say_so():
     lp, adv, mask = -torch.rand(2, 3), torch.randn(2), torch.ones(2, 3, dtype=torch.bool)
     for kw, match in ((dict(delta=1.1), "delta=1.1 below 1 \\+ epsilon_high"),
-                      (dict(importance_sampling_level="sequence", importance_sampling_ratio=torch.ones(2, 3)),
-                       "token-shaped importance_sampling_ratio"),
                       (dict(importance_sampling_level="sequence", advantages=torch.randn(2, 3)), "per-token advantages"),
                       (dict(beta=0.1, ref_per_token_logps=lp, importance_sampling_level="sequence"),
                        "use_bias_correction_kl"),

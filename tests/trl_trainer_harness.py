@@ -1,0 +1,117 @@
+"""A tiny, download-free TRL 1.16 GRPO run on the CPU: the harness of tests/test_integrations_trl_trainer.py.
+
+Not a test module. Needs transformers, accelerate, datasets and trl (the `.ci/lane-trl` overlay virtualenv);
+callers skip through ``trl_stack_missing()`` (tests/conftest.py's ``trl_trainer`` marker) without them.
+
+``run(config_overrides, trainer_cls=..., ...)`` trains a 2-layer Qwen2 (hidden 64, byte-level vocabulary of
+259 tokens, built from a config with a fixed seed) on 4 prompts x 4 generations with a deterministic reward,
+``GRPOConfig(beta=0.04, epsilon_high=0.28, num_generations=4, max_completion_length=16,
+gradient_accumulation_steps=2, steps_per_generation=4)`` and 4 optimizer steps: steps 2 and 4 reuse the
+generation of steps 1 and 3 (off-policy, so the ratio moves off 1 and clipping happens). It returns the
+logged metrics of each step and the gradient of every parameter just before each optimizer step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+PACKAGES = ("transformers", "accelerate", "datasets", "trl", "tokenizers")
+
+
+def trl_stack_missing() -> str | None:
+    """The first of TRL's trainer stack's packages that is not installed here, or None."""
+    return next((m for m in PACKAGES if importlib.util.find_spec(m) is None), None)
+
+
+# The base configuration of every run (the issue's): per-option tests override fields of it
+BASE = dict(beta=0.04, epsilon_high=0.28, num_generations=4, max_completion_length=16, gradient_accumulation_steps=2,
+            steps_per_generation=4, per_device_train_batch_size=4, max_steps=4, learning_rate=5e-3,
+            logging_steps=1, use_cpu=True, report_to="none", seed=7, save_strategy="no", temperature=1.0, disable_tqdm=True,
+            bf16=False, disable_dropout=True, dataloader_num_workers=0)
+
+
+def tokenizer():
+    """A byte-level BPE tokenizer without merges (256 bytes + 3 specials), built in code: no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=specials)
+
+
+def model(tok, **config):
+    """A 2-layer Qwen2 (hidden 64) with random weights from a fixed seed (or a MoE Qwen2 with ``moe=True``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      **config)
+    return Qwen2ForCausalLM(cfg)
+
+
+def dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": ["abc", "hello", "kl kernels", "zz top"]})
+
+
+def reward(completions, **kwargs):
+    """Deterministic: how many vowels-and-spaces a completion has, minus its length's distance from 8."""
+    return [float(sum(c in "aeiou " for c in s)) - abs(len(s) - 8) / 4 for s in completions]
+
+
+@dataclass
+class Run:
+    logs: list[dict] = field(default_factory=list)     # the logged metrics of each optimizer step
+    grads: list[dict] = field(default_factory=list)    # {name: gradient} just before each optimizer step
+    warnings: list = field(default_factory=list)       # warnings raised while the trainer was constructed
+    trainer: object = None
+
+
+def run(overrides=None, *, trainer_cls=None, patch=None, model_factory=None, extra_kwargs=None) -> Run:
+    """Train the tiny model; ``trainer_cls`` (default TRL's GRPOTrainer), or TRL's with ``patch(trainer)``
+    applied after construction."""
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    out = Run()
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            out.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs is not None and "loss" in logs:
+                out.logs.append(dict(logs))
+
+    tok = tokenizer()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(output_dir=tmp, **{**BASE, **(overrides or {})})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path = f"{tmp}/model"  # TRL builds the reference model from the policy's path: save it there
+            (model_factory or model)(tok).save_pretrained(path)
+            tok.save_pretrained(path)
+            trainer = (trainer_cls or GRPOTrainer)(
+                model=path, reward_funcs=reward, args=args, train_dataset=dataset(),
+                processing_class=tok, callbacks=[Capture()], **(extra_kwargs or {}))
+            if patch is not None:
+                patch(trainer)
+        out.warnings = [w for w in caught if "kl_kernels" in str(w.message)]
+        trainer.train()
+    out.trainer = trainer
+    return out
