@@ -28,7 +28,7 @@ by :func:`info` and by the dispatcher.
 
 from . import ragged
 from ._info import info
-from .device_errors import check_errors
+from .value_checks import check_errors
 from .backends import BackendUnavailableError
 from .full_kl import full_kl, linear_full_kl
 from .kl_penalty import (AGGREGATIONS, AdaptiveKLController, FixedKLController, KLPenaltyLossOutput,

@@ -15,7 +15,8 @@ When the error surfaces:
 * at the next call of ours on that device: it reads slot ``kind`` with a plain read of host memory (no
   sync), and if set raises the ``ValueError`` the host check gives for the same input (the message comes
   from :func:`value_error_message`, which the host checks use too) and clears the word;
-* or at :func:`check_errors`, which synchronizes the current stream of the device first.
+* or at :func:`kl_kernels.check_errors` (:mod:`kl_kernels.value_checks`, which also launches the checks a
+  validation deferred), which synchronizes the current stream of the device first.
 
 Until then the outputs of the bad call hold NaN for the affected sequences (never values that pass for
 results). CUDA-graph safe: the word's address is fixed for the process, so a captured kernel records into
@@ -24,6 +25,9 @@ tensor over the same mapped memory (``__cuda_array_interface__``).
 
 CPU tensors (the cuda-emulated backend, Triton's interpreter) get a plain CPU int64 tensor as their word:
 the same kernels record into it by the same code, so the error path is tested without a GPU.
+
+The lowest floor of the value checks (``tests/test_structure.py``): it imports only :mod:`kl_kernels.codes`
+and :mod:`kl_kernels._extensions`; :mod:`kl_kernels.value_checks` (where the checks run) stands on it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from . import codes
 
-__all__ = ["check_errors", "ErrorWord", "word", "raise_pending", "value_error_message", "record_where"]
+__all__ = ["ErrorWord", "word", "raise_pending", "value_error_message", "record_where"]
 
 _SLOT = codes.ERROR_SLOTS
 _KIND_NAMES = {code: name for name, code in codes.VALUE_ERROR_CODES.items()}
@@ -197,32 +201,6 @@ def raise_pending(device) -> None:
         raise ValueError(value_error_message(got["kind"], got["arg"], got["value"], got["bound"], got["extra"],
                                              got["index"])
                          + f" (found on {found.device} by an earlier kl_kernels call, at index {got['index']})")
-
-
-def check_errors(device=None) -> None:
-    """Raise the ``ValueError`` of a bad value that a kl_kernels kernel found on ``device`` (default: the
-    current CUDA device; CPU: the emulated kernels' word), waiting for the work queued so far first.
-
-    Checks of accelerator tensors' values (``offsets``, ``lengths``, ``prompt_lens``, ``token_logprobs``'
-    labels) run inside the kernels and never sync; a bad value surfaces at the next kl_kernels call on the
-    device, or here: this synchronizes the current stream of ``device`` and then reads the error word.
-    Until then the outputs of the bad call hold NaN for the affected sequences.
-
-    Example::
-
-        out = kl_kernels.kl_reward(lp, ref, score, offsets=cu_seqlens)   # no sync
-        kl_kernels.check_errors()          # ValueError: offsets must be non-decreasing ... (if they were not)
-    """
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    from . import value_checks  # (not at import time: value_checks reads this module back)
-
-    if value_checks.DEFERRED.pending:  # value checks a validation deferred to a launch that did not come
-        value_checks.flush_deferred()
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    raise_pending(device)
 
 
 def record_where(bad: torch.Tensor, values: torch.Tensor, kind: str, arg: str, bound, extra=0) -> None:

@@ -1,8 +1,8 @@
 """Host-launch machinery shared by every op's launcher (``kl_kernels/<op>/launch.py``): the kernels'
 code tables (from ``kl_kernels/codes.py``), turning tensors into addresses and element strides,
 choosing the extension for a device (``_C``, ``_cuda``, or the emulated ``_cuda_emu``), running a
-kernel on the right stream with its workspace, and turning error codes into exceptions. No op owns
-this module; ops never import each other's launchers.
+kernel on the right stream with its workspace, and its error codes as exceptions (``_extensions.raise_for``).
+No op owns this module; ops never import each other's launchers.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def launch_kernel(module, kernel, args, device, what: str, *, workspace_bytes=No
             else:
                 code = kernel(args, stream)
     if code:  # (0: success; the common case costs no further call)
-        raise_for(code, module, what)
+        _extensions.raise_for(code, module, what)
 
 
 # The kernels whose combine checks offsets / lengths / prompt_lens itself (csrc/cuda/tiles.cuh's check_key and
@@ -263,24 +263,6 @@ def _folded_field(g, entry) -> str | None:
     else:  # against the width
         ok = bound_kind == 2 and offsets is None and seq_lengths is None and bound == g.width
     return "check_prompt" if ok else None
-
-
-def raise_for(code: int, module, what: str) -> None:
-    """A kernel's error code (0: success) as a RuntimeError naming ``what``."""
-    if code == 1:
-        raise RuntimeError(f"{what} kernel: unsupported dtype combination")
-    if code == 2:
-        raise RuntimeError(f"{what} kernel: too many tokens for one launch")
-    if code == 3:
-        raise RuntimeError(f"{what} kernel: list inputs, mask_nan and batch totals are for the CPU forward only")
-    if code == 4:
-        raise RuntimeError(f"{what} kernel: the aggregation on the device (result, g_loss) is the CUDA kernels' only")
-    if code == 5:
-        raise RuntimeError(f"{what} kernel: an output buffer is missing")
-    if code >= 1000:
-        raise RuntimeError(f"{what} CUDA kernel launch failed: {module.error_string(code - 1000)}")
-    if code != 0:
-        raise RuntimeError(f"{what} kernel failed with code {code}")
 
 
 class ExtensionLauncher:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import device_errors, ragged, value_checks
+from . import device_errors, index_checks, ragged, value_checks
 
 LOGPROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _DTYPE_NAMES = "float32, bfloat16, float16 (or float64 with the torch backend)"
@@ -261,7 +261,7 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
         if kind == "nested_jagged" and log_probs.lengths() is None:
             # a jagged tensor's own offsets are whatever it was built on (nested_tensor_from_jagged checks no value):
             # checked as offsets are (on an accelerator in the error word), else the kernels would read them as is
-            offsets = ragged.check_offsets(offsets, lp.shape[0], name="log_probs.offsets()")
+            offsets = index_checks.check_offsets(offsets, lp.shape[0], name="log_probs.offsets()")
         host_lengths = [t.shape[0] for t in log_probs] if kind == "list" else None
         if host_lengths is None:  # (nested: pack_ragged_arg compares other nested arguments' totals with it)
             _remember_tokens(offsets, lp.shape[0])
@@ -293,7 +293,7 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
             # from the shapes. Refused here, before the device check records it: the kernels must never run it
             raise ValueError(f"offsets must end at the number of tokens N = {log_probs.shape[0]}, but offsets of "
                              "shape [1] (no sequence) end at offsets[0], which must be 0")
-        offsets = ragged.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
+        offsets = index_checks.check_offsets(offsets, log_probs.shape[0], device=log_probs.device)
         kind = "packed"
     elif log_probs.dim() == 2:
         if offsets is not None:
@@ -302,7 +302,7 @@ def normalize_layout(log_probs, ref_log_probs, mask, offsets, lengths, padding_s
         kind = "padded"
         if lengths is not None:
             lengths = int_vector(lengths, "lengths", log_probs.shape[0], log_probs.device)
-            lengths = ragged.check_lengths(lengths, log_probs.shape[0], log_probs.shape[1])
+            lengths = index_checks.check_lengths(lengths, log_probs.shape[0], log_probs.shape[1])
     else:
         raise ValueError("log_probs must be packed [N] (with offsets), padded [B, T], a nested tensor or a list of "
                          f"1-D tensors; got shape {list(log_probs.shape)}")

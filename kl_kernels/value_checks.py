@@ -6,8 +6,13 @@ that records a bad value in the device's error word (:mod:`kl_kernels.device_err
 validation defers those launches to the launch that follows it (:func:`deferring`), where the CUDA forwards of
 kl_reward and kl_penalty_loss fold them into their own combine kernels (``launching.fold_value_checks``).
 
-Shared machinery below the ops: it imports no op (:mod:`kl_kernels.ragged`'s validators and each op's
-``problem.py`` call it).
+:func:`check_errors` (``kl_kernels.check_errors``) launches what is deferred, waits for the device and raises
+what its error word holds.
+
+Shared machinery below the ops: it imports no op. The layer of the value checks, from the ground up:
+:mod:`~kl_kernels.device_errors` (the error word), this module (where and when a check runs),
+:mod:`~kl_kernels.index_checks` (the checks of offsets and lengths); the layouts and the launchers stand
+on them (``tests/test_structure.py`` holds that order).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 
 import torch
 
+from . import _extensions, codes, device_errors
 from ._compat import torch as torch_compat
 
 
@@ -60,16 +66,13 @@ def kernel_check(kernel: str, values: torch.Tensor, batch: int, bound: int, *per
     given = [t for t in (values, *per_sequence) if t is not None]
     if any(t.device.type != "cuda" or t.dtype != torch.int64 or not t.is_contiguous() for t in given):
         return False
-    from . import _extensions  # not at import time: importing must not need the extension
-    from .launching import raise_for
-
-    fn, reason = _extensions.kernel("_cuda", kernel)
+    fn, reason = _extensions.kernel("_cuda", kernel)  # (loads the extension at the first check, not at import)
     if reason:
         return False
     with torch.cuda.device(values.device):
         code = launch_check(fn, values, batch, bound, *per_sequence, name=name, bound_kind=bound_kind,
                             stream=torch.cuda.current_stream(values.device).cuda_stream)
-    raise_for(code, _extensions.load("_cuda")[0], f"the {kernel} check")  # the kernels' one table of codes
+    _extensions.raise_for(code, _extensions.load("_cuda")[0], f"the {kernel} check")  # the kernels' one table of codes
     return True
 
 
@@ -145,8 +148,6 @@ def deferrable(kernel: str, *tensors) -> bool:
     if any(t is not None and (t.device.type != "cuda" or t.dtype != torch.int64 or not t.is_contiguous())
            for t in tensors):
         return False
-    from . import _extensions  # not at import time: importing must not need the extension
-
     return not _extensions.kernel("_cuda", kernel)[1]
 
 
@@ -164,11 +165,33 @@ def launch_check(fn, values: torch.Tensor, batch: int, bound: int, *per_sequence
     """Call check kernel ``fn`` (a ``_cuda`` or ``_cuda_emu`` binding) the way :func:`kernel_check` does,
     recording into the error word of ``values``' device: the launch's error code. Shared so that the tests
     run every call site's arguments through the emulated kernels on the CPU."""
-    from . import codes, device_errors
-
     errors = device_errors.word(values.device).address
     arg = codes.ARG_CODES.get(name, 0)
     if per_sequence:
         extra = [0 if t is None else t.data_ptr() for t in per_sequence]
         return fn(values.data_ptr(), batch, bound, *extra, errors, arg, bound_kind, stream)
     return fn(values.data_ptr(), batch, bound, errors, arg, stream)
+
+
+def check_errors(device=None) -> None:
+    """Raise the ``ValueError`` of a bad value that a kl_kernels kernel found on ``device`` (default: the
+    current CUDA device; CPU: the emulated kernels' word), waiting for the work queued so far first.
+
+    Checks of accelerator tensors' values (``offsets``, ``lengths``, ``prompt_lens``, ``token_logprobs``'
+    labels) run inside the kernels and never sync; a bad value surfaces at the next kl_kernels call on the
+    device, or here: this synchronizes the current stream of ``device`` and then reads the error word.
+    Until then the outputs of the bad call hold NaN for the affected sequences.
+
+    Example::
+
+        out = kl_kernels.kl_reward(lp, ref, score, offsets=cu_seqlens)   # no sync
+        kl_kernels.check_errors()          # ValueError: offsets must be non-decreasing ... (if they were not)
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if DEFERRED.pending:  # value checks a validation deferred to a launch that did not come
+        flush_deferred()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    device_errors.raise_pending(device)

@@ -8,6 +8,12 @@
   full_kl``, ``estimator="full"``'s lower op), never its modules (the Triton loss kernels imported the
   reward kernels' private ``_frame``/``_coef``/``_combine_rows`` until a fresh reader noticed, 2026-11-26),
   and the ops' import graph has no cycle.
+* The core has no cycle either, and its lowest modules stand in floors (:data:`FLOORS`): the ground (codes,
+  extension loading, torch's internals), the value checks as one layer of three (the error word, where a
+  check runs and its deferral, the index checks), then the ragged layouts that validate through them, the
+  layout rules, and the launchers and argument checks on top. A module imports only from floors below its
+  own (``device_errors`` -> ``value_checks`` -> ``launching`` -> ``ragged`` -> ``device_errors`` was a
+  four-file circle of function-level imports until issue 64).
 
 Imports are read with ``ast`` from every module, function-level ones included."""
 
@@ -22,9 +28,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kl_kernels"
 OPS = ("kl_reward", "kl_penalty", "token_logprobs", "full_kl")
 # The shared core: modules no op owns, which the ops build on.
 CORE = ("backends", "selfcheck", "plans", "launching", "launching_triton", "_checks", "codes", "layouts", "ragged",
+        "device_errors", "value_checks", "index_checks",
         "reference_math", "_extensions", "full_estimator", "vocab_rows", "lm_head", "version", "_compat",
         "triton.tiles", "triton.kl_math", "triton.row_math", "triton")
 # (not the core: the tools above the ops, which reach every op: cli.py, _info.py, bench/, triton/aot.py)
+# The floors of the core's lowest modules, from the ground up: a module imports from these only what stands on
+# a lower floor (imports of other modules are not ruled here; the core as a whole must only have no cycle).
+FLOORS = (
+    ("codes", "_extensions", "version", "_compat"),  # import nothing of kl_kernels
+    ("device_errors",),  # the error word a device's kernels record a bad value into, and its messages
+    ("value_checks",),  # where and when a value check runs (host, a check kernel, deferred), check_errors
+    ("index_checks",),  # the checks of offsets and lengths
+    ("ragged",),  # the canonical ragged form and its converters (which validate through index_checks)
+    ("layouts",),  # the ops' shared layout rules
+    ("launching", "launching_triton", "_checks"),  # the launchers' machinery, the shared argument checks
+)
 
 
 def _module_name(path: Path) -> str:
@@ -140,6 +158,59 @@ def test_no_cycle_among_the_ops():
         visit(op, [])
 
 
+def _floor_of(module: str) -> int | None:
+    rel = module.removeprefix("kl_kernels.")
+    top = rel.split(".")[0]
+    return next((i for i, floor in enumerate(FLOORS) if rel in floor or top in floor), None)
+
+
+def test_the_floors_name_real_modules():
+    names = {n.removeprefix("kl_kernels.") for n in _modules()}
+    assert all(m in names for floor in FLOORS for m in floor)
+
+
+def test_the_core_floors_import_only_downward():
+    """A module of :data:`FLOORS` imports (at module level or in a function) only modules of lower floors
+    among them: the value checks stay one layer between the ground and the layouts and launchers."""
+    offenders = []
+    for name, path in _modules().items():
+        floor = _floor_of(name)
+        if floor is None:
+            continue
+        for imported, _, line in _imports(path):
+            other = _floor_of(imported)
+            if other is not None and other >= floor and imported.split(".")[:2] != name.split(".")[:2]:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{line}: {name} (floor {floor}) imports "
+                                 f"{imported} (floor {other})")
+    assert not offenders, "a core module imports from its own floor or above:\n" + "\n".join(offenders)
+
+
+def _core_edges():
+    """{core module: {core modules it imports}} (function-level imports included)."""
+    core = _core_modules()
+    edges = {name: set() for name in core}
+    for name, path in core.items():
+        for imported, _, _ in _imports(path):
+            if imported in core and imported != name:
+                edges[name].add(imported)
+    return edges
+
+
+def test_no_cycle_among_the_core_modules():
+    graph, state = _core_edges(), {}
+
+    def visit(module, path):
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", f"import cycle in the core: {' -> '.join(path + [module])}"
+        state[module] = "open"
+        for other in sorted(graph[module]):
+            visit(other, path + [module])
+        state[module] = "done"
+    for module in sorted(graph):
+        visit(module, [])
+
+
 def test_the_graph_check_finds_a_cycle_and_a_core_import(tmp_path, monkeypatch):
     """Negative control: the checks above fail on a package that has what they forbid."""
     pkg = tmp_path / "kl_kernels"
@@ -150,6 +221,10 @@ def test_the_graph_check_finds_a_cycle_and_a_core_import(tmp_path, monkeypatch):
     (pkg / "kl_reward" / "api.py").write_text("def f():\n    from ..full_kl import api\n")
     (pkg / "full_kl" / "api.py").write_text("from ..kl_reward.api import f\n")
     (pkg / "backends.py").write_text("def g():\n    from .kl_reward import api\n")
+    # the circle of issue 64, each import in a function: the floors and the core's cycle check must both see it
+    (pkg / "device_errors.py").write_text("def f():\n    from . import value_checks\n")
+    (pkg / "value_checks.py").write_text("from . import device_errors\ndef f():\n    from .launching import x\n")
+    (pkg / "launching.py").write_text("from . import value_checks\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg, raising=False)
     globals_ = globals()
     old = globals_["PACKAGE"]
@@ -160,5 +235,10 @@ def test_the_graph_check_finds_a_cycle_and_a_core_import(tmp_path, monkeypatch):
             test_no_cycle_among_the_ops()
         with pytest.raises(AssertionError, match="imports an op"):
             test_a_shared_module_imports_no_op("kl_kernels.backends")
+        with pytest.raises(AssertionError, match="import cycle in the core: kl_kernels.device_errors -> "
+                                                 "kl_kernels.value_checks -> kl_kernels.device_errors"):
+            test_no_cycle_among_the_core_modules()
+        with pytest.raises(AssertionError, match=r"device_errors \(floor 1\) imports kl_kernels.value_checks"):
+            test_the_core_floors_import_only_downward()
     finally:
         globals_["PACKAGE"] = old

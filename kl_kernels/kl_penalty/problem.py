@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _checks, codes, ragged, value_checks
+from .. import _checks, codes, index_checks, ragged, value_checks
 from ..codes import ESTIMATORS
 from ..layouts import NativeLayout, check_device, check_logprob_tensor, normalize_layout, pack_ragged_arg, same_device
 
@@ -319,9 +319,9 @@ class CallChecks:
         deferred.active = True
         try:
             if offsets is not None:
-                offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
+                offsets = index_checks.check_offset_values(offsets, self.num_tokens, plain=True)
             if lengths is not None:
-                lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
+                lengths = index_checks.check_length_values(lengths, self.batch, self.width, plain=True)
         finally:
             deferred.active = False
         if type(beta) is not float or not -_checks.FLOAT32_MAX <= beta <= _checks.FLOAT32_MAX:

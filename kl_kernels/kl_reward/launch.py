@@ -13,8 +13,9 @@ import threading
 import torch
 
 from .. import plans
+from .._extensions import raise_for
 from ..launching import (DTYPE_CODES, EMULATED, ExtensionLauncher, as_contiguous, coefficient, geometry_args,
-                         kernel_module, launch_kernel, ptr, raise_for, read_as_is, resolved, set_input)
+                         kernel_module, launch_kernel, ptr, read_as_is, resolved, set_input)
 
 
 def make_args(module, *, log_probs, ref_log_probs, mask, offsets, lengths, prompt_lens, reward, coef,

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _checks, codes, device_errors, ragged, value_checks
+from .. import _checks, codes, device_errors, index_checks, ragged, value_checks
 # The layout rules both ops share (kl_kernels/layouts.py), under the names this module has always used.
 from ..layouts import _FLOAT_DTYPES, NativeLayout, TokenLayout, and_not_nan
 from ..layouts import check_device as _check_device
@@ -413,9 +413,9 @@ class CallChecks:
         deferred.active = True
         try:
             if offsets is not None:
-                offsets = ragged.check_offset_values(offsets, self.num_tokens, plain=True)
+                offsets = index_checks.check_offset_values(offsets, self.num_tokens, plain=True)
             if lengths is not None:
-                lengths = ragged.check_length_values(lengths, self.batch, self.width, plain=True)
+                lengths = index_checks.check_length_values(lengths, self.batch, self.width, plain=True)
             if prompt_lens is not None:
                 prompt_lens = _check_prompt_lens(prompt_lens, self.layout, offsets, lengths, self.width, self.batch,
                                                  self.device)
