@@ -62,6 +62,7 @@ FUSED = {
     "adaptive-entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=10.0,
                              entropy_coef_delta=0.02),
     "epsilon": dict(epsilon=0.1, epsilon_high=0.1, loss_type="bnpo"),
+    "moe-aux-loss": dict(model="qwen2-moe"),  # the model's router_aux_loss_coef (0.01): TRL's aux_loss
 }
 
 # (overrides, what the warning names)
@@ -78,7 +79,14 @@ FALLBACK = {
 
 @functools.cache
 def _stock(name: str, overrides: tuple) -> harness.Run:
-    return harness.run(dict(overrides))
+    return _run(dict(overrides))
+
+
+def _run(overrides: dict, **kw) -> harness.Run:
+    """``overrides``' "model" (a harness.MODELS name) picks the model; the rest are GRPOConfig fields."""
+    overrides = dict(overrides)
+    factory = harness.MODELS[overrides.pop("model", "qwen2")]
+    return harness.run(overrides, model_factory=factory, **kw)
 
 
 def _key(overrides: dict) -> tuple:
@@ -88,7 +96,7 @@ def _key(overrides: dict) -> tuple:
 def _ours(overrides: dict, **kw) -> harness.Run:
     from kl_kernels.integrations.trl import GRPOTrainer
 
-    return harness.run(overrides, trainer_cls=GRPOTrainer, **kw)
+    return _run(overrides, trainer_cls=GRPOTrainer, **kw)
 
 
 def _close(got: float, want: float) -> bool:
@@ -135,6 +143,8 @@ def test_fused_option_matches_stock_trl(name, record_property):
     stock = _stock(name, _key(overrides))
     ours = _ours(overrides)
     assert ours.trainer._kl_kernels_plan is not None, "the switch did not fuse this configuration"
+    if "model" in overrides:
+        assert ours.trainer._kl_kernels_plan.aux_loss and "aux_loss" in stock.logs[0]
     assert not ours.warnings, [str(w.message) for w in ours.warnings]
     bonus = overrides.get("entropy_coef", 0.0) != 0.0 and not overrides.get("use_adaptive_entropy")
     worst = _compare(ours, stock, GRAD_RTOL_ENTROPY_BONUS if bonus else GRAD_RTOL)

@@ -50,16 +50,31 @@ def tokenizer():
                                    pad_token="<|endoftext|>", additional_special_tokens=specials)
 
 
-def model(tok, **config):
-    """A 2-layer Qwen2 (hidden 64) with random weights from a fixed seed (or a MoE Qwen2 with ``moe=True``)."""
+def model(tok):
+    """A 2-layer Qwen2 (hidden 64) with random weights from a fixed seed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=128, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      **config)
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return Qwen2ForCausalLM(cfg)
+
+
+def moe_model(tok):
+    """A 2-layer Qwen2-MoE (4 experts, 2 per token, router_aux_loss_coef 0.01: TRL adds the load-balancing loss)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=len(tok), max_position_embeddings=128, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False, router_aux_loss_coef=0.01, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return Qwen2MoeForCausalLM(cfg)
+
+
+MODELS = {"qwen2": model, "qwen2-moe": moe_model}
 
 
 def dataset():
@@ -82,8 +97,8 @@ class Run:
 
 
 def run(overrides=None, *, trainer_cls=None, patch=None, model_factory=None, extra_kwargs=None) -> Run:
-    """Train the tiny model; ``trainer_cls`` (default TRL's GRPOTrainer), or TRL's with ``patch(trainer)``
-    applied after construction."""
+    """Train the tiny model (``model_factory(tokenizer)``, default :func:`model`) with ``trainer_cls`` (default
+    TRL's GRPOTrainer), or TRL's with ``patch(trainer)`` applied after construction."""
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
