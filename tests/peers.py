@@ -7,6 +7,8 @@ or the test is skipped when that peer is not installed.
     verl_torch_functional()    verl.utils.torch_functional   (masked_mean, masked_sum, ...)
     verl_apply_kl_penalty()    verl's apply_kl_penalty function itself (see its docstring)
     verl_monkey_patch()        verl.models.transformers.monkey_patch (needs transformers: the verl lane)
+    verl_losses()              verl.workers.utils.losses     (ppo_loss; needs datasets: the verl lane)
+    verl_module(name)          any verl module the stubs cover (verl.protocol, verl.workers.config, ...)
     openrlhf_utils()           openrlhf.models.utils         (compute_approx_kl, compute_reward, masked_mean)
     openrlhf_loss()            openrlhf.models.loss          (PolicyLoss, aggregate_loss)
     openrlhf_kl_controllers()  openrlhf.trainer.ppo_utils.kl_controller
@@ -119,6 +121,20 @@ def verl_monkey_patch():
     stub cannot build a model); skipped without it. ray and codetiming are stubbed only where absent."""
     _require("verl's model patch", ("transformers",))
     return _import("verl", "verl.models.transformers.monkey_patch", _VERL_REAL, ("ray", "codetiming"))
+
+
+def verl_module(name):
+    """Any verl 0.9.1 module whose import chain the verl stubs cover (verl.protocol for DataProto, verl.workers.config
+    for ActorConfig, verl.trainer.config for AlgoConfig/KLControlConfig, ...)."""
+    return _import("verl", name, _VERL_REAL, _VERL_STUBS)
+
+
+def verl_losses():
+    """verl.workers.utils.losses (verl 0.9.1): ppo_loss, the actor's loss (policy loss from the registry, entropy
+    and KL terms). Its import chain reaches verl.utils.dataset, which imports `datasets` (the verl lane,
+    .ci/lane-verl, installs it); skipped without it."""
+    _require("verl's actor losses", ("datasets",))
+    return _import("verl", "verl.workers.utils.losses", _VERL_REAL, _VERL_STUBS)
 
 
 # OpenRLHF: openrlhf/models/__init__ imports the whole model package (Actor, reward models, ring attention), and

@@ -354,11 +354,15 @@ def register(name: str = "kl_kernels", *, override_vanilla: bool = False, overri
 # verl 0.9.1's patched forwards (verl/models/transformers/dense_common.py and the VLM modules: qwen2_vl, qwen3_vl,
 # glm4v, qwen3_5) look both functions up at call time, in these two modules: replacing the names there reroutes
 # every forward that apply_monkey_patch installed, before or after this patch.
-VERL_FUSED_VERSIONS = ("0.9.1",)
+VERL_FUSED_VERSIONS = ("0.9.1",)  # the verl versions whose lookups the patch_* switches were checked against
 _TORCH_MODULE = "verl.utils.experimental.torch_functional"
 _TRITON_MODULE = "verl.utils.kernel.linear_cross_entropy"
-_ORIGINALS: dict = {}  # (module, name) -> verl's object, while patched
+_PATCHED: dict = {}  # switch -> {(module, name): verl's object}, while that switch is on
 _WARNED: set = set()
+
+
+def _original(switch: str, module: str, name: str):
+    return _PATCHED.get(switch, {}).get((module, name))
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -394,7 +398,7 @@ class FusedLinearForPPO(torch.nn.Module):
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
         if self.impl_backend == "liger":
-            original = _ORIGINALS.get((_TORCH_MODULE, "FusedLinearForPPO"))
+            original = _original("fused_kernels", _TORCH_MODULE, "FusedLinearForPPO")
             if original is None:
                 raise RuntimeError("impl_backend='liger' is verl's Liger route: it runs verl's own class, which "
                                    "patch_fused_kernels keeps only while verl is patched")
@@ -416,7 +420,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduc
     handed to verl's own function, with one warning."""
     if reduction != "none" or dist_process_group is not None:
         what = f"reduction={reduction!r}" if reduction != "none" else "dist_process_group"
-        original = _ORIGINALS.get((_TRITON_MODULE, "linear_cross_entropy"))
+        original = _original("fused_kernels", _TRITON_MODULE, "linear_cross_entropy")
         if original is None:
             raise NotImplementedError(f"linear_cross_entropy: {what} is verl's own kernel's (not patched now)")
         _warn_once(f"lce-{what}", f"kl_kernels.integrations.verl.linear_cross_entropy: {what} is left to verl's own "
@@ -429,19 +433,51 @@ def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduc
 
 
 class _Patch:
-    """What :func:`patch_fused_kernels` returns: a context manager that undoes the patch at exit (if this call
-    made it)."""
+    """What the ``patch_*`` switches return: a context manager that undoes the switch at exit (if this call turned
+    it on)."""
 
-    def __init__(self, made: bool):
-        self.made = made
+    def __init__(self, switch: str, made: bool):
+        self.switch, self.made = switch, made
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         if self.made:
-            unpatch_fused_kernels()
+            _undo(self.switch)
         return False
+
+
+def _verl_modules(switch: str, *names: str):
+    """The modules a switch patches, imported, after the version check."""
+    try:
+        import verl
+        modules = [importlib.import_module(n) for n in names]
+    except ImportError as exc:
+        raise ImportError(f"kl_kernels.integrations.verl.{switch} needs verl installed with what these modules "
+                          f"import ({exc})") from exc
+    version = getattr(verl, "__version__", None)
+    if version not in VERL_FUSED_VERSIONS:
+        raise RuntimeError(f"{switch} is checked against verl {', '.join(VERL_FUSED_VERSIONS)}, found verl "
+                           f"{version}: its code may look these functions up elsewhere")
+    return modules
+
+
+def _apply(switch: str, targets) -> _Patch:
+    """Set each ``(module, name, ours)``, keeping verl's; nothing when the switch is already on."""
+    if switch in _PATCHED:
+        return _Patch(switch, False)
+    saved = {}
+    for module, name, ours in targets:
+        saved[(module.__name__, name)] = getattr(module, name)
+        setattr(module, name, ours)
+    _PATCHED[switch] = saved
+    return _Patch(switch, True)
+
+
+def _undo(switch: str) -> None:
+    for (module, name), original in _PATCHED.pop(switch, {}).items():
+        setattr(sys.modules[module], name, original)
 
 
 def patch_fused_kernels() -> _Patch:
@@ -455,33 +491,57 @@ def patch_fused_kernels() -> _Patch:
     patch_fused_kernels():``. Checked for verl 0.9.1 (another version raises ``RuntimeError``). Megatron's
     forwards (``verl.models.mcore``, which bind ``linear_cross_entropy`` at import and pass a tensor-parallel
     group) are not rerouted."""
-    try:
-        import verl
-        torch_functional = importlib.import_module(_TORCH_MODULE)
-        lce = importlib.import_module(_TRITON_MODULE)
-    except ImportError as exc:
-        raise ImportError(f"kl_kernels.integrations.verl.patch_fused_kernels needs verl installed ({exc})") from exc
-    version = getattr(verl, "__version__", None)
-    if version not in VERL_FUSED_VERSIONS:
-        raise RuntimeError(f"patch_fused_kernels is checked against verl {', '.join(VERL_FUSED_VERSIONS)}, found "
-                           f"verl {version}: its fused forwards may look the kernels up elsewhere")
-    if _ORIGINALS:
-        return _Patch(False)
-    for module, name, ours in ((torch_functional, "FusedLinearForPPO", FusedLinearForPPO),
-                               (lce, "linear_cross_entropy", linear_cross_entropy)):
-        _ORIGINALS[(module.__name__, name)] = getattr(module, name)
-        setattr(module, name, ours)
-    return _Patch(True)
+    torch_functional, lce = _verl_modules("patch_fused_kernels", _TORCH_MODULE, _TRITON_MODULE)
+    return _apply("fused_kernels", [(torch_functional, "FusedLinearForPPO", FusedLinearForPPO),
+                                    (lce, "linear_cross_entropy", linear_cross_entropy)])
 
 
 def unpatch_fused_kernels() -> None:
     """Undo :func:`patch_fused_kernels` (nothing when not patched)."""
-    for (module, name), original in list(_ORIGINALS.items()):
-        setattr(sys.modules[module], name, original)
-    _ORIGINALS.clear()
+    _undo("fused_kernels")
+
+
+_LOSSES_MODULE = "verl.workers.utils.losses"
+_REWARD_MODULES = ("verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base",
+                   "verl.experimental.separation.ray_trainer")
+
+
+def patch_kl_loss() -> _Patch:
+    """The actor's KL loss (``actor.use_kl_loss=True``, every ``kl_loss_type``) through kl_kernels: verl 0.9.1's
+    ``ppo_loss`` (``verl/workers/utils/losses.py``) computes ``kl_penalty(log_prob, ref_log_prob,
+    config.kl_loss_type)`` with the name it imported from ``core_algos``; that name is set to :func:`kl_penalty`
+    (one :func:`kl_kernels.kl_reward` pass, values and gradients as verl's). The aggregation and the policy loss
+    are verl's (the policy loss: :func:`register`). Call it in every process that computes the actor's loss.
+    Idempotent; :func:`unpatch_kl_loss` or leaving ``with patch_kl_loss():`` restores verl's."""
+    (losses,) = _verl_modules("patch_kl_loss", _LOSSES_MODULE)
+    return _apply("kl_loss", [(losses, "kl_penalty", kl_penalty)])
+
+
+def unpatch_kl_loss() -> None:
+    """Undo :func:`patch_kl_loss`."""
+    _undo("kl_loss")
+
+
+def patch_kl_reward() -> _Patch:
+    """The KL in the reward (``algorithm.use_kl_in_reward=True``) through kl_kernels: verl 0.9.1's trainers call
+    ``apply_kl_penalty(data, kl_ctrl, kl_penalty)`` from ``verl.trainer.ppo.ray_trainer`` (``RayPPOTrainer``,
+    which this imports) and from the modules that imported it from there (``v1.trainer_base``,
+    ``experimental.separation.ray_trainer``, set where already imported; imported later, they take this one);
+    each is set to :func:`apply_kl_penalty` (one fused :func:`kl_kernels.kl_reward` pass; verl's controllers and
+    ``DataProto`` as they are). Call it in the driver before the trainer starts. Idempotent;
+    :func:`unpatch_kl_reward` or leaving ``with patch_kl_reward():`` restores verl's."""
+    (trainer,) = _verl_modules("patch_kl_reward", _REWARD_MODULES[0])
+    modules = [trainer] + [sys.modules[n] for n in _REWARD_MODULES[1:] if n in sys.modules]
+    return _apply("kl_reward", [(m, "apply_kl_penalty", apply_kl_penalty) for m in modules])
+
+
+def unpatch_kl_reward() -> None:
+    """Undo :func:`patch_kl_reward`."""
+    _undo("kl_reward")
 
 
 __all__ = ["KL_MODES", "AGG_MODES", "ConfigTypeError", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
            "compute_policy_loss_gspo", "compute_policy_loss_with_kl",
            "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register",
-           "FusedLinearForPPO", "linear_cross_entropy", "patch_fused_kernels", "unpatch_fused_kernels"]
+           "FusedLinearForPPO", "linear_cross_entropy", "patch_fused_kernels", "unpatch_fused_kernels",
+           "patch_kl_loss", "unpatch_kl_loss", "patch_kl_reward", "unpatch_kl_reward"]
