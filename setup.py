@@ -9,17 +9,20 @@
   a missing nvcc is then an error); ``KL_KERNELS_BUILD_CUDA=0`` skips it. PTX of the newest target is
   embedded too, so newer GPUs can JIT it. An entry ``compute_80`` embeds PTX only (no machine code: the
   driver compiles it on first load; a build without ptxas's time). Release wheels:
-  ``KL_KERNELS_CUDA_ARCHS=all``. The build prints one line saying what it builds and how to change it
-  (to the terminal too: pip hides a build's output unless ``-v``).
+  ``KL_KERNELS_CUDA_ARCHS=all``.
 
 * ``kl_kernels._cuda_emu`` the same CUDA sources (``csrc/cuda/*.cu`` and ``module.cpp``) compiled
   as C++ by the host compiler against the host emulation of CUDA in ``csrc/emu`` (each CUDA thread
   a fiber, real barriers and warp shuffles): the ``cuda-emulated`` backend, which runs the CUDA
-  kernels on CPU tensors so that CI, which has no GPU, tests them. Built by default where the
-  emulation works (Linux: ucontext fibers, mmap'ed stacks); ``KL_KERNELS_BUILD_CUDA_EMU=0`` skips it,
-  ``=1`` forces it. Release wheels should set ``KL_KERNELS_BUILD_CUDA_EMU=0``: the module is a test
-  instrument (orders of magnitude slower than the ``cpu`` kernel, never chosen by ``"auto"``), so
-  it would only add size and build time for users; CI and ``pip install -e .[test]`` keep it.
+  kernels on CPU tensors so that CI, which has no GPU, tests them. Built only when asked:
+  ``KL_KERNELS_BUILD_CUDA_EMU=1`` (CI sets it; POSIX only: ucontext fibers, mmap'ed stacks). It is a test
+  instrument (11 MB, orders of magnitude slower than the ``cpu`` kernel, never chosen by ``"auto"``), so a
+  user's install and a plain ``pip wheel`` leave it out; the tests that need it skip without it.
+
+The build talks: one line saying what it builds and how to change it, one per extension when it is done
+(with its time), and one every ~30 s while a compiler runs, on stderr and on the controlling terminal too
+(pip hides a build's output unless ``-v``). What it decided is written next to the extensions
+(``kl_kernels/_build.json``), where ``kl-kernels info`` reads why an extension is not there.
 
 Neither extension links libtorch, and this script never imports torch: the kernels take raw
 pointers, sizes, strides and a stream, so one wheel works with any supported torch. The CUDA
@@ -35,8 +38,11 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import json
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -123,7 +129,7 @@ def _cuda_plan() -> tuple[Path | None, str | None, str]:
     if archs.lower() == "all":
         archs = DEFAULT_CUDA_ARCHS
     if flag is False:
-        return None, None, "_cuda skipped (KL_KERNELS_BUILD_CUDA=0)"
+        return None, None, "_cuda skipped: KL_KERNELS_BUILD_CUDA=0"
     nvcc = _find_nvcc()
     if nvcc is None:
         if flag is True or archs:  # asked for: a missing nvcc is an error, not a silent skip
@@ -141,32 +147,77 @@ def _cuda_plan() -> tuple[Path | None, str | None, str]:
         return nvcc, DEFAULT_CUDA_ARCHS, (f"_cuda for {DEFAULT_CUDA_ARCHS} (KL_KERNELS_BUILD_CUDA=1, no GPU visible; "
                                           "KL_KERNELS_CUDA_ARCHS picks others)")
     return None, None, (f"_cuda skipped: nvcc found but no GPU visible (KL_KERNELS_BUILD_CUDA=1 builds it for "
-                        f"{DEFAULT_CUDA_ARCHS}, ~10 minutes on 2 cores; KL_KERNELS_CUDA_ARCHS=90 for one arch)")
+                        f"{DEFAULT_CUDA_ARCHS}, {CUDA_ALL_ARCHS_TIME}; KL_KERNELS_CUDA_ARCHS=90 for one arch)")
 
 
 def _announce(line: str) -> None:
-    """Print the build's summary line on stderr and, when stderr is not a terminal (pip captures a build's
-    output and shows it only with -v), on the controlling terminal too, so that a user running
-    ``pip install .`` sees what is compiled before a long, otherwise silent build."""
+    """Print one line of the build's progress on stderr and, when stderr is not a terminal (pip captures a
+    build's output and shows it only with -v), on the controlling terminal too, so that a user running
+    ``pip install .`` sees what is compiled and how far it is during a long, otherwise silent build.
+    ``KL_KERNELS_BUILD_QUIET=1``: stderr only (scripts that run pip -q in a terminal)."""
     print(line, file=sys.stderr, flush=True)
     if os.environ.get("KL_KERNELS_BUILD_QUIET") or sys.stderr.isatty():
         return
     try:
         with open("/dev/tty", "w") as tty:
-            tty.write(line + "\n")
+            # "\r" + erase-line: pip's spinner may stand on the line; it draws itself again after ours
+            tty.write("\r\033[K" + line + "\n")
     except OSError:
         pass  # no terminal (CI, a container without one): stderr above is all there is
 
 
+# Measured build times (wall clock, from scratch, `pip wheel` of a clean copy on this project's 2-core VM),
+# quoted by the build's own lines; the README's install times come from the same runs.
+C_TIME = "~3 minutes on 2 idle cores"
+CUDA_ALL_ARCHS_TIME = "~2 more minutes on 2 idle cores"
+HEARTBEAT_SECONDS = 30
+
+
+class _Progress:
+    """The build's progress lines: one when an extension is done (with its time), and one every
+    HEARTBEAT_SECONDS naming what is still compiling, so that a build of minutes is never silent."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+        self.running: dict[str, float] = {}  # extension -> when it started
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def _beat(self):
+        while not self.stop.wait(HEARTBEAT_SECONDS):
+            with self.lock:
+                running = sorted(self.running)
+            if running:
+                _announce(f"kl_kernels build: compiling {', '.join(running)} "
+                          f"({time.monotonic() - self.start:.0f} s so far)")
+
+    def begin(self, name: str) -> None:
+        with self.lock:
+            self.running[name] = time.monotonic()
+
+    def end(self, name: str, compiled: bool) -> None:
+        with self.lock:
+            began = self.running.pop(name)
+        if compiled:
+            _announce(f"kl_kernels build: {name} built in {time.monotonic() - began:.0f} s")
+
+
 def _cuda_emu_requested() -> bool:
-    """Whether to build ``_cuda_emu``: ``KL_KERNELS_BUILD_CUDA_EMU`` when set, else on Linux (the
-    emulation's fibers are ucontext, its stacks mmap'ed)."""
+    """Whether to build ``_cuda_emu``: only when asked (``KL_KERNELS_BUILD_CUDA_EMU=1``, which CI sets): a
+    test instrument, never part of a user's install or a plain wheel."""
     flag = _env_flag("KL_KERNELS_BUILD_CUDA_EMU")
-    if flag is None:
-        return sys.platform.startswith("linux")
     if flag and os.name != "posix":
         sys.exit("kl_kernels build: KL_KERNELS_BUILD_CUDA_EMU=1 needs a POSIX host (ucontext, mmap)")
-    return flag
+    return bool(flag)
 
 
 # GCC's inlining budgets for the CPU loss's kernels: with GCC's defaults the per-token function
@@ -230,18 +281,36 @@ class BuildExt(build_ext):
 
     def run(self):
         _announce(BUILD_SUMMARY)
-        super().run()
+        with _Progress() as self._progress:
+            super().run()
         # A skipped _cuda (or _cuda_emu) must not survive from an earlier build (in build/ or, for
         # editable installs, next to the sources): the wheel would ship it and imports would load it.
         places = [Path(self.build_lib) / "kl_kernels"] + ([ROOT / "kl_kernels"] if self.inplace else [])
-        for name, pattern, why in (("kl_kernels._cuda", "_cuda.*", "KL_KERNELS_BUILD_CUDA=0 or no nvcc"),
-                                   ("kl_kernels._cuda_emu", "_cuda_emu.*", "KL_KERNELS_BUILD_CUDA_EMU=0")):
-            if not any(ext.name == name for ext in self.extensions):
-                for stale in (p for place in places for p in place.glob(pattern)):
-                    print(f"removing stale {stale} ({why})", flush=True)
+        for name in ("_cuda", "_cuda_emu"):
+            if not any(ext.name == f"kl_kernels.{name}" for ext in self.extensions):
+                for stale in (p for place in places for p in place.glob(f"{name}.*")):
+                    print(f"removing stale {stale} ({BUILD_RECORD[name]})", flush=True)
                     stale.unlink()
+        # What this build decided, next to the extensions (the wheel carries it; an editable install has it
+        # in place): kl_kernels._extensions reads why an extension is missing from it.
+        for place in {Path(self.get_ext_fullpath("kl_kernels._C")).parent, *places}:
+            place.mkdir(parents=True, exist_ok=True)
+            (place / "_build.json").write_text(json.dumps(BUILD_RECORD, indent=1) + "\n")
 
     def build_extension(self, ext):
+        name = ext.name.split(".")[-1]
+        progress = getattr(self, "_progress", None)
+        if progress is None:  # (build_extension called outside run(): no progress lines)
+            return self._build_extension(ext)
+        progress.begin(name)
+        compiled = False
+        try:
+            compiled = self._build_extension(ext)
+        finally:
+            progress.end(name, compiled)
+
+    def _build_extension(self, ext) -> bool:
+        """Build ``ext``; False when it was up to date (nothing compiled)."""
         # setuptools skips an up-to-date extension only after this method's own compiles (nvcc's, the emulated
         # build's) have run: check first, so that a rebuild (an editable reinstall, a wheel from a tree whose
         # build/ is current: .ci/wheel) recompiles nothing.
@@ -251,8 +320,8 @@ class BuildExt(build_ext):
             from distutils.dep_util import newer_group
         if not self.force and not newer_group([*ext.sources, *(ext.depends or [])], self.get_ext_fullpath(ext.name),
                                               "newer"):
-            print(f"{ext.name} is up to date", flush=True)
-            return
+            _announce(f"kl_kernels build: {ext.name.split('.')[-1]} is up to date")
+            return False
         _compile_sources_in_parallel(self.compiler)
         if getattr(ext, "emulated_cuda", False):
             sources, ext.sources = ext.sources, []
@@ -262,6 +331,7 @@ class BuildExt(build_ext):
             ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
             ext.extra_objects = list(ext.extra_objects or []) + self._nvcc_compile(ext, cu_sources)
         super().build_extension(ext)
+        return True
 
     def _emulated_compile(self, ext, sources):
         """Every source of the emulated extension, by the host compiler with the extension's flags, the
@@ -372,12 +442,18 @@ def _extensions() -> list[Extension]:
         emu_ext.emulated_cuda = True
         exts.append(emu_ext)
     built = ["_C"] + [e.name.split(".")[-1] for e in exts[1:]]
+    emu_why = ("_cuda_emu built (KL_KERNELS_BUILD_CUDA_EMU=1)" if "_cuda_emu" in built else
+               "_cuda_emu skipped: a test instrument, built only when asked (KL_KERNELS_BUILD_CUDA_EMU=1)")
     global BUILD_SUMMARY
-    BUILD_SUMMARY = f"kl_kernels build: {', '.join(built)}; {cuda_why}"
+    BUILD_SUMMARY = f"kl_kernels build: compiling {', '.join(built)} (_C: {C_TIME}); {cuda_why}"
+    BUILD_RECORD.update(built=built, _cuda=cuda_why, _cuda_emu=emu_why,
+                        cuda_archs=";".join(_parse_archs(arch_spec)) if nvcc is not None else None)
     return exts
 
 
 BUILD_SUMMARY = ""  # set by _extensions(), printed once when the extensions are built (BuildExt.run)
+# What the build decided and why (set by _extensions()), written as kl_kernels/_build.json by BuildExt.run
+BUILD_RECORD: dict = {}
 
 setup(
     packages=find_packages(include=["kl_kernels", "kl_kernels.*"]),

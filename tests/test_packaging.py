@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shlex
 import shutil
@@ -56,13 +57,18 @@ def _clean_copy(dest):
     return dest
 
 
-def _wheel_names(out, env_extra, source):
-    env = {**os.environ, **env_extra}
+def _wheel_names(out, env_extra, source, read=()):
+    """The names in the wheel built from ``source`` with ``env_extra`` (a None value unsets the variable), and the
+    text of the members named in ``read``."""
+    env = {k: v for k, v in {**os.environ, **env_extra}.items() if v is not None}
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                           "-w", str(out), "-q"], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (wheel,) = out.glob("kl_kernels-*.whl")
-    return zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    if read:
+        return names, {n: zipfile.ZipFile(wheel).read(n).decode() for n in read}
+    return names
 
 
 @pytest.mark.slow
@@ -97,12 +103,18 @@ def test_wheel_with_cuda_then_without(tmp_path):
         (build_lib / f"_cuda{suffix}").write_bytes(b"stale")
     (src / "kl_kernels" / f"_cuda{suffix}").write_bytes(b"stale")
 
-    names = _wheel_names(tmp_path / "cpu", {"KL_KERNELS_BUILD_CUDA": "0", "KL_KERNELS_BUILD_CUDA_EMU": "0"}, src)
+    # a plain `pip wheel` (no KL_KERNELS_BUILD_CUDA_EMU in the environment) carries no test instrument
+    names, text = _wheel_names(tmp_path / "cpu", {"KL_KERNELS_BUILD_CUDA": "0", "KL_KERNELS_BUILD_CUDA_EMU": None},
+                               src, read=["kl_kernels/_build.json"])
     assert any(n.startswith("kl_kernels/_C.") and n.endswith(".so") for n in names)
     assert not any(n.startswith("kl_kernels/_cuda.") for n in names)
-    # a release wheel (KL_KERNELS_BUILD_CUDA_EMU=0, as setup.py asks of them) carries no test instrument
-    assert not any(n.startswith("kl_kernels/_cuda_emu.") for n in names)
+    assert not any(n.startswith("kl_kernels/_cuda_emu") for n in names)
     assert not any(n.startswith(("tests/", "bench/", "python_api/")) for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "the wheel carries no LICENSE"
+    # the build's record says what it skipped and why, for `kl-kernels info`
+    record = json.loads(text["kl_kernels/_build.json"])
+    assert record["built"] == ["_C"] and record["_cuda"] == "_cuda skipped: KL_KERNELS_BUILD_CUDA=0"
+    assert "KL_KERNELS_BUILD_CUDA_EMU=1" in record["_cuda_emu"]
 
 
 def test_cuda_arch_spec_accepts_ptx_only_entries():
@@ -124,7 +136,7 @@ def _setup_function(name, *helpers):
     tree = ast.parse((REPO / "setup.py").read_text())
     wanted = {"_parse_archs", name, *helpers}
     module = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-                              or (isinstance(n, ast.FunctionDef) and n.name in wanted)
+                              or (isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in wanted)
                               or (isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper()
                                                                     for t in n.targets))], type_ignores=[])
     namespace: dict = {"__file__": str(REPO / "setup.py")}
@@ -205,7 +217,45 @@ def test_the_summary_reaches_the_terminal_when_pip_hides_stderr(tmp_path):
     res = subprocess.run(["script", "-qec", f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} 2> /dev/null",
                           "/dev/null"], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.replace("\r", "").splitlines().count("kl_kernels build: the line") == 1, res.stdout
+    # (each line starts by erasing the terminal's line: pip's spinner may stand there)
+    assert res.stdout.replace("\r", "").replace("\x1b[K", "").splitlines().count("kl_kernels build: the line") == 1, \
+        res.stdout
+
+
+def test_the_build_says_what_it_compiles_while_it_does(monkeypatch, capsys):
+    """setup.py's progress lines: one every HEARTBEAT_SECONDS naming what is still compiling, and one per extension
+    when it is done, with its time (an up-to-date one says nothing more)."""
+    import time
+
+    monkeypatch.setenv("KL_KERNELS_BUILD_QUIET", "1")  # (stderr only: no terminal writes from a test)
+    progress = _setup_function("_Progress", "_announce")
+    progress.__init__.__globals__["HEARTBEAT_SECONDS"] = 0.05
+    with progress() as p:
+        p.begin("_cuda")
+        p.begin("_C")
+        time.sleep(0.3)
+        p.end("_C", True)
+        p.end("_cuda", False)
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("kl_kernels build: compiling _C, _cuda (") for line in lines), lines
+    assert "kl_kernels build: _C built in 0 s" in lines
+    assert not any("_cuda built" in line for line in lines)
+
+
+def test_info_says_why_an_extension_is_missing_in_the_builds_words(monkeypatch):
+    """A build without _cuda records why (kl_kernels/_build.json); `kl-kernels info` says that, not a guess:
+    nvcc was there and no GPU visible is not "no nvcc"."""
+    from kl_kernels import _extensions
+    from kl_kernels._info import extension_status
+
+    why = ("_cuda skipped: nvcc found but no GPU visible (KL_KERNELS_BUILD_CUDA=1 builds it for 80;86;89;90;100;120, "
+           "~2 more minutes on 2 idle cores; KL_KERNELS_CUDA_ARCHS=90 for one arch)")
+    monkeypatch.setattr(_extensions, "build_record", lambda: {"built": ["_C"], "_cuda": why, "cuda_archs": None})
+    said = _extensions.why_missing("_cuda")
+    assert said.startswith("kl_kernels._cuda is not built: the build skipped it: nvcc found but no GPU visible")
+    assert extension_status({"loaded": False, "error": said}) == ("not built", said)
+    monkeypatch.setattr(_extensions, "build_record", lambda: {})  # never built here: no guess at a cause
+    assert "no nvcc" not in _extensions.why_missing("_cuda")
 
 
 def test_forcing_cuda_without_nvcc_fails_clearly(tmp_path):
