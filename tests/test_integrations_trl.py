@@ -10,6 +10,7 @@ gradients, on hypothesis-generated batches (tests/peer_batches.py).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -185,3 +186,71 @@ def test_options_not_fused_say_so():
 def test_the_shim_imports_without_trl():
     assert printed_without("trl", "from kl_kernels.integrations import trl as kt\nimport torch\nprint(kt.grpo_loss("
                            "torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), num_items_in_batch=2).item())") == ["-1.0"]
+
+
+def _masks_batch(seed: int, b: int = 6, t: int = 12):
+    """float32 [B, T] inputs with an empty row, off-policy old log-probs and positive entropies (with gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    mask[1] = False  # an empty sequence
+    lp = -torch.rand(b, t, generator=g) * 4
+    old = lp + torch.randn(b, t, generator=g) * 0.3
+    ref = lp + torch.randn(b, t, generator=g) * 0.2
+    adv = torch.randn(b, generator=g)
+    ent = torch.rand(b, t, generator=g) * 5
+    high = (torch.rand(b, t, generator=g) < 0.5) & mask  # a high-entropy mask, as TRL's get_high_entropy_mask's
+    return lp, old, ref, adv, ent, high, mask
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo", "luspo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("case", ["entropy-mask+off-policy", "entropy-bonus+off-policy", "entropy-bonus"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_token_weights_and_entropy_bonus_equal_trls(loss_type, level, case, seed):
+    """The switch's use of grpo_loss: TRL's high-entropy mask and off-policy sequence mask as token_weights, the
+    entropy bonus as entropy/entropy_coef, against TRL's _compute_loss with those options (loss, and gradients to
+    the log-probs and the entropies)."""
+    grpo = peers.trl_grpo_module()
+    lp, old, ref, adv, ent, high, mask = _masks_batch(seed)
+    b, t = mask.shape
+    beta = 0.04 if level == "token" else 0.0  # (bias-corrected KL at sequence level: TRL's path)
+    masked, bonus = "entropy-mask" in case, "bonus" in case
+    threshold = 0.05 if "off-policy" in case else None
+    coef = 0.01 if bonus else 0.0
+    n_items = torch.tensor(float(mask.sum()) * 3)
+    lp_want, ent_want = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    fake = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda model, *a, **k: (lp_want, ent_want, None),
+        get_high_entropy_mask=lambda entropies, m, thr: high, get_off_policy_mask=grpo.GRPOTrainer.get_off_policy_mask,
+        aux_loss_enabled=False, top_entropy_quantile=0.5 if masked else 1.0, off_policy_mask_threshold=threshold,
+        importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
+        use_vllm=False, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=3, max_completion_length=t + 5, _entropy_bonus_enabled=bonus,
+        use_adaptive_entropy=False, entropy_coef=coef, _metrics=metrics,
+        accelerator=SimpleNamespace(num_processes=2, gather=lambda x: x, reduce=lambda x, reduction="sum": x,
+                                    sync_gradients=True),
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=None, steps_per_generation=2))
+    inputs = dict(prompt_ids=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.long),
+                  completion_ids=torch.zeros(b, t, dtype=torch.long), completion_mask=mask.long(), advantages=adv,
+                  old_per_token_logps=old, ref_per_token_logps=ref, num_items_in_batch=n_items)
+    want = grpo.GRPOTrainer._compute_loss(fake, None, inputs)
+    weights = high.float() if masked else None
+    if threshold is not None:  # what the switch does: TRL's own function, its [B, 1] mask as a weight
+        keep = grpo.GRPOTrainer.get_off_policy_mask(adv.unsqueeze(1), lp, old, mask.long(), threshold).float()
+        weights = keep if weights is None else weights * keep
+    lp_got, ent_got = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    got, out = kt.grpo_loss(lp_got, adv, mask, old_per_token_logps=old, ref_per_token_logps=ref, loss_type=loss_type,
+                            beta=beta, epsilon_low=0.2, epsilon_high=0.28, importance_sampling_level=level,
+                            max_completion_length=t + 5, num_items_in_batch=n_items, num_processes=2,
+                            gradient_accumulation_steps=3, steps_per_generation=2, token_weights=weights,
+                            entropy=ent_got, entropy_coef=coef, return_output=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g_got = torch.autograd.grad(got, [lp_got, ent_got], allow_unused=True)
+    g_want = torch.autograd.grad(want, [lp_want, ent_want], allow_unused=True)
+    for name, x, y in zip(("per_token_logps", "entropies"), g_got, g_want):
+        x = torch.zeros_like(lp) if x is None else x
+        y = torch.zeros_like(lp) if y is None else y
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6 * (y.abs().max().item() + 1e-3), msg=name)
+    # TRL's entropy metric (a masked token mean) from the call's by-product
+    assert math.isclose(out.entropy_mean.item(), metrics["train"]["entropy"][0], rel_tol=1e-5)

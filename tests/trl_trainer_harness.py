@@ -94,9 +94,11 @@ class Run:
     grads: list[dict] = field(default_factory=list)    # {name: gradient} just before each optimizer step
     warnings: list = field(default_factory=list)       # warnings raised while the trainer was constructed
     trainer: object = None
+    evaluation: dict | None = None                     # trainer.evaluate() after training (evaluate=True)
 
 
-def run(overrides=None, *, trainer_cls=None, patch=None, model_factory=None, extra_kwargs=None) -> Run:
+def run(overrides=None, *, trainer_cls=None, patch=None, model_factory=None, extra_kwargs=None,
+        evaluate=False) -> Run:
     """Train the tiny model (``model_factory(tokenizer)``, default :func:`model`) with ``trainer_cls`` (default
     TRL's GRPOTrainer), or TRL's with ``patch(trainer)`` applied after construction."""
     from transformers import TrainerCallback
@@ -128,5 +130,7 @@ def run(overrides=None, *, trainer_cls=None, patch=None, model_factory=None, ext
                 patch(trainer)
         out.warnings = [w for w in caught if "kl_kernels" in str(w.message)]
         trainer.train()
+        if evaluate:  # the loss in eval mode (no accumulation divisor), on the training prompts
+            out.evaluation = trainer.evaluate(dataset())
     out.trainer = trainer
     return out
