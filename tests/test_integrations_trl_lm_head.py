@@ -16,6 +16,7 @@ suite skips them (each test asks for them through a fixture, never at import).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 
@@ -129,9 +130,9 @@ def _forward(model, ids, am, labels, shifted=False, **kw):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("shifted", [False, True], ids=["labels", "shift_labels"])
-@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_log_probs_entropy_and_gradients_match_trls_head(lh, temperature, shifted, bias):
-    model = _qwen2(bias=bias)
+@pytest.mark.parametrize("head", ["plain", "bias", "tied"])
+def test_log_probs_entropy_and_gradients_match_trls_head(lh, temperature, shifted, head):
+    model = _qwen2(bias=head == "bias", tie=head == "tied")  # (tied: the head is the embedding, two gradients)
     ids, am, labels = _batch()
     if shifted:  # pre-shifted labels, as context/sequence parallelism passes them: scored without shifting
         labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
@@ -334,13 +335,20 @@ def saved_model(lh, tmp_path_factory):
     return str(path), tok
 
 
-def _train(saved_model, tmp_path, ours, **config):
+def _train(saved_model, tmp_path, ours, switch=None, **config):
+    """Stock TRL (``ours`` False) or with :func:`patch_lm_head`; with ``switch`` ("trl" or "kl_kernels"):
+    kl_kernels' one-switch ``GRPOTrainer(..., lm_head=switch)`` instead."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    if switch is not None:
+        from kl_kernels.integrations.trl import GRPOTrainer as switched
+
+        GRPOTrainer = functools.partial(switched, lm_head=switch)  # noqa: N806
+
     path, tok = saved_model
     torch.set_num_threads(1)
-    args = GRPOConfig(output_dir=str(tmp_path / ("ours" if ours else "trl")), use_cpu=True, report_to="none", seed=0,
+    args = GRPOConfig(output_dir=str(tmp_path / f"{ours}-{switch}"), use_cpu=True, report_to="none", seed=0,
                       beta=0.04, epsilon_high=0.28, num_generations=4, max_completion_length=16,
                       per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=4,
                       max_steps=4, logging_steps=1, save_strategy="no", learning_rate=5e-3, temperature=0.9,
@@ -358,6 +366,10 @@ def _train(saved_model, tmp_path, ours, **config):
 
         assert patch_lm_head(trainer)
         assert trainer.ref_model is not None and trainer.ref_model._kl_kernels_lm_head
+    if switch is not None:  # the switch put ours on both models, or left TRL's
+        on = switch == "kl_kernels"
+        assert getattr(trainer.model, "_kl_kernels_lm_head", False) == on
+        assert getattr(trainer.ref_model, "_kl_kernels_lm_head", False) == on
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
 
@@ -391,3 +403,17 @@ def test_inside_grpo_trainer_metrics_match_stock_trl(lh, saved_model, tmp_path, 
             else:
                 ok = math.isclose(a[key], b[key], rel_tol=rel, abs_tol=1e-7)
             assert ok, (step, key, a[key], b[key])
+
+
+def test_the_switchs_lm_head_option(lh, saved_model, tmp_path):
+    """kl_kernels.integrations.trl.GRPOTrainer(..., lm_head="kl_kernels"): the fused loss with our head on the policy
+    and the reference, against the same switch with TRL's head (lm_head="trl"): float32 level, as above."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        theirs = _train(saved_model, tmp_path, False, switch="trl", bf16=False)
+        mine = _train(saved_model, tmp_path, False, switch="kl_kernels", bf16=False)
+    assert not [w for w in caught if "kl_kernels LM head" in str(w.message)]
+    assert len(theirs) == len(mine) == 4
+    for step, (a, b) in enumerate(zip(theirs, mine)):
+        for key in ("loss", "grad_norm", "entropy", "kl", "clip_ratio/region_mean"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (step, key, a[key], b[key])
