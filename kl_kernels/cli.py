@@ -1,4 +1,5 @@
-"""The ``kl-kernels`` command: ``info`` (what is built and can run here) and ``bench``."""
+"""The ``kl-kernels`` command: ``info`` (what is built and can run here) and ``bench`` (its tasks:
+:mod:`kl_kernels.bench.tasks`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-# Rounds per table (each round times every contender once, in a shuffled order), within a budget of
-# 3 s per contender. A median of 10 moved by +-15% between runs on the 2-core CI VM; with 30 the
-# whole bench took 83 s there.
-REPEATS = 30
-
 
 def _progress():
     """A progress callback: one line on stderr rewritten in place when stderr is a terminal, nothing
@@ -80,19 +75,18 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _bench_child(args, say) -> list | None:
-    """Run this bench with glibc's default allocator in a child process (quiet: its rows come back through
+def _bench_child(args, plan, table_tasks, say) -> list | None:
+    """Run the table tasks with glibc's default allocator in a child process (quiet: its rows come back through
     a temporary folder); return its rows, or None if it failed (its output is shown then)."""
     import os
     import subprocess
     import tempfile
     argv = [sys.executable, "-m", "kl_kernels.cli", "bench", "--malloc", "default", "--dtype", args.dtype,
-            "--seed", str(args.seed), "--child"]
-    argv += ["--quick"] if args.quick else []
-    argv += ["--sizes", *args.sizes] if args.sizes else []
+            "--seed", str(args.seed), "--child", "--sizes", *plan.sizes, "--tasks", *(t.name for t in table_tasks)]
+    argv += ["--full"] if args.full else ["--quick"] if args.quick else []
     argv += ["--device", args.device] if args.device else []
     argv += ["--no-compile"] if args.no_compile else []
-    say("glibc's default allocator first (a child process), then the tuned one here")
+    say("the table tasks under glibc's default allocator first (a child process), then the tuned one here")
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, PYTHONWARNINGS="ignore")
         done = subprocess.run(argv + ["--out", tmp], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -105,64 +99,112 @@ def _bench_child(args, say) -> list | None:
         return json.loads((Path(tmp) / "results.json").read_text())["rows"]
 
 
+def _task_line(quiet: bool):
+    """The per-task progress: one line on stderr when a task ends, with its time (always, also to a log)."""
+    def line(text: str, seconds: float) -> None:
+        if quiet:
+            return
+        _clear_progress()
+        print(f"{text} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    return line
+
+
 def cmd_bench(args) -> int:
+    import os
     import textwrap
+    import time
     import warnings
 
     import torch
 
-    from .bench import batches, kl_penalty, kl_reward as cases, machine, report, torchrl_transforms
+    from .bench import flags, machine, report, tasks
 
+    started = time.perf_counter()
     # Library warnings (torch.compile's, nested tensors' prototype notice) are not results: keep the report short.
     warnings.filterwarnings("ignore")
+    if args.list:
+        for t in tasks.TASKS.values():
+            print(f"{t.name:15s} {'default' if t.default else '--full '}  {t.about}")
+        return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sizes = args.sizes or (["small", "medium"] if args.quick else ["medium", "large"])
-    unknown = [s for s in sizes if s not in batches.SIZES]
+    from .bench import batches
+    unknown = [s for s in args.sizes or () if s not in batches.SIZES]
     if unknown:
         print(f"unknown size(s) {unknown}; choose from {list(batches.SIZES)}", file=sys.stderr)
         return 2
+    plan = tasks.plan(full=args.full, quick=args.quick, sizes=args.sizes,
+                      malloc="default" if args.system_malloc else args.malloc, with_compile=not args.no_compile)
+    try:
+        chosen = tasks.selected(args.tasks, full=args.full)
+    except ValueError as e:
+        print(f"kl-kernels bench: {e}", file=sys.stderr)
+        return 2
+    if args.no_token_logprobs:
+        chosen = [t for t in chosen if t.name not in ("token_logprobs", "hidden_states")]
+    table_tasks = [t for t in chosen if t.kind == "table"]
+    result_tasks = [] if args.child else [t for t in chosen if t.kind == "result"]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     say = _progress() if not args.child else (lambda msg: None)
+    done = _task_line(args.child)
     out = Path(args.out)
     if out.is_dir():  # a summary of this run only: what an earlier run left here would be read with it
-        for old in ("results.json", "results.csv", "results.png", "tables.txt", "summary.txt", "token_logprobs.json",
-                    "hidden_states_logprobs.json", "hidden_states_loss.json"):
+        for old in ("results.json", "results.csv", "results.png", "tables.txt", "summary.txt"):
             (out / old).unlink(missing_ok=True)
-    mode = "default" if args.system_malloc else args.malloc
-    earlier = []
-    if mode == "both":
+        for old in out.glob("*.json"):
+            old.unlink()
+    steps = len(table_tasks) + len(result_tasks) + (plan.malloc == "both" and bool(table_tasks))
+    step = iter(range(1, steps + 1))
+    mode, earlier = plan.malloc, []
+    load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
+    if mode == "both" and table_tasks:
         # The allocator users have first: glibc's default (freed temporaries unmapped, re-faulted on the
         # next call), in a child process since mallopt cannot be undone; then the tuned one, here.
-        earlier = _bench_child(args, say)
+        t0 = time.perf_counter()
+        earlier = _bench_child(args, plan, table_tasks, say)
         if earlier is None:
             return 1
+        done(f"[{next(step)}/{steps}] {', '.join(t.name for t in table_tasks)} under glibc's default allocator "
+             f"(a child process): {len(earlier)} rows", time.perf_counter() - t0)
         mode = "tuned"
     malloc = "glibc default" if mode == "default" else machine.keep_freed_memory()
     say(f"measuring copy bandwidth on {device} (malloc: {malloc})")
-    copy_gbs = machine.copy_bandwidth_gbs(device, nbytes=(64 if args.quick else 256) * 2**20)
-    facts = {**machine.describe(device), "malloc": malloc}
+    copy_gbs = machine.copy_bandwidth_gbs(device, nbytes=(256 if plan.full else 64) * 2**20)
+    facts = {**machine.describe(device), "malloc": malloc, "plan": "full" if plan.full else
+             "quick" if args.quick else "default", "sizes": plan.sizes, "repeats": plan.repeats}
+    ctx = tasks.Context(plan, device, dtype, args.seed, out, copy_gbs, say)
     rows = []
-    repeats, budget_s = (3, 1.0) if args.quick else (REPEATS, 3.0)
-    for name in sizes:
-        batch = batches.make_batch(batches.SIZES[name], dtype=dtype, device=device, seed=args.seed)
-        step = lambda msg, n=name: say(f"[{n}, malloc {mode}] {msg}")  # noqa: E731
-        step(f"B={batch.size.batch}, {batch.num_tokens:,} tokens")
-        rows += cases.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile, repeats=repeats,
-                          budget_s=budget_s, progress=step)
-        rows += torchrl_transforms.run(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=step)
-        rows += kl_penalty.run(batch, copy_gbs=copy_gbs, with_compile=not args.no_compile, repeats=repeats,
-                               budget_s=budget_s, progress=step)
+    for task in table_tasks:
+        t0 = time.perf_counter()
+        got = task.function()(ctx)
+        rows += got
+        tables = len(dict.fromkeys((r["task"], r["size"]) for r in got))
+        done(f"[{next(step)}/{steps}] {task.name} ({', '.join(plan.sizes)}): {tables} tables, "
+             f"{sum(not r['impl'].startswith('copy') for r in got)} rows"
+             + (", skipped (" + ("torchrl not installed" if task.name == "torchrl" else "nothing to run") + ")"
+                if not got else ""), time.perf_counter() - t0)
     for r in rows:
         r["malloc"] = malloc
     if earlier:
         facts["malloc"] = f"both: {earlier[0]['malloc']} (rows first) and {malloc}"
+        flags.flag_allocators(earlier + rows)
+    results = []
+    for task in result_tasks:
+        t0 = time.perf_counter()
+        got = task.function()(ctx)
+        for res in got:
+            flags.flag_result(res)
+            (out / res["file"]).parent.mkdir(parents=True, exist_ok=True)
+            (out / res["file"]).write_text(json.dumps(res, indent=1))
+        results += got
+        done(f"[{next(step)}/{steps}] {task.name}: " + ("; ".join(
+            f"{sum('ms' in r for r in res['rows'])} of {len(res['rows'])} contenders" for res in got) or "skipped"),
+            time.perf_counter() - t0)
+    if hasattr(os, "getloadavg"):
+        load.append(os.getloadavg()[0])
+    facts.update(load_average=load, cpu_count=os.cpu_count(), seconds=round(time.perf_counter() - started, 1))
     report.write(earlier + rows, facts, copy_gbs, out)
     if args.child:
         return 0
-    if not args.no_token_logprobs:
-        _bench_token_logprobs(args, device, facts, say)
-        if device.type == "cpu":
-            _bench_hidden_states(args, say)
     say("writing the summary and the plot")
     report.finish(out)
     _clear_progress()
@@ -170,56 +212,10 @@ def cmd_bench(args) -> int:
         print((out / "tables.txt").read_text())
     print((out / "summary.txt").read_text(), end="")
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".csv", ".png", ".txt"))
-    print("\n" + textwrap.fill(f"Files: {', '.join(files)} (tables.txt: every column of every table; JSON/CSV: "
-                              "every number)", 100, subsequent_indent="  "))
-    print(f"Results in {out.resolve()}/")
+    print(textwrap.fill(f"Files: {', '.join(files)} (tables.txt: every table, every column; JSON/CSV: every number)",
+                        100, subsequent_indent="  "))
+    print(f"Results in {out.resolve()}/ ({time.perf_counter() - started:.0f} s)")
     return 0
-
-
-def _bench_token_logprobs(args, device, facts, say) -> Path:
-    """token_logprobs (log-probs and entropy from logits, forward + backward) against eager
-    ``log_softmax().gather`` and its torch.compile: time and peak extra memory, one size. On the CPU
-    without ``--quick`` each contender runs in its own process (clean peaks); ``--quick`` and a GPU
-    run them here (``python -m kl_kernels.bench.token_logprobs`` runs more sizes)."""
-    from .bench import token_logprobs as tlp
-
-    size = (256, 8192) if args.quick else (2048, 32768)
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    say(f"token_logprobs: N={size[0]}, V={size[1]}, {dtype} logits, forward + backward (time, peak extra memory)")
-    own_process = device.type == "cpu" and not args.quick and not args.no_compile
-    if own_process:  # each contender in its own process: clean memory peaks
-        rows = tlp.run([size], dtype, progress=say)["rows"]
-    else:  # --quick: no torch.compile contender here (its compile alone takes longer than the rest)
-        rows = tlp.run_here([size], dtype, device, with_compile=not (args.no_compile or args.quick), progress=say)
-    path = Path(args.out) / "token_logprobs.json"
-    path.write_text(json.dumps(dict(machine=facts, temperature=tlp.TEMPERATURE, rows=rows), indent=1))
-    return path
-
-
-def _bench_hidden_states(args, say) -> list:
-    """The hidden-state path (``kl_kernels.bench.linear_logprobs``): ``linear_token_logprobs`` against
-    eager ``(hidden @ weight.T).log_softmax().gather`` + entropy and its torch.compile, and a GRPO loss step
-    (``linear_kl_penalty_loss``) against eager and Liger-Kernel's ``LigerFusedLinearGRPOLoss``: time and
-    peak extra memory, each contender in its own process, one size. Not with ``--quick``: each contender
-    starts a process and its eager step takes seconds (``python -m kl_kernels.bench.linear_logprobs``
-    runs it alone, at any size)."""
-    from .bench import linear_logprobs
-
-    if args.quick:  # (python -m kl_kernels.bench.linear_logprobs runs it alone)
-        return []
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    if dtype == "float16":  # float32 or bfloat16 only (Liger's CPU path and ours' bench)
-        return []
-    paths = []
-    for task, size in (("logprobs", (2048, 512, 32768)), ("loss", (2048, 512, 32768))):
-        say(f"hidden-state path ({task}): N={size[0]}, H={size[1]}, V={size[2]}, {dtype}, forward + backward, "
-            "each contender in its own process")
-        result = linear_logprobs.run([size], dtype, repeats=3, task=task, progress=say)
-        result["task"] = task
-        path = Path(args.out) / f"hidden_states_{task}.json"
-        path.write_text(json.dumps(result, indent=1))
-        paths.append(path)
-    return paths
 
 
 def main(argv=None) -> int:
@@ -235,28 +231,34 @@ def main(argv=None) -> int:
                         help="with --check: also the backends that run only when named (Triton's CPU interpreter, "
                              "cuda-emulated)")
     p_info.set_defaults(func=cmd_info)
-    p_bench = sub.add_parser("bench", help="check and time kl_reward, the TorchRL transforms and kl_penalty_loss "
-                                                   "on RLHF-shaped batches")
-    p_bench.add_argument("--quick", action="store_true", help="small and medium sizes, fewer repeats")
+    p_bench = sub.add_parser("bench", help="check and time the ops against eager, torch.compile and the RL libraries' "
+                                           "code on RLHF-shaped batches (~2 minutes on 2 cores; --full: the long run)")
+    p_bench.add_argument("--full", action="store_true",
+                         help="the long run: medium and large, both allocators, 30 rounds, the log-prob tasks at "
+                              "N = 2048 each contender in its own process, every registered task (~15 min on 2 cores)")
+    p_bench.add_argument("--quick", action="store_true", help="small and medium sizes, 3 rounds (a smoke run)")
+    p_bench.add_argument("--tasks", nargs="+", metavar="TASK", help="only these tasks (kl-kernels bench --list)")
+    p_bench.add_argument("--list", action="store_true", help="list the tasks and exit")
     p_bench.add_argument("--sizes", nargs="+", metavar="SIZE",
-                         help="tiny, small, medium (B=256, 100..1000 tokens), large (B=1024, 256..4096)")
+                         help="tiny, small, medium (B=256, 100..1000 tokens), large (B=1024, 256..4096); "
+                              "default: medium (--full: medium large)")
     p_bench.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p_bench.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p_bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    p_bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
     p_bench.add_argument("--seed", type=int, default=0)
-    p_bench.add_argument("--malloc", choices=["both", "default", "tuned"], default="both",
-                         help="allocator settings to time under: glibc's default (freed temporaries unmapped and "
-                              "re-faulted, what a user's process has), tuned (mmap threshold 32 MiB, no trimming), "
-                              "or both, the default first (default: both)")
+    p_bench.add_argument("--malloc", choices=["both", "default", "tuned"], default=None,
+                         help="allocator settings to time the table tasks under: glibc's default (freed temporaries "
+                              "unmapped and re-faulted, what a user's process has), tuned (mmap threshold 32 MiB, no "
+                              "trimming), or both, the default first (default: default; --full: both)")
     p_bench.add_argument("--system-malloc", action="store_true", help="the same as --malloc default")
     p_bench.add_argument("--out", default="kl_kernels_bench",
                          help="folder for the results: summary.txt, tables.txt, results.json/.csv/.png, ...")
     p_bench.add_argument("--details", action="store_true",
-                         help="also print the full tables (every column, p10-p90 spreads, both allocators)")
+                         help="also print every table (every contender, every column, p10-p90 spreads)")
     p_bench.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the default-allocator run
     p_bench.add_argument("--no-token-logprobs", action="store_true",
-                         help="skip the token_logprobs rows (log-probs from logits, kl_kernels.bench.token_logprobs) "
-                              "and the hidden-state path's (kl_kernels.bench.linear_logprobs; CPU, not with --quick)")
+                         help="skip the token_logprobs and hidden_states tasks (the same as leaving them out of "
+                              "--tasks)")
     p_bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -74,7 +75,7 @@ def test_info_table_is_aligned_and_says_plainly_why_a_built_extension_cannot_run
 
 @pytest.mark.slow
 def test_bench_tiny_writes_results(tmp_path):
-    res = _cli("bench", "--quick", "--sizes", "tiny", "--device", "cpu", "--out", str(tmp_path))
+    res = _cli("bench", "--quick", "--sizes", "tiny", "--malloc", "both", "--device", "cpu", "--out", str(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads((tmp_path / "results.json").read_text())
     impls = {r["impl"] for r in data["rows"]}
@@ -89,20 +90,23 @@ def test_bench_tiny_writes_results(tmp_path):
     assert [r["malloc"] for r in data["rows"]][0] == "glibc default"
     assert {r["malloc"] for r in data["rows"]} == {"glibc default", data["rows"][-1]["malloc"]} != {"glibc default"}
     assert "kl_reward[cpu] out=" in impls
-    tlp = json.loads((tmp_path / "token_logprobs.json").read_text())["rows"]
-    assert {r["contender"] for r in tlp} == {"floor: 1.5 x copy (same bytes)", "eager", "token_logprobs[torch]",
-                                             "token_logprobs[cpu]", "token_logprobs[cpu]+inplace"}
-    assert all("error" not in r and r["ms"] > 0 for r in tlp), tlp
+    tlp = {r["contender"]: r for r in json.loads((tmp_path / "token_logprobs.json").read_text())["rows"]}
+    assert set(tlp) == {"eager", "token_logprobs[torch]", "token_logprobs[cpu]", "token_logprobs[cpu]+inplace"}
+    assert "--full" in tlp.pop("token_logprobs[torch]")["error"]  # not in the short runs, and it says so
+    # each row's copy floor timed in its own rounds
+    assert all("error" not in r and r["ms"] > 0 and r["floor_ms"] > 0 and len(r["round_ms"]) == 3
+               for r in tlp.values()), tlp
     copies = {(r["malloc"], r["task"], r["layout"]): r for r in data["rows"] if r["impl"] == "copy (same bytes)"}
     for row in data["rows"]:
-        assert row["median_ms"] > 0 and row["gbs"] > 0
+        assert row["median_ms"] > 0 and "flag" in row
         # every layout of every table has its same-bytes copy, timed in the same rounds, as its % reference
         floor = copies[(row["malloc"], row["task"], row["layout"])]
-        assert row["mbytes"] == floor["mbytes"]
+        if row["impl"] == FLOOR:  # computes nothing and moves no tensor data: no GB/s, no % copy, no check
+            assert row["check"].startswith("not checked") and row["gbs"] is row["pct_copy_bw"] is None
+            continue
+        assert row["gbs"] > 0 and row["mbytes"] == floor["mbytes"]
         assert row["pct_copy_bw"] == pytest.approx(100 * row["gbs"] / floor["gbs"])
-        if row["impl"] == FLOOR:  # computes nothing: its results are garbage, and it says so
-            assert row["check"].startswith("not checked")
-        elif row is not floor:
+        if row is not floor:
             assert row["check"] == "ok"
         # the spread of % copy BW comes from the same rounds as the copy's, paired round by round
         assert len(row["round_ms"]) == row["repeats"] == floor["repeats"]
@@ -110,16 +114,21 @@ def test_bench_tiny_writes_results(tmp_path):
         assert per_round[0] <= row["pct_copy_bw_p10"] <= row["pct_copy_bw_p90"] <= per_round[-1]
         if row["x_vs_baseline"] is not None:
             assert row["x_vs_baseline_p10"] <= row["x_vs_baseline_p90"]
+        # above the copy: flagged, never shown as fact
+        assert row["pct_copy_bw"] <= 100 or "copy" in row["flag"]
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert len(rows) == len(data["rows"]) and "round_ms" not in rows[0] and "x_vs_compile_p90" in rows[0]
-    # the full tables go to tables.txt; the screen gets the short summary (issue 50 item 4)
-    assert "x baseline (p10-p90)" in (tmp_path / "tables.txt").read_text()
+    # every table goes to tables.txt (both allocators); the screen gets one line per table (issue 64 item 2)
+    tables = (tmp_path / "tables.txt").read_text()
+    assert "x baseline (p10-p90)" in tables and "malloc: glibc default" in tables and "ms tuned" in tables
     out = res.stdout.splitlines()
-    assert len(out) < 80 and max(map(len, out)) <= 100, res.stdout
+    assert len(out) <= 45 and max(map(len, out)) <= 100, res.stdout
     assert out[-1].startswith(f"Results in {tmp_path.resolve()}/") and "/tmp/tmp" not in res.stdout.replace(
         str(tmp_path), "")
-    assert "x eager" in res.stdout and "x compile" in res.stdout and "% copy" in res.stdout and "ms tuned" in res.stdout
-    assert res.stderr == ""  # no progress spam, no warnings, when stderr is not a terminal
+    assert "x eager" in res.stdout and "x compile" in res.stdout and "% copy" in res.stdout
+    # stderr: one progress line per task with its time (no warnings, no status lines when not a terminal)
+    progress = res.stderr.splitlines()
+    assert progress and all(re.fullmatch(r"\[\d+/\d+\] .+ \(\d+ s\)", line) for line in progress), res.stderr
     assert (tmp_path / "results.png").exists() and (tmp_path / "summary.txt").read_text() in res.stdout
 
 
@@ -211,16 +220,20 @@ def test_per_sample_floor_writes_only_its_own_containers():
     assert [o["reward"].shape for o in out.tensordicts] == [(*lp.shape, 1) for lp in lps]
 
 
-def test_bench_runs_the_hidden_state_path_on_the_cpu_but_not_with_quick(tmp_path, monkeypatch):
-    """``kl-kernels bench`` (not ``--quick``) times the hidden-state path, both tasks (log-probs; the GRPO
-    loss step against Liger), each contender in its own process (kl_kernels.bench.linear_logprobs.run,
-    stubbed here: the tiny bench above covers the rest of the command), and writes each task's JSON."""
-    import argparse
+def _ctx(tmp_path, **plan):
+    import torch
 
-    from kl_kernels import cli
-    from kl_kernels.bench import linear_logprobs
+    from kl_kernels.bench import tasks
+    return tasks.Context(tasks.plan(**plan), torch.device("cpu"), torch.float32, 0, tmp_path, 10.0)
 
-    calls = []
+
+def test_bench_hidden_state_task_runs_in_own_processes_only_in_the_full_run(tmp_path, monkeypatch):
+    """The hidden_states task (both parts: log-probs; the GRPO loss step against Liger): ``--full`` runs each
+    contender in its own process (kl_kernels.bench.linear_logprobs.run, stubbed here), the default run in this
+    process (measure_one, stubbed) with the slow contenders as "not run" rows that say why."""
+    from kl_kernels.bench import linear_logprobs, logprob_tasks
+
+    calls, here = [], []
 
     def fake_run(sizes, dtype, repeats, task, **kwargs):
         calls.append((tuple(sizes), dtype, task))
@@ -228,31 +241,80 @@ def test_bench_runs_the_hidden_state_path_on_the_cpu_but_not_with_quick(tmp_path
             linear_logprobs.LOSS_CONTENDERS if task == "loss" else linear_logprobs.CONTENDERS)])
 
     monkeypatch.setattr(linear_logprobs, "run", fake_run)
-    args = argparse.Namespace(quick=True, dtype="fp32", out=str(tmp_path))
-    assert cli._bench_hidden_states(args, print) == [] and calls == []
-    args.quick = False
-    paths = cli._bench_hidden_states(args, print)
+    monkeypatch.setattr(linear_logprobs, "measure_one", lambda name, *a: here.append(name) or dict(
+        contender=name, n=1, hidden=1, vocab=1, dtype="float32", ms=1.0, peak_extra_mib=0.0))
+    full = logprob_tasks.hidden_states(_ctx(tmp_path, full=True))
     assert [task for _, _, task in calls] == ["logprobs", "loss"] and all(d == "float32" for _, d, _ in calls)
-    assert [p.name for p in paths] == ["hidden_states_logprobs.json", "hidden_states_loss.json"]
-    loss = json.loads(paths[1].read_text())
-    assert loss["task"] == "loss" and {r["contender"] for r in loss["rows"]} >= {"liger", "linear_kl_penalty_loss[cpu]"}
+    assert calls[0][0] == ((2048, 512, 32768),) and here == []
+    assert [r["file"] for r in full] == ["hidden_states_logprobs.json", "hidden_states_loss.json"]
+    assert full[1]["task"] == "loss" and {r["contender"] for r in full[1]["rows"]} >= {"liger",
+                                                                                      "linear_kl_penalty_loss[cpu]"}
+    default = logprob_tasks.hidden_states(_ctx(tmp_path))
+    assert len(calls) == 2 and "liger" in here and "compile" not in here  # in this process, without compile
+    skipped = {r["contender"]: r["error"] for r in default[0]["rows"] if "error" in r}
+    assert set(skipped) == {"compile", "linear_token_logprobs[torch]"} and all("--full" in e for e in skipped.values())
 
 
-def test_bench_times_token_logprobs_in_own_processes_without_quick(tmp_path, monkeypatch):
-    """Without --quick, on the CPU, the token_logprobs contenders each run in their own process
-    (kl_kernels.bench.token_logprobs.run, stubbed here), so their peaks are clean (issue 28 item 7)."""
-    import argparse
-
-    import torch
-
-    from kl_kernels import cli
-    from kl_kernels.bench import token_logprobs as tlp
+def test_bench_token_logprobs_task_runs_in_own_processes_only_in_the_full_run(tmp_path, monkeypatch):
+    """``--full`` on the CPU: the token_logprobs contenders each in their own process (clean peaks; stubbed
+    here); the default run: in this process at N = 256, V = 32768, the torch fallback a "not run" row."""
+    from kl_kernels.bench import logprob_tasks, token_logprobs as tlp
 
     seen = []
     monkeypatch.setattr(tlp, "run", lambda sizes, dtype, **k: seen.append(("own", sizes)) or dict(rows=[]))
-    monkeypatch.setattr(tlp, "run_here", lambda sizes, *a, **k: seen.append(("here", sizes)) or [])
-    args = argparse.Namespace(quick=False, no_compile=False, dtype="bf16", out=str(tmp_path))
-    cli._bench_token_logprobs(args, torch.device("cpu"), {}, print)
-    args.quick = True
-    cli._bench_token_logprobs(args, torch.device("cpu"), {}, print)
-    assert seen == [("own", [(2048, 32768)]), ("here", [(256, 8192)])]
+    monkeypatch.setattr(tlp, "run_here", lambda sizes, *a, **k: seen.append(("here", sizes, k.get("skip"))) or [])
+    logprob_tasks.token_logprobs(_ctx(tmp_path, full=True))
+    (result,) = logprob_tasks.token_logprobs(_ctx(tmp_path))
+    assert seen[0] == ("own", [(2048, 32768)]) and seen[1][:2] == ("here", [(256, 32768)])
+    assert list(seen[1][2]) == ["token_logprobs[torch]"]
+    assert result["file"] == "token_logprobs.json" and result["baseline"] == "eager" and "N=256" in result["title"]
+
+
+def test_bench_plan_default_full_quick():
+    """The default run: medium only, glibc's default allocator, 12 rounds of at most 0.5 s per contender, the
+    log-prob tasks small and in this process (~2 minutes on 2 cores); --full: today's long run; --quick: a smoke
+    run; --sizes and --malloc override."""
+    from kl_kernels.bench import tasks
+
+    default = tasks.plan()
+    assert (default.sizes, default.malloc, default.repeats, default.budget_s, default.own_process) == (
+        ["medium"], "default", 12, 0.5, False)
+    assert default.logprobs_size == (256, 32768) and default.hidden_size == (256, 128, 8192)
+    full = tasks.plan(full=True)
+    assert (full.sizes, full.malloc, full.repeats, full.budget_s, full.own_process) == (
+        ["medium", "large"], "both", 30, 3.0, True)
+    assert full.logprobs_size == (2048, 32768) and full.hidden_size == (2048, 512, 32768)
+    assert tasks.plan(quick=True).sizes == ["small", "medium"]
+    assert tasks.plan(sizes=["tiny"], malloc="tuned").sizes == ["tiny"]
+    assert tasks.plan(sizes=["tiny"], malloc="tuned").malloc == "tuned"
+    assert [t.name for t in tasks.selected()] == [t.name for t in tasks.TASKS.values() if t.default]
+    assert [t.name for t in tasks.selected(["kl_penalty", "kl_reward"])] == ["kl_reward", "kl_penalty"]
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.selected(["nope"])
+
+
+def fake_result_task(ctx):
+    """A registered result task for test_bench_runs_a_registered_result_task."""
+    rows = [dict(contender="eager", ms=10.0, round_ms=[10.0, 10.0, 10.0]),
+            dict(contender="ours[cpu]", ms=2.0, round_ms=[1.0, 2.0, 9.0], ours=True, peak_extra_mib=0.0),
+            dict(contender="peer", error="peer-lib not installed (pip install peer-lib)")]
+    return [dict(file="fake.json", title="fake task, N=1", baseline="eager", compile=None, rows=rows)]
+
+
+def test_bench_runs_a_registered_result_task(tmp_path, monkeypatch, capsys):
+    """A task registered by another module (kl_kernels.bench.tasks.register) runs with --tasks, prints one
+    progress line with its time, writes its JSON with the flags added (a 9x spread of rounds), and its table,
+    flag and "not run" note reach the summary."""
+    from kl_kernels import cli
+    from kl_kernels.bench import tasks
+
+    monkeypatch.setitem(tasks.TASKS, "fake", tasks.Task("fake", "test_cli:fake_result_task", kind="result"))
+    assert cli.main(["bench", "--tasks", "fake", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("[1/1] fake: 2 of 3 contenders (") and err.rstrip().endswith(" s)")
+    saved = json.loads((tmp_path / "fake.json").read_text())
+    ours = next(r for r in saved["rows"] if r["contender"] == "ours[cpu]")
+    assert "rounds spread" in ours["flag"]
+    assert "fake task" in out and "5.00x" in out and "peer-lib not installed" in out
+    assert any(line.startswith("- fake task: ours[cpu]: rounds spread") for line in out.splitlines())
+    assert len(out.splitlines()) <= 45 and max(map(len, out.splitlines())) <= 100

@@ -58,6 +58,17 @@ class RLHFBatch:
         return int(self.lengths.sum())
 
 
+_CACHE: dict = {}
+
+
+def cached_batch(name: str, dtype=torch.float32, device="cpu", seed: int = 0) -> RLHFBatch:
+    """:func:`make_batch` of ``SIZES[name]``, made once per process (the bench's tasks share it; never written)."""
+    key = (name, dtype, str(device), seed)
+    if key not in _CACHE:
+        _CACHE[key] = make_batch(SIZES[name], dtype=dtype, device=device, seed=seed)
+    return _CACHE[key]
+
+
 def make_batch(size: Size, *, dtype=torch.float32, device="cpu", seed: int = 0) -> RLHFBatch:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(size.min_len, size.max_len + 1, (size.batch,), generator=g)

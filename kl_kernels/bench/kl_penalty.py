@@ -34,7 +34,7 @@ from .. import ragged
 from ..kl_penalty import kl_penalty_loss
 from ..kl_penalty.backends import REGISTRY
 from ..kl_penalty.problem import build_problem
-from .batches import RLHFBatch
+from .batches import RLHFBatch, cached_batch
 from .contenders import Contender, is_copy, set_speedup, time_rows
 from .timing import cold_compile_seconds
 
@@ -118,8 +118,19 @@ def _grad_packed(out, layout, data: _Data):
     return loss, ragged.from_padded(grad, data.lengths, padding_side="left").values
 
 
+def run_task(ctx) -> list[dict]:
+    """The ``kl_penalty`` task of ``kl-kernels bench`` (:mod:`kl_kernels.bench.tasks`): :func:`run` per size."""
+    rows = []
+    for name in ctx.plan.sizes:
+        batch = cached_batch(name, ctx.dtype, ctx.device, ctx.seed)
+        rows += run(batch, copy_gbs=ctx.copy_gbs, with_compile=ctx.plan.with_compile, repeats=ctx.plan.repeats,
+                    budget_s=ctx.plan.budget_s, progress=lambda m, n=name: ctx.progress(f"[{n}] {m}"),
+                    retime=ctx.plan.retime)
+    return rows
+
+
 def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,
-        progress=None) -> list[dict]:
+        progress=None, retime: bool = True) -> list[dict]:
     data = _Data(batch)
     found = [Contender("eager autograd (verl style)", "padded", _eager(data))]
     if with_compile:
@@ -164,10 +175,11 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
         checks.append("ok")
     s = batch.lp.element_size()
 
-    def nbytes(layout):  # read lp, old, ref, adv, mask; write grad
-        return (batch.lp.numel() if layout == "packed" else batch.lp_padded.numel()) * (5 * s + 1)
+    def nbytes(layout):  # read lp, old, ref, adv, mask (the tokens only: padded calls get the lengths); write grad
+        elems = batch.lp.numel() if layout == "packed" else batch.lp_padded.numel()
+        return batch.num_tokens * (4 * s + 1) + elems * s
     rows = time_rows(batch, TASK, found, checks, nbytes, copy_gbs, repeats, budget_s, "eager autograd (verl style)",
-                     progress)
+                     progress, retime=retime)
     compiled = next((r for r in rows if r["impl"].startswith("torch.compile")), None)
     for r in rows:
         if not is_copy(r):

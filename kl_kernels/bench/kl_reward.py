@@ -30,7 +30,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
 from ..kl_reward.problem import build_problem
-from .batches import RLHFBatch
+from .batches import RLHFBatch, cached_batch
 from .contenders import Contender, is_copy, set_speedup, time_rows
 from .timing import cold_compile_seconds
 
@@ -87,13 +87,14 @@ def _compiled(batch: RLHFBatch, layout: str) -> tuple[Callable[[], tuple], float
 
 
 def bytes_moved(batch: RLHFBatch, layout: str) -> int:
-    """Minimal traffic: read log-probs, ref, mask, score, offsets/lengths; write kl, reward,
-    masked ref, kl_sum, count."""
+    """Minimal traffic: read log-probs, ref, mask (the tokens only: a padded call gets the lengths, so the
+    padding need not be read), score, offsets/lengths; write kl, reward, masked ref (every element of the
+    layout: the padding is written too), kl_sum, count."""
     elems = batch.lp.numel() if layout == "packed" else batch.lp_padded.numel()
     s = batch.lp.element_size()
     reward_s = torch.promote_types(batch.score.dtype, batch.lp.dtype).itemsize
     b = batch.size.batch
-    reads = elems * (2 * s + 1) + b * 4 + (b + 1) * 8
+    reads = batch.num_tokens * (2 * s + 1) + b * 4 + (b + 1) * 8
     writes = elems * (2 * s + reward_s) + b * (4 + 8)
     return reads + writes
 
@@ -155,7 +156,7 @@ def _verl_call(batch: RLHFBatch):
 
 
 def run_verl(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10,
-             budget_s: float = 3.0, progress=None) -> list[dict]:
+             budget_s: float = 3.0, progress=None, retime: bool = True) -> list[dict]:
     """verl's KL-penalized reward (module doc): its code eager and compiled against ``kl_reward``, eager and
     inside a compiled function, padded ``[B, T]``; the per-token kl and rewards checked against the reference."""
     args, kw = _verl_call(batch)
@@ -190,9 +191,10 @@ def run_verl(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, re
         if c.name.startswith(("verl", "torch.compile(verl")):
             c.extract = lambda out: (out[0], out[1], None)
     elems, s = batch.lp_padded.numel(), batch.lp.element_size()
-    nbytes = elems * (2 * s + 1) + elems * 2 * s + batch.size.batch * (4 + 8)  # read lp, ref, mask; write kl, reward
+    # read lp, ref, mask (the tokens only: the call has the lengths); write kl, reward (padding included)
+    nbytes = batch.num_tokens * (2 * s + 1) + elems * 2 * s + batch.size.batch * (4 + 8)
     rows = _time_rows(batch, TASK_VERL, found, refs, lambda layout: nbytes, copy_gbs, repeats, budget_s, progress,
-                      "verl apply_kl_penalty (eager)")
+                      "verl apply_kl_penalty (eager)", retime)
     baseline = rows[0]
     compiled = next((r for r in rows if r["impl"].startswith("torch.compile(verl")), None)
     for r in rows:
@@ -207,7 +209,8 @@ TASK_TRANSFORM = "KLRewardTransform task"
 TASK_KLCOMPUTATION = "TorchRL KLComputation task"
 
 
-def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budget_s, progress, baseline):
+def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budget_s, progress, baseline,
+               retime: bool = True):
     """Check every contender against the reference, then time them side by side (interleaved rounds,
     with a copy of the same bytes per layout: see contenders.py)."""
     checks = []
@@ -219,16 +222,28 @@ def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budg
             progress(f"{task}: checking {c.name} ({c.layout})")
         out = c.fn()
         checks.append(_check(refs[c.layout], c.extract(out) if c.extract else out, c.name))
-    return time_rows(batch, task, candidates, checks, nbytes_of, copy_gbs, repeats, budget_s, baseline, progress)
+    return time_rows(batch, task, candidates, checks, nbytes_of, copy_gbs, repeats, budget_s, baseline, progress,
+                     retime=retime)
+
+
+def run_task(ctx) -> list[dict]:
+    """The ``kl_reward`` task of ``kl-kernels bench`` (:mod:`kl_kernels.bench.tasks`): :func:`run` per size."""
+    rows = []
+    for name in ctx.plan.sizes:
+        batch = cached_batch(name, ctx.dtype, ctx.device, ctx.seed)
+        rows += run(batch, copy_gbs=ctx.copy_gbs, with_compile=ctx.plan.with_compile, repeats=ctx.plan.repeats,
+                    budget_s=ctx.plan.budget_s, progress=lambda m, n=name: ctx.progress(f"[{n}] {m}"),
+                    retime=ctx.plan.retime)
+    return rows
 
 
 def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,
-        progress=None) -> list[dict]:
+        progress=None, retime: bool = True) -> list[dict]:
     """Check and time every contender on ``batch``; rows with ms, GB/s, % of copy BW, speedups."""
     refs = {layout: _ours(batch, layout, "torch")() for layout in ("packed", "padded")}
     rows = _time_rows(batch, TASK_TRANSFORM, contenders(batch, with_compile=with_compile, progress=progress), refs,
                       lambda layout: bytes_moved(batch, layout), copy_gbs, repeats, budget_s, progress,
-                      "per-sample eager (TorchRL style)")
+                      "per-sample eager (TorchRL style)", retime)
     baseline = next(r for r in rows if r["impl"].startswith("per-sample"))
     compiled = {r["layout"]: r for r in rows if r["impl"].startswith("torch.compile")}
     for r in rows:
@@ -236,15 +251,17 @@ def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats
             continue
         set_speedup(r, "x_vs_baseline", baseline)
         set_speedup(r, "x_vs_compile", compiled.get(r["layout"]))
-    return (rows + run_klcomputation(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=progress)
+    return (rows + run_klcomputation(batch, copy_gbs=copy_gbs, repeats=repeats, budget_s=budget_s, progress=progress,
+                                     retime=retime)
             + run_verl(batch, copy_gbs=copy_gbs, with_compile=with_compile, repeats=repeats, budget_s=budget_s,
-                       progress=progress))
+                       progress=progress, retime=retime))
 
 
 # --------------------------------------------------------------------------- TorchRL KLComputation
 
 
-def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None) -> list[dict]:
+def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None,
+                      retime: bool = True) -> list[dict]:
     """TorchRL 0.14's ``KLComputation`` on a lazily stacked TensorDict (its native ragged input:
     k1, no mask, per-token reward ``[L, 1]``) against kl_reward on the same per-sample tensors
     (list layout: read in place) and on packed tensors; the results are concatenated for the check
@@ -289,7 +306,7 @@ def run_klcomputation(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget
     s = batch.lp.element_size()
     nbytes = batch.num_tokens * (2 * s + 4 + s + 4) + batch.size.batch * 12  # read lp, ref, reward; write kl, reward
     rows = _time_rows(batch, TASK_KLCOMPUTATION, found, refs, lambda layout: nbytes, copy_gbs, repeats, budget_s,
-                      progress, "TorchRL KLComputation")
+                      progress, "TorchRL KLComputation", retime)
     for r in rows:
         if not is_copy(r):
             set_speedup(r, "x_vs_baseline", rows[0])

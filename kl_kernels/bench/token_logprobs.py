@@ -6,8 +6,9 @@ entropy from logits, forward + backward, side by side in one run, against what R
 Peak memory: each contender runs in a fresh process (``spawn``); after the inputs exist and a
 warm-up call ran (and compiled), the resident high-water mark is reset (Linux ``clear_refs``) and
 the figure is its peak during one call over the resident size before it (``VmHWM - VmRSS``): what a
-forward + backward needs beyond its inputs, the logits' gradient included. Times: median of 5 calls
-(:func:`kl_kernels.bench.timing.measure`).
+forward + backward needs beyond its inputs, the logits' gradient included. Times: median of 5 calls, each
+round alternating with a copy of the logits (``floor_ms``: 1.5 such copies, the bytes a forward + backward
+must move, timed in the same rounds; :func:`kl_kernels.bench.timing.measure_interleaved`).
 
 Run: ``python -m kl_kernels.bench.token_logprobs [--device cpu|cuda] [--out DIR] [--sizes N:V ...]``.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .machine import describe
-from .timing import measure
+from .timing import measure, measure_interleaved
 
 DEFAULT_SIZES = ((2048, 32768), (4096, 65536), (2048, 131072))
 CONTENDERS = ("eager", "compile", "token_logprobs[torch]", "token_logprobs[cpu]", "token_logprobs[cpu]+inplace",
@@ -94,12 +95,23 @@ def measure_one(name: str, n: int, vocab: int, dtype: str, device: torch.device,
             before = _status_mib("VmRSS")
             _step(name, logits, labels, fn)
             peak = _status_mib("VmHWM") - before
-        timing = measure(lambda: _step(name, logits, labels, fn), device, warmup=0, repeats=repeats, budget_s=20.0)
+        # the step and a copy of the same bytes alternate round by round (the floor of this row, same rounds)
+        copy = _copy_floor_call(logits)
+        (timing, _), (floor, _) = measure_interleaved([lambda: _step(name, logits, labels, fn), copy], device,
+                                                      warmup=0, repeats=repeats, budget_s=20.0)
     except Exception as e:  # reported as a row, not a crash of the benchmark
         return dict(contender=name, n=n, vocab=vocab, dtype=dtype, error=f"{type(e).__name__}: {e}")
     return dict(contender=name, n=n, vocab=vocab, dtype=dtype, ms=timing.median_ms, min_ms=timing.min_ms,
-                runs=timing.repeats, peak_extra_mib=round(peak, 1),
+                runs=timing.repeats, peak_extra_mib=round(peak, 1), round_ms=list(timing.times_ms),
+                floor_ms=1.5 * floor.median_ms, floor_round_ms=[1.5 * t for t in floor.times_ms],
                 logits_mib=round(logits.numel() * logits.element_size() / 2**20, 1))
+
+
+def _copy_floor_call(logits: torch.Tensor):
+    """``dst.copy_(logits)``: reads the logits and writes as many bytes, 2x their bytes; the step must move 3x
+    (the logits read forward and backward, their gradient written), so its floor is 1.5 of these copies."""
+    dst = torch.empty_like(logits)
+    return lambda: dst.copy_(logits)
 
 
 def contenders(device: torch.device, with_compile: bool = True) -> tuple:
@@ -114,28 +126,12 @@ def _child(name: str, n: int, vocab: int, dtype: str, queue) -> None:
     queue.put(measure_one(name, n, vocab, dtype, torch.device("cpu")))
 
 
-def copy_floor(n: int, vocab: int, dtype: str, device: torch.device) -> dict:
-    """The bytes a forward + backward must move, at copy speed: the logits read twice (forward,
-    backward) and their gradient written once, 3x the logits' bytes, against ``dst.copy_(src)`` of
-    the logits (2x their bytes: read + write), so the floor is 1.5 copies."""
-    src = torch.randn(n, vocab, device=device).to(getattr(torch, dtype))
-    dst = torch.empty_like(src)
-    t = measure(lambda: dst.copy_(src), device, warmup=1, repeats=5, budget_s=5.0)
-    nbytes = 3 * src.numel() * src.element_size()
-    return dict(contender="floor: 1.5 x copy (same bytes)", n=n, vocab=vocab, dtype=dtype, ms=1.5 * t.median_ms,
-                min_ms=1.5 * t.min_ms, runs=t.repeats, peak_extra_mib=0.0, bytes=nbytes,
-                copy_gbs=round(2 * src.numel() * src.element_size() / (t.median_ms * 1e-3) / 1e9, 1),
-                logits_mib=round(src.numel() * src.element_size() / 2**20, 1))
-
-
 def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", progress=print) -> dict:
-    """Every contender at every size, each in a fresh process (CPU), and the copy floor; ``progress`` gets a
+    """Every contender at every size, each in a fresh process (CPU), each with its copy floor; ``progress`` gets a
     line per row as it comes (``kl-kernels bench`` passes its status line)."""
     ctx = mp.get_context("spawn")
     rows = []
     for n, vocab in sizes:
-        rows.append(copy_floor(n, vocab, dtype, torch.device("cpu")))
-        progress(_line(rows[-1]))
         for name in contenders(torch.device("cpu")):
             queue = ctx.Queue()
             proc = ctx.Process(target=_child, args=(name, n, vocab, dtype, queue))
@@ -147,16 +143,18 @@ def run(sizes=DEFAULT_SIZES, dtype: str = "bfloat16", progress=print) -> dict:
     return dict(machine=describe(torch.device("cpu")), temperature=TEMPERATURE, rows=rows)
 
 
-def run_here(sizes, dtype: str, device: torch.device, with_compile: bool = True, progress=print) -> list[dict]:
+def run_here(sizes, dtype: str, device: torch.device, with_compile: bool = True, progress=print,
+             skip: dict | None = None) -> list[dict]:
     """Every contender in this process (``kl-kernels bench``): on the CPU the peaks after the first
     contender include what earlier ones left in glibc's heap; the standalone run (:func:`run`) is
-    the clean figure."""
+    the clean figure. ``skip``: contender -> why it is not run (a row with that ``error``)."""
     rows = []
     for n, vocab in sizes:
-        rows.append(copy_floor(n, vocab, dtype, device))
-        progress(_line(rows[-1]))
         for name in contenders(device, with_compile):
-            rows.append(measure_one(name, n, vocab, dtype, device, repeats=3))
+            if skip and name in skip:
+                rows.append(dict(contender=name, n=n, vocab=vocab, dtype=dtype, error=skip[name]))
+            else:
+                rows.append(measure_one(name, n, vocab, dtype, device, repeats=3))
             progress(_line(rows[-1]))
     return rows
 

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from .. import ragged
-from .batches import RLHFBatch
+from .batches import RLHFBatch, cached_batch
 from .contenders import Contender, is_copy, set_speedup
 from .kl_reward import COEF, _time_rows
 
@@ -58,7 +58,18 @@ def _with_action_key(cls):
     return type(cls.__name__, (cls,), {"action_key": ("tokens", "full")})
 
 
-def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None) -> list[dict]:
+def run_task(ctx) -> list[dict]:
+    """The ``torchrl`` task of ``kl-kernels bench`` (:mod:`kl_kernels.bench.tasks`): :func:`run` per size."""
+    rows = []
+    for name in ctx.plan.sizes:
+        batch = cached_batch(name, ctx.dtype, ctx.device, ctx.seed)
+        rows += run(batch, copy_gbs=ctx.copy_gbs, repeats=ctx.plan.repeats, budget_s=ctx.plan.budget_s,
+                    progress=lambda m, n=name: ctx.progress(f"[{n}] {m}"), retime=ctx.plan.retime)
+    return rows
+
+
+def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None,
+        retime: bool = True) -> list[dict]:
     try:
         from tensordict import TensorDict, lazy_stack
         from torchrl.envs.llm.transforms import kl as trl
@@ -120,7 +131,7 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
         Contender("kl_kernels.torchrl.KLComputation", "list (KLComputation)", lambda: ours_klc(ours_klc_td),
                   extract=klc_out),
         Contender(FLOOR, "list (KLComputation)", per_sample_floor(klc_td, batch),
-                  unchecked="a floor: it computes nothing"),
+                  unchecked="a floor: it computes nothing", moves_bytes=False),
     ]
     want = _outs(theirs_dense._step(dense, dense_next), padded=True)
     packed_want = tuple(None if x is None else _packed(x, batch) for x in want)
@@ -134,7 +145,7 @@ def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, pro
         if layout == "list (KLComputation)":
             return batch.num_tokens * (2 * s + 4 + s + 4)
         return elems * (2 * s + 1) + elems * (2 * s + 4) + b * 4  # read lp, ref, mask; write kl, ref, reward
-    rows = _time_rows(batch, TASK, candidates, refs, nbytes, copy_gbs, repeats, budget_s, progress, None)
+    rows = _time_rows(batch, TASK, candidates, refs, nbytes, copy_gbs, repeats, budget_s, progress, None, retime)
     base = {"padded": rows[0], "list": rows[0], "list (KLComputation)": rows[3]}
     for r in rows:
         r["baseline"] = "TorchRL KLComputation" if "KLComputation" in r["layout"] else "TorchRL KLRewardTransform (padded)"
