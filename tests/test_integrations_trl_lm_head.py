@@ -238,6 +238,18 @@ def test_fully_masked_micro_batch_is_a_differentiable_zero(lh):
     assert all(p.grad is None or not p.grad.any() for p in ours.parameters())
 
 
+def test_adding_the_same_head_twice_changes_nothing(lh):
+    model = _qwen2()
+    assert lh.add_fused_lm_head(model, temperature=0.7)
+    forward = model.forward
+    assert lh.add_fused_lm_head(model, temperature=0.7) and model.forward is forward
+    assert lh.add_fused_lm_head(model, temperature=0.5) and model.forward is not forward  # another head: re-added
+    ids, am, labels = _batch(7)
+    lp = _forward(model, ids, am, labels).log_probs
+    _, exact, _ = _exact(model, ids, am, labels, 0.5)
+    assert (lp.double() - exact).abs().max() <= 8 * EPS32 * (1 + exact.abs().max())
+
+
 def test_num_items_in_batch_and_generation(lh):
     model = _qwen2()
     ids, am, labels = _batch(4)
@@ -368,8 +380,8 @@ def _train(saved_model, tmp_path, ours, switch=None, **config):
         assert trainer.ref_model is not None and trainer.ref_model._kl_kernels_lm_head
     if switch is not None:  # the switch put ours on both models, or left TRL's
         on = switch == "kl_kernels"
-        assert getattr(trainer.model, "_kl_kernels_lm_head", False) == on
-        assert getattr(trainer.ref_model, "_kl_kernels_lm_head", False) == on
+        assert bool(getattr(trainer.model, "_kl_kernels_lm_head", False)) == on
+        assert bool(getattr(trainer.ref_model, "_kl_kernels_lm_head", False)) == on
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
 

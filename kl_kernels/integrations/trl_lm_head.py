@@ -123,6 +123,9 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     """
     from trl.trainer import utils as trl_utils
 
+    settings = (float(temperature), bool(cast_lm_head_to_fp32), tuple(outputs))
+    if getattr(model, "_kl_kernels_lm_head", None) == settings:  # already ours, the same head: nothing to do
+        return True
     trl_utils.add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
                                 outputs=outputs)
     reason = unfused_reason(model, outputs)
@@ -172,7 +175,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         return trl_utils.FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask)
 
     model.forward = types.MethodType(_kl_kernels_forward, model)
-    model._kl_kernels_lm_head = True
+    model._kl_kernels_lm_head = settings  # (temperature, cast_lm_head_to_fp32, outputs): truthy
     return True
 
 
