@@ -12,6 +12,8 @@ or the test is skipped when that peer is not installed.
     openrlhf_utils()           openrlhf.models.utils         (compute_approx_kl, compute_reward, masked_mean)
     openrlhf_loss()            openrlhf.models.loss          (PolicyLoss, aggregate_loss)
     openrlhf_kl_controllers()  openrlhf.trainer.ppo_utils.kl_controller
+    openrlhf_module(name)      any OpenRLHF module, the trainer's too (experience_maker, ray.ppo_actor)
+    openrlhf_actor()           openrlhf.models.actor (Actor; needs transformers and peft: the verl lane)
     trl_grpo_module()          trl.trainer.grpo_trainer      (GRPOTrainer._compute_loss, GRPOConfig fields)
 
 Pinned peers: verl==0.9.1, openrlhf==0.11.2, trl==1.16.0. Their declared dependencies (ray, vllm,
@@ -162,6 +164,29 @@ def openrlhf_loss():
 def openrlhf_kl_controllers():
     """openrlhf.trainer.ppo_utils.kl_controller (openrlhf 0.11.2): AdaptiveKLController, FixedKLController."""
     return _import("openrlhf", "openrlhf.trainer.ppo_utils.kl_controller", _OPENRLHF_REAL, _OPENRLHF_STUBS)
+
+
+# OpenRLHF's trainer modules (trainer/ppo_utils/experience_maker.py, trainer/ray/ppo_actor.py) also need ray (remote
+# calls; real in the verl lane), aiohttp (its vLLM/agent HTTP client; real in the verl lane) and vllm (GPU-only:
+# always a stub), through openrlhf/trainer/ray/__init__ -> vllm_engine.
+_OPENRLHF_TRAINER_STUBS = _OPENRLHF_STUBS + ("ray", "vllm", "aiohttp")
+
+
+def openrlhf_module(name):
+    """Any OpenRLHF 0.11.2 module, its trainer modules included (stubs: _OPENRLHF_TRAINER_STUBS, where absent). The
+    trainer's chain also imports tqdm (progress bars), which the suite's virtualenv lacks: skipped there, run in the
+    verl lane."""
+    if name.startswith("openrlhf.trainer") or name.startswith("openrlhf.utils"):
+        _require("OpenRLHF's trainer modules", ("tqdm",))
+    return _import("openrlhf", name, _OPENRLHF_REAL, _OPENRLHF_TRAINER_STUBS)
+
+
+def openrlhf_actor():
+    """openrlhf.models.actor (OpenRLHF 0.11.2): Actor, whose forward computes the policy's log-probs and entropy.
+    Needs transformers and peft really installed (the verl lane, .ci/lane-verl: a stub cannot build a model);
+    skipped without them."""
+    _require("OpenRLHF's Actor", ("transformers", "peft"))
+    return _import("openrlhf", "openrlhf.models.actor", _OPENRLHF_REAL, _OPENRLHF_TRAINER_STUBS)
 
 
 # TRL: trl/trainer/grpo_trainer.py is a transformers.Trainer subclass; at module level it (and trl.data_utils,

@@ -251,8 +251,8 @@ def test_liger_route_and_megatron_options_are_handed_to_verl_with_one_warning(mo
 
     h, w, ids = torch.randn(4, HIDDEN), torch.randn(VOCAB, HIDDEN), torch.randint(0, VOCAB, (4,))
     with kv.patch_fused_kernels():
-        monkeypatch.setitem(kv._PATCHED["fused_kernels"], (kv._TORCH_MODULE, "FusedLinearForPPO"), Spy)
-        monkeypatch.setitem(kv._PATCHED["fused_kernels"], (kv._TRITON_MODULE, "linear_cross_entropy"), spy_fn)
+        monkeypatch.setitem(kv._SWITCHES.on["fused_kernels"], (kv._TORCH_MODULE, "FusedLinearForPPO"), Spy)
+        monkeypatch.setitem(kv._SWITCHES.on["fused_kernels"], (kv._TRITON_MODULE, "linear_cross_entropy"), spy_fn)
         monkeypatch.setattr(kv, "_WARNED", set())
         with pytest.warns(UserWarning, match="'liger'"):
             assert kv.FusedLinearForPPO(impl_backend="liger").forward(h, w, ids) == "verl's liger"

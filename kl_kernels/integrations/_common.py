@@ -1,5 +1,5 @@
 """What the peers' shims share: a count used as a denominator, GSPO's gradient through the sequence mean,
-and the KL controllers' interface.
+the KL controllers' interface, and the switches (names set in a peer's modules, put back on request).
 
 The controllers: verl and OpenRLHF share a float ``value`` and ``update(kl, n_steps)``.
 
@@ -9,6 +9,8 @@ interface. The peers' shims subclass them to give ``update`` their own argument 
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -81,3 +83,47 @@ class FixedValue:
 
     def __init__(self, kl_coef):
         self.value = kl_coef
+
+
+class Switch:
+    """What a peer's ``patch*`` function returns: a context manager that turns the switch off at exit, if this call
+    turned it on (``made``; a second call while it is on changes nothing and undoes nothing)."""
+
+    def __init__(self, table: "Switches", name: str, made: bool):
+        self.table, self.name, self.made = table, name, made
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.made:
+            self.table.undo(self.name)
+        return False
+
+
+class Switches:
+    """A peer's switches: each sets names in the peer's modules, where the peer's code looks them up, to ours, and
+    keeps the peer's objects to put back. One table per peer shim."""
+
+    def __init__(self):
+        self.on: dict = {}  # switch -> {(module name, attribute): the peer's object}
+
+    def apply(self, name: str, targets) -> Switch:
+        """Set each ``(module, attribute, ours)``; nothing when the switch is already on."""
+        if name in self.on:
+            return Switch(self, name, False)
+        saved = {}
+        for module, attribute, ours in targets:
+            saved[(module.__name__, attribute)] = getattr(module, attribute)
+            setattr(module, attribute, ours)
+        self.on[name] = saved
+        return Switch(self, name, True)
+
+    def undo(self, name: str) -> None:
+        """Put the peer's objects back (nothing when the switch is off)."""
+        for (module, attribute), original in self.on.pop(name, {}).items():
+            setattr(sys.modules[module], attribute, original)
+
+    def original(self, name: str, module: str, attribute: str):
+        """The peer's own object behind a switched name, or None when that switch is off."""
+        return self.on.get(name, {}).get((module, attribute))

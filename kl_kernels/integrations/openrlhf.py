@@ -1,6 +1,8 @@
 """OpenRLHF 0.11.2 drop-ins: ``compute_approx_kl``, ``compute_reward``, ``masked_mean``, the KL
-controllers and ``PolicyLoss`` (``policy_loss_type="ppo"`` and ``"gspo"``), with OpenRLHF's names, signatures and
-defaults, computed by kl_kernels' fused ops where there is KL or loss math to fuse.
+controllers, ``PolicyLoss`` (``policy_loss_type="ppo"`` and ``"gspo"``), and the actor's ``log_probs_from_logits`` /
+``compute_entropy``, with OpenRLHF's names, signatures and defaults, computed by kl_kernels' fused ops where there
+is KL, log-prob or loss math to fuse. :func:`patch` is the one switch that puts them where OpenRLHF's actor,
+experience maker and PPO trainer look them up.
 
 OpenRLHF is not needed to import this module. Tensors are OpenRLHF's ``[B, T]`` action-aligned
 ones with an ``action_mask`` (bool or 0/1; read as bool). Deviations, all deliberate
@@ -17,11 +19,16 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import sys
+
 import torch
 
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
-from ._common import (FixedValue, ProportionalValue, at_least_one, gradient_through_sequence_mean,
+from ..token_logprobs import token_logprobs
+from ._common import (FixedValue, ProportionalValue, Switch, Switches, at_least_one, gradient_through_sequence_mean,
                       rewrite_gradient)
 
 KL_IS_WEIGHT_CLIP = 10.0  # OpenRLHF's cap on exp(lp - old) in the unbiased KL gradient
@@ -220,5 +227,65 @@ class PolicyLoss(torch.nn.Module):
         return out.loss * factor, out.clip_fraction, ppo_kl, vllm_kl, is_filter_ratio
 
 
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """OpenRLHF's ``log_probs_from_logits``: ``log_softmax(logits / temperature)`` at ``labels`` over the last
+    dimension, in the logits' dtype (OpenRLHF's ``Actor`` casts them to float32 first), by
+    :func:`kl_kernels.token_logprobs` (no ``[N, V]`` copy; gradients to the logits). Deviation: OpenRLHF divides
+    ``logits`` in place by a ``temperature`` other than 1; ours never modifies its input (the ``Actor`` passes none:
+    it scales its logits itself)."""
+    return token_logprobs(logits, labels, temperature=temperature).log_probs.to(logits.dtype)
+
+
+def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """OpenRLHF's ``compute_entropy``: the entropy of ``softmax(logits)`` over the last dimension, in the logits'
+    dtype, by :func:`kl_kernels.token_logprobs` (``return_entropy=True``: each term ``p_j (lse - z_j) >= 0``,
+    no ``[N, V]`` softmax kept)."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    return token_logprobs(logits, labels, return_entropy=True).entropy.to(logits.dtype)
+
+
+OPENRLHF_VERSIONS = ("0.11.2",)  # the OpenRLHF versions whose lookups patch() was checked against
+# Where OpenRLHF 0.11.2 defines or binds each name: the defining modules (set always: a module imported later binds
+# ours) and the trainer's modules that bound them at their import (set when already imported).
+_DEFINED = {"openrlhf.models.utils": ("compute_approx_kl", "compute_reward", "log_probs_from_logits",
+                                     "compute_entropy"),
+            "openrlhf.models.actor": ("log_probs_from_logits", "compute_entropy"),
+            "openrlhf.models.loss": ("PolicyLoss",), "openrlhf.models": ("PolicyLoss",)}
+_BOUND = {"openrlhf.trainer.ppo_utils.experience_maker": ("compute_approx_kl", "compute_reward"),
+          "openrlhf.trainer.ray.ppo_actor": ("compute_approx_kl", "PolicyLoss")}
+_SWITCHES = Switches()
+
+
+def patch() -> Switch:
+    """One switch for OpenRLHF 0.11.2: its ``Actor``'s log-probs and entropy (``openrlhf/models/actor.py``:
+    :func:`log_probs_from_logits`, :func:`compute_entropy` of the float32, temperature-scaled logits) go through
+    :func:`kl_kernels.token_logprobs`, and the experience maker's and the PPO actor's ``compute_approx_kl``,
+    ``compute_reward`` and ``PolicyLoss`` are this module's (fused). Sets those names in the modules OpenRLHF
+    defines them in and, where already imported, in the trainer modules that bound them
+    (``trainer/ppo_utils/experience_maker.py``, ``trainer/ray/ppo_actor.py``). OpenRLHF's Ray workers are separate
+    processes: run it in each, e.g. ``ray.init(runtime_env={"worker_process_setup_hook":
+    "kl_kernels.integrations.openrlhf.patch"})``. Idempotent; :func:`unpatch` or leaving ``with patch():``
+    restores OpenRLHF's. Checked for OpenRLHF 0.11.2 (another version raises ``RuntimeError``)."""
+    try:
+        version = importlib.metadata.version("openrlhf")
+        defined = {name: importlib.import_module(name) for name in _DEFINED}
+    except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+        raise ImportError(f"kl_kernels.integrations.openrlhf.patch needs OpenRLHF installed with what its model "
+                          f"modules import ({exc})") from exc
+    if version not in OPENRLHF_VERSIONS:
+        raise RuntimeError(f"patch() is checked against OpenRLHF {', '.join(OPENRLHF_VERSIONS)}, found {version}: "
+                           "its code may look these functions up elsewhere")
+    ours = {"compute_approx_kl": compute_approx_kl, "compute_reward": compute_reward, "PolicyLoss": PolicyLoss,
+            "log_probs_from_logits": log_probs_from_logits, "compute_entropy": compute_entropy}
+    targets = [(defined[m], n, ours[n]) for m, names in _DEFINED.items() for n in names]
+    targets += [(sys.modules[m], n, ours[n]) for m, names in _BOUND.items() if m in sys.modules for n in names]
+    return _SWITCHES.apply("openrlhf", targets)
+
+
+def unpatch() -> None:
+    """Undo :func:`patch` (nothing when it is off)."""
+    _SWITCHES.undo("openrlhf")
+
+
 __all__ = ["KL_ESTIMATORS", "compute_approx_kl", "compute_reward", "masked_mean", "AdaptiveKLController",
-           "FixedKLController", "PolicyLoss"]
+           "FixedKLController", "PolicyLoss", "log_probs_from_logits", "compute_entropy", "patch", "unpatch"]

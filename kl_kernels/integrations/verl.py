@@ -34,7 +34,7 @@ from ..full_kl import full_kl
 from ..kl_penalty import kl_penalty_loss
 from ..kl_reward import kl_reward
 from ..token_logprobs import linear_token_logprobs, token_logprobs
-from ._common import FixedValue, ProportionalValue, at_least_one
+from ._common import FixedValue, ProportionalValue, Switch, Switches, at_least_one
 
 # verl's kl_penalty modes -> (our estimator, clamp_input, clamp_output). verl's low_var_kl / k3
 # clamps the log-ratio to +-20 before exp and the estimate to [-10, 10]; k1 and k2 are unclamped.
@@ -357,12 +357,8 @@ def register(name: str = "kl_kernels", *, override_vanilla: bool = False, overri
 VERL_FUSED_VERSIONS = ("0.9.1",)  # the verl versions whose lookups the patch_* switches were checked against
 _TORCH_MODULE = "verl.utils.experimental.torch_functional"
 _TRITON_MODULE = "verl.utils.kernel.linear_cross_entropy"
-_PATCHED: dict = {}  # switch -> {(module, name): verl's object}, while that switch is on
+_SWITCHES = Switches()
 _WARNED: set = set()
-
-
-def _original(switch: str, module: str, name: str):
-    return _PATCHED.get(switch, {}).get((module, name))
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -398,7 +394,7 @@ class FusedLinearForPPO(torch.nn.Module):
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
         if self.impl_backend == "liger":
-            original = _original("fused_kernels", _TORCH_MODULE, "FusedLinearForPPO")
+            original = _SWITCHES.original("fused_kernels", _TORCH_MODULE, "FusedLinearForPPO")
             if original is None:
                 raise RuntimeError("impl_backend='liger' is verl's Liger route: it runs verl's own class, which "
                                    "patch_fused_kernels keeps only while verl is patched")
@@ -420,7 +416,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduc
     handed to verl's own function, with one warning."""
     if reduction != "none" or dist_process_group is not None:
         what = f"reduction={reduction!r}" if reduction != "none" else "dist_process_group"
-        original = _original("fused_kernels", _TRITON_MODULE, "linear_cross_entropy")
+        original = _SWITCHES.original("fused_kernels", _TRITON_MODULE, "linear_cross_entropy")
         if original is None:
             raise NotImplementedError(f"linear_cross_entropy: {what} is verl's own kernel's (not patched now)")
         _warn_once(f"lce-{what}", f"kl_kernels.integrations.verl.linear_cross_entropy: {what} is left to verl's own "
@@ -430,22 +426,6 @@ def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduc
     out = linear_token_logprobs(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1).to(torch.int64),
                                 temperature=temperature, return_entropy=True)
     return out.log_probs, out.entropy
-
-
-class _Patch:
-    """What the ``patch_*`` switches return: a context manager that undoes the switch at exit (if this call turned
-    it on)."""
-
-    def __init__(self, switch: str, made: bool):
-        self.switch, self.made = switch, made
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.made:
-            _undo(self.switch)
-        return False
 
 
 def _verl_modules(switch: str, *names: str):
@@ -463,24 +443,8 @@ def _verl_modules(switch: str, *names: str):
     return modules
 
 
-def _apply(switch: str, targets) -> _Patch:
-    """Set each ``(module, name, ours)``, keeping verl's; nothing when the switch is already on."""
-    if switch in _PATCHED:
-        return _Patch(switch, False)
-    saved = {}
-    for module, name, ours in targets:
-        saved[(module.__name__, name)] = getattr(module, name)
-        setattr(module, name, ours)
-    _PATCHED[switch] = saved
-    return _Patch(switch, True)
 
-
-def _undo(switch: str) -> None:
-    for (module, name), original in _PATCHED.pop(switch, {}).items():
-        setattr(sys.modules[module], name, original)
-
-
-def patch_fused_kernels() -> _Patch:
+def patch_fused_kernels() -> Switch:
     """Route verl's ``use_fused_kernels=True`` through kl_kernels: verl's ``FusedLinearForPPO``
     (``fused_kernels_backend="torch"``) and ``linear_cross_entropy`` (``"triton"``, which then also runs without
     a GPU and at any hidden width) are replaced, in the modules verl's patched forwards look them up in, by
@@ -492,13 +456,13 @@ def patch_fused_kernels() -> _Patch:
     forwards (``verl.models.mcore``, which bind ``linear_cross_entropy`` at import and pass a tensor-parallel
     group) are not rerouted."""
     torch_functional, lce = _verl_modules("patch_fused_kernels", _TORCH_MODULE, _TRITON_MODULE)
-    return _apply("fused_kernels", [(torch_functional, "FusedLinearForPPO", FusedLinearForPPO),
+    return _SWITCHES.apply("fused_kernels", [(torch_functional, "FusedLinearForPPO", FusedLinearForPPO),
                                     (lce, "linear_cross_entropy", linear_cross_entropy)])
 
 
 def unpatch_fused_kernels() -> None:
     """Undo :func:`patch_fused_kernels` (nothing when not patched)."""
-    _undo("fused_kernels")
+    _SWITCHES.undo("fused_kernels")
 
 
 _LOSSES_MODULE = "verl.workers.utils.losses"
@@ -506,7 +470,7 @@ _REWARD_MODULES = ("verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_
                    "verl.experimental.separation.ray_trainer")
 
 
-def patch_kl_loss() -> _Patch:
+def patch_kl_loss() -> Switch:
     """The actor's KL loss (``actor.use_kl_loss=True``, every ``kl_loss_type``) through kl_kernels: verl 0.9.1's
     ``ppo_loss`` (``verl/workers/utils/losses.py``) computes ``kl_penalty(log_prob, ref_log_prob,
     config.kl_loss_type)`` with the name it imported from ``core_algos``; that name is set to :func:`kl_penalty`
@@ -514,15 +478,15 @@ def patch_kl_loss() -> _Patch:
     are verl's (the policy loss: :func:`register`). Call it in every process that computes the actor's loss.
     Idempotent; :func:`unpatch_kl_loss` or leaving ``with patch_kl_loss():`` restores verl's."""
     (losses,) = _verl_modules("patch_kl_loss", _LOSSES_MODULE)
-    return _apply("kl_loss", [(losses, "kl_penalty", kl_penalty)])
+    return _SWITCHES.apply("kl_loss", [(losses, "kl_penalty", kl_penalty)])
 
 
 def unpatch_kl_loss() -> None:
     """Undo :func:`patch_kl_loss`."""
-    _undo("kl_loss")
+    _SWITCHES.undo("kl_loss")
 
 
-def patch_kl_reward() -> _Patch:
+def patch_kl_reward() -> Switch:
     """The KL in the reward (``algorithm.use_kl_in_reward=True``) through kl_kernels: verl 0.9.1's trainers call
     ``apply_kl_penalty(data, kl_ctrl, kl_penalty)`` from ``verl.trainer.ppo.ray_trainer`` (``RayPPOTrainer``,
     which this imports) and from the modules that imported it from there (``v1.trainer_base``,
@@ -532,12 +496,12 @@ def patch_kl_reward() -> _Patch:
     :func:`unpatch_kl_reward` or leaving ``with patch_kl_reward():`` restores verl's."""
     (trainer,) = _verl_modules("patch_kl_reward", _REWARD_MODULES[0])
     modules = [trainer] + [sys.modules[n] for n in _REWARD_MODULES[1:] if n in sys.modules]
-    return _apply("kl_reward", [(m, "apply_kl_penalty", apply_kl_penalty) for m in modules])
+    return _SWITCHES.apply("kl_reward", [(m, "apply_kl_penalty", apply_kl_penalty) for m in modules])
 
 
 def unpatch_kl_reward() -> None:
     """Undo :func:`patch_kl_reward`."""
-    _undo("kl_reward")
+    _SWITCHES.undo("kl_reward")
 
 
 __all__ = ["KL_MODES", "AGG_MODES", "ConfigTypeError", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
