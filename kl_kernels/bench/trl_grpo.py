@@ -179,8 +179,9 @@ def _ours_loss(x, lp, ref):
                      epsilon_high=EPSILON[1], use_bias_correction_kl=False)
 
 
-def step_function(name: str, x: dict, trl=None):
-    """``step() -> loss`` (detached) of one contender: forward + backward from fresh leaves."""
+def step_function(name: str, x: dict, trl=None, keep: list | None = None):
+    """``step() -> loss`` (detached) of one contender: forward + backward from fresh leaves (the policy's hidden
+    states and head; with ``keep``, a list, each call leaves them there)."""
     from ..integrations.trl_lm_head import head_log_probs
 
     c = x["shape"]["completion"]
@@ -193,6 +194,8 @@ def step_function(name: str, x: dict, trl=None):
     def step():
         h = x["hidden"].detach().requires_grad_()
         w = x["weight"].detach().requires_grad_()
+        if keep is not None:
+            keep[:] = [h, w]
         if name == "linear_kl_penalty_loss":
             from .. import linear_kl_penalty_loss
 
@@ -291,8 +294,9 @@ def measure(n: int, hid: int, vocab: int, dtype: torch.dtype, device, *, repeats
         timings = measure_interleaved([st for _, st in steps], device, warmup=0, repeats=repeats, budget_s=budget_s)
         for (row, _), (timing, faults) in zip(steps, timings):
             row.update(ms=timing.median_ms, min_ms=timing.min_ms, round_ms=list(timing.times_ms))
-    title = (f"TRL GRPO micro-batch step from hidden states (policy + reference, fwd+bwd), B={s['batch']}, "
-             f"T={s['seq']} ({s['completion']} completion), H={hid}, V={vocab}, {str(dtype).replace('torch.', '')}")
+    title = (f"TRL GRPO step B={s['batch']} T={s['seq']} ({s['completion']} completion) H={hid} V={vocab} "
+             f"{str(dtype).replace('torch.', '')}: the policy's and reference's LM heads and the loss, from hidden "
+             "states, fwd+bwd")
     return dict(file="trl_grpo.json", title=title, baseline="trl", compile=None, machine=describe(device),
                 temperature=TEMPERATURE, beta=BETA, epsilon=list(EPSILON), shape=s, rows=rows)
 
