@@ -21,6 +21,12 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 TRL_BLOCK = re.compile(r"^```python trl\n(.*?)^```", re.S | re.M)
 FENCE = re.compile(r"^```python(.*)$", re.M)
 TRL_STACK = ("transformers", "accelerate", "datasets", "trl")
+# The same for ```python verl and ```python openrlhf blocks (python_api/integrations.md): they need verl's and
+# OpenRLHF's import chains (the packages below); test_verl_lane_code_blocks_run runs them in .ci/lane-verl, with
+# stubs only for what cannot import on a CPU machine (OpenRLHF's model utilities import deepspeed), and skips
+# them, saying why, elsewhere.
+VERL_LANE_BLOCKS = {"verl": (("ray", "transformers", "datasets", "verl"), ()),
+                    "openrlhf": (("transformers", "peft", "openrlhf"), ("deepspeed", "flash_attn", "vllm"))}
 TORCHRL_IMPORT = re.compile(r"^\s*(from|import) (torchrl|tensordict|kl_kernels\.torchrl)\b", re.M)
 
 
@@ -44,7 +50,8 @@ def test_page_code_blocks_run(page):
 def test_every_python_fence_runs():
     for page in PAGES:
         tags = {t.strip() for t in FENCE.findall(page.read_text())}
-        assert tags <= {"", "trl"}, f"{page.name}: ```python fences tagged {sorted(tags - {'', 'trl'})} run nowhere"
+        known = {"", "trl", *VERL_LANE_BLOCKS}
+        assert tags <= known, f"{page.name}: ```python fences tagged {sorted(tags - known)} run nowhere"
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if TRL_BLOCK.search(p.read_text())], ids=lambda p: p.name)
@@ -57,6 +64,25 @@ def test_trl_code_blocks_run(page):
     namespace: dict = {}
     for i, block in enumerate(TRL_BLOCK.findall(page.read_text())):
         exec(compile(block, f"{page.name}[trl block {i}]", "exec"), namespace)  # noqa: S102
+
+
+@pytest.mark.parametrize("page, tag", [(p, t) for p in PAGES for t in VERL_LANE_BLOCKS
+                                       if re.search(rf"^```python {t}$", p.read_text(), re.M)],
+                         ids=lambda x: getattr(x, "name", x))
+def test_verl_lane_code_blocks_run(page, tag):
+    import importlib.util
+
+    from kl_kernels.bench.peer_stubs import stubbed
+
+    stack, stubs = VERL_LANE_BLOCKS[tag]
+    missing = next((m for m in stack if importlib.util.find_spec(m) is None), None)
+    if missing:
+        pytest.skip(f"```python {tag} blocks need {tag}'s import chain ({missing} missing): .ci/lane-verl runs them")
+    namespace: dict = {}
+    blocks = re.findall(rf"^```python {tag}\n(.*?)^```", page.read_text(), re.S | re.M)
+    with stubbed(stubs):
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"{page.name}[{tag} block {i}]", "exec"), namespace)  # noqa: S102
 
 
 @pytest.mark.parametrize("script", [_param(p, p.read_text()) for p in EXAMPLES])

@@ -3,7 +3,10 @@
 Same names, signatures and defaults as ``verl.trainer.ppo.core_algos`` (and ``apply_kl_penalty`` of
 ``verl.trainer.ppo.ray_trainer``), computed by kl_kernels' fused ops. verl is not needed to import
 this module; :func:`register` puts the fused loss into verl's own policy-loss registry, so a verl
-config selects it with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_kernels``.
+config selects it with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_kernels``. The switches put kl_kernels
+where verl's own code looks its functions up: :func:`patch_fused_kernels` (``use_fused_kernels=True``: log-probs and
+entropy from the hidden states by :func:`kl_kernels.linear_token_logprobs`), :func:`patch_kl_loss` (the actor's KL
+loss), :func:`patch_kl_reward` (the KL in the reward), and :func:`patch` (all, with :func:`register`).
 
 Tensors are verl's: ``[B, T]`` response-aligned, with a ``response_mask`` (bool or 0/1; read as
 bool). Deviations from verl, all deliberate (``python_api/integrations.md``):
@@ -504,8 +507,27 @@ def unpatch_kl_reward() -> None:
     _SWITCHES.undo("kl_reward")
 
 
+def patch() -> None:
+    """Every verl switch at once, for a process of verl's: :func:`patch_fused_kernels`, :func:`patch_kl_loss`,
+    :func:`patch_kl_reward` and :func:`register` (the policy loss under ``"kl_kernels"``, chosen by
+    ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_kernels``). verl's workers and its trainer's ``TaskRunner``
+    are Ray actors: run it in each through Ray's setup hook, from verl's own config,
+    ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=kl_kernels.integrations.verl.patch``.
+    :func:`unpatch` turns the three switches off (the registered name stays)."""
+    patch_fused_kernels()
+    patch_kl_loss()
+    patch_kl_reward()
+    register()
+
+
+def unpatch() -> None:
+    """Turn off what :func:`patch` turned on (verl's registry keeps the added ``"kl_kernels"`` names)."""
+    for name in ("fused_kernels", "kl_loss", "kl_reward"):
+        _SWITCHES.undo(name)
+
+
 __all__ = ["KL_MODES", "AGG_MODES", "ConfigTypeError", "kl_mode", "kl_penalty", "agg_loss", "compute_policy_loss_vanilla",
            "compute_policy_loss_gspo", "compute_policy_loss_with_kl",
            "AdaptiveKLController", "FixedKLController", "get_kl_controller", "apply_kl_penalty", "register",
            "FusedLinearForPPO", "linear_cross_entropy", "patch_fused_kernels", "unpatch_fused_kernels",
-           "patch_kl_loss", "unpatch_kl_loss", "patch_kl_reward", "unpatch_kl_reward"]
+           "patch_kl_loss", "unpatch_kl_loss", "patch_kl_reward", "unpatch_kl_reward", "patch", "unpatch"]
