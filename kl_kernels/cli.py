@@ -109,6 +109,20 @@ def _task_line(quiet: bool):
     return line
 
 
+def _run_task(task, ctx) -> tuple[list, str | None]:
+    """``task``'s rows or results, and None; or ``[]`` and why it failed (one task's failure, a peer's import
+    error say, does not end the run: its progress line and the summary say so)."""
+    try:
+        return task.function()(ctx), None
+    except Exception as e:  # noqa: BLE001
+        return [], _one_line(f"{type(e).__name__}: {e}")
+
+
+def _one_line(text: str, width: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def cmd_bench(args) -> int:
     import os
     import textwrap
@@ -175,13 +189,14 @@ def cmd_bench(args) -> int:
     rows = []
     for task in table_tasks:
         t0 = time.perf_counter()
-        got = task.function()(ctx)
+        got, failed = _run_task(task, ctx)
         rows += got
         tables = len(dict.fromkeys((r["task"], r["size"]) for r in got))
         done(f"[{next(step)}/{steps}] {task.name} ({', '.join(plan.sizes)}): {tables} tables, "
              f"{sum(not r['impl'].startswith('copy') for r in got)} rows"
-             + (", skipped (" + ("torchrl not installed" if task.name == "torchrl" else "nothing to run") + ")"
-                if not got else ""), time.perf_counter() - t0)
+             + (f", failed: {failed}" if failed else ", skipped (" + (
+                 "torchrl not installed" if task.name == "torchrl" else "nothing to run") + ")" if not got else ""),
+             time.perf_counter() - t0)
     for r in rows:
         r["malloc"] = malloc
     if earlier:
@@ -190,7 +205,10 @@ def cmd_bench(args) -> int:
     results = []
     for task in result_tasks:
         t0 = time.perf_counter()
-        got = task.function()(ctx)
+        got, failed = _run_task(task, ctx)
+        if failed:  # the task's table says so ("not run", with the error), and the run goes on
+            got = [dict(file=f"{task.name}.json", title=task.name, baseline=None, compile=None,
+                        rows=[dict(contender=task.name, error=f"the task failed: {failed}")])]
         for res in got:
             flags.flag_result(res)
             (out / res["file"]).parent.mkdir(parents=True, exist_ok=True)
@@ -212,8 +230,7 @@ def cmd_bench(args) -> int:
         print((out / "tables.txt").read_text())
     print((out / "summary.txt").read_text(), end="")
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".csv", ".png", ".txt"))
-    print(textwrap.fill(f"Files: {', '.join(files)} (tables.txt: every table, every column; JSON/CSV: every number)",
-                        100, subsequent_indent="  "))
+    print(textwrap.fill(f"Files: {', '.join(files)}", 100, subsequent_indent="  "))
     print(f"Results in {out.resolve()}/ ({time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -13,9 +13,9 @@ from .machine import describe
 
 # Contenders left out of the default run, and why (each becomes a "not run" row with this reason).
 DEFAULT_SKIPS = {
-    "token_logprobs[torch]": "the chunked torch fallback, ~8x eager here: not in the default run (--full runs it)",
-    "linear_token_logprobs[torch]": "the chunked torch fallback: not in the default run (--full runs it)",
-    "compile": "torch.compile of the hidden-state step takes longer than the default run: --full runs it",
+    "token_logprobs[torch]": "the torch fallback, ~8x eager here: --full runs it",
+    "linear_token_logprobs[torch]": "the torch fallback: --full runs it",
+    "compile": "its compile takes longer than the whole default run: --full runs it",
 }
 
 

@@ -103,10 +103,10 @@ def _fit_labels(fig, tries: int = 8) -> None:
             box = ax.get_window_extent(renderer)
             right = max((t.get_window_extent(renderer).x1 for t in ax.texts if t.get_gid() == "bar-label"),
                         default=box.x1)
-            if right <= box.x1 - 2:
+            if right <= box.x1 - 6:
                 break
             lo, hi = ax.get_xlim()
-            need = (right - box.x0 + 8) / max(box.x1 - box.x0, 1.0)  # the axis must be this much wider
+            need = (right - box.x0 + 12) / max(box.x1 - box.x0, 1.0)  # the axis must be this much wider
             if ax.get_xscale() == "log":
                 ax.set_xlim(lo, lo * (hi / lo) ** need)
             else:

@@ -291,26 +291,35 @@ def notes(groups: list[dict]) -> tuple[list[str], list[str], list[str]]:
                              f"{ms_text(o['ms'])} ms: {s['why']}")
         for g in sel:
             if g.get("error"):
-                not_run += _wrapped(f"- {_where(g)}: {g['name']}: {g['error']}")
+                not_run.append(_short(f"- {_where(g)}: {g['name']}: {g['error']}", WIDTH))
             elif g.get("flag"):
                 flagged.append(g)
     return slow, _flag_lines(flagged), not_run
 
 
-def _flag_lines(flagged: list[dict], most: int = 6) -> list[str]:
-    """One line per flagged row, the rows above their copy first; past ``most``, a count per reason."""
-    flagged = sorted(flagged, key=lambda g: "copy" not in (g["flag"] or ""))
-    lines = [_short(f"- {_where(g)}: {g['name']}: {g['flag']}", WIDTH) for g in flagged[:most]]
-    rest = flagged[most:]
-    if rest:
-        kinds = {}
-        for g in rest:
-            for reason in g["flag"].split("; "):
-                kind = reason.split(" (")[0].split(":")[0]
-                kind = "rounds spread > 2x" if kind.startswith("rounds spread") else kind
-                kinds[kind] = kinds.get(kind, 0) + 1
-        lines.append(_short(f"- and {len(rest)} more (tables.txt): " + ", ".join(f"{k} x{n}" for k, n in kinds.items()),
-                            WIDTH))
+_FLAG_KINDS = (  # (what a reason starts with or holds, how the summary names the kind)
+    ("% of a same-bytes copy", "above its same-bytes copy after a re-time (the copy's stores read each line "
+                               "first; a kernel's fills and streamed stores do not)"),
+    ("faster than the copy floor", "faster than its copy floor"),
+    ("rounds spread", "rounds spread > 2x (a loaded machine's scheduler)"),
+    ("apart under the two allocators", "the two allocator runs > 4x apart with alike page faults"),
+    ("copy", "% copy against a copy that was itself flagged (a loaded machine)"),
+)
+
+
+def _flag_lines(flagged: list[dict]) -> list[str]:
+    """The flagged rows by kind of reason: one line each (two at most), the rows of the rarer kinds named."""
+    lines = []
+    for key, kind in _FLAG_KINDS:
+        hit = [g for g in flagged if any(key in r and not any(k in r for k, _ in _FLAG_KINDS[:_FLAG_KINDS.index(
+            (key, kind))]) for r in g["flag"].split("; "))]
+        if not hit:
+            continue
+        if key == "% of a same-bytes copy":
+            names = ", ".join(f"{g['name']} {_pct(g['pct_copy'])}" if g.get("pct_copy") else g["name"] for g in hit)
+        else:
+            names = ", ".join(g["name"] for g in hit) if len(hit) <= 3 else f"{len(hit)} rows (tables.txt)"
+        lines += _wrapped(f"- {kind}: {names}")
     return lines
 
 
@@ -355,8 +364,8 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
         peaks = [g for g in sel if g.get("peak_mib") is not None and g.get("ms")]
         if peaks:
             op = sel[0]["short"]
-            memory += _wrapped(f"- {op}: " + ", ".join(
-                f"{g['name'].replace(op, '') or g['name']} {_mib(g['peak_mib'])}" for g in peaks))
+            memory.append(_short(f"- {op}: " + ", ".join(
+                f"{g['name'].replace(op, '') or g['name']} {_mib(g['peak_mib'])}" for g in peaks), WIDTH))
     lines = [""] + _grid(head, body, left=3 if sizes else 2)
     if memory:
         lines += ["", "Peak extra memory of one forward + backward (MiB):"] + memory
@@ -364,10 +373,15 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
     if slow:
         lines += ["", "Where one of ours is slower than another contender ([torch] reference rows aside):"] + slow
     if flagged:
-        lines += ["", f"Flagged ({flags.MARK}; results.json's `flag`):"] + flagged
+        lines += ["", f"Flagged ({flags.MARK}; each row's reason: results.json's `flag`, tables.txt):"] + flagged
     if not_run:
         lines += ["", "Not run here:"] + not_run
     return lines
+
+
+def _pct(value: float) -> str:
+    """100.4 % reads 100.4%, not 100%: a figure above the copy must not read as the copy's."""
+    return f"{value:.1f}%" if 100 < value < 100.95 else f"{value:.0f}%"
 
 
 def _mib(value: float) -> str:
@@ -384,13 +398,13 @@ def summary(out_dir: Path) -> str:
                                                           else ""),
         f"torch {machine.get('torch', '?')}", machine.get("gpu") or machine.get("cpu", "?"),
         f"{machine.get('torch_threads', '?')} threads",
-        f"load {min(load):.1f}-{max(load):.1f}" if load else None,
+        f"load {min(load):.1f}-{max(load):.1f}" if load and not (cores and max(load) > cores) else None,
         f"malloc: {machine['malloc']}" if machine.get("malloc") and not other_label else None) if x)]
     head = _wrapped(head[0].replace(" | ", "\u00a0|\u00a0"))  # (wrapped between the facts, not inside one)
     head = [line.replace("\u00a0", " ") for line in head]
     if load and cores and max(load) > cores:
-        head += _wrapped(f"The machine was loaded (load average up to {max(load):.1f} on {cores} cores): expect "
-                         "noise; rows whose rounds spread > 2x are flagged.")
+        head.append(_short(f"A loaded machine: load average {min(load):.1f}-{max(load):.1f} on {cores} cores. "
+                           "Expect noise; see the flags.", WIDTH))
     if other_label:
         head.append("ms: glibc's default allocator (under the tuned one, freed memory kept mapped: tables.txt)")
     return "\n".join(head + LEGEND + summary_lines(groups, other_label))
