@@ -429,3 +429,66 @@ def test_the_switchs_lm_head_option(lh, saved_model, tmp_path):
     for step, (a, b) in enumerate(zip(theirs, mine)):
         for key in ("loss", "grad_norm", "entropy", "kl", "clip_ratio/region_mean"):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (step, key, a[key], b[key])
+
+
+# ------------------------------------------------------------------ the head alone (no transformers: the main suite)
+
+
+@pytest.fixture(scope="module")
+def trl_kernel():
+    """TRL's head function from the installed trl (over stand-ins for transformers where it is absent: its CPU
+    path), as kl_kernels.bench.trl_grpo imports it; skipped without trl."""
+    from kl_kernels.bench import trl_grpo
+
+    modules, why = trl_grpo.trl_modules("cpu")
+    if modules is None:
+        pytest.skip(why)
+    return modules
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("transform", [(1.0, None), (0.25, None), (1.0, 2.0), (3.0, 5.0)],
+                         ids=["plain", "scale", "softcap", "scale_softcap"])
+def test_head_log_probs_against_trls_head_function(trl_kernel, dtype, temperature, transform):
+    """``head_log_probs`` (what the opt-in runs after the backbone) against TRL's ``ChunkedLogProbFunction`` called
+    as TRL's forward calls it, on random hidden states and a head with a bias, both against a float64 oracle."""
+    from kl_kernels.integrations import trl_lm_head as lh
+
+    scale, softcap = transform
+    if (scale, softcap) != (1.0, None) and not lh._op_takes_transform():
+        pytest.skip("this kl_kernels' linear_token_logprobs has no logit_scale=/softcap= yet (the softcap helper's)")
+    g = torch.Generator().manual_seed(11)
+    b, t, hid, vocab = 3, 17, 24, 97
+    hidden = (torch.randn(b, t, hid, generator=g) * 2).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hid, generator=g) / hid ** 0.5).to(dtype).requires_grad_()
+    bias = (torch.randn(vocab, generator=g) * 0.3).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (b, t), generator=g)
+    labels[0, :6] = -100
+    labels[2] = -100  # a row without a scored token
+    tr_lp, tr_ent = trl_kernel.head.apply(hidden.reshape(-1, hid), weight, bias, labels.clamp(min=0).reshape(-1),
+                                          temperature, trl_kernel.chunk, softcap, scale, ("log_probs", "entropy"))[:2]
+    mask = labels != -100
+    tr_lp, tr_ent = tr_lp.view(b, t).masked_fill(~mask, 0), tr_ent.view(b, t).masked_fill(~mask, 0)
+    kw = {} if (scale, softcap) == (1.0, None) else dict(logit_scale=scale, softcap=softcap)
+    lp, ent, m = lh.head_log_probs(hidden, weight, bias, labels, temperature=temperature, **kw)
+    assert torch.equal(m, mask) and lp.dtype == ent.dtype == torch.float32 and lp.shape == (b, t)
+    assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all()
+    x = torch.nn.functional.linear(hidden.double(), weight.double(), bias.double()) * scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    logp = (x / temperature).log_softmax(-1)
+    ex_lp = torch.where(mask, logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0)
+    ex_ent = torch.where(mask, -(logp.exp() * logp).sum(-1), 0.0)
+    _as_close_as_trl("log_probs", lp, tr_lp, ex_lp)
+    _as_close_as_trl("entropy", ent, tr_ent, ex_ent)
+    grads = []
+    from kl_kernels.bench.trl_grpo import trl_call_context
+
+    up = torch.linspace(-1, 1, b * t).view(b, t)
+    for out_lp, out_ent in ((tr_lp, tr_ent), (lp, ent), (ex_lp, ex_ent)):
+        with trl_call_context(trl_kernel):  # (TRL's backward asks transformers about ZeRO-3)
+            grads.append(torch.autograd.grad((out_lp * up + 0.3 * out_ent).sum(), (hidden, weight, bias)))
+    for name, g_t, g_o, g_x in zip(("hidden", "weight", "bias"), *grads):
+        # bf16 inputs: TRL returns float32-accumulated gradients rounded once to bf16, and so does ours
+        _as_close_as_trl(f"grad {name}", g_o, g_t, g_x, factor=2.0 if dtype == torch.float32 else 3.0)

@@ -120,7 +120,7 @@ def trl_modules(device) -> tuple[SimpleNamespace | None, str | None]:
                            chunk=utils._CHUNKED_LOGPROB_CHUNK_SIZE, grpo=grpo, real=real), None
 
 
-def _call_context(trl):
+def trl_call_context(trl):
     """TRL's backward imports ``trl.trainer.utils.maybe_gather_lm_head_ctx``, which asks transformers whether
     DeepSpeed ZeRO-3 is on: without transformers, its stand-in answers no (as transformers would here)."""
     if trl.real:
@@ -208,7 +208,7 @@ def step_function(name: str, x: dict, trl=None, keep: list | None = None):
         else:
             head_name, loss_name = ("trl", "trl") if name == "trl" else \
                 [part.split()[0] for part in name.split(" + ")]
-            ctx = _call_context(trl) if "trl" in (head_name, loss_name) else contextlib.nullcontext()
+            ctx = trl_call_context(trl) if "trl" in (head_name, loss_name) else contextlib.nullcontext()
             with ctx:
                 head = (lambda hh, ww, e: trl_head(trl, hh, ww, x["labels"], e)) if head_name == "trl" else ours_head
                 lp, ent = head(h, w, True)
