@@ -9,8 +9,10 @@ twice TRL's largest error plus ``4 eps32 (1 + max |exact|)``: it is as close to 
 Measured here: log-probs and entropy agree with TRL's within ~5e-7 (a few float32 ulps of values ~6), the
 gradients of every parameter within ~2e-6 of values ~5.
 
-Needs transformers, accelerate, datasets (and peft for the PEFT test): they run in the TRL lane; the main
-suite skips them (each test asks for them through a fixture, never at import).
+The model and trainer tests need transformers, accelerate, datasets (and peft for the PEFT test): they run in the
+TRL lane (.ci/lane-trl); the main suite skips them (each test asks for them through a fixture, never at import).
+The head alone (``head_log_probs`` against TRL's ``ChunkedLogProbFunction``, the last section) needs only trl,
+which the main suite has (installed --no-deps, imported over stand-ins for transformers).
 """
 
 from __future__ import annotations
