@@ -27,7 +27,7 @@ def _need_trl():
 def test_every_contender_runs_and_computes_stock_trls_loss():
     _need_trl()
     result = trl_grpo.measure(*TINY, torch.float32, "cpu", repeats=3, budget_s=0.0)
-    assert result["file"] == "trl_grpo.json" and result["baseline"] == "trl"
+    assert result["file"] == "trl_grpo.json" and result["baseline"] == "trl" and len(result["short"]) <= 26
     rows = {r["contender"]: r for r in result["rows"]}
     assert list(rows) == list(trl_grpo.CONTENDERS)
     for name, r in rows.items():

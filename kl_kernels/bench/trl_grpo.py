@@ -297,8 +297,8 @@ def measure(n: int, hid: int, vocab: int, dtype: torch.dtype, device, *, repeats
     title = (f"TRL GRPO step B={s['batch']} T={s['seq']} ({s['completion']} completion) H={hid} V={vocab} "
              f"{str(dtype).replace('torch.', '')}: the policy's and reference's LM heads and the loss, from hidden "
              "states, fwd+bwd")
-    return dict(file="trl_grpo.json", title=title, baseline="trl", compile=None, machine=describe(device),
-                temperature=TEMPERATURE, beta=BETA, epsilon=list(EPSILON), shape=s, rows=rows)
+    return dict(file="trl_grpo.json", title=title, short="TRL GRPO step (hidden)", baseline="trl", compile=None,
+                machine=describe(device), temperature=TEMPERATURE, beta=BETA, epsilon=list(EPSILON), shape=s, rows=rows)
 
 
 # The default run's size (a few seconds on 2 CPU cores) and --full's.
