@@ -170,6 +170,46 @@ def test_evaluation_matches_stock_trl(overrides):
                 k, ours.evaluation[k], want)
 
 
+# Two processes (accelerate's multi-CPU over gloo, per-process batch 2: the same 4 prompts x 4 generations a step):
+# dapo's normaliser divides by the process count, the metrics are reduced and gathered, TRL's high-entropy mask
+# gathers the entropies of both processes, and sequence-level clip counts are gathered per sequence
+DISTRIBUTED = [dict(per_device_train_batch_size=2), dict(per_device_train_batch_size=2, top_entropy_quantile=0.5),
+               dict(per_device_train_batch_size=2, loss_type="grpo", importance_sampling_level="sequence", beta=0.0)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_stock_trl(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "results.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(harness.REPO), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(_free_port()), str(harness.REPO / "tests" / "trl_trainer_harness.py"), str(out),
+                          json.dumps(DISTRIBUTED)], capture_output=True, text=True, timeout=600, cwd=harness.REPO,
+                         env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    for r in json.loads(out.read_text()):
+        assert r["fused"] and r["processes"] == 2 and r["steps"] == 4, r["overrides"]
+        assert r["grad_rel"] <= GRAD_RTOL, (r["overrides"], r["grad_rel"])
+        for step, (got, want) in enumerate(zip(r["ours"], r["stock"], strict=True)):
+            assert got.keys() == want.keys()
+            for k in want:
+                if k not in NOT_COMPARED and isinstance(want[k], (int, float)):
+                    assert _close(got[k], want[k]), (r["overrides"], step + 1, k, got[k], want[k])
+        print(f"\n[2 processes {r['overrides']}] gradients within {r['grad_rel']:.2g} of each parameter's largest")
+
+
 def test_the_run_clips_and_goes_off_policy():
     """The base configuration exercises what the comparisons need: ratios off 1 (steps 2 and 4) and clipping."""
     logs = _stock("dapo", _key(FUSED["dapo"])).logs

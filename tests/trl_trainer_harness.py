@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 PACKAGES = ("transformers", "accelerate", "datasets", "trl", "tokenizers")
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def trl_stack_missing() -> str | None:
@@ -88,6 +89,19 @@ def reward(completions, **kwargs):
     return [float(sum(c in "aeiou " for c in s)) - abs(len(s) - 8) / 4 for s in completions]
 
 
+def _save(m, path):
+    """``save_pretrained`` without its rank check: under torch.distributed only rank 0 writes there, and each
+    process of tests/test_integrations_trl_trainer.py's two-process run has its own directory."""
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    m.config.architectures = [type(m).__name__]
+    m.config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, os.path.join(path, "model.safetensors"))
+
+
 @dataclass
 class Run:
     logs: list[dict] = field(default_factory=list)     # the logged metrics of each optimizer step
@@ -121,7 +135,7 @@ def run(overrides=None, *, trainer_cls=None, patch=None, model_factory=None, ext
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             path = f"{tmp}/model"  # TRL builds the reference model from the policy's path: save it there
-            (model_factory or model)(tok).save_pretrained(path)
+            _save((model_factory or model)(tok), path)
             tok.save_pretrained(path)
             trainer = (trainer_cls or GRPOTrainer)(
                 model=path, reward_funcs=reward, args=args, train_dataset=dataset(),
@@ -134,3 +148,35 @@ def run(overrides=None, *, trainer_cls=None, patch=None, model_factory=None, ext
             out.evaluation = trainer.evaluate(dataset())
     out.trainer = trainer
     return out
+
+
+def main(argv):
+    """``python -m torch.distributed.run --nproc_per_node 2 tests/trl_trainer_harness.py OUT.json CONFIGS_JSON``:
+    for each configuration (a JSON list of GRPOConfig overrides) stock TRL, then kl_kernels' GRPOTrainer, on every
+    process (accelerate's multi-CPU, gloo); rank 0 writes both runs' logs and the largest gradient difference
+    (relative to each parameter's largest TRL gradient) to OUT.json."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.getcwd())  # kl_kernels from the checkout, as the tests import it
+    from kl_kernels.integrations.trl import GRPOTrainer
+
+    warnings.simplefilter("ignore")
+    results = []
+    for overrides in json.loads(argv[2]):
+        stock, ours = run(overrides), run(overrides, trainer_cls=GRPOTrainer)
+        worst = max(((g[n] - w[n]).abs().max() / w[n].abs().max().clamp_min(1e-30)).item()
+                    for g, w in zip(ours.grads, stock.grads, strict=True) for n in w)
+        results.append(dict(overrides=overrides, fused=ours.trainer._kl_kernels_plan is not None,
+                            processes=ours.trainer.accelerator.num_processes, ours=ours.logs, stock=stock.logs,
+                            grad_rel=worst, steps=len(stock.grads)))
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(argv[1], "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv)
