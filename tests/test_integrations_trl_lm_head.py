@@ -333,23 +333,33 @@ def _tokenizer():
                                    pad_token="<|endoftext|>", additional_special_tokens=specials)
 
 
-@pytest.fixture(scope="module")
-def saved_model(lh, tmp_path_factory):
-    """A tiny Qwen2 and the byte-level tokenizer saved to a folder (the trainer loads it by path; no hub)."""
+def _save(tmp_path_factory, moe=False):
+    """A tiny Qwen2 (or Qwen2-MoE) and the byte-level tokenizer saved to a folder (the trainer loads it by path;
+    no hub)."""
     pytest.importorskip("datasets")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     tok = _tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(**{**TINY, "vocab_size": len(tok)}, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    kw = dict(**{**TINY, "vocab_size": len(tok)}, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if moe:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   shared_expert_intermediate_size=32))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    path = tmp_path_factory.mktemp("tiny-qwen2-moe" if moe else "tiny-qwen2")
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path), tok
 
 
-def _train(saved_model, tmp_path, ours, switch=None, **config):
+@pytest.fixture(scope="module")
+def saved_model(lh, tmp_path_factory):
+    return _save(tmp_path_factory)
+
+
+def _train(saved_model, tmp_path, ours, switch=None, fused=True, **config):
     """Stock TRL (``ours`` False) or with :func:`patch_lm_head`; with ``switch`` ("trl" or "kl_kernels"):
     kl_kernels' one-switch ``GRPOTrainer(..., lm_head=switch)`` instead."""
     from datasets import Dataset
@@ -378,8 +388,8 @@ def _train(saved_model, tmp_path, ours, switch=None, **config):
     if ours:
         from kl_kernels.integrations.trl_lm_head import patch_lm_head
 
-        assert patch_lm_head(trainer)
-        assert trainer.ref_model is not None and trainer.ref_model._kl_kernels_lm_head
+        assert patch_lm_head(trainer) == fused
+        assert trainer.ref_model is not None and bool(getattr(trainer.ref_model, "_kl_kernels_lm_head", 0)) == fused
     if switch is not None:  # the switch put ours on both models, or left TRL's
         on = switch == "kl_kernels"
         assert bool(getattr(trainer.model, "_kl_kernels_lm_head", False)) == on
@@ -417,6 +427,21 @@ def test_inside_grpo_trainer_metrics_match_stock_trl(lh, saved_model, tmp_path, 
             else:
                 ok = math.isclose(a[key], b[key], rel_tol=rel, abs_tol=1e-7)
             assert ok, (step, key, a[key], b[key])
+
+
+def test_a_fallback_inside_the_trainer_warns_once_and_is_stock_trl(lh, tmp_path_factory, tmp_path):
+    """A MoE policy (TRL's head adds the router's load-balancing loss): the policy and the reference keep TRL's
+    head, with ONE warning naming output_router_logits, and the run is stock TRL's, bitwise."""
+    saved = _save(tmp_path_factory, moe=True)
+    stock = _train(saved, tmp_path, False, bf16=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mine = _train(saved, tmp_path, True, fused=False, bf16=False)
+    ours = [str(w.message) for w in caught if issubclass(w.category, lh.LMHeadFallbackWarning)]
+    assert len(ours) == 1 and "output_router_logits" in ours[0], ours
+    assert "aux_loss" in stock[0]
+    for a, b in zip(stock, mine):
+        assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
 
 
 def test_the_switchs_lm_head_option(lh, saved_model, tmp_path):

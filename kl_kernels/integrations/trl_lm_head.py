@@ -95,9 +95,14 @@ def unfused_reason(model, outputs=("log_probs",)) -> str | None:
     return None
 
 
+class LMHeadFallbackWarning(UserWarning):
+    """A model keeps TRL's own fused LM head for an option kl_kernels' head does not compute (the message names
+    it); its log-probs and entropy are TRL's."""
+
+
 def _warn(model, reason: str) -> None:
     warnings.warn(f"kl_kernels LM head: {type(model).__name__} keeps TRL's fused LM head because of {reason}; "
-                  "its log-probs and entropy are TRL's", UserWarning, stacklevel=3)
+                  "its log-probs and entropy are TRL's", LMHeadFallbackWarning, stacklevel=3)
 
 
 def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
@@ -217,10 +222,18 @@ def patch_lm_head(trainer) -> bool:
     model = trainer.model
     base = model.get_base_model() if _is_peft(model) else model
     cast = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
-    ok = add_fused_lm_head(base, temperature=trainer.temperature, cast_lm_head_to_fp32=cast,
-                           outputs=("log_probs", "entropy"))
-    if getattr(trainer, "ref_model", None) is not None:
-        ok = add_fused_lm_head(trainer.ref_model, temperature=trainer.temperature, cast_lm_head_to_fp32=cast) and ok
+    with warnings.catch_warnings(record=True) as caught:  # (the two models' same reason: one warning)
+        warnings.simplefilter("always", LMHeadFallbackWarning)
+        ok = add_fused_lm_head(base, temperature=trainer.temperature, cast_lm_head_to_fp32=cast,
+                               outputs=("log_probs", "entropy"))
+        if getattr(trainer, "ref_model", None) is not None:
+            ok = add_fused_lm_head(trainer.ref_model, temperature=trainer.temperature,
+                                   cast_lm_head_to_fp32=cast) and ok
+    for message in dict.fromkeys(str(w.message) for w in caught if w.category is LMHeadFallbackWarning):
+        warnings.warn(message, LMHeadFallbackWarning, stacklevel=2)
+    for w in caught:  # anything else, as it came
+        if w.category is not LMHeadFallbackWarning:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return ok
 
 
@@ -230,5 +243,5 @@ def _is_peft(model) -> bool:
     return is_peft_model(model)
 
 
-__all__ = ["add_fused_lm_head", "config_logit_transform", "head_log_probs", "patch_lm_head",
+__all__ = ["LMHeadFallbackWarning", "add_fused_lm_head", "config_logit_transform", "head_log_probs", "patch_lm_head",
            "unfused_reason"]
