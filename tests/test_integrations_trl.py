@@ -188,6 +188,15 @@ def test_the_shim_imports_without_trl():
                            "torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), num_items_in_batch=2).item())") == ["-1.0"]
 
 
+def test_the_switch_imports_without_trl_and_needs_it_when_used():
+    """``from kl_kernels.integrations.trl import patch`` works without TRL (GRPOTrainer is made on first access);
+    asking for GRPOTrainer then raises TRL's ImportError."""
+    code = ("from kl_kernels.integrations.trl import patch, TRLFallbackWarning\n"
+            "import kl_kernels.integrations.trl as kt\n"
+            "try:\n    kt.GRPOTrainer\nexcept ImportError as e:\n    print(type(e).__name__, e.name)")
+    assert printed_without("trl", code) == ["ModuleNotFoundError", "trl"]
+
+
 def _masks_batch(seed: int, b: int = 6, t: int = 12):
     """float32 [B, T] inputs with an empty row, off-policy old log-probs and positive entropies (with gradient)."""
     g = torch.Generator().manual_seed(seed)
