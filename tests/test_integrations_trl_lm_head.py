@@ -266,10 +266,12 @@ def test_num_items_in_batch_and_generation(lh):
     assert torch.equal(out, model.generate(ids[1:, :6], max_new_tokens=3, do_sample=False))
 
 
-@pytest.mark.parametrize("case", ["outputs", "moe"])
+@pytest.mark.parametrize("case", ["outputs", "moe", "zero_scale"])
 def test_what_ours_does_not_compute_stays_trls_with_one_warning(lh, case):
     if case == "outputs":
         model, outputs, option = _qwen2(), ("log_probs", "entropy", "is_top1"), "is_top1"
+    elif case == "zero_scale":  # TRL keeps a 0.0 scale (every logit 0); kl_kernels takes a scale > 0
+        model, outputs, option = _cohere(scale=0.0), ("log_probs", "entropy"), "logit scale 0.0"
     else:
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
