@@ -263,3 +263,16 @@ def test_token_weights_and_entropy_bonus_equal_trls(loss_type, level, case, seed
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6 * (y.abs().max().item() + 1e-3), msg=name)
     # TRL's entropy metric (a masked token mean) from the call's by-product
     assert math.isclose(out.entropy_mean.item(), metrics["train"]["entropy"][0], rel_tol=1e-5)
+
+
+def test_the_docs_option_table_names_every_option_the_switch_reads():
+    """python_api/integrations.md's TRL option table and kl_kernels.integrations.trl.options say the same: each
+    option the switch reads (or leaves to the loss types that are TRL's path) is named in the docs' table."""
+    from conftest import REPO
+    from kl_kernels.integrations.trl import options
+
+    text = (REPO / "python_api" / "integrations.md").read_text()
+    section = text[text.index("## TRL (1.16.0)"):]
+    section = section[:section.index("\n## ", 1)]
+    for name in list(options.FUSED) + list(options.TRL_LOSS_ONLY):
+        assert f"`{name}`" in section, f"GRPOConfig.{name} is read by the switch but not in the docs' TRL table"
