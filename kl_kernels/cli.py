@@ -125,7 +125,6 @@ def _one_line(text: str, width: int = 160) -> str:
 
 def cmd_bench(args) -> int:
     import os
-    import textwrap
     import time
     import warnings
 
@@ -229,8 +228,7 @@ def cmd_bench(args) -> int:
     if args.details:
         print((out / "tables.txt").read_text())
     print((out / "summary.txt").read_text(), end="")
-    files = sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".csv", ".png", ".txt"))
-    print(textwrap.fill(f"Files: {', '.join(files)}", 100, subsequent_indent="  "))
+    print("Files: summary.txt (this), tables.txt (every row), results.json/.csv (every number), results.png")
     print(f"Results in {out.resolve()}/ ({time.perf_counter() - started:.0f} s)")
     return 0
 

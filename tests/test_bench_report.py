@@ -93,10 +93,14 @@ def test_a_row_above_its_copy_or_with_a_wide_spread_is_flagged_and_marked():
     lines = report.table([fast, noisy, calm], "t").splitlines()
     assert "130%!" in lines[3] and "1.000!" in lines[4] and "!" not in lines[5]
     assert lines[-2].startswith("  ! kl_reward[cpu] (packed): 130%") and "rounds spread" in lines[-1]
-    # a copy at a quarter of the machine's bandwidth: a loaded machine, and the rows' % copy rest on it
+    # a copy at under a quarter of the machine's bandwidth: a loaded machine, the rows' times flagged with it
     slow_copy, row = dict(copy, gbs=4.0, flag=None), dict(calm, flag=None)
     flags.flag_table([slow_copy, row], machine_copy_gbs=25.0)
-    assert "a loaded machine" in slow_copy["flag"] and "flagged copy" in row["flag"]
+    assert "a loaded machine" in slow_copy["flag"] and "a loaded machine" in row["flag"] and flags.mark(row) == "!"
+    # a copy whose rounds spread: the rows' % copy rest on it (their % cell marked, not their ms)
+    noisy_copy, row = dict(copy, round_ms=[1.0] * 5 + [3.0] * 5, flag=None), dict(calm, flag=None)
+    flags.flag_table([noisy_copy, row], machine_copy_gbs=25.0)
+    assert "flagged copy" in row["flag"] and flags.mark(row, "pct") == "!" and not flags.mark(row)
 
 
 def test_result_rows_and_allocator_runs_are_flagged():

@@ -268,10 +268,10 @@ def slower(sel: list[dict]) -> list[dict]:
         if not faster:
             continue
         best = min(faster, key=lambda o: o["ms"])
-        why = next((r for mine, theirs, r in KNOWN_REASONS if mine in g["name"] and theirs in best["name"]),
-                   "per-call overhead at a sub-millisecond size, or a noisy machine" if g["ms"] < SMALL_MS
-                   else "cause not known")
-        found.append(dict(row=g, other=best, why=why))
+        why = next((r for mine, theirs, r in KNOWN_REASONS if mine in g["name"] and theirs in best["name"]), None)
+        found.append(dict(row=g, other=best, known=why is not None, why=why or (
+            "per-call overhead at a sub-millisecond size, or a noisy machine" if g["ms"] < SMALL_MS
+            else "cause not known")))
     return found
 
 
@@ -287,8 +287,9 @@ def notes(groups: list[dict]) -> tuple[list[str], list[str], list[str]]:
         for s in slower(sel):
             g, o = s["row"], s["other"]
             mark = flags.mark(g) or flags.mark(o)
-            slow += _wrapped(f"- {_where(g)}: {g['name']} {ms_text(g['ms'])}{mark} ms vs {o['name']} "
-                             f"{ms_text(o['ms'])} ms: {s['why']}")
+            line = f"- {_where(g)}: {g['name']} {ms_text(g['ms'])}{mark} ms vs {o['name']} {ms_text(o['ms'])} ms"
+            # (a known reason may take a second line; "not known" and the small-size guess stay on one)
+            slow += _wrapped(f"{line}: {s['why']}") if s["known"] else [_short(line, WIDTH)]
         for g in sel:
             if g.get("error"):
                 not_run.append(_short(f"- {_where(g)}: {g['name']}: {g['error']}", WIDTH))
@@ -298,12 +299,12 @@ def notes(groups: list[dict]) -> tuple[list[str], list[str], list[str]]:
 
 
 _FLAG_KINDS = (  # (what a reason starts with or holds, how the summary names the kind)
-    ("% of a same-bytes copy", "above its same-bytes copy after a re-time (the copy's stores read each line "
-                               "first; a kernel's fills and streamed stores do not)"),
+    ("% of a same-bytes copy", "above its same-bytes copy after a re-time"),
     ("faster than the copy floor", "faster than its copy floor"),
     ("rounds spread", "rounds spread > 2x (a loaded machine's scheduler)"),
     ("apart under the two allocators", "the two allocator runs > 4x apart with alike page faults"),
-    ("copy", "% copy against a copy that was itself flagged (a loaded machine)"),
+    ("a loaded machine", "a loaded machine (its table's copy under a quarter of the machine's bandwidth)"),
+    ("flagged copy", "% copy against a copy whose own rounds spread"),
 )
 
 
@@ -327,9 +328,8 @@ def _flag_lines(flagged: list[dict]) -> list[str]:
 
 
 LEGEND = [
-    "ms: median per call (contenders alternate in shuffled rounds). x eager, x compile: speed-up over the",
-    "table's eager baseline and torch.compile. % copy: bandwidth over a same-bytes copy timed in the same",
-    f"rounds (the bytes the op must move). {flags.MARK}: flagged, not a result. tables.txt: every row.",
+    "ms: median per call. x eager, x compile: speed-up over the table's eager baseline and torch.compile.",
+    f"% copy: bandwidth over a same-bytes copy timed in the same rounds. {flags.MARK}: flagged, not a result.",
 ]
 
 

@@ -78,13 +78,13 @@ class Context:
 # Rounds per table in the full run (each round times every contender once, in a shuffled order), within a budget
 # of 3 s per contender: a median of 10 moved by +-15% between runs on the 2-core CI VM.
 FULL_REPEATS, FULL_BUDGET_S = 30, 3.0
-# The default run: one size, one allocator, 12 rounds in at most 0.5 s per contender: ~2 minutes on 2 cores.
-DEFAULT_REPEATS, DEFAULT_BUDGET_S = 12, 0.5
+# The default run: one size, one allocator, 10 rounds in at most 0.3 s per contender: ~2 minutes on 2 cores.
+DEFAULT_REPEATS, DEFAULT_BUDGET_S = 10, 0.3
 
 
 def plan(*, full: bool = False, quick: bool = False, sizes=None, malloc: str | None = None,
          with_compile: bool = True) -> Plan:
-    """The run's plan. Default: ``medium`` only, glibc's default allocator (a user's process), 12 rounds,
+    """The run's plan. Default: ``medium`` only, glibc's default allocator (a user's process), 10 rounds,
     token_logprobs at N = 256, V = 32768 and the hidden-state path at N = 256, H = 128, V = 8192, all in this
     process. ``full``: ``medium`` and ``large``, both allocators, 30 rounds, N = 2048 log-prob sizes in own
     processes. ``quick``: ``small`` and ``medium``, 3 rounds (a smoke run). ``sizes``/``malloc`` override."""
