@@ -287,6 +287,50 @@ def test_what_ours_does_not_compute_stays_trls_with_one_warning(lh, case):
         assert torch.equal(getattr(o_o, name), getattr(o_t, name)), name
 
 
+_DTENSOR_SCRIPT = """
+import gc, warnings
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import test_integrations_trl_lm_head as t
+from kl_kernels.integrations import trl_lm_head as lh
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+theirs, ours, fused, _ = t._pair(lh, t._qwen2())
+assert fused
+for m in (theirs, ours):  # FSDP2 shards the head's parameters as DTensors after the head is added
+    m.lm_head.weight = torch.nn.Parameter(distribute_tensor(m.lm_head.weight.detach(), mesh, [Shard(0)]))
+ids, am, labels = t._batch(8)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    want = t._forward(theirs, ids, am, labels)
+    got = [t._forward(ours, ids, am, labels) for _ in range(2)]
+mine = [str(w.message) for w in caught if issubclass(w.category, lh.LMHeadFallbackWarning)]
+assert len(mine) == 1 and "DTensor" in mine[0], mine
+assert all(torch.equal(g.log_probs, want.log_probs) and torch.equal(g.entropy, want.entropy) for g in got)
+del theirs, ours, want, got, caught
+gc.collect()
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+def test_an_fsdp2_dtensor_head_stays_trls_with_one_warning(lh):
+    """A DTensor head (FSDP2, found at the call): TRL's head gathers it; ours hands the call to TRL's head, warning
+    once. In a child process: a one-rank gloo group, its lifetime kept out of the test process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch.distributed.tensor")
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_peft_model(lh):
     """A LoRA-wrapped policy as TRL's trainer has it: the head added to the base model, called through the
     PeftModel, with the adapters on (policy) and off (TRL's reference under PEFT); gradients to the adapters."""
