@@ -14,19 +14,20 @@ KEYS = {"contender", "task", "n", "hidden", "vocab", "dtype", "ms", "peak_extra_
 
 
 def test_smoke_on_cpu(tmp_path):
-    rows = hs.main(["--device", "cpu", "--sizes", "32:8:40", "--contenders", "ours", "eager", "verl", "liger",
-                    "--repeats", "1", "--out", str(tmp_path)])
+    rows = hs.main(["--device", "cpu", "--sizes", "32:8:40", "--contenders", "ours", "eager", "verl", "verl_torch",
+                    "liger", "--repeats", "1", "--out", str(tmp_path)])
     written = json.loads((tmp_path / "hidden_states.json").read_text())
     assert [r["contender"] for r in written] == [r["contender"] for r in rows]
     got = {(r["task"], r["contender"]): r for r in written}
-    assert set(got) == {("logprobs", "ours"), ("logprobs", "eager"), ("logprobs", "verl"), ("grpo_loss", "ours"),
-                        ("grpo_loss", "eager"), ("grpo_loss", "liger")}
+    assert set(got) == {("logprobs", "ours"), ("logprobs", "eager"), ("logprobs", "verl"), ("logprobs", "verl_torch"),
+                        ("logprobs", "liger"), ("grpo_loss", "ours"), ("grpo_loss", "eager"), ("grpo_loss", "liger")}
     for key, r in got.items():
         assert KEYS <= set(r), key
         assert (r["n"], r["hidden"], r["vocab"], r["dtype"]) == (32, 8, 40, "bfloat16")
         assert r["machine"]["device"] == "cpu"
     assert "unavailable" in got["logprobs", "verl"] and got["logprobs", "verl"]["ms"] is None
-    for key in (("logprobs", "ours"), ("logprobs", "eager"), ("grpo_loss", "ours"), ("grpo_loss", "eager")):
+    peers_here = [k for k in (("logprobs", "verl_torch"), ("logprobs", "liger")) if "unavailable" not in got[k]]
+    for key in [("logprobs", "ours"), ("logprobs", "eager"), ("grpo_loss", "ours"), ("grpo_loss", "eager")] + peers_here:
         r = got[key]
         assert r["ms"] > 0
         # bf16 against the float32 computation: close, and not trivially zero (a real comparison)
@@ -148,6 +149,24 @@ def test_verl_imports_where_its_heavy_dependencies_are_absent():
              "    if name.partition('.')[0] in absent else find(name, path, target))\n"
              "assert importlib.util.find_spec('tensordict') is None\n"
              "from kl_kernels.bench import hidden_states as hs\n"
-             "print(hs._verl_logprobs())\n")
+             "print(hs.peer_logprobs('verl'), hs.peer_logprobs('verl_torch'))\n")
     p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_cpu_bench_has_a_row_for_every_verl_route():
+    """kl_kernels.bench.linear_logprobs (the CPU bench of the default `kl-kernels bench` run): verl's torch route
+    and Liger's fused linear cross-entropy (verl's "liger" route) are timed; verl's Triton route is a row saying why
+    it cannot run on a CPU, never silently absent."""
+    import importlib.util
+
+    from kl_kernels.bench import linear_logprobs as ll
+
+    assert {"verl[torch]", "verl[triton]", "liger[ce]"} <= set(ll.CONTENDERS)
+    rows = {name: ll.measure_one(name, 16, 8, 40, "float32", 1) for name in ("verl[torch]", "verl[triton]", "liger[ce]")}
+    assert "CUDA" in rows["verl[triton]"]["error"] and "ms" not in rows["verl[triton]"]
+    for name, module in (("verl[torch]", "verl"), ("liger[ce]", "liger_kernel")):
+        if importlib.util.find_spec(module) is None:
+            assert "not installed" in rows[name]["error"]
+        else:
+            assert rows[name]["ms"] > 0 and "error" not in rows[name], rows[name]

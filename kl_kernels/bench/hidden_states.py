@@ -9,7 +9,10 @@ upstream gradients of a weighted sum ``sum(u * log_probs + u2 * entropy)``:
 * ``compile``: ``torch.compile`` of that;
 * ``verl``: verl's fused kernel, ``verl.utils.kernel.linear_cross_entropy`` (verl 0.9.1, installed with
   ``--no-deps``; its import chain's ray/transformers/codetiming/tensordict are stubbed when absent, as
-  tests/peers.py does); reported as unavailable, with the reason, where it cannot run.
+  tests/peers.py does); reported as unavailable, with the reason, where it cannot run;
+* ``verl_torch``: verl's torch route, ``FusedLinearForPPO`` (``fused_kernels_backend="torch"``);
+* ``liger``: Liger-Kernel 0.8.5's fused linear cross-entropy with entropy (verl's ``"liger"`` route,
+  ``LigerFusedLinearScaledCrossEntropyFunction``).
 
 task ``grpo_loss``: a GRPO step from hidden states, policy and reference heads, ``B = 8`` sequences of
 ``T = N / 8`` tokens, k3 KL to the reference (beta 0.04), clip 0.2, per-sequence token means (Liger's
@@ -66,7 +69,7 @@ from .timing import measure, measure_interleaved
 ACCEPTANCE = (8192, 4096, 128256)
 GRID = tuple((n, h, v) for n in (4096, 16384) for h in (4096, 8192) for v in (32000, 128256, 151936))
 # (compile last: its first step, a compile, is the longest; a spent --budget-s skips it before the rest)
-LOGPROBS = ("ours", "eager", "verl", "compile")
+LOGPROBS = ("ours", "eager", "verl", "verl_torch", "liger", "compile")
 GRPO = ("ours", "eager", "liger")
 SEQUENCES = 8
 BETA, CLIP = 0.04, 0.2
@@ -89,23 +92,47 @@ def _ours_logprobs(h, w, labels):
     return out.log_probs, out.entropy
 
 
-def _verl_logprobs():
-    """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction)`` as ``(h, w, labels) ->
-    (log_probs, entropy)``, or raises ImportError/RuntimeError saying why it cannot run here."""
+def _verl_module(name):
     if importlib.util.find_spec("verl") is None:
         raise ImportError("verl is not installed (pip install --no-deps verl==0.9.1)")
     # (verl's package imports these at import time, verl.protocol tensordict among them; the GPU machine's image
-    # has none of them but transformers; the kernel uses none)
+    # has none of them but transformers; the kernels use none)
     with peer_stubs.stubbed(("ray", "transformers", "codetiming", "tensordict")):
-        mod = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
-    fn = mod.linear_cross_entropy
+        return importlib.import_module(name)
 
-    def run(h, w, labels):
-        if h.device.type != "cuda":
-            raise RuntimeError("verl's fused kernel is Triton for CUDA tensors only")
-        lp, ent = fn(h, w, labels, 1.0, "none")
-        return lp, ent
-    return run
+
+def peer_logprobs(name, temperature=1.0):
+    """A peer's per-token log-probs and entropy from hidden states, as ``(h [N, H], w [V, H], labels [N]) ->
+    (log_probs, entropy)`` of ``softmax(h @ w.T / temperature)``, or raises ImportError/RuntimeError saying why it
+    cannot run here. The routes verl's ``use_fused_kernels=True`` offers:
+
+    * ``"verl"``: ``fused_kernels_backend="triton"``, ``verl.utils.kernel.linear_cross_entropy`` (NVIDIA's Triton
+      kernel; CUDA tensors only);
+    * ``"verl_torch"``: ``"torch"``, ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (torch, chunks
+      of 512 tokens, logits recomputed in backward; any device);
+    * ``"liger"``: ``"liger"``, Liger-Kernel 0.8.5's ``LigerFusedLinearScaledCrossEntropyFunction`` (its SM90
+      kernel on an H100/H200, its torch fallback elsewhere), called as verl calls it."""
+    if name == "verl":
+        fn = _verl_module("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
+
+        def run(h, w, labels):
+            if h.device.type != "cuda":
+                raise RuntimeError("verl's fused kernel is Triton for CUDA tensors only")
+            return fn(h, w, labels, float(temperature), "none")
+        return run
+    if name == "verl_torch":
+        fused = _verl_module("verl.utils.experimental.torch_functional").FusedLinearForPPO(impl_backend="torch")
+        return lambda h, w, labels: fused(h, w, labels, temperature)
+    if name == "liger":
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ImportError("liger-kernel is not installed (pip install --no-deps liger-kernel==0.8.5)")
+        from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction as liger_fn
+
+        def run(h, w, labels):
+            nll, entropy = liger_fn.apply(h, w, labels, temperature, -100, 1, True)[:2]
+            return -nll, entropy
+        return run
+    raise ValueError(f"unknown peer {name!r}")
 
 
 def _logprobs_fn(name):
@@ -115,8 +142,8 @@ def _logprobs_fn(name):
         return _eager_logprobs
     if name == "compile":
         return torch.compile(_eager_logprobs)
-    if name == "verl":
-        return _verl_logprobs()
+    if name in ("verl", "verl_torch", "liger"):
+        return peer_logprobs(name)
     raise ValueError(f"unknown logprobs contender {name!r}")
 
 
@@ -326,6 +353,7 @@ def head_gemms(task: str, contender: str, device) -> int | None:
     (2 GiB in bf16 at the issue's size: more than its 1.5 GiB bound) nor a float32 ``[V, H]`` accumulator
     (2 GiB): 4, and 5 in the GRPO step on a GPU (two passes; one pass on the CPU: 4)."""
     counts = {("logprobs", "eager"): 3, ("logprobs", "compile"): 3, ("logprobs", "ours"): 4,
+              ("logprobs", "verl_torch"): 4,  # (its source: each chunk's logits in forward, again in backward)
               ("grpo_loss", "eager"): 4, ("grpo_loss", "ours"): 5 if torch.device(device).type == "cuda" else 4}
     return counts.get((task, contender))
 

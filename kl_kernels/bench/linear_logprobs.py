@@ -7,7 +7,11 @@ each contender in a fresh process, side by side in one run:
 * ``compile``: ``torch.compile`` of that;
 * ``linear_token_logprobs[cpu]``: the chunked path (``kl_kernels.linear_token_logprobs``: one chunk of
   logits at a time, the fused CPU row kernel, recomputed in backward);
-* ``linear_token_logprobs[torch]``: the same with the chunked torch row math.
+* ``linear_token_logprobs[torch]``: the same with the chunked torch row math;
+* the routes of verl 0.9.1's ``use_fused_kernels=True`` (:func:`kl_kernels.bench.hidden_states.peer_logprobs`):
+  ``verl[torch]`` (``FusedLinearForPPO``: chunks of 512 tokens, logits recomputed in backward), ``verl[triton]``
+  (its Triton kernel: CUDA only, a row saying so here) and ``liger[ce]`` (Liger-Kernel 0.8.5's fused linear
+  cross-entropy with entropy, verl's ``"liger"`` route: its torch fallback on the CPU).
 
 With ``--task loss``: a whole GRPO loss step from hidden states (policy and reference, k3 KL with beta =
 0.04, clip 0.2, TRL's "grpo" aggregation, 8 sequences), forward + backward to the policy's hidden states and
@@ -41,7 +45,9 @@ from .timing import measure
 from .token_logprobs import _reset_peak, _status_mib
 
 DEFAULT_SIZES = ((2048, 512, 32768), (8192, 512, 131072))
-CONTENDERS = ("eager", "compile", "linear_token_logprobs[cpu]", "linear_token_logprobs[torch]")
+CONTENDERS = ("eager", "compile", "linear_token_logprobs[cpu]", "linear_token_logprobs[torch]", "verl[torch]",
+              "verl[triton]", "liger[ce]")
+PEERS = {"verl[torch]": "verl_torch", "verl[triton]": "verl", "liger[ce]": "liger"}  # -> hidden_states.peer_logprobs
 LOSS_CONTENDERS = ("eager loss", "liger", "linear_kl_penalty_loss[cpu]", "linear_kl_penalty_loss[cpu] two passes")
 SEQUENCES = 8
 TEMPERATURE = 0.7
@@ -125,6 +131,13 @@ def measure_one(name: str, n: int, hid: int, vocab: int, dtype: str, repeats: in
         weight = (torch.randn(vocab, hid) / hid ** 0.5).to(getattr(torch, dtype))
         labels = torch.randint(0, vocab, (n,))
         fn = torch.compile(_eager) if name == "compile" else _eager
+        if name in PEERS:
+            from .hidden_states import peer_logprobs
+
+            try:
+                fn = peer_logprobs(PEERS[name], TEMPERATURE)
+            except (ImportError, RuntimeError) as e:  # a row saying why, never silently absent
+                return dict(row, error=f"{type(e).__name__}: {e}")
 
         def step():
             _step(name, hidden, weight, labels, fn)
