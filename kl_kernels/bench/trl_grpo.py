@@ -202,9 +202,10 @@ def step_function(name: str, x: dict, trl=None, keep: list | None = None):
             labels = x["labels"][:, 1:]
             old = torch.zeros(labels.shape, device=labels.device)
             old[:, -c:] = x["old"]
-            loss = linear_kl_penalty_loss(h[:, :-1], w, labels, old, x["advantages"], ref_hidden=x["ref_hidden"][:, :-1],
-                                          ref_weight=x["ref_weight"], temperature=TEMPERATURE, beta=BETA,
-                                          estimator="k3", clip_epsilon=EPSILON, aggregation="seq-mean-token-mean").loss
+            loss = linear_kl_penalty_loss(h[:, :-1], w, labels, old, x["advantages"],
+                                          ref_hidden=x["ref_hidden"][:, :-1], ref_weight=x["ref_weight"],
+                                          temperature=TEMPERATURE, beta=BETA, estimator="k3", clip_epsilon=EPSILON,
+                                          aggregation="seq-mean-token-mean").loss
         else:
             head_name, loss_name = ("trl", "trl") if name == "trl" else \
                 [part.split()[0] for part in name.split(" + ")]
