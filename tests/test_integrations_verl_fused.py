@@ -121,11 +121,11 @@ def oracle(model, inputs, temperature):
     return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-CASES = [(backend, dtype, layout, temperature)
+CASES = [(backend, dtype, layout, temperature)  # (temperature 1 on one layout: the same path, T = 1 exactly)
          for backend in ("torch", "triton")
          for dtype in ("float32", "bfloat16", "autocast")
          for layout in ("padded", "labels", "shift_labels", "packed")
-         for temperature in (1.0, 0.7)]
+         for temperature in ((1.0, 0.7) if layout == "padded" else (0.7,))]
 
 
 @pytest.mark.parametrize("backend, dtype, layout, temperature", CASES,

@@ -169,3 +169,38 @@ def test_registered_policy_loss_in_verls_ppo_loss():
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "kl_loss"):
         assert float(got_m[key]) == pytest.approx(float(want_m[key]), rel=2e-6, abs=1e-7), key
     torch.testing.assert_close(got_g, want_g, rtol=0, atol=1e-6 * want_g.abs().max().item())
+
+
+def test_patch_turns_every_switch_on_all_or_nothing(monkeypatch):
+    """kv.patch(), the one call of the docs (Ray's setup hook): every switch on and the loss registered; unpatch()
+    turns them off; and when one switch cannot be turned on (verl's trainer module does not import), none stays on."""
+    import importlib
+
+    losses = peers.verl_losses()
+    from verl.trainer.ppo import core_algos
+    from verl.utils.experimental import torch_functional as tf
+    from verl.utils.kernel import linear_cross_entropy as lce
+
+    name = "verl.trainer.ppo.ray_trainer"
+    before = (tf.FusedLinearForPPO, lce.linear_cross_entropy, losses.kl_penalty)
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        with pytest.raises(ImportError, match="patch_kl_reward"):
+            kv.patch()
+        assert (tf.FusedLinearForPPO, lce.linear_cross_entropy, losses.kl_penalty) == before  # nothing left on
+        stand_in = types.ModuleType(name)
+        stand_in.apply_kl_penalty = peers.verl_apply_kl_penalty()
+        monkeypatch.setitem(sys.modules, name, stand_in)
+    trainer = sys.modules[name]
+    verl_apply = trainer.apply_kl_penalty
+    try:
+        kv.patch()
+        assert tf.FusedLinearForPPO is kv.FusedLinearForPPO and lce.linear_cross_entropy is kv.linear_cross_entropy
+        assert losses.kl_penalty is kv.kl_penalty and trainer.apply_kl_penalty is kv.apply_kl_penalty
+        assert core_algos.get_policy_loss_fn("kl_kernels") is kv.compute_policy_loss_vanilla
+        kv.patch()  # a second call (another hook run): nothing changes
+    finally:
+        kv.unpatch()
+    assert (tf.FusedLinearForPPO, lce.linear_cross_entropy, losses.kl_penalty) == before
+    assert trainer.apply_kl_penalty is verl_apply

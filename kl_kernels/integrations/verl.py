@@ -513,11 +513,19 @@ def patch() -> None:
     ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_kernels``). verl's workers and its trainer's ``TaskRunner``
     are Ray actors: run it in each through Ray's setup hook, from verl's own config,
     ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=kl_kernels.integrations.verl.patch``.
-    :func:`unpatch` turns the three switches off (the registered name stays)."""
-    patch_fused_kernels()
-    patch_kl_loss()
-    patch_kl_reward()
-    register()
+    :func:`unpatch` turns the three switches off (the registered name stays). All or nothing: when one switch
+    cannot be turned on, those this call turned on are turned off again before the error propagates."""
+    made = []
+    try:
+        for switch in (patch_fused_kernels, patch_kl_loss, patch_kl_reward):
+            handle = switch()
+            if handle.made:
+                made.append(handle.name)
+        register()
+    except BaseException:
+        for name in made:
+            _SWITCHES.undo(name)
+        raise
 
 
 def unpatch() -> None:
