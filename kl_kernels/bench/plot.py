@@ -52,7 +52,7 @@ def draw(groups: list[dict], machine: dict):
         sel = [g for g in groups if g["table"] == t]
         return sum(1 for g in sel if g.get("x_eager")) + 0.8 * sum(1 for g in sel if g.get("error"))
     heights = [0.34 * max(slots(t) for t in titles[i:i + cols]) + 1.4 for i in range(0, len(titles), cols)]
-    fig, axes = plt.subplots(rows_n, cols, figsize=(15, sum(heights) + 0.5), squeeze=False,
+    fig, axes = plt.subplots(rows_n, cols, figsize=(15, sum(heights) + 0.5), squeeze=False, dpi=90,
                              gridspec_kw=dict(height_ratios=heights))
     for ax in axes.flat[len(titles):]:
         ax.set_visible(False)
@@ -103,10 +103,11 @@ def _fit_labels(fig, tries: int = 8) -> None:
             box = ax.get_window_extent(renderer)
             right = max((t.get_window_extent(renderer).x1 for t in ax.texts if t.get_gid() == "bar-label"),
                         default=box.x1)
-            if right <= box.x1 - 6:
+            margin = 0.03 * (box.x1 - box.x0)  # (the saved PNG's dpi renders text a little wider or narrower)
+            if right <= box.x1 - margin:
                 break
             lo, hi = ax.get_xlim()
-            need = (right - box.x0 + 12) / max(box.x1 - box.x0, 1.0)  # the axis must be this much wider
+            need = (right - box.x0 + 2 * margin) / max(box.x1 - box.x0, 1.0)  # the axis must be this much wider
             if ax.get_xscale() == "log":
                 ax.set_xlim(lo, lo * (hi / lo) ** need)
             else:
@@ -150,6 +151,6 @@ def plot(out_dir: Path) -> Path | None:
     if fig is None:
         return None
     path = out_dir / "results.png"
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=fig.dpi)  # (the dpi the labels were fitted at)
     plt.close(fig)
     return path
