@@ -54,11 +54,14 @@ PEER_PIP = (
 # --------------------------------------------------------------------------------------------- import
 
 
-def _require(peer, dist_modules):
+LANE = "not in the suite's virtualenv: .ci/lane-verl runs these tests"
+
+
+def _require(peer, dist_modules, hint=None):
     """Skip unless the peer's own package and its small real dependencies are installed."""
     absent = [m for m in dist_modules if importlib.util.find_spec(m) is None]
     if absent:
-        pytest.skip(f"{peer} not installed: no module {', '.join(absent)} (install with: {PEER_PIP})")
+        pytest.skip(f"{peer} not installed: no module {', '.join(absent)} ({hint or 'install with: ' + PEER_PIP})")
 
 
 def _import(peer, module, real, stubs):
@@ -121,7 +124,7 @@ def verl_monkey_patch():
     """verl.models.transformers.monkey_patch (verl 0.9.1): apply_monkey_patch, which routes a Hugging Face model's
     forward through verl's fused kernels. Needs transformers really installed (the verl lane, .ci/lane-verl: a
     stub cannot build a model); skipped without it. ray and codetiming are stubbed only where absent."""
-    _require("verl's model patch", ("transformers",))
+    _require("verl's model patch", ("transformers",), LANE)
     return _import("verl", "verl.models.transformers.monkey_patch", _VERL_REAL, ("ray", "codetiming"))
 
 
@@ -135,7 +138,7 @@ def verl_losses():
     """verl.workers.utils.losses (verl 0.9.1): ppo_loss, the actor's loss (policy loss from the registry, entropy
     and KL terms). Its import chain reaches verl.utils.dataset, which imports `datasets` (the verl lane,
     .ci/lane-verl, installs it); skipped without it."""
-    _require("verl's actor losses", ("datasets",))
+    _require("verl's actor losses", ("datasets",), LANE)
     return _import("verl", "verl.workers.utils.losses", _VERL_REAL, _VERL_STUBS)
 
 
@@ -177,7 +180,7 @@ def openrlhf_module(name):
     trainer's chain also imports tqdm (progress bars), which the suite's virtualenv lacks: skipped there, run in the
     verl lane."""
     if name.startswith("openrlhf.trainer") or name.startswith("openrlhf.utils"):
-        _require("OpenRLHF's trainer modules", ("tqdm",))
+        _require("OpenRLHF's trainer modules", ("tqdm",), LANE)
     return _import("openrlhf", name, _OPENRLHF_REAL, _OPENRLHF_TRAINER_STUBS)
 
 
@@ -185,7 +188,7 @@ def openrlhf_actor():
     """openrlhf.models.actor (OpenRLHF 0.11.2): Actor, whose forward computes the policy's log-probs and entropy.
     Needs transformers and peft really installed (the verl lane, .ci/lane-verl: a stub cannot build a model);
     skipped without them."""
-    _require("OpenRLHF's Actor", ("transformers", "peft"))
+    _require("OpenRLHF's Actor", ("transformers", "peft"), LANE)
     return _import("openrlhf", "openrlhf.models.actor", _OPENRLHF_REAL, _OPENRLHF_TRAINER_STUBS)
 
 
