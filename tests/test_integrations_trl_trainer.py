@@ -71,6 +71,8 @@ FALLBACK = {
     "sapo": (dict(loss_type="sapo"), "loss_type='sapo'"),
     "vespo": (dict(loss_type="vespo"), "loss_type='vespo'"),
     "delta-below": (dict(delta=1.1), "delta=1.1"),
+    # the dual clip still, but TRL counts high clips after capping the ratio at delta: never, at 1 + epsilon_high
+    "delta-at-1+epsilon_high": (dict(delta=1.28), "delta=1.28 equal to 1 + epsilon_high"),
     "gspo-bias-corrected-kl": (dict(loss_type="luspo", importance_sampling_level="sequence"),
                                "use_bias_correction_kl=True with beta != 0 and importance_sampling_level='sequence'"),
     "entropy-coef-with-top-entropy": (dict(entropy_coef=0.01, top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
@@ -279,6 +281,21 @@ def test_an_option_kl_kernels_does_not_know_goes_to_trl():
         trainer = _construct(GRPOTrainer, LaterConfig(**base, new_loss_knob=0.5))
     ours = [w for w in caught if "kl_kernels" in str(w.message)]
     assert trainer._kl_kernels_plan is None and len(ours) == 1 and "new_loss_knob=0.5" in str(ours[0].message)
+
+
+def test_another_trl_version_goes_to_trl(monkeypatch):
+    """The option table is TRL 1.16's: under another TRL version the trainer keeps TRL's loss, saying so."""
+    import trl
+    from trl import GRPOConfig
+
+    from kl_kernels.integrations.trl import GRPOTrainer
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _construct(GRPOTrainer, GRPOConfig(**dict(harness.BASE, output_dir="/tmp/unused")))
+    ours = [w for w in caught if "kl_kernels" in str(w.message)]
+    assert trainer._kl_kernels_plan is None and len(ours) == 1 and "TRL 1.17.0" in str(ours[0].message)
 
 
 def _construct(cls, args):
