@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from . import device_errors, value_checks
+from . import _extensions, device_errors, value_checks
 
 __all__ = ["INDEX_DTYPES", "check_offsets", "check_offset_values", "check_lengths", "check_length_values"]
 
@@ -42,9 +42,7 @@ def _int64_facts_cpu(v: torch.Tensor, plain: bool = False):
 
 @functools.lru_cache(maxsize=None)
 def _int64_facts_kernel():
-    from . import _extensions  # not at import time: importing must not need the extension
-
-    return _extensions.kernel("_C", "int64_facts")[0]
+    return _extensions.kernel("_C", "int64_facts")[0]  # (loads _C at the first check, not at import)
 
 
 # The integer dtypes index tensors (offsets, lengths, prompt_lens, labels) may have: int32 is what

@@ -108,3 +108,46 @@ def test_python_api_pages_name_every_public_symbol():
     for name in kl_kernels.__all__:
         if name != "__version__":
             assert name in text, f"{name} is public but undocumented in python_api/"
+
+
+README = REPO / "README.md"
+
+
+def _readme_first_screen() -> list[str]:
+    """The README's lines up to the end of its Quick start (the next heading after it)."""
+    lines = README.read_text().splitlines()
+    start = lines.index("## Quick start")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[:end]
+
+
+def test_the_readme_example_runs_and_prints_what_the_readme_shows():
+    """The README's one ```python block, run as a script, prints, and the README shows what it prints."""
+    blocks = BLOCK.findall(README.read_text())
+    assert len(blocks) == 1, "the README holds one example; the rest are python_api/ pages"
+    assert len(blocks[0].strip().splitlines()) <= 5
+    res = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    printed = " ".join(res.stdout.split())
+    assert printed and printed in " ".join(README.read_text().split()), printed
+
+
+def test_the_readme_first_screen_is_one_screen_with_two_commands():
+    """Issue 64: the first screen (to the end of the Quick start) under 60 lines, no line over 160 characters outside
+    code blocks; the Quick start's two commands: one runs the benchmark, the other the tests, and CI (.ci/run) runs
+    that test command."""
+    screen = _readme_first_screen()
+    assert len(screen) < 60, len(screen)
+    in_code, long = False, []
+    for number, line in enumerate(README.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and len(line) > 160:
+            long.append(f"README.md:{number}: {len(line)} characters")
+    assert not long, long
+    quick = "\n".join(screen[screen.index("## Quick start"):])
+    (block,) = re.findall(r"^```bash\n(.*?)^```", quick, re.S | re.M)
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2 and "kl-kernels bench" in commands[0], commands
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert any(line.strip().endswith(commands[1]) for line in ci), f".ci/run does not run {commands[1]!r}"
