@@ -260,6 +260,29 @@ def test_patch_on_a_constructed_trainer_and_a_subclass():
     _assert_identical(mine, stock)
 
 
+def test_tool_mask_matches_stock_trl():
+    """TRL's tool mask (tokens a tool wrote, out of the loss: ``completion_mask * tool_mask`` masks every term,
+    normaliser and metric). Tools need a chat model here; a subclass marks completion tokens 2-4 as a tool's,
+    as TRL's tool loop returns ``tool_mask``, and ``patch`` is applied to it (a subclass of TRL's trainer)."""
+    import trl
+
+    from kl_kernels.integrations.trl import patch
+
+    class WithToolTokens(trl.GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            tool_mask = torch.ones_like(out["completion_mask"])
+            tool_mask[:, 2:5] = 0
+            out["tool_mask"] = tool_mask
+            return out
+
+    stock = harness.run({}, trainer_cls=WithToolTokens)
+    ours = harness.run({}, trainer_cls=WithToolTokens, patch=patch)
+    assert ours.trainer._kl_kernels_plan is not None and not ours.warnings
+    _compare(ours, stock)
+    assert _differs(stock, _stock("dapo", _key(FUSED["dapo"])))
+
+
 def test_an_option_kl_kernels_does_not_know_goes_to_trl():
     """A GRPOConfig field outside kl_kernels' table (a later TRL's option; here a subclass's) set away from its
     default: TRL's loss, one warning naming it. At its default it changes nothing and the loss is fused."""
