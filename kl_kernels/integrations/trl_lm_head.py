@@ -145,22 +145,27 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     want_entropy = "entropy" in outputs
     text_config = model.config.get_text_config()
     backbone_attr = "base_model"
-    from packaging.version import Version
     import transformers
+    from packaging.version import Version
+
     if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
         backbone_attr = "model"  # (TRL's rule: older vision-language models expose their backbone as `model`)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without distributed tensors: no FSDP2 head either
+        DTensor = ()  # noqa: N806
     warned = []
 
     @functools.wraps(type(model).forward)
     def _kl_kernels_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
                             num_items_in_batch=None, **kwargs):
-        weight = self.get_output_embeddings().weight
-        if fused_lm_head and type(weight).__name__ == "DTensor":  # FSDP2's sharded head: TRL gathers it
+        trls = not fused_lm_head  # (TRL's non-fused path: the model's own forward)
+        if not trls and isinstance(self.get_output_embeddings().weight, DTensor):  # FSDP2: TRL's head gathers it
             if not warned:
                 warned.append(True)
                 _warn(self, "an FSDP2 (DTensor) LM head")
-            fused_lm_head = "trl"
-        if fused_lm_head is not True:
+            trls = True
+        if trls:
             return trl_forward(*args, fused_lm_head=bool(fused_lm_head), labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
