@@ -91,8 +91,10 @@ def test_bench_tiny_writes_results(tmp_path):
     assert {r["malloc"] for r in data["rows"]} == {"glibc default", data["rows"][-1]["malloc"]} != {"glibc default"}
     assert "kl_reward[cpu] out=" in impls
     tlp = {r["contender"]: r for r in json.loads((tmp_path / "token_logprobs.json").read_text())["rows"]}
-    assert set(tlp) == {"eager", "token_logprobs[torch]", "token_logprobs[cpu]", "token_logprobs[cpu]+inplace"}
+    assert set(tlp) == {"eager", "compile", "token_logprobs[torch]", "token_logprobs[cpu]",
+                        "token_logprobs[cpu]+inplace"}
     assert "--full" in tlp.pop("token_logprobs[torch]")["error"]  # not in the short runs, and it says so
+    assert "--quick" in tlp.pop("compile")["error"]
     # each row's copy floor timed in its own rounds
     assert all("error" not in r and r["ms"] > 0 and r["floor_ms"] > 0 and len(r["round_ms"]) == 3
                for r in tlp.values()), tlp
@@ -115,7 +117,7 @@ def test_bench_tiny_writes_results(tmp_path):
         if row["x_vs_baseline"] is not None:
             assert row["x_vs_baseline_p10"] <= row["x_vs_baseline_p90"]
         # above the copy: flagged, never shown as fact
-        assert row["pct_copy_bw"] <= 100 or "copy" in row["flag"]
+        assert row is floor or row["pct_copy_bw"] <= 100 or "of a same-bytes copy" in row["flag"]
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert len(rows) == len(data["rows"]) and "round_ms" not in rows[0] and "x_vs_compile_p90" in rows[0]
     # every table goes to tables.txt (both allocators); the screen gets one line per table (issue 64 item 2)

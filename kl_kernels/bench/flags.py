@@ -61,8 +61,9 @@ def flag_table(rows: list[dict], machine_copy_gbs: float | None = None) -> None:
         if s is not None and s > SPREAD:
             add(r, f"rounds spread {s:.1f}x (p90/p10 of its per-round ms)")
         if above_copy(r):
-            add(r, f"{r['pct_copy_bw']:.0f}% of a same-bytes copy after a re-time (a loaded machine's noise, or a "
-                   "kernel's streamed stores and fills, which skip the read of each line a copy's stores make)")
+            add(r, f"{r['pct_copy_bw']:.0f}% of a same-bytes copy" + (" after a re-time" if r.get("retimed") else "")
+                + " (a loaded machine's noise, or a kernel's streamed stores and fills, which skip the read of each "
+                  "line a copy's stores make)")
         # (a copy expected to take under 50 us at the machine's bandwidth is call overhead, not bandwidth)
         if r.get("impl") == COPY and machine_copy_gbs and r.get("gbs") and r["gbs"] < LOADED * machine_copy_gbs \
                 and r.get("mbytes", 0) * 1e6 / (machine_copy_gbs * 1e9) >= 50e-6:

@@ -33,6 +33,8 @@ def token_logprobs(ctx) -> list[dict]:
         rows = tlp.run([(n, vocab)], dtype, progress=ctx.progress)["rows"]
     else:
         skip = {} if ctx.plan.full else {k: v for k, v in DEFAULT_SKIPS.items() if k.startswith("token_logprobs")}
+        if ctx.plan.quick:
+            skip["compile"] = "not in --quick (its compile outlasts the rest of the run)"
         rows = tlp.run_here([(n, vocab)], dtype, ctx.device, with_compile=ctx.plan.with_compile,
                             progress=ctx.progress, skip=skip)
     for r in rows:

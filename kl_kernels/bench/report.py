@@ -199,7 +199,8 @@ def logprob_rows(result: dict, title: str) -> list[dict]:
                                                          title.split(" (")[0].split(",")[0])
         out.append(dict(table=title, short=_short(short, 26), size="", eager=base,
                         name=r["contender"], ms=ms, ms_other=None, x_eager=_ratio(by.get(base), ms),
-                        x_compile=_ratio(compiled, ms), pct_copy=None if floor is None or ms is None else 100 * floor / ms,
+                        x_compile=_ratio(compiled, ms),
+                        pct_copy=None if floor is None or ms is None else 100 * floor / ms,
                         peak_mib=r.get("peak_extra_mib"), error=r.get("error"), flag=r.get("flag"), ours=r.get("ours"),
                         impl=r["contender"], layout="", task=title))
     return out
@@ -299,7 +300,7 @@ def notes(groups: list[dict]) -> tuple[list[str], list[str], list[str]]:
 
 
 _FLAG_KINDS = (  # (what a reason starts with or holds, how the summary names the kind)
-    ("% of a same-bytes copy", "above its same-bytes copy after a re-time"),
+    ("% of a same-bytes copy", "above its same-bytes copy (re-timed once)"),
     ("faster than the copy floor", "faster than its copy floor"),
     ("rounds spread", "rounds spread > 2x (a loaded machine's scheduler)"),
     ("apart under the two allocators", "the two allocator runs > 4x apart with alike page faults"),
@@ -427,7 +428,8 @@ def details(out_dir: Path) -> str:
                 continue
             cells = [g["name"], ms_text(g["ms"]) + flags.mark(g)]
             cells += [ms_text(g["ms_other"])] if len(head) > 5 + peak else []
-            cells += [x_text(g["x_eager"]), x_text(g["x_compile"]), _num(g["pct_copy"], "{:.0f}%") + flags.mark(g, "pct")]
+            cells += [x_text(g["x_eager"]), x_text(g["x_compile"]),
+                      _num(g["pct_copy"], "{:.0f}%") + flags.mark(g, "pct")]
             cells += [_mib(g["peak_mib"]) if g.get("peak_mib") is not None else "-"] if peak else []
             body.append(cells)
         grid = _grid(head, body)

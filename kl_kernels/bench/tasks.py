@@ -56,6 +56,7 @@ class Plan:
     own_process: bool     # log-prob contenders each in its own process (clean memory peaks)
     with_compile: bool = True
     retime: bool = True   # re-time a table once where a row reads above its same-bytes copy
+    quick: bool = False   # the smoke run: no torch.compile of the log-prob steps (its compile outlasts the rest)
 
 
 @dataclass
@@ -92,7 +93,8 @@ def plan(*, full: bool = False, quick: bool = False, sizes=None, malloc: str | N
         p = Plan(True, ["medium", "large"], FULL_REPEATS, FULL_BUDGET_S, "both", (2048, 32768), (2048, 512, 32768),
                  True)
     elif quick:
-        p = Plan(False, ["small", "medium"], 3, 0.2, "default", (256, 8192), (256, 128, 4096), False, retime=False)
+        p = Plan(False, ["small", "medium"], 3, 0.2, "default", (256, 8192), (256, 128, 4096), False, retime=False,
+                 quick=True)
     else:
         p = Plan(False, ["medium"], DEFAULT_REPEATS, DEFAULT_BUDGET_S, "default", (256, 32768), (256, 128, 8192),
                  False)
