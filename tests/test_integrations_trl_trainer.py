@@ -36,12 +36,14 @@ def _trl_stack():
 
 
 # Agreement of the switch with stock TRL over the 4 steps (float32). Metrics: |ours - TRL| <= 1e-5 |TRL| + 1e-6.
-# Gradients: |ours - TRL| <= GRAD_RTOL * (the largest |TRL| gradient of that parameter), GRAD_RTOL 1e-5 (measured:
-# bitwise equal at step 1, <= 2e-6 at steps 2-4). With the entropy bonus the step-1 gradients differ by float32
-# rounding (~1.5e-7, the bonus's mean summed in another order) and AdamW's first update, ~lr * sign(g), turns
-# the rounding of near-zero entries into weight differences of ~lr: 2e-4 there (measured <= 5e-5).
+# Gradients: |ours - TRL| <= GRAD_RTOL * (the largest |TRL| gradient of that parameter), GRAD_RTOL 1e-5 (measured
+# on the torch and Triton-interpreter backends: bitwise equal at step 1, <= 2.3e-6 at steps 2-4). GRAD_RTOL_AMPLIFIED
+# 2e-4 where the run amplifies float32 rounding: with a static entropy bonus the step-1 gradients differ by ~1.5e-7
+# (the bonus's mean summed in another order) and AdamW's first update, ~lr * sign(g), turns the rounding of
+# near-zero entries into weight differences of ~lr (measured 4.9e-5 at steps 2-4); a MoE model's top-2 routing
+# turns step-2 weight differences of ~1e-7 into another expert for a token now and then (measured 2.8e-5).
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-GRAD_RTOL, GRAD_RTOL_ENTROPY_BONUS = 1e-5, 2e-4
+GRAD_RTOL, GRAD_RTOL_AMPLIFIED = 1e-5, 2e-4
 # Logged by TRL but not by the loss: identical by construction, except the wall time
 NOT_COMPARED = ("step_time",)
 
@@ -148,8 +150,9 @@ def test_fused_option_matches_stock_trl(name, record_property):
     if "model" in overrides:
         assert ours.trainer._kl_kernels_plan.aux_loss and "aux_loss" in stock.logs[0]
     assert not ours.warnings, [str(w.message) for w in ours.warnings]
-    bonus = overrides.get("entropy_coef", 0.0) != 0.0 and not overrides.get("use_adaptive_entropy")
-    worst = _compare(ours, stock, GRAD_RTOL_ENTROPY_BONUS if bonus else GRAD_RTOL)
+    amplified = (overrides.get("entropy_coef", 0.0) != 0.0 and not overrides.get("use_adaptive_entropy")
+                 or overrides.get("model") == "qwen2-moe")
+    worst = _compare(ours, stock, GRAD_RTOL_AMPLIFIED if amplified else GRAD_RTOL)
     record_property("max_abs_diff", worst)
     print(f"\n[{name}] largest |ours - TRL|: " + ", ".join(f"{k} {v:.2g}" for k, v in sorted(worst.items())))
     if overrides:  # the option acts: its stock gradients are not the base configuration's
