@@ -46,9 +46,20 @@ def test_summary_rows_carry_the_measured_ratios(folder):
     assert "[cpu]+inplace <1" in " ".join(lines)  # a peak of 0 MiB reads "<1", never "0 MiB"
 
 
+def test_a_folder_from_before_the_flags_is_read_with_todays_rules(folder):
+    """The committed runs from before issue 64 have no flags: their padded rows above the copy get one when
+    read, and the per-sample floor (no math), which moves no tensor data, has no % copy."""
+    groups, _, _ = report.load_groups(folder)
+    large = [g for g in groups if g["table"].startswith("kl_reward (TorchRL") and "large" in g["table"]]
+    above = {g["name"]: g for g in large if g["pct_copy"] and g["pct_copy"] > 100}
+    assert set(above) == {"kl_reward[cpu] (padded)", "kl_reward[cpu] out= (padded)"}
+    assert all("of a same-bytes copy" in g["flag"] for g in above.values())
+    assert all(g["pct_copy"] is None for g in groups if g["impl"].startswith("per-sample floor"))
+
+
 def test_summary_says_where_ours_is_slower_and_why(folder):
     text = report.summary(folder)
-    notes = " ".join(text[text.index("Where one of ours is slower"):].split())
+    notes = " ".join(text[text.index("Where one of ours is slower"):text.index("Flagged")].split())
     assert "linear_token_logprobs[cpu] 4459 ms vs compile 3026 ms" in notes and "4 N H V matmuls" in notes
     assert "kl_reward[cpu]" not in notes  # faster than every contender in its tables
 
