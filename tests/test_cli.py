@@ -130,7 +130,8 @@ def test_bench_tiny_writes_results(tmp_path):
     assert "x eager" in res.stdout and "x compile" in res.stdout and "% copy" in res.stdout
     # stderr: one progress line per task with its time (no warnings, no status lines when not a terminal)
     progress = res.stderr.splitlines()
-    assert progress and all(re.fullmatch(r"\[\d+/\d+\] .+ \(\d+ s\)", line) for line in progress), res.stderr
+    assert progress and all(re.fullmatch(r"\[\d+/\d+\] .+ \(\d+ s, \d+ s CPU\)", line) for line in progress), \
+        res.stderr
     assert (tmp_path / "results.png").exists() and (tmp_path / "summary.txt").read_text() in res.stdout
 
 
@@ -313,7 +314,7 @@ def test_bench_runs_a_registered_result_task(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(tasks.TASKS, "fake", tasks.Task("fake", "test_cli:fake_result_task", kind="result"))
     assert cli.main(["bench", "--tasks", "fake", "--device", "cpu", "--out", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
-    assert err.startswith("[1/1] fake: 2 of 3 contenders (") and err.rstrip().endswith(" s)")
+    assert err.startswith("[1/1] fake: 2 of 3 contenders (") and err.rstrip().endswith(" s CPU)")
     saved = json.loads((tmp_path / "fake.json").read_text())
     ours = next(r for r in saved["rows"] if r["contender"] == "ours[cpu]")
     assert "rounds spread" in ours["flag"]
