@@ -280,3 +280,36 @@ def test_verl_monkey_patch_fails_beside_trl_1_16(monkey_patch, monkeypatch):
     with pytest.raises(ImportError, match="AutoModelForCausalLMWithValueHead"):
         monkey_patch.apply_monkey_patch(tiny_model(torch.float32), use_remove_padding=False,
                                         use_fused_kernels=True, fused_kernels_backend="torch")
+
+
+def test_the_docs_ray_setup_hook_switches_verl_in_a_ray_worker():
+    """The docs' one line: Ray's worker_process_setup_hook (which verl's main_ppo passes on from
+    ray_kwargs.ray_init.runtime_env) names a switch, and in a real Ray worker process verl's names are then ours.
+    (patch_fused_kernels here: kv.patch() also imports verl's trainer module, whose stack this lane lacks.)"""
+    import importlib.util
+    import os
+
+    peers.verl_monkey_patch()
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (.ci/lane-verl installs it)")
+    import ray
+
+    from conftest import REPO
+
+    path = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "kl_kernels.integrations.verl.patch_fused_kernels",
+                          "env_vars": {"PYTHONPATH": path}})
+    try:
+        @ray.remote
+        def routes():
+            from verl.utils.experimental import torch_functional as tf
+            from verl.utils.kernel import linear_cross_entropy as lce
+
+            return tf.FusedLinearForPPO.__module__, lce.linear_cross_entropy.__module__
+        assert ray.get(routes.remote(), timeout=120) == ("kl_kernels.integrations.verl",) * 2
+    finally:
+        ray.shutdown()
+    from verl.utils.experimental import torch_functional as tf
+
+    assert tf.FusedLinearForPPO.__module__ != "kl_kernels.integrations.verl"  # the driver was not switched
