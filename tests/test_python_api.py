@@ -96,7 +96,8 @@ def test_example_scripts_run(script):
                                     pytest.param("kl_kernels.torchrl.ppo", marks=pytest.mark.torchrl),
                                     "kl_kernels.kl_penalty.controllers",
                                     "kl_kernels.kl_penalty.api", "kl_kernels.token_logprobs.linear",
-                                    "kl_kernels.full_kl.linear", "kl_kernels.linear_loss"])
+                                    "kl_kernels.full_kl.linear", "kl_kernels.linear_loss",
+                                    "kl_kernels.integrations.verl", "kl_kernels.integrations.openrlhf"])
 def test_docstring_examples(module):
     mod = __import__(module, fromlist=["_"])
     result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)

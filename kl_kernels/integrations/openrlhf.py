@@ -232,7 +232,18 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
     dimension, in the logits' dtype (OpenRLHF's ``Actor`` casts them to float32 first), by
     :func:`kl_kernels.token_logprobs` (no ``[N, V]`` copy; gradients to the logits). Deviation: OpenRLHF divides
     ``logits`` in place by a ``temperature`` other than 1; ours never modifies its input (the ``Actor`` passes none:
-    it scales its logits itself)."""
+    it scales its logits itself).
+
+    Example::
+
+        >>> import torch
+        >>> from kl_kernels.integrations.openrlhf import compute_entropy, log_probs_from_logits
+        >>> logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+        >>> log_probs_from_logits(logits, torch.tensor([[0, 2]]))
+        tensor([[-0.2395, -1.0986]])
+        >>> compute_entropy(logits)
+        tensor([[0.6656, 1.0986]])
+    """
     return token_logprobs(logits, labels, temperature=temperature).log_probs.to(logits.dtype)
 
 

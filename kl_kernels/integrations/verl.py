@@ -386,7 +386,18 @@ class FusedLinearForPPO(torch.nn.Module):
     [*S], temperature=1.0) -> (log_probs [*S] float32, entropy [*S] in hidden_states' dtype)`` of
     ``softmax(hidden_states @ vocab_weights.T / temperature)``, gradients to both, as verl's. ``chunk_size`` is
     verl's argument, kept for its signature (ours chooses its own chunks). ``impl_backend="liger"`` (verl's
-    Liger route) is handed to verl's own class, with one warning."""
+    Liger route) is handed to verl's own class, with one warning.
+
+    Example (verl not needed)::
+
+        >>> import torch
+        >>> from kl_kernels.integrations.verl import FusedLinearForPPO
+        >>> h, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+        >>> lp, ent = FusedLinearForPPO()(h, w, torch.randint(0, 10, (2, 3)), temperature=0.7)
+        >>> lp.shape, lp.dtype, ent.dtype
+        (torch.Size([2, 3]), torch.float32, torch.float32)
+        >>> (lp.sum() + ent.sum()).backward()
+    """
 
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
         super().__init__()
@@ -416,7 +427,16 @@ def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduc
     ``H % 128 == 0``) computed by :func:`kl_kernels.linear_token_logprobs`, on any device and width: ``hidden
     [*S, H]``, ``weight [V, H]``, ``labels [*S]`` -> ``(log_probs [N], entropy [N])``, float32, flattened as
     verl's. ``reduction`` other than ``"none"`` and a ``dist_process_group`` (Megatron's vocabulary split) are
-    handed to verl's own function, with one warning."""
+    handed to verl's own function, with one warning.
+
+    Example (verl not needed)::
+
+        >>> import torch
+        >>> from kl_kernels.integrations.verl import linear_cross_entropy
+        >>> lp, ent = linear_cross_entropy(torch.randn(1, 5, 8), torch.randn(10, 8), torch.randint(0, 10, (1, 5)), 0.7)
+        >>> lp.shape, ent.shape
+        (torch.Size([5]), torch.Size([5]))
+    """
     if reduction != "none" or dist_process_group is not None:
         what = f"reduction={reduction!r}" if reduction != "none" else "dist_process_group"
         original = _SWITCHES.original("fused_kernels", _TRITON_MODULE, "linear_cross_entropy")
