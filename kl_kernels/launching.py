@@ -275,5 +275,5 @@ class ExtensionLauncher:
     def forward(self, *args, **kwargs):
         return self._forward(*args, ext=self.ext, **kwargs)
 
-    def backward(self, *args):
-        return self._backward(*args, ext=self.ext)
+    def backward(self, *args, **kwargs):
+        return self._backward(*args, ext=self.ext, **kwargs)

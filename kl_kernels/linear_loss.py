@@ -39,7 +39,7 @@ _PROBLEM_ARGS = set(inspect.signature(loss_problem.build_problem).parameters) - 
 def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *, bias=None, ref_hidden=None,
                            ref_weight=None, ref_bias=None, temperature=1.0, mask=None, ignore_index=-100,
                            chunk_size=None, logprobs_backend="auto", one_pass=None, vocab_process_group=None,
-                           **loss_kwargs) -> KLPenaltyLossOutput:
+                           logit_scale=1.0, softcap=None, **loss_kwargs) -> KLPenaltyLossOutput:
     r"""The PPO/GRPO policy loss with a KL penalty, :func:`kl_kernels.kl_penalty_loss`, from hidden states:
     the log-probs of ``labels`` under ``softmax((hidden @ weight.T + bias) / T)`` are computed chunk by
     chunk (:func:`kl_kernels.linear_token_logprobs`), so the ``[N, V]`` logits never exist.
@@ -54,6 +54,9 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
             ``[V, H_ref]`` (``ref_bias`` optional): its log-probs are computed the same way, without
             gradients, for the KL term. Or pass ``ref_log_probs=`` (per token) among the loss' arguments.
         temperature: applied to both models' logits (default 1.0).
+        logit_scale, softcap: applied to both models' logits before the temperature (default 1.0 and None:
+            the plain logits): ``c tanh(s logits / c) / T`` as :func:`kl_kernels.linear_token_logprobs`
+            (TRL's fused LM head, Gemma's ``final_logit_softcapping``); gradients through it.
         mask: ``[*S]`` bool, the counted (assistant) tokens, for both the log-probs and the loss.
         ignore_index: labels that do not count (default -100).
         chunk_size: tokens per chunk of logits (default: about 16M logits a chunk on the CPU, 128M on a
@@ -122,11 +125,12 @@ def linear_kl_penalty_loss(hidden, weight, labels, old_log_probs, advantages, *,
             return _one_pass(hidden, weight, labels, counted, args, bias=bias, ref_hidden=ref_hidden,
                              ref_weight=ref_weight, ref_bias=ref_bias, temperature=temperature, mask=mask,
                              ignore_index=ignore_index, chunk_size=chunk_size, logprobs_backend=logprobs_backend,
-                             want_entropy=want_entropy)
+                             want_entropy=want_entropy, logit_scale=logit_scale, softcap=softcap)
         if one_pass:
             raise ValueError("one_pass=True: this loss needs two passes: " + "; ".join(blockers))
     common = dict(temperature=temperature, mask=mask, ignore_index=ignore_index, chunk_size=chunk_size,
-                  backend=logprobs_backend, process_group=vocab_process_group)
+                  backend=logprobs_backend, process_group=vocab_process_group, logit_scale=logit_scale,
+                  softcap=softcap)
     # (the reference pair's rules, lm_head.check_ref_head, are linear_token_logprobs' own)
     policy = linear_token_logprobs(hidden, weight, labels, bias=bias, return_entropy=want_entropy,
                                    ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias, **common)
@@ -166,7 +170,7 @@ def _one_pass_blockers(args: dict) -> list:
 
 
 def _one_pass(hidden, weight, labels, counted, args, *, bias, ref_hidden, ref_weight, ref_bias, temperature, mask,
-              ignore_index, chunk_size, logprobs_backend, want_entropy) -> KLPenaltyLossOutput:
+              ignore_index, chunk_size, logprobs_backend, want_entropy, logit_scale, softcap) -> KLPenaltyLossOutput:
     """The loss in one pass (``linear_loss_one_pass``): each chunk's share is ``sum_t W_t loss_t`` of
     ``kl_penalty_loss``' per-token losses (``aggregation="none"``, every token its own sequence), ``W_t`` the
     weight of token t's sequence in the aggregation: the gradient to each token's log-prob of the batch's
@@ -174,7 +178,8 @@ def _one_pass(hidden, weight, labels, counted, args, *, bias, ref_hidden, ref_we
     restated here)."""
     rows = prepare(hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=want_entropy, mask=mask,
                    ignore_index=ignore_index, chunk_size=chunk_size, backend=logprobs_backend, ref_hidden=ref_hidden,
-                   ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_kl_penalty_loss")
+                   ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_kl_penalty_loss", logit_scale=logit_scale,
+                   softcap=softcap)
     old, advantages = args["old_log_probs"], args["advantages"]
     if isinstance(old, torch.Tensor) and old.device != rows.hidden.device:
         raise ValueError(f"old_log_probs must be on hidden's device {rows.hidden.device}, got {old.device}")

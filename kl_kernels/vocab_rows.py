@@ -10,6 +10,8 @@ covers an ``[N, V]`` view (``inner = N``) and ``[B, T, V]`` slabs such as ``logi
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Iterator
 
 import torch
@@ -52,6 +54,74 @@ def check_logits(name: str, x) -> None:
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"{name} must be [*S, V] with a vocabulary V >= 1, got shape {list(x.shape)}")
+
+
+def logit_transform(temperature, logit_scale, softcap) -> tuple[float, float]:
+    r"""The checked logit transform of the row ops, as the kernels take it: ``(T_k, c_k)``.
+
+    The user's effective logit of entry ``v`` (TRL's fused LM head and Gemma's ``final_logit_softcapping``
+    order: scale, then soft-cap, then temperature)::
+
+        z'_v = c tanh(s x_v / c) / T        (softcap c; without it: z'_v = s x_v / T)
+
+    equals ``c_k tanh(x_v / c_k) / T_k`` with ``c_k = c / s`` and ``T_k = T / s``: the scale ``s`` folds into
+    the temperature and the cap (each one float64 rounding on the host; the kernels then round ``1 / T_k`` to
+    float32 once, as they always did ``1 / T``), so no kernel multiplies by ``s``. ``c_k = 0.0`` means no
+    soft-capping (the kernels' compile-time default path). ``temperature`` finite > 0, ``logit_scale``
+    finite > 0 (TRL keeps a 0.0 scale, which makes every logit 0: refused here), ``softcap`` None or finite
+    > 0; else a ``ValueError`` naming the argument."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real) or not (
+            math.isfinite(logit_scale) and logit_scale > 0):
+        raise ValueError(f"logit_scale must be a finite number > 0 (the logits' multiplier before soft-capping and "
+                         f"temperature), got {logit_scale!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
+            math.isfinite(softcap) and softcap > 0)):
+        raise ValueError(f"softcap must be None (no soft-capping) or a finite number > 0 (logits become "
+                         f"softcap * tanh(logits / softcap)), got {softcap!r}")
+    t_k = float(temperature) / float(logit_scale)
+    c_k = 0.0 if softcap is None else float(softcap) / float(logit_scale)
+    if not (math.isfinite(t_k) and t_k > 0 and math.isfinite(c_k) and (softcap is None or c_k > 0)):
+        raise ValueError(f"logit_scale={logit_scale!r} with temperature={temperature!r} and softcap={softcap!r} "
+                         "leaves the float64 range (temperature / logit_scale, softcap / logit_scale)")
+    return t_k, c_k
+
+
+def capped(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(x / softcap)`` (``x`` itself for ``softcap == 0.0``): the torch math's soft-cap in
+    kernel units (:func:`logit_transform`'s ``c_k``), in ``x``'s dtype."""
+    return x if not softcap else torch.tanh(x / softcap) * softcap
+
+
+def capped_slope(x: torch.Tensor, softcap: float):
+    """``d capped(x) / d x = 1 - tanh^2(x / softcap)`` (as ``(1 - t)(1 + t)``: no cancellation near
+    saturation), or None for ``softcap == 0.0`` (slope 1)."""
+    if not softcap:
+        return None
+    t = torch.tanh(x / softcap)
+    return (1 - t) * (1 + t)
+
+
+def refuse_softcap(softcap: float, kernels: str) -> None:
+    """A ``NotImplementedError`` for a soft-cap handed to ``kernels`` that do not implement it (their backends
+    decline such problems first: ``backends.py``'s ``requires``; this guards direct launcher calls)."""
+    if softcap:
+        raise NotImplementedError(f"softcap is not implemented by the {kernels} kernels yet: use backend='torch' "
+                                  "(backend='auto' picks a backend that implements it)")
+
+
+def triton_cap(temperature: float, softcap: float) -> tuple[float, float]:
+    """The Triton row kernels' soft-cap arguments ``(inv_c, c_inv_t)`` = ``(1 / c, c / T)`` in kernel units (both
+    0.0 without a cap: unused there)."""
+    return (1.0 / softcap, softcap / temperature) if softcap else (0.0, 0.0)
+
+
+def triton_cap_flag(softcap: float) -> dict:
+    """``{"SOFTCAP": True}`` with a cap, else ``{}``: the kernels' default (False) stays the launch's own, so
+    the default path's compiled kernel is the one it was without the argument."""
+    return {"SOFTCAP": True} if softcap else {}
 
 
 # Elements per chunk of the float32 temporaries of the torch math (z, p, ...), whatever V. On the CPU 1M

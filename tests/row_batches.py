@@ -68,3 +68,18 @@ def shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
     buf = torch.zeros(t.numel() + shift, dtype=t.dtype, device=t.device)
     buf[shift:] = t.detach().reshape(-1)
     return buf[shift:].view(t.shape).requires_grad_(t.dtype.is_floating_point)
+
+
+def effective(x: list, temperature: float, logit_scale: float = 1.0, softcap=None):
+    """(z, dz/dx) per entry of one row of logits: ``z = c tanh(s x / c) / T`` (``s x / T`` without a cap),
+    float64 Python math, the formula as TRL's fused LM head writes it (not the kernels' folded form): the
+    oracles' logit transform."""
+    if softcap is None:
+        return [logit_scale * v / temperature for v in x], [logit_scale / temperature] * len(x)
+    t = [math.tanh(logit_scale * v / softcap) for v in x]
+    return [softcap * u / temperature for u in t], [logit_scale * (1 - u * u) / temperature for u in t]
+
+
+# The backends whose row kernels implement the soft-cap (token_logprobs and full_kl alike); the others decline a
+# soft-cap (their backends' ``requires``), which the tests check instead. One place: a backend's kernels land here.
+SOFTCAP_BACKENDS = frozenset({"torch", "triton", "cpu"})

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import row_batches
+from row_batches import SOFTCAP_BACKENDS, effective
 from conftest import CUDA_EMULATED, backend_device
 from kl_kernels import BackendUnavailableError, full_kl
 from kl_kernels.full_kl import ops  # noqa: F401 - registers the torch.library ops
@@ -42,10 +43,14 @@ def _log_softmax(z: list) -> list | None:
 FLOAT32_TINY_LOG_P = -125.5 * math.log(2.0)
 
 
-def oracle_row(x: list, r: list, temperature: float, tiny_log_p: float = -INF):
+def oracle_row(x: list, r: list, temperature: float, tiny_log_p: float = -INF, logit_scale: float = 1.0,
+               softcap=None):
     """(KL, d KL / d x, d KL / d r) of one row, in float64 Python math; policy probabilities with a log
-    below ``tiny_log_p`` count as 0."""
-    a, b = _log_softmax([v / temperature for v in x]), _log_softmax([v / temperature for v in r])
+    below ``tiny_log_p`` count as 0; both rows through ``row_batches.effective`` (scale, soft-cap,
+    temperature)."""
+    (zx, dzx), (zr, dzr) = effective(x, temperature, logit_scale, softcap), effective(r, temperature, logit_scale,
+                                                                                      softcap)
+    a, b = _log_softmax(zx), _log_softmax(zr)
     n = len(x)
     if a is None or b is None:
         return NAN, [NAN] * n, [NAN] * n
@@ -54,8 +59,8 @@ def oracle_row(x: list, r: list, temperature: float, tiny_log_p: float = -INF):
     kl = INF if any(t == INF for t in terms) else math.fsum(terms)
     if not math.isfinite(kl):
         return kl, [NAN] * n, [NAN] * n
-    dx = [(p[j] * ((a[j] - b[j]) - kl) if p[j] > 0 else 0.0) / temperature for j in range(n)]
-    dr = [(q[j] - p[j]) / temperature for j in range(n)]
+    dx = [(p[j] * ((a[j] - b[j]) - kl) if p[j] > 0 else 0.0) * dzx[j] for j in range(n)]
+    dr = [(q[j] - p[j]) * dzr[j] for j in range(n)]
     return kl, dx, dr
 
 
@@ -110,7 +115,8 @@ BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CU
             pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True, shifts=(0, 0)):
+def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True, shifts=(0, 0), logit_scale=1.0,
+           softcap=None):
     md = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if backend in ("cpu", "triton", "cuda-emulated", "cuda") and logits.dtype == torch.float64:
         backend = "torch"  # the fused kernels read fp32/bf16/fp16
@@ -120,7 +126,8 @@ def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True, shi
     x = row_batches.shifted(logits, shifts[0]) if shifts[0] else logits.detach().clone().requires_grad_()
     w = (row_batches.shifted(ref, shifts[1]) if shifts[1] else ref.detach().clone()).requires_grad_(ref_grad)
     before = (logits.detach().clone(), ref.detach().clone())
-    kl = full_kl(x, w, temperature=temperature, mask=mask, backend=backend)
+    transform = {} if logit_scale == 1.0 and softcap is None else dict(logit_scale=logit_scale, softcap=softcap)
+    kl = full_kl(x, w, temperature=temperature, mask=mask, backend=backend, **transform)
     assert kl.dtype == md and kl.shape == logits.shape[:-1]
     g = torch.Generator().manual_seed(0)
     up = torch.randn(kl.shape, generator=g, dtype=md)
@@ -141,11 +148,13 @@ def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True, shi
             assert got[i] == 0, f"row {i}: not counted, KL {got[i]}"
             assert all(v == 0 for gg in got_g for v in gg[i]), f"row {i}: not counted, has a gradient"
             continue
-        want, dx, dr = oracle_row(rx, rr, temperature)
-        mag = (max((abs(v) for v in rx + rr if math.isfinite(v)), default=0.0) / temperature + 1.0)
+        want, dx, dr = oracle_row(rx, rr, temperature, -INF, logit_scale, softcap)
+        zs = effective(rx + rr, temperature, logit_scale, softcap)[0]
+        mag = max((abs(v) for v in zs if math.isfinite(v)), default=0.0) + 1.0
+        slope = logit_scale / temperature  # the largest d z / d x
         if md == torch.float32 and want == INF and got[i] != INF:
             # the policy's mass where the reference has none is below float32's range: either answer
-            want, dx, dr = oracle_row(rx, rr, temperature, FLOAT32_TINY_LOG_P)  # values and gradients
+            want, dx, dr = oracle_row(rx, rr, temperature, FLOAT32_TINY_LOG_P, logit_scale, softcap)
         if not math.isfinite(want):
             assert got[i] == want or (math.isnan(want) and math.isnan(got[i])), f"row {i}: KL {got[i]} vs {want}"
         else:
@@ -156,7 +165,7 @@ def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True, shi
                 if math.isnan(b):
                     assert math.isnan(a), f"row {i} {what}[{j}]: {a} vs NaN"
                 else:
-                    bound = gtol.atol + 4 * gtol.rtol * abs(b) + 16 * tol.rtol * abs(ups[i]) * mag / temperature
+                    bound = gtol.atol + 4 * gtol.rtol * abs(b) + 16 * tol.rtol * abs(ups[i]) * mag * slope
                     assert abs(a - b) <= bound, f"row {i} {what}[{j}]: {a} vs {b} (bound {bound})"
 
 
@@ -165,6 +174,26 @@ def _check(logits, ref, mask, temperature, *, backend="auto", ref_grad=True, shi
 @settings(max_examples=60)
 def test_matches_the_oracle(case, backend):
     _check(*case, backend=backend)
+
+
+TRANSFORMS = st.sampled_from([(1.0, None), (0.0625, None), (3.0, None), (1.0, 30.0), (0.5, 30.0), (1.0, 2.0),
+                              (4.0, 0.5), (1 / 7, 50.0)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases(), transform=TRANSFORMS)
+@settings(max_examples=40)
+def test_logit_scale_and_softcap_match_the_oracle(case, transform, backend):
+    """Both models' logits through ``z = c tanh(s x / c) / T``: the KL and both gradients against the float64
+    oracle written from that formula (a capped -inf/+inf is finite: the reference's "no mass" rows get a
+    finite KL)."""
+    logit_scale, softcap = transform
+    if softcap is not None and backend not in SOFTCAP_BACKENDS and case[0].dtype != torch.float64:
+        dev = backend_device(backend)
+        with pytest.raises(BackendUnavailableError, match="softcap is not implemented"):
+            full_kl(case[0].to(dev), case[1].to(dev), softcap=softcap, backend=backend)
+        return
+    _check(*case, backend=backend, logit_scale=logit_scale, softcap=softcap)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -326,18 +355,22 @@ def test_matches_kl_div_of_log_softmax():
 
 @pytest.mark.parametrize("op", ["full_kl", "full_kl_cpu", pytest.param("full_kl_triton", marks=pytest.mark.triton),
                                 pytest.param("full_kl_cuda_emu", marks=pytest.mark.cuda_emulated)])
-def test_opcheck(op):
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
+def test_opcheck(op, softcap):
+    if softcap and op.removeprefix("full_kl").removeprefix("_") not in {
+            b.replace("cuda-emulated", "cuda_emu").replace("torch", "") for b in SOFTCAP_BACKENDS}:
+        pytest.skip(f"{op} has no soft-cap yet (test_logit_scale_and_softcap_match_the_oracle checks it declines)")
     g = torch.Generator().manual_seed(4)
     dev = backend_device("triton" if op.endswith("triton") else "cpu")
     x = torch.randn(5, 11, generator=g).to(dev).requires_grad_()
     r = torch.randn(5, 11, generator=g).to(dev).requires_grad_()
     counted = torch.tensor([True, False, True, True, True], device=dev)
     fwd, bwd = getattr(torch.ops.kl_kernels, f"{op}_fwd"), getattr(torch.ops.kl_kernels, f"{op}_bwd")
-    torch.library.opcheck(fwd.default, (x, r, counted, 0.9))
-    kl, lse, ref_lse = fwd(x.detach(), r.detach(), counted, 0.9)
+    torch.library.opcheck(fwd.default, (x, r, counted, 0.9, softcap))
+    kl, lse, ref_lse = fwd(x.detach(), r.detach(), counted, 0.9, softcap)
     for want in ((True, True), (True, False), (False, True)):
-        torch.library.opcheck(bwd.default, (torch.randn(5, device=dev), x.detach(), r.detach(), counted, 0.9, kl, lse,
-                                            ref_lse, *want))
+        torch.library.opcheck(bwd.default, (torch.randn(5, device=dev), x.detach(), r.detach(), counted, 0.9, softcap,
+                                            kl, lse, ref_lse, *want))
 
 
 @pytest.mark.slow
@@ -369,6 +402,11 @@ def test_compile_fullgraph(backend):
     (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
     (dict(temperature=True), ValueError, "temperature must be"),
     (dict(backend="nope"), ValueError, "backend"),
+    (dict(logit_scale=0.0), ValueError, "logit_scale must be a finite number > 0"),
+    (dict(logit_scale=float("nan")), ValueError, "logit_scale"),
+    (dict(softcap=0.0), ValueError, "softcap must be None"),
+    (dict(softcap=-1.0), ValueError, "softcap must be None"),
+    (dict(softcap=False), ValueError, "softcap"),
 ])
 def test_bad_arguments_name_themselves(kwargs, error, match):
     args = dict(logits=torch.zeros(3, 4), ref_logits=torch.zeros(3, 4))

@@ -11,11 +11,16 @@ from hypothesis import strategies as st
 
 from conftest import CUDA_EMULATED, backend_device
 from kl_kernels import BackendUnavailableError, linear_full_kl
+from row_batches import SOFTCAP_BACKENDS
 
 
-def _want(h, w, b, rh, rw, rb, counted, temperature):
-    a = torch.log_softmax(torch.nn.functional.linear(h, w, b).double() / temperature, -1)
-    c = torch.log_softmax(torch.nn.functional.linear(rh, rw, rb).double() / temperature, -1)
+def _want(h, w, b, rh, rw, rb, counted, temperature, logit_scale=1.0, softcap=None):
+    def z(x):  # TRL's fused LM head: scale, cap, temperature
+        x = x.double() * logit_scale
+        return (x if softcap is None else softcap * torch.tanh(x / softcap)) / temperature
+
+    a = torch.log_softmax(z(torch.nn.functional.linear(h, w, b)), -1)
+    c = torch.log_softmax(z(torch.nn.functional.linear(rh, rw, rb)), -1)
     return torch.where(counted, (a.exp() * (a - c)).sum(-1), 0.0)
 
 
@@ -23,10 +28,11 @@ def _want(h, w, b, rh, rw, rb, counted, temperature):
 @given(n=st.integers(0, 11), hid=st.sampled_from([1, 8, 33]), ref_hid=st.sampled_from([4, 8]),
        vocab=st.sampled_from([1, 7, 50, 300]), chunk=st.sampled_from([1, 4, 100, None]), with_bias=st.booleans(),
        ref_grad=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       temperature=st.sampled_from([1.0, 0.6]), seed=st.integers(0, 2**31 - 1))
+       temperature=st.sampled_from([1.0, 0.6]), seed=st.integers(0, 2**31 - 1),
+       transform=st.sampled_from([(1.0, None), (1.0, None), (0.25, None), (1.0, 1.5), (2.0, 3.0)]))
 @settings(max_examples=30)
 def test_matches_the_float64_formula(backend, n, hid, ref_hid, vocab, chunk, with_bias, ref_grad, dtype,
-                                     temperature, seed):
+                                     temperature, seed, transform):
     g = torch.Generator().manual_seed(seed)
     dev = backend_device(backend)
 
@@ -37,12 +43,17 @@ def test_matches_the_float64_formula(backend, n, hid, ref_hid, vocab, chunk, wit
     rh, rw = t(n, ref_hid, grad=ref_grad), t(vocab, ref_hid, scale=0.5, grad=ref_grad)
     b, rb = (t(vocab), t(vocab, grad=ref_grad)) if with_bias else (None, None)
     mask = (torch.rand(n, generator=g) < 0.8).to(dev)
+    logit_scale, softcap = transform
+    if softcap is not None and backend not in SOFTCAP_BACKENDS:
+        with pytest.raises(BackendUnavailableError, match="softcap is not implemented"):
+            linear_full_kl(h, w, rh, rw, softcap=softcap, backend=backend)
+        return
     kl = linear_full_kl(h, w, rh, rw, bias=b, ref_bias=rb, temperature=temperature, mask=mask, chunk_size=chunk,
-                        backend=backend)
+                        backend=backend, logit_scale=logit_scale, softcap=softcap)
     leaves = [x for x in (h, w, b, rh, rw, rb) if x is not None and x.requires_grad]
     doubles = [x.detach().double().requires_grad_(x.requires_grad) if x is not None else None
                for x in (h, w, b, rh, rw, rb)]
-    want = _want(*doubles, mask, temperature)
+    want = _want(*doubles, mask, temperature, logit_scale, softcap)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     assert kl.shape == (n,) and kl.dtype == torch.float32
     torch.testing.assert_close(kl.double(), want, **tol)

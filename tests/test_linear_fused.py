@@ -22,6 +22,7 @@ from test_token_logprobs import oracle_row
 from tolerances import TOLERANCES
 
 from kl_kernels.token_logprobs import linear_fused as F
+from kl_kernels.vocab_rows import logit_transform
 
 pytestmark = pytest.mark.triton
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,9 +43,10 @@ def poison(monkeypatch):
     monkeypatch.setattr(F, "_alloc", _poisoned)
 
 
-def _oracle(h, w, b, y, counted, temperature, up_lp, up_h, entropy):
-    """(log_probs, entropy, d hidden, d weight, d bias) in float64 (Python floats through oracle_row), and the
-    error scales of the gradients (see _close_grad)."""
+def _oracle(h, w, b, y, counted, temperature, up_lp, up_h, entropy, transform=(1.0, None)):
+    """(log_probs, entropy, d hidden, d weight, d bias) in float64 (Python floats through oracle_row; ``transform``
+    its (logit_scale, softcap)), and the error scales of the gradients (see _close_grad)."""
+    slope = transform[0] / temperature  # the largest d z / d x
     h64, w64 = h.double().cpu(), w.double().cpu()
     z = h64 @ w64.t() + (0 if b is None else b.double().cpu())
     n, vocab = z.shape
@@ -61,12 +63,12 @@ def _oracle(h, w, b, y, counted, temperature, up_lp, up_h, entropy):
             lp[r] = ent[r] = float("nan")
             d[r] = float("nan")
             continue
-        lp[r], ent[r], d_lp, d_h = oracle_row(row, ylist[r], temperature)
+        lp[r], ent[r], d_lp, d_h = oracle_row(row, ylist[r], temperature, *transform)
         d[r] = up_lp[r] * torch.tensor(d_lp, dtype=torch.float64)
         if entropy:
             d[r] += up_h[r] * torch.tensor(d_h, dtype=torch.float64)
-        mag = max((abs(v) for v in row if math.isfinite(v)), default=0.0) / temperature + 1.0
-        c[r] = (abs(up_lp[r]) + (abs(up_h[r]) * mag if entropy else 0.0)) / temperature
+        mag = max((abs(v) for v in row if math.isfinite(v)), default=0.0) * slope + 1.0
+        c[r] = (abs(up_lp[r]) + (abs(up_h[r]) * mag if entropy else 0.0)) * slope
         c3[r] = c[r] * mag
     grads = (d @ w64, d.t() @ h64, d.sum(0))
     dabs, cm, cm3 = d.abs(), c[:, None].expand(n, vocab), c3[:, None].expand(n, vocab)
@@ -108,14 +110,18 @@ def _close_grad(got, want, scales, what, dtype):
                            f"{got[bad].tolist()[:8]} vs {want[bad].tolist()[:8]}")
 
 
-def _run(h, w, b, y, counted, temperature, entropy, ref=None, seed=0):
-    """Call the fused function, check it against the oracle; returns the outputs."""
+def _run(h, w, b, y, counted, temperature, entropy, ref=None, seed=0, transform=(1.0, None)):
+    """Call the fused function, check it against the oracle; returns the outputs. ``transform``: (logit_scale,
+    softcap), handed to the kernels in their units (vocab_rows.logit_transform), to the oracle as written."""
+    t_k, c_k = logit_transform(temperature, *transform)
     dev = h.device
     leaves = [h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(),
               None if b is None else b.detach().clone().requires_grad_()]
     before = [t.detach().clone() for t in (h, w, *(x for x in (b,) if x is not None))]
     ref_args = () if ref is None else ref
-    lp, ent, lse, ref_lp = F.FusedLinearTokenLogprobs.apply(*leaves, y, counted, temperature, entropy, *ref_args)
+    extra = () if transform == (1.0, None) else (*(ref_args or (None, None, None)), c_k)
+    lp, ent, lse, ref_lp = F.FusedLinearTokenLogprobs.apply(*leaves, y, counted, t_k, entropy,
+                                                            *(extra or ref_args))
     n = y.numel()
     assert lp.shape == (n,) and lse.shape == (n,) and lp.dtype == torch.float32
     assert ent.shape == ((n,) if entropy else (0,)) and ref_lp.shape == ((n,) if ref else (0,))
@@ -130,9 +136,10 @@ def _run(h, w, b, y, counted, temperature, entropy, ref=None, seed=0):
         assert torch.equal(a.nan_to_num(), before_a.nan_to_num()), "an input was modified"
     t = temperature
     want_lp, want_ent, want_g, scales = _oracle(h, w, b, y.cpu(), counted.cpu(), t, up_lp.tolist(), up_h.tolist(),
-                                                entropy)
+                                                entropy, transform)
     zmag = ((h.double().abs().cpu() @ w.double().abs().cpu().t()).amax(1)
-            + (0 if b is None else b.double().abs().nan_to_num(posinf=0.0, neginf=0.0).amax().cpu())) / t
+            + (0 if b is None else b.double().abs().nan_to_num(posinf=0.0, neginf=0.0).amax().cpu())) * (
+        transform[0] / t)
     _close_value(lp.cpu().tolist(), want_lp, zmag.tolist(), "log_probs", h.dtype)
     if entropy:
         _close_value(ent.cpu().tolist(), want_ent, zmag.tolist(), "entropy", h.dtype)
@@ -142,11 +149,11 @@ def _run(h, w, b, y, counted, temperature, entropy, ref=None, seed=0):
             _close_grad(a, e, s, what, h.dtype)
     if ref is not None:
         rh, rw, rb = ref
-        want_ref = _oracle(rh, rw, rb, y.cpu(), counted.cpu(), t, [0.0] * n, [0.0] * n, False)[0]
+        want_ref = _oracle(rh, rw, rb, y.cpu(), counted.cpu(), t, [0.0] * n, [0.0] * n, False, transform)[0]
         rmag = ((rh.double().abs().cpu() @ rw.double().abs().cpu().t()).amax(1)
-                + (0 if rb is None else rb.double().abs().amax().cpu())) / t
+                + (0 if rb is None else rb.double().abs().amax().cpu())) * (transform[0] / t)
         _close_value(ref_lp.cpu().tolist(), want_ref, rmag.tolist(), "ref_log_probs", h.dtype)
-        alone = F.forward_rows(rh, rw, rb, y, counted, t, False)[0]
+        alone = F.forward_rows(rh, rw, rb, y, counted, t_k, False, c_k)[0]
         assert torch.equal(alone.nan_to_num(1.5), ref_lp.nan_to_num(1.5)), "the reference's differ from its own call"
     return lp, ent, lse, ref_lp, grads
 
@@ -181,6 +188,28 @@ def test_matches_the_oracle(n, hid, vocab, dtype, with_bias, entropy, with_ref, 
         if small_chunks:  # one tile of columns per backward chunk: the float32 d hidden accumulator
             m.setattr(F, "CHUNK_BYTES", 1)
         _run(h, w, b, y, counted, temperature, entropy, ref, seed)
+
+
+@given(n=st.sampled_from([0, 1, 17, 70]), hid=st.sampled_from([1, 16, 33]), vocab=st.sampled_from([1, 33, 150]),
+       dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), entropy=st.booleans(), with_ref=st.booleans(),
+       temperature=st.sampled_from([1.0, 0.7]), scale=st.sampled_from([1.0, 8.0]),
+       transform=st.sampled_from([(0.25, None), (1.0, 1.5), (2.0, 3.0), (0.5, 30.0)]),
+       small_chunks=st.booleans(), recompute=st.sampled_from(RECOMPUTES), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_logit_scale_and_softcap_match_the_oracle(n, hid, vocab, dtype, with_bias, entropy, with_ref, temperature,
+                                                  scale, transform, small_chunks, recompute, seed):
+    """TRL's fused LM head's transform z = c tanh(s x / c) / T in the fused kernels (forward tiles, the combine,
+    the d z kernel from its own tiles and from cuBLAS's), the reference taking the same."""
+    h, w, b, y, counted = _inputs(n, hid, vocab, dtype, with_bias, seed, scale)
+    ref = None
+    if with_ref:
+        rh, rw, rb, _, _ = _inputs(n, hid + 5, vocab, dtype, with_bias, seed + 1, scale)
+        ref = (rh, rw, rb)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(F, "RECOMPUTE", recompute)
+        if small_chunks:
+            m.setattr(F, "CHUNK_BYTES", 1)
+        _run(h, w, b, y, counted, temperature, entropy, ref, seed, transform)
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTES)

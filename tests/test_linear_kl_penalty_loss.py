@@ -16,8 +16,9 @@ from conftest import CUDA_EMULATED
 from kl_kernels import kl_penalty_loss, linear_kl_penalty_loss
 
 
-def _materialized(h, w, b, labels, counted, temperature):
-    logits = torch.nn.functional.linear(h, w, b) / temperature
+def _materialized(h, w, b, labels, counted, temperature, logit_scale=1.0, softcap=None):
+    x = torch.nn.functional.linear(h, w, b) * logit_scale  # TRL's fused LM head: scale, cap, temperature
+    logits = (x if softcap is None else softcap * torch.tanh(x / softcap)) / temperature
     logp = torch.log_softmax(logits, -1)
     lp = torch.where(counted, logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
     ent = torch.where(counted, -(logp.exp() * logp).sum(-1), 0.0)
@@ -29,7 +30,8 @@ def _materialized(h, w, b, labels, counted, temperature):
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("one_pass", [True, False])
-def test_matches_the_loss_on_materialized_logits(layout, ref_from, entropy_coef, with_bias, one_pass):
+@pytest.mark.parametrize("transform", [(1.0, None), (0.5, 3.0)])
+def test_matches_the_loss_on_materialized_logits(layout, ref_from, entropy_coef, with_bias, one_pass, transform):
     g = torch.Generator().manual_seed(hash((layout, ref_from, entropy_coef, with_bias)) % 2**31)
     shape = (3, 7) if layout == "padded" else (17,)
     H, H_ref, V, T = 12, 9, 60, 0.8
@@ -48,20 +50,22 @@ def test_matches_the_loss_on_materialized_logits(layout, ref_from, entropy_coef,
         adv = torch.randn(4, 1, generator=g)
     else:
         adv = torch.randn(3, generator=g)
-    ref_lp64, _ = _materialized(rh.double(), rw.double(), None, labels, counted, T)
+    ref_lp64, _ = _materialized(rh.double(), rw.double(), None, labels, counted, T, *transform)
     if ref_from == "hidden":
         ref_args = dict(ref_hidden=rh, ref_weight=rw)
     elif ref_from == "log_probs":
         ref_args = dict(ref_log_probs=ref_lp64.float())
     else:
         ref_args, kwargs["beta"] = {}, 0.0
+    logit_scale, softcap = transform
     got = linear_kl_penalty_loss(h, w, labels, old, adv, bias=b, temperature=T, mask=mask, chunk_size=4,
-                                 one_pass=one_pass, **ref_args, **kwargs)
+                                 one_pass=one_pass, logit_scale=logit_scale, softcap=softcap, **ref_args, **kwargs)
     leaves = [t for t in (h, w, b) if t is not None]
     grads = torch.autograd.grad(got.loss, leaves)
 
     doubles = [t.detach().double().requires_grad_() for t in leaves]
-    lp64, ent64 = _materialized(doubles[0], doubles[1], doubles[2] if with_bias else None, labels, counted, T)
+    lp64, ent64 = _materialized(doubles[0], doubles[1], doubles[2] if with_bias else None, labels, counted, T,
+                                *transform)
     want = kl_penalty_loss(lp64, old.double(), adv.double(), mask=counted, backend="torch",
                            ref_log_probs=ref_lp64 if ref_args else None,
                            entropy=ent64 if entropy_coef else None, **kwargs)

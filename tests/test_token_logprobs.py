@@ -16,15 +16,16 @@ from hypothesis import strategies as st
 from kl_kernels import BackendUnavailableError, token_logprobs, vocab_rows
 from kl_kernels.token_logprobs import ops  # noqa: F401 - registers the torch.library ops
 import row_batches
+from row_batches import SOFTCAP_BACKENDS, effective
 from conftest import CUDA_EMULATED, backend_device
 from tolerances import TOLERANCES
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def oracle_row(x: list, label: int, temperature: float):
+def oracle_row(x: list, label: int, temperature: float, logit_scale: float = 1.0, softcap=None):
     """(log_prob, entropy, d lp / d x, d H / d x) of one row, in float64 Python math."""
-    z = [v / temperature for v in x]
+    z, dz = effective(x, temperature, logit_scale, softcap)
     if any(math.isnan(v) or v == math.inf for v in z) or all(v == -math.inf for v in z):
         nan = float("nan")
         return nan, nan, [nan] * len(z), [nan] * len(z)
@@ -35,8 +36,8 @@ def oracle_row(x: list, label: int, temperature: float):
     u = [lse - v for v in z]
     h = math.fsum(pi * ui for pi, ui in zip(p, u) if pi > 0)
     lp = z[label] - lse
-    d_lp = [((1.0 if j == label else 0.0) - p[j]) / temperature for j in range(len(z))]
-    d_h = [(p[j] * (u[j] - h) if p[j] > 0 else 0.0) / temperature for j in range(len(z))]
+    d_lp = [((1.0 if j == label else 0.0) - p[j]) * dz[j] for j in range(len(z))]
+    d_h = [(p[j] * (u[j] - h) if p[j] > 0 else 0.0) * dz[j] for j in range(len(z))]
     return lp, h, d_lp, d_h
 
 
@@ -79,7 +80,8 @@ BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.triton), CU
             pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto", shift=0):
+def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto", shift=0, logit_scale=1.0,
+           softcap=None):
     md = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if backend in ("cpu", "triton", "cuda-emulated", "cuda") and logits.dtype == torch.float64:
         backend = "torch"  # the fused kernels read fp32/bf16/fp16
@@ -88,8 +90,9 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto", s
     mask = None if mask is None else mask.to(dev)
     leaf = row_batches.shifted(logits, shift) if shift else logits.detach().clone().requires_grad_()
     before = logits.detach().clone()
+    transform = {} if logit_scale == 1.0 and softcap is None else dict(logit_scale=logit_scale, softcap=softcap)
     out = token_logprobs(leaf if leaf.shape == logits.shape else logits, labels, temperature=temperature,
-                         return_entropy=entropy, mask=mask, backend=backend)
+                         return_entropy=entropy, mask=mask, backend=backend, **transform)
     assert out.log_probs.dtype == md and out.log_probs.shape == labels.shape
     g = torch.Generator().manual_seed(0)
     up_lp = torch.randn(labels.shape, generator=g, dtype=md).to(dev)
@@ -112,8 +115,10 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto", s
             assert got_lp[r] == 0 and (not entropy or got_h[r] == 0), f"row {r}: not counted, not 0"
             assert all(v == 0 for v in got_g[r]), f"row {r}: not counted, has a gradient"
             continue
-        lp, h, d_lp, d_h = oracle_row(row, flat_lab[r], temperature)
-        mag = max((abs(v) for v in row if math.isfinite(v)), default=0.0) / temperature + 1.0
+        lp, h, d_lp, d_h = oracle_row(row, flat_lab[r], temperature, logit_scale, softcap)
+        z, dz = effective(row, temperature, logit_scale, softcap)
+        mag = max((abs(v) for v in z if math.isfinite(v)), default=0.0) + 1.0
+        slope = logit_scale / temperature  # the largest d z / d x
         for what, got, want in (("log_prob", got_lp[r], lp), ("entropy", got_h[r] if entropy else None, h)):
             if got is None:
                 continue
@@ -125,13 +130,15 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto", s
         gscale = abs(ups_lp[r]) + (abs(ups_h[r]) * mag if entropy else 0.0)
         # p_j = e^(z_j - lse) carries the log-probs' own allowance (lse's rounding, 8 rtol mag above) into the
         # log-prob gradient (1[j = y] - p_j) / T: at most p_j times it
-        p = [(1.0 if j == flat_lab[r] else 0.0) - d * temperature for j, d in enumerate(d_lp)]
+        top = max(z)
+        lse = top + math.log(math.fsum(math.exp(v - top) for v in z)) if math.isfinite(top) else top
+        p = [math.exp(v - lse) if math.isfinite(lse) else 0.0 for v in z]
         for j, (a, b) in enumerate(zip(got_g[r], want_g)):
             if math.isnan(b):
                 assert math.isnan(a), f"row {r} grad[{j}]: {a} vs NaN"
             else:
                 bound = (gtol.atol + 4 * gtol.rtol * abs(b)
-                         + 8 * tol.rtol * (gscale + abs(ups_lp[r]) * mag * p[j]) / temperature)
+                         + 8 * tol.rtol * (gscale + abs(ups_lp[r]) * mag * p[j]) * slope)
                 assert abs(a - b) <= bound, f"row {r} grad[{j}]: {a} vs {b} (bound {bound})"
 
 
@@ -140,6 +147,48 @@ def _check(logits, labels, mask, temperature, *, entropy=True, backend="auto", s
 @settings(max_examples=60)
 def test_matches_the_oracle(case, entropy, backend):
     _check(*case, entropy=entropy, backend=backend)
+
+
+TRANSFORMS = st.sampled_from([(1.0, None), (0.0625, None), (3.0, None), (1.0, 30.0), (0.5, 30.0), (1.0, 2.0),
+                              (4.0, 0.5), (1 / 7, 50.0)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases(), entropy=st.booleans(), transform=TRANSFORMS)
+@settings(max_examples=40)
+def test_logit_scale_and_softcap_match_the_oracle(case, entropy, transform, backend):
+    """``z = c tanh(s x / c) / T`` (TRL's fused LM head, Gemma's final_logit_softcapping): values and
+    gradients against the float64 oracle written from that formula; -inf/+inf logits are capped to finite
+    values, NaN stays NaN."""
+    logit_scale, softcap = transform
+    if softcap is not None and backend not in SOFTCAP_BACKENDS and case[0].dtype != torch.float64:
+        with pytest.raises(BackendUnavailableError, match="softcap is not implemented"):
+            token_logprobs(case[0].to(backend_device(backend)), case[1].to(backend_device(backend)), softcap=softcap,
+                           backend=backend)
+        return
+    _check(*case, entropy=entropy, backend=backend, logit_scale=logit_scale, softcap=softcap)
+
+
+def test_softcap_auto_picks_a_backend_that_implements_it(monkeypatch):
+    """backend="auto" never hands a soft-cap to kernels without it (a backend that declines is passed by)."""
+    from kl_kernels.token_logprobs import backends as B
+
+    x, y = torch.randn(4, 9) * 40, torch.tensor([0, 3, 8, -100])
+    want = token_logprobs(x, y, softcap=5.0, logit_scale=0.8, return_entropy=True, backend="torch")
+    got = token_logprobs(x, y, softcap=5.0, logit_scale=0.8, return_entropy=True)
+    torch.testing.assert_close(got.log_probs, want.log_probs)
+    import dataclasses
+    import importlib  # as if the CPU kernel had no cap: auto passes it by, takes torch
+
+    registry = [dataclasses.replace(b, requires=lambda p: ["no cap"] if p.softcap else []) if b.name == "cpu" else b
+                for b in B.REGISTRY]
+    monkeypatch.setattr(B, "REGISTRY", registry)
+    monkeypatch.setattr(importlib.import_module("kl_kernels.token_logprobs.api"), "REGISTRY", registry)
+    got = token_logprobs(x, y, softcap=5.0, logit_scale=0.8, return_entropy=True)
+    assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+    # the scale alone reaches every backend: the temperature T / s
+    torch.testing.assert_close(token_logprobs(x, y, logit_scale=0.25, temperature=2.0).log_probs,
+                               token_logprobs(x, y, temperature=8.0).log_probs, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -310,19 +359,23 @@ def test_gradcheck_float64():
                                 pytest.param("token_logprobs_triton", marks=pytest.mark.triton),
                                 pytest.param("token_logprobs_cuda_emu", marks=pytest.mark.cuda_emulated)])
 @pytest.mark.parametrize("want_entropy", [False, True])
-def test_opcheck(want_entropy, op):
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
+def test_opcheck(want_entropy, op, softcap):
+    if softcap and op.removeprefix("token_logprobs").removeprefix("_") not in {
+            b.replace("cuda-emulated", "cuda_emu").replace("torch", "") for b in SOFTCAP_BACKENDS}:
+        pytest.skip(f"{op} has no soft-cap yet (test_logit_scale_and_softcap_match_the_oracle checks it declines)")
     g = torch.Generator().manual_seed(3)
     dev = backend_device("triton" if op.endswith("triton") else "cpu")
     x = torch.randn(5, 11, generator=g).to(dev).requires_grad_()
     y = torch.randint(0, 11, (5,), generator=g).to(dev)
     counted = torch.tensor([True, False, True, True, True], device=dev)
     fwd, bwd = getattr(torch.ops.kl_kernels, f"{op}_fwd"), getattr(torch.ops.kl_kernels, f"{op}_bwd")
-    torch.library.opcheck(fwd.default, (x, y, counted, 0.9, want_entropy, False))
+    torch.library.opcheck(fwd.default, (x, y, counted, 0.9, softcap, want_entropy, False))
     lse = torch.logsumexp(x.detach() / 0.9, -1)
     ent = torch.rand(5, device=dev)
     torch.library.opcheck(bwd.default,
                           (torch.randn(5, device=dev), torch.randn(5, device=dev) if want_entropy else None,
-                           x.detach(), y, counted, 0.9,
+                           x.detach(), y, counted, 0.9, softcap,
                            lse, ent))
 
 
@@ -384,6 +437,16 @@ def test_inplace_backward_is_refused_under_compile_and_for_unviewable_rows():
     (dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
     (dict(return_entropy=1), TypeError, "return_entropy must be a bool"),
     (dict(backend="numpy"), ValueError, "backend must be one of"),
+    (dict(logit_scale=0.0), ValueError, "logit_scale must be a finite number > 0"),
+    (dict(logit_scale=-2.0), ValueError, "logit_scale must be a finite number > 0"),
+    (dict(logit_scale=float("inf")), ValueError, "logit_scale"),
+    (dict(logit_scale=True), ValueError, "logit_scale"),
+    (dict(logit_scale="1"), ValueError, "logit_scale"),
+    (dict(softcap=0.0), ValueError, "softcap must be None .* or a finite number > 0"),
+    (dict(softcap=-30.0), ValueError, "softcap must be None"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=torch.tensor(30.0)), ValueError, "softcap"),
+    (dict(logit_scale=1e-300, temperature=1e10), ValueError, "leaves the float64 range"),
 ])
 def test_bad_arguments_name_themselves(kwargs, error, match):
     args = dict(logits=torch.zeros(3, 4), labels=torch.tensor([0, 1, 3]))

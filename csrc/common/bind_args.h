@@ -70,7 +70,7 @@ inline void bind_row_args(pybind11::module_& m) {
     c.def(py::init<>());
 #define KL_FIELD(name) c.def_readwrite(#name, &TokenLogprobsArgs::name)
     KL_FIELD(logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner); KL_FIELD(stride_outer);
-    KL_FIELD(stride_inner); KL_FIELD(labels); KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(log_probs);
+    KL_FIELD(stride_inner); KL_FIELD(labels); KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(softcap); KL_FIELD(log_probs);
     KL_FIELD(lse); KL_FIELD(entropy); KL_FIELD(grad_lp); KL_FIELD(grad_entropy); KL_FIELD(grad_logits);
     KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner);
 #undef KL_FIELD
@@ -81,7 +81,7 @@ inline void bind_row_args(pybind11::module_& m) {
 #define KL_FIELD(name) c.def_readwrite(#name, &FullKLArgs::name)
     KL_FIELD(logits); KL_FIELD(ref_logits); KL_FIELD(dtype); KL_FIELD(rows); KL_FIELD(vocab); KL_FIELD(inner);
     KL_FIELD(stride_outer); KL_FIELD(stride_inner); KL_FIELD(ref_stride_outer); KL_FIELD(ref_stride_inner);
-    KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(kl); KL_FIELD(lse); KL_FIELD(ref_lse); KL_FIELD(grad_kl);
+    KL_FIELD(counted); KL_FIELD(inv_temperature); KL_FIELD(softcap); KL_FIELD(kl); KL_FIELD(lse); KL_FIELD(ref_lse); KL_FIELD(grad_kl);
     KL_FIELD(grad_logits); KL_FIELD(g_stride_outer); KL_FIELD(g_stride_inner); KL_FIELD(grad_ref);
     KL_FIELD(gr_stride_outer); KL_FIELD(gr_stride_inner);
 #undef KL_FIELD

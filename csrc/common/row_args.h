@@ -24,6 +24,7 @@ struct TokenLogprobsArgs {
   uintptr_t labels = 0;   // int64 [rows]
   uintptr_t counted = 0;  // bool [rows]: mask and not ignore_index
   float inv_temperature = 1.0f;
+  float softcap = 0.0f;  // c > 0: z = c tanh(x / c) / T (common/row_math.h: SoftCap); 0: z = x / T
   // forward outputs, float32 [rows]; entropy 0 when not wanted
   uintptr_t log_probs = 0;
   uintptr_t lse = 0;
@@ -50,6 +51,7 @@ struct FullKLArgs {
   int64_t ref_stride_inner = 0;
   uintptr_t counted = 0;  // bool [rows]
   float inv_temperature = 1.0f;
+  float softcap = 0.0f;  // of both tensors, as TokenLogprobsArgs::softcap
   // forward outputs, float32 [rows]
   uintptr_t kl = 0;
   uintptr_t lse = 0;

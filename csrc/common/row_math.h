@@ -9,7 +9,7 @@
 // vectorized by GCC), the CUDA kernels the hardware's ex2 (cuda/rows.cuh: 2 instructions instead of ~20 per
 // exponential, relative error below 2^-22, which the oracle's float32 tolerance covers).
 //
-// token_logprobs, z = x / T, m = max z, d_j = m - z_j >= 0 (inf at a -inf logit):
+// token_logprobs, z = x / T (or the soft-capped c tanh(x / c) / T: NoCap / SoftCap below), m = max z, d_j = m - z_j >= 0 (inf at a -inf logit):
 //   S = sum_j e^-d_j;  W = sum_j e^-d_j min(d_j, far)       lse = m + log S;  log_prob = z_y - lse
 //   entropy = W / S + log S  (= sum_j p_j (lse - z_j));      d x_j = (g_lp (1[j = y] - p_j) + g_H p_j (min(lse - z_j, far) - entropy)) / T
 // full_kl, w = r / T, n = max w, u_j = m - z_j, v_j = n - w_j:
@@ -75,6 +75,45 @@ KL_HD bool row_counted(const Args& a, int64_t r) { return reinterpret_cast<const
 
 // Whether a counted row's softmax is undefined: a NaN seen, or the max +inf or -inf (only -inf logits).
 KL_HD bool row_undefined(bool nan_seen, float m) { return nan_seen || !(m > -INFINITY && m < INFINITY); }
+
+// ---------------------------------------------------------------------------------- the logits' transform
+
+// z_j of a logit x_j: x / T (NoCap), or with a soft-cap c, z = c tanh(x / c) / T (SoftCap), whose
+// d z / d x = (1 - tanh^2(x / c)) / T: TRL's fused LM head and Gemma's final_logit_softcapping, in kernel units
+// (kl_kernels/vocab_rows.py logit_transform folds the logit scale s into T and c: T/s, c/s). The kernels take the
+// transform as a template argument (with_logit_cap), so the default path compiles as it did without one; every
+// formula below then reads z. A capped +-inf logit is +-c/T, finite; NaN stays NaN.
+struct NoCap {
+  static constexpr bool kOn = false;
+  float inv_t;
+  KL_HD float z(float x) const { return x * inv_t; }
+};
+struct SoftCap {
+  static constexpr bool kOn = true;
+  float inv_t, inv_c, c_inv_t;  // 1 / T, 1 / c, c / T
+  KL_HD float z(float x) const { return tanhf(x * inv_c) * c_inv_t; }
+  // d z / d x * T: 1 - tanh^2, as (1 - t)(1 + t) (no cancellation near saturation)
+  KL_HD float slope(float x) const {
+    const float t = tanhf(x * inv_c);
+    return (1.0f - t) * (1.0f + t);
+  }
+};
+
+// The SoftCap of a row kernel's arguments (softcap > 0).
+template <class Args>
+KL_HD SoftCap soft_cap(const Args& a) {
+  return SoftCap{a.inv_temperature, 1.0f / a.softcap, a.softcap * a.inv_temperature};
+}
+
+// fn(NoCap{...}) or fn(SoftCap{...}) for a row kernel's arguments (their inv_temperature and softcap). Host code.
+template <class Args, class Fn>
+inline void with_logit_cap(const Args& a, Fn&& fn) {
+  if (a.softcap > 0.0f) {
+    fn(soft_cap(a));
+  } else {
+    fn(NoCap{a.inv_temperature});
+  }
+}
 
 // ---------------------------------------------------------------------------------- one pass
 

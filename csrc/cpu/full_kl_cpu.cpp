@@ -22,10 +22,9 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-template <int32_t DT>
-KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
+template <int32_t DT, class Cap>
+KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1, Cap cap) {
   const int64_t V = a.vocab;
-  const float inv_t = a.inv_temperature;
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
     if (!row_counted(a, r)) {
@@ -47,7 +46,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
       int64_t j = s0;
       for (; j + kRowLanes <= s1; j += kRowLanes) {
         for (int l = 0; l < kRowLanes; ++l) {
-          const float z = from_bits<DT>(x[j + l]) * inv_t, w = from_bits<DT>(y[j + l]) * inv_t;
+          const float z = cap.z(from_bits<DT>(x[j + l])), w = cap.z(from_bits<DT>(y[j + l]));
           mz[l] = z > mz[l] ? z : mz[l];
           mw[l] = w > mw[l] ? w : mw[l];
           const float lost = full_kl_lost(z, w);
@@ -56,7 +55,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
         }
       }
       for (; j < s1; ++j) {
-        const float z = from_bits<DT>(x[j]) * inv_t, w = from_bits<DT>(y[j]) * inv_t;
+        const float z = cap.z(from_bits<DT>(x[j])), w = cap.z(from_bits<DT>(y[j]));
         mz[0] = z > mz[0] ? z : mz[0];
         mw[0] = w > mw[0] ? w : mw[0];
         const float lost = full_kl_lost(z, w);
@@ -73,7 +72,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
         for (; k + kRowLanes <= q1; k += kRowLanes) {
           for (int l = 0; l < kRowLanes; ++l) {
             float e, f, q, t;
-            full_kl_terms(m - from_bits<DT>(x[k + l]) * inv_t, n - from_bits<DT>(y[k + l]) * inv_t, e, f, q, t);
+            full_kl_terms(m - cap.z(from_bits<DT>(x[k + l])), n - cap.z(from_bits<DT>(y[k + l])), e, f, q, t);
             se[l] += e;
             sf[l] += f;
             sr[l] += q;
@@ -82,7 +81,7 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
         }
         for (; k < q1; ++k) {
           float e, f, q, t;
-          full_kl_terms(m - from_bits<DT>(x[k]) * inv_t, n - from_bits<DT>(y[k]) * inv_t, e, f, q, t);
+          full_kl_terms(m - cap.z(from_bits<DT>(x[k])), n - cap.z(from_bits<DT>(y[k])), e, f, q, t);
           se[0] += e;
           sf[0] += f;
           sr[0] += q;
@@ -103,10 +102,9 @@ KL_ROW_CLONES void forward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
-template <int32_t DT>
-KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
+template <int32_t DT, class Cap>
+KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1, Cap cap) {
   const int64_t V = a.vocab;
-  const float inv_t = a.inv_temperature;
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
     const Bits* x = logits_row<DT>(a, r);
@@ -123,9 +121,15 @@ KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
     }
     const float g = in.g, kl = in.kl, lse = in.lse, ref_lse = in.ref_lse;
     for (int64_t j = 0; j < V; ++j) {
-      const float u = lse - from_bits<DT>(x[j]) * inv_t, v = ref_lse - from_bits<DT>(y[j]) * inv_t;
-      if (gx) gx[j] = to_bits<DT>(full_kl_grad_policy(g, u, v, kl));
-      if (gr) gr[j] = to_bits<DT>(full_kl_grad_ref(g, u, v));
+      const float xj = from_bits<DT>(x[j]), yj = from_bits<DT>(y[j]);
+      const float u = lse - cap.z(xj), v = ref_lse - cap.z(yj);
+      if constexpr (Cap::kOn) {  // the inputs read before the outputs are written (inplace gradients)
+        if (gx) gx[j] = to_bits<DT>(full_kl_grad_policy(g, u, v, kl) * cap.slope(xj));
+        if (gr) gr[j] = to_bits<DT>(full_kl_grad_ref(g, u, v) * cap.slope(yj));
+      } else {
+        if (gx) gx[j] = to_bits<DT>(full_kl_grad_policy(g, u, v, kl));
+        if (gr) gr[j] = to_bits<DT>(full_kl_grad_ref(g, u, v));
+      }
     }
   }
 }
@@ -135,14 +139,18 @@ KL_ROW_CLONES void backward_rows(const FullKLArgs& a, int64_t r0, int64_t r1) {
 int full_kl_forward_cpu(const FullKLArgs& a, int num_threads) {
   return with_logits_dtype(a.dtype, [&](auto dt) {
     constexpr int32_t kDt = decltype(dt)::value;
-    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kDt>(a, r0, r1); });
+    with_logit_cap(a, [&](auto cap) {
+      run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kDt>(a, r0, r1, cap); });
+    });
   });
 }
 
 int full_kl_backward_cpu(const FullKLArgs& a, int num_threads) {
   return with_logits_dtype(a.dtype, [&](auto dt) {
     constexpr int32_t kDt = decltype(dt)::value;
-    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kDt>(a, r0, r1); });
+    with_logit_cap(a, [&](auto cap) {
+      run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kDt>(a, r0, r1, cap); });
+    });
   });
 }
 

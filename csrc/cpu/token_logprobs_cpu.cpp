@@ -17,10 +17,9 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-template <int32_t DT>
-KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
+template <int32_t DT, class Cap>
+KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1, Cap cap) {
   const int64_t V = a.vocab;
-  const float inv_t = a.inv_temperature;
   using Bits = BitsOf<DT>;
   for (int64_t r = r0; r < r1; ++r) {
     if (!row_counted(a, r)) {
@@ -41,13 +40,13 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
       int64_t j = s0;
       for (; j + kRowLanes <= s1; j += kRowLanes) {
         for (int l = 0; l < kRowLanes; ++l) {
-          const float z = from_bits<DT>(row[j + l]) * inv_t;
+          const float z = cap.z(from_bits<DT>(row[j + l]));
           mx[l] = z > mx[l] ? z : mx[l];
           nan_seen[l] = z != z ? 1.0f : nan_seen[l];
         }
       }
       for (; j < s1; ++j) {
-        const float z = from_bits<DT>(row[j]) * inv_t;
+        const float z = cap.z(from_bits<DT>(row[j]));
         mx[0] = z > mx[0] ? z : mx[0];
         nan_seen[0] = z != z ? 1.0f : nan_seen[0];
       }
@@ -60,14 +59,14 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
         for (; k + kRowLanes <= q1; k += kRowLanes) {
           for (int l = 0; l < kRowLanes; ++l) {
             float e, w;
-            logprob_terms(m - from_bits<DT>(row[k + l]) * inv_t, e, w);  // d >= 0 (inf at -inf)
+            logprob_terms(m - cap.z(from_bits<DT>(row[k + l])), e, w);  // d >= 0 (inf at -inf)
             se[l] += e;
             sw[l] += w;
           }
         }
         for (; k < q1; ++k) {
           float e, w;
-          logprob_terms(m - from_bits<DT>(row[k]) * inv_t, e, w);
+          logprob_terms(m - cap.z(from_bits<DT>(row[k])), e, w);
           se[0] += e;
           sw[0] += w;
         }
@@ -83,12 +82,12 @@ KL_ROW_CLONES void forward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t 
     }
     const double log_s = std::log(sums.S);
     const float lse = logprob_lse(sums.m, log_s);
-    logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(sums.S, sums.W, log_s));
+    logprob_store(a, r, cap.z(from_bits<DT>(row[y])) - lse, lse, logprob_entropy(sums.S, sums.W, log_s));
   }
 }
 
-template <int32_t DT>
-KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1) {
+template <int32_t DT, class Cap>
+KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t r1, Cap cap) {
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
   using Bits = BitsOf<DT>;
@@ -104,11 +103,19 @@ KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t
     const int64_t y = row_label(a, r);
     const bool in_vocab = y >= 0 && y < V;
     // the label's logit, read before the loop: with inplace_backward `out` is `row`
-    const float zy = in_vocab ? from_bits<DT>(row[y]) * inv_t : std::numeric_limits<float>::quiet_NaN();
+    const float xy = in_vocab ? from_bits<DT>(row[y]) : std::numeric_limits<float>::quiet_NaN();
+    const float zy = cap.z(xy);
     for (int64_t j = 0; j < V; ++j) {
-      out[j] = to_bits<DT>(logprob_grad(lse - from_bits<DT>(row[j]) * inv_t, gl, gh, h) * inv_t);
+      const float x = from_bits<DT>(row[j]);
+      float g = logprob_grad(lse - cap.z(x), gl, gh, h) * inv_t;
+      if constexpr (Cap::kOn) g *= cap.slope(x);
+      out[j] = to_bits<DT>(g);
     }
-    if (in_vocab) out[y] = to_bits<DT>(logprob_grad_label(lse - zy, gl, gh, h) * inv_t);
+    if (in_vocab) {
+      float g = logprob_grad_label(lse - zy, gl, gh, h) * inv_t;
+      if constexpr (Cap::kOn) g *= cap.slope(xy);
+      out[y] = to_bits<DT>(g);
+    }
   }
 }
 
@@ -117,14 +124,18 @@ KL_ROW_CLONES void backward_rows(const TokenLogprobsArgs& a, int64_t r0, int64_t
 int token_logprobs_forward_cpu(const TokenLogprobsArgs& a, int num_threads) {
   return with_logits_dtype(a.dtype, [&](auto dt) {
     constexpr int32_t kDt = decltype(dt)::value;
-    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kDt>(a, r0, r1); });
+    with_logit_cap(a, [&](auto cap) {
+      run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { forward_rows<kDt>(a, r0, r1, cap); });
+    });
   });
 }
 
 int token_logprobs_backward_cpu(const TokenLogprobsArgs& a, int num_threads) {
   return with_logits_dtype(a.dtype, [&](auto dt) {
     constexpr int32_t kDt = decltype(dt)::value;
-    run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kDt>(a, r0, r1); });
+    with_logit_cap(a, [&](auto cap) {
+      run_row_tiles(a.rows, a.vocab, num_threads, [&](int64_t r0, int64_t r1) { backward_rows<kDt>(a, r0, r1, cap); });
+    });
   });
 }
 

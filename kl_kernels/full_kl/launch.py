@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from ..launching import DTYPE_CODES, EMULATED, ExtensionLauncher, kernel_module, launch_kernel, ptr, resolved
-from ..vocab_rows import row_map, rows_of
+from ..vocab_rows import refuse_softcap, row_map, rows_of
 
 
-def _args(module, logits, ref_logits, counted, temperature):
+def _args(module, logits, ref_logits, counted, temperature, softcap):
     logits, ref_logits = resolved(logits, ref_logits)
     x, r = rows_of(logits), rows_of(ref_logits)
     a = module.FullKLArgs()
@@ -24,13 +24,17 @@ def _args(module, logits, ref_logits, counted, temperature):
     assert inner == a.inner, "same shapes give the same row structure"
     counted = counted.contiguous()
     a.counted, a.inv_temperature = ptr(counted), 1.0 / temperature
+    if softcap:  # (the field's default, 0, is no cap)
+        a.softcap = softcap
     return a, [x, r, counted]
 
 
-def forward(logits, ref_logits, counted, temperature: float, *, ext: str | None = None):
+def forward(logits, ref_logits, counted, temperature: float, softcap: float = 0.0, *, ext: str | None = None):
     """``(kl [*S], lse [N], ref_lse [N])``, float32 on the logits' device."""
+    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
+        refuse_softcap(softcap, "CUDA full_kl")
     module = kernel_module(logits.device, "full_kl_forward", "full_kl", ext)
-    a, keep = _args(module, logits, ref_logits, counted, temperature)
+    a, keep = _args(module, logits, ref_logits, counted, temperature, softcap)
     n, dev = counted.numel(), logits.device
     kl = torch.empty(counted.shape, dtype=torch.float32, device=dev)
     lse, ref_lse = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
@@ -44,12 +48,15 @@ def _target(out):
     return out if out.dim() <= 3 else out.view(-1, out.shape[-1])
 
 
-def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, ref_lse, grad_logits, grad_ref, *,
+def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, ref_lse, grad_logits, grad_ref,
+             softcap: float = 0.0, *,
              ext: str | None = None):
     """Write the gradients into ``grad_logits`` / ``grad_ref`` (contiguous, the logits' shape and dtype;
     None: not wanted)."""
+    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
+        refuse_softcap(softcap, "CUDA full_kl")
     module = kernel_module(logits.device, "full_kl_backward", "full_kl", ext)
-    a, keep = _args(module, logits, ref_logits, counted, temperature)
+    a, keep = _args(module, logits, ref_logits, counted, temperature, softcap)
     g = grad_kl.reshape(-1).to(torch.float32).contiguous()
     a.grad_kl, a.kl, a.lse, a.ref_lse = ptr(g), ptr(kl.reshape(-1)), ptr(lse), ptr(ref_lse)
     if grad_logits is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..launching import resolved
-from ..vocab_rows import row_map, rows_of
+from ..vocab_rows import row_map, rows_of, triton_cap as _cap, triton_cap_flag as _softcap_flag
 
 
 def _kernels():
@@ -23,7 +23,7 @@ def _steps(logits, *rows) -> tuple[int, int, int, bool]:
     return 32 * ROW_WARPS, row_chunk(logits.element_size()), ROW_WARPS, rows_aligned(*rows)
 
 
-def forward(logits, ref_logits, counted, temperature: float):
+def forward(logits, ref_logits, counted, temperature: float, softcap: float = 0.0):
     fwd, _ = _kernels()
     logits, ref_logits = resolved(logits, ref_logits)
     x, r = rows_of(logits), rows_of(ref_logits)
@@ -37,12 +37,13 @@ def forward(logits, ref_logits, counted, temperature: float):
         flags = counted.contiguous().view(torch.uint8)  # the kernels read the bool mask as bytes
         lanes, chunk, warps, aligned = _steps(x, (x, so, si), (r, rso, rsi))
         fwd[(n,)](x, r, flags, kl, lse, ref_lse, n, x.shape[-1], inner, so, si, rso, rsi, 1.0 / temperature,
-                  LANES=lanes, CHUNK=chunk, ALIGNED=aligned, BLOCK=lanes * chunk,
-                  num_warps=warps)
+                  *_cap(temperature, softcap), LANES=lanes, CHUNK=chunk, ALIGNED=aligned, BLOCK=lanes * chunk,
+                  **_softcap_flag(softcap), num_warps=warps)
     return kl, lse, ref_lse
 
 
-def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, ref_lse, grad_logits, grad_ref):
+def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, ref_lse, grad_logits, grad_ref,
+             softcap: float = 0.0):
     _, bwd = _kernels()
     logits, ref_logits = resolved(logits, ref_logits)
     x, r = rows_of(logits), rows_of(ref_logits)
@@ -61,5 +62,5 @@ def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, 
     lanes, chunk, warps, _ = _steps(x)
     bwd[(n,)](x, r, flags, kl.reshape(-1), lse, ref_lse, g, gx if gx is not None else stand_in,
               gr if gr is not None else stand_in, n, x.shape[-1], inner, so, si, rso, rsi, gso, gsi, grso, grsi,
-              1.0 / temperature, WANT_X=gx is not None, WANT_R=gr is not None, BLOCK=lanes * chunk,
-              num_warps=warps)
+              1.0 / temperature, *_cap(temperature, softcap), WANT_X=gx is not None, WANT_R=gr is not None,
+              BLOCK=lanes * chunk, **_softcap_flag(softcap), num_warps=warps)

@@ -35,8 +35,8 @@ def _rows(backend: str):
 
 class _LinearFullKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, temperature, chunk, backend,
-                walk):
+    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, temperature, softcap, chunk,
+                backend, walk):
         fwd, _ = _rows(backend)
         n = counted.numel()
         md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
@@ -45,9 +45,10 @@ class _LinearFullKL(torch.autograd.Function):
             c1 = min(c0 + chunk, n)
             logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
             ref = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
-            kl[c0:c1], lse[c0:c1], ref_lse[c0:c1] = fwd(logits, ref, counted[c0:c1], temperature)
+            kl[c0:c1], lse[c0:c1], ref_lse[c0:c1] = fwd(logits, ref, counted[c0:c1], temperature, softcap=softcap)
         ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, kl, lse, ref_lse)
         ctx.temperature, ctx.chunk, ctx.backend, ctx.walk = temperature, chunk, backend, walk
+        ctx.softcap = softcap
         return kl
 
     @staticmethod
@@ -55,12 +56,12 @@ class _LinearFullKL(torch.autograd.Function):
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, counted, kl, lse, ref_lse = ctx.saved_tensors
         _, bwd = _rows(ctx.backend)
         n = counted.numel()
-        tail = (None,) * 5
+        tail = (None,) * 6
         if ctx.walk == "vocab" and not any(ctx.needs_input_grad[3:6]):
             def slice_grad(v0, v1, logits):
                 ref = torch.nn.functional.linear(ref_hidden, ref_weight[v0:v1],
                                                  None if ref_bias is None else ref_bias[v0:v1])
-                bwd(grad_kl, logits, ref, counted, ctx.temperature, kl, lse, ref_lse, logits, None)
+                bwd(grad_kl, logits, ref, counted, ctx.temperature, kl, lse, ref_lse, logits, None, softcap=ctx.softcap)
                 return logits
 
             width = slice_width(ctx.chunk, n, weight.shape[0], hidden.device)
@@ -76,7 +77,7 @@ class _LinearFullKL(torch.autograd.Function):
             # the gradients over the logits themselves (no second [C, V] buffer): the row pass reads each
             # entry of both before it writes that entry
             bwd(grad_kl[c0:c1], logits, ref, counted[c0:c1], ctx.temperature, kl[c0:c1], lse[c0:c1],
-                ref_lse[c0:c1], logits if want_policy else None, ref if want_ref else None)
+                ref_lse[c0:c1], logits if want_policy else None, ref if want_ref else None, softcap=ctx.softcap)
             if want_policy:
                 add_chunk_grads(c0, c1, logits, hidden, weight, policy)
             if want_ref:
@@ -85,7 +86,7 @@ class _LinearFullKL(torch.autograd.Function):
 
 
 def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bias=None, temperature=1.0,
-                   mask=None, chunk_size=None, backend="auto") -> torch.Tensor:
+                   mask=None, chunk_size=None, backend="auto", logit_scale=1.0, softcap=None) -> torch.Tensor:
     r"""Per token, the exact ``KL(pi || pi_ref)`` over the vocabulary (:func:`kl_kernels.full_kl`) of
     ``pi = softmax((hidden @ weight.T + bias) / T)`` and ``pi_ref = softmax((ref_hidden @ ref_weight.T +
     ref_bias) / T)``, both models evaluated in one pass over the tokens without materializing either's
@@ -100,7 +101,8 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
             device too; the same vocabulary ``V``. The reference's tensors get gradients only when they
             require them.
         bias, ref_bias: optional ``[V]`` biases.
-        temperature, mask: as :func:`kl_kernels.full_kl`.
+        temperature, mask, logit_scale, softcap: as :func:`kl_kernels.full_kl` (both models' logits become
+            ``c tanh(s logits / c) / T``; default 1.0 and None: ``logits / T``).
         chunk_size: tokens per forward chunk (an int >= 1); default ``max(1, 2**24 // V)`` on the CPU,
             ``max(1, 2**27 // V)`` on a GPU. On a GPU's vocabulary walk backward's slices hold as many
             logits (by default at most ``2**25``: :mod:`kl_kernels.lm_head`).
@@ -126,7 +128,7 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
     chunk = chunk_tokens(chunk_size, vocab, hidden.device)
     # mask and temperature: full_kl's own checks, on zero-stride stand-ins for the logits (no [N, V] memory)
     stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
-    p = build_problem(stand_in, stand_in, temperature=temperature, mask=mask)
+    p = build_problem(stand_in, stand_in, temperature=temperature, mask=mask, logit_scale=logit_scale, softcap=softcap)
     # the backend: full_kl's own dispatch, asked about what the row pass will get, a chunk's fresh
     # contiguous logits [C, V] (one row stands in)
     row = hidden.new_empty((1, vocab))
@@ -134,5 +136,5 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, *, bias=None, ref_bia
     name = row_pass_backend(REGISTRY, backend, "full_kl", chunk_rows, "linear_full_kl")
     kl = _LinearFullKL.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                              ref_hidden.reshape(-1, ref_hidden.shape[-1]), ref_weight, ref_bias,
-                             p.counted.reshape(-1), p.temperature, chunk, name, schedule(hidden.device))
+                             p.counted.reshape(-1), p.temperature, p.softcap, chunk, name, schedule(hidden.device))
     return kl.reshape(p.counted.shape)

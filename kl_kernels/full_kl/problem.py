@@ -6,27 +6,27 @@ naming the argument and what was expected. Inputs are never modified.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-from ..vocab_rows import RowsProblem, check_logits
+from ..vocab_rows import RowsProblem, check_logits, logit_transform
 
 
 @dataclass
 class FullKLProblem(RowsProblem):
-    """``logits [*S, V]`` and ``ref_logits [*S, V]`` (same dtype and device), ``counted [*S]`` (bool),
-    ``temperature > 0``."""
+    """``logits [*S, V]`` and ``ref_logits [*S, V]`` (same dtype and device), ``counted [*S]`` (bool), and
+    the logit transform of both in kernel units (``kl_kernels.vocab_rows.logit_transform``): ``temperature``
+    the user's over ``logit_scale``, ``softcap`` the user's over ``logit_scale`` (0.0: none)."""
 
     logits: torch.Tensor
     ref_logits: torch.Tensor
     counted: torch.Tensor
     temperature: float
+    softcap: float = 0.0
 
 
-def build_problem(logits, ref_logits, *, temperature, mask) -> FullKLProblem:
+def build_problem(logits, ref_logits, *, temperature, mask, logit_scale=1.0, softcap=None) -> FullKLProblem:
     check_logits("logits", logits)
     check_logits("ref_logits", ref_logits)
     if tuple(ref_logits.shape) != tuple(logits.shape):
@@ -45,8 +45,7 @@ def build_problem(logits, ref_logits, *, temperature, mask) -> FullKLProblem:
                              f"{list(mask.shape)}")
         if mask.device != logits.device:
             raise ValueError(f"mask must be on the logits' device {logits.device}, got {mask.device}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    temperature, softcap = logit_transform(temperature, logit_scale, softcap)
     counted = mask if mask is not None else torch.ones(shape, dtype=torch.bool, device=logits.device)
-    return FullKLProblem(logits=logits, ref_logits=ref_logits, counted=counted, temperature=float(temperature))
+    return FullKLProblem(logits=logits, ref_logits=ref_logits, counted=counted, temperature=temperature,
+                         softcap=softcap)

@@ -1,7 +1,9 @@
 r"""The math of ``full_kl``, chunked over rows: the torch backend and the tests' reference.
 
-For a counted token with the policy's logits row ``x``, the reference's ``r`` (``V`` entries each) and
-temperature ``T``::
+For a counted token with the policy's logits row ``x``, the reference's ``r`` (``V`` entries each),
+temperature ``T`` and soft-cap ``c`` (kernel units: ``kl_kernels.vocab_rows.logit_transform`` folds the logit
+scale into both; with a soft-cap ``x`` and ``r`` below read ``c tanh(x / c)``, ``c tanh(r / c)``, and each
+gradient is multiplied by ``1 - tanh^2`` of its own entry over ``c``)::
 
     a    = log_softmax(x / T),  b = log_softmax(r / T),  p = e^a,  q = e^b
     KL   = sum_j p_j (a_j - b_j)                       (a term is 0 where p_j = 0, whatever b_j)
@@ -21,15 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from ..vocab_rows import row_blocks, rows_of, rows_per_chunk
+from ..vocab_rows import capped, capped_slope, row_blocks, rows_of, rows_per_chunk
 
 
 def math_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def forward(logits: torch.Tensor, ref_logits: torch.Tensor, counted: torch.Tensor, temperature: float):
-    """``(kl [*S], lse [N], ref_lse [N])`` in the math dtype (module doc)."""
+def forward(logits: torch.Tensor, ref_logits: torch.Tensor, counted: torch.Tensor, temperature: float,
+            softcap: float = 0.0):
+    """``(kl [*S], lse [N], ref_lse [N])`` in the math dtype (module doc); ``softcap`` 0.0: none."""
     md = math_dtype(logits)
     n = counted.numel()
     cnt = counted.reshape(-1)
@@ -38,7 +41,7 @@ def forward(logits: torch.Tensor, ref_logits: torch.Tensor, counted: torch.Tenso
     ref_lse = torch.empty(n, dtype=md, device=logits.device)
     x_rows, r_rows = rows_of(logits), rows_of(ref_logits)
     for r0, r1, xb, rb in row_blocks(x_rows, rows_per_chunk(logits), r_rows):  # same shape: same row structure
-        z, w = xb.to(md) / temperature, rb.to(md) / temperature
+        z, w = capped(xb.to(md), softcap) / temperature, capped(rb.to(md), softcap) / temperature
         mz, mw = z.amax(-1, keepdim=True), w.amax(-1, keepdim=True)
         # NaN, +inf, or every entry -inf in either row (amax propagates NaN); such rows' a, b are NaN, unused
         undefined = (mz.isnan() | mz.isinf() | mw.isnan() | mw.isinf()).squeeze(1)
@@ -62,7 +65,7 @@ def forward(logits: torch.Tensor, ref_logits: torch.Tensor, counted: torch.Tenso
 
 def backward(grad_kl: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tensor, counted: torch.Tensor,
              temperature: float, kl: torch.Tensor, lse: torch.Tensor, ref_lse: torch.Tensor,
-             grad_logits: torch.Tensor | None, grad_ref: torch.Tensor | None) -> None:
+             grad_logits: torch.Tensor | None, grad_ref: torch.Tensor | None, softcap: float = 0.0) -> None:
     """Write the gradients into ``grad_logits`` / ``grad_ref`` (the logits' shape and dtype; None: not
     wanted)."""
     md = math_dtype(logits)
@@ -74,7 +77,8 @@ def backward(grad_kl: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tens
     dest = [None if t is None else t.view(x_rows.shape) for t in (grad_logits, grad_ref)]
     present = [d for d in dest if d is not None]
     for r0, r1, xb, rb, *targets in row_blocks(x_rows, rows_per_chunk(logits), r_rows, *present):
-        z, w = xb.to(md) / temperature, rb.to(md) / temperature
+        x, r = xb.to(md), rb.to(md)
+        z, w = capped(x, softcap) / temperature, capped(r, softcap) / temperature
         a = z - lse[r0:r1].unsqueeze(1)
         b = w - ref_lse[r0:r1].unsqueeze(1)
         p, q = torch.exp(a), torch.exp(b)
@@ -85,8 +89,12 @@ def backward(grad_kl: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tens
         nan = torch.full((), float("nan"), dtype=md, device=logits.device)
         results = []
         if dest[0] is not None:
-            results.append(torch.where(p > 0, g * (p * ((a - b) - k)), 0.0))
+            d = torch.where(p > 0, g * (p * ((a - b) - k)), 0.0)
+            slope = capped_slope(x, softcap)
+            results.append(d if slope is None else d * slope)
         if dest[1] is not None:
-            results.append(g * (q - p))
+            d = g * (q - p)
+            slope = capped_slope(r, softcap)
+            results.append(d if slope is None else d * slope)
         for target, d in zip(targets, results):
             target.copy_(torch.where(c, torch.where(finite, d, nan), 0.0))

@@ -30,11 +30,14 @@ class LinearTokenLogprobsOutput(NamedTuple):
 
 
 def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mask=None, ignore_index=-100,
-                   inplace_backward=False, backend="auto", process_group=None) -> TokenLogprobsOutput:
+                   inplace_backward=False, backend="auto", process_group=None, logit_scale=1.0,
+                   softcap=None) -> TokenLogprobsOutput:
     r"""Per-token ``log softmax(logits / T)[label]`` (and the entropy of ``softmax(logits / T)``),
     without an ``[N, V]`` float32 copy of the logits, forward or backward.
 
-    Per counted token (``labels != ignore_index`` and ``mask``), with ``z = logits / T``::
+    Per counted token (``labels != ignore_index`` and ``mask``), with ``z = logits / T`` (with
+    ``logit_scale`` ``s`` and ``softcap`` ``c``: ``z = c tanh(s logits / c) / T``, or ``s logits / T``
+    without a cap: TRL's fused LM head and Gemma's ``final_logit_softcapping``, in that order)::
 
         log_probs = z[label] - logsumexp(z)
         entropy   = sum_j p_j (logsumexp(z) - z_j),   p = softmax(z)
@@ -52,6 +55,14 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
             on the CPU; on a GPU a device-side assertion, no host sync; ``KL_KERNELS_SYNC_CHECKS=1``
             makes it a ``ValueError`` there too).
         temperature: ``T > 0`` (default 1.0): the sampling temperature the logits are divided by.
+        logit_scale: ``s``, finite ``> 0`` (default 1.0): the logits' multiplier before soft-capping and
+            temperature (a model config's ``logit_scale``, ``1 / logits_scaling``, ...). Folded into the
+            temperature (and the cap) on the host: every backend computes it.
+        softcap: ``c``, ``None`` (default: no soft-capping) or finite ``> 0``: the logits become
+            ``c tanh(s logits / c)`` before the temperature (Gemma's ``final_logit_softcapping``); the
+            gradient gets the factor ``1 - tanh^2(s logits / c)``. Every rule below applies to the capped
+            logits ``z`` (a capped ``+-inf`` logit is ``+-c / T``: finite). Backends: ``"torch"``; a backend
+            whose kernels lack it declines the call (``"auto"`` then picks one that has it).
         return_entropy: also return the per-token entropy (differentiable).
         mask: optional bool ``[*S]``: which tokens count (e.g. assistant tokens); the others give 0.
         ignore_index: labels equal to it do not count (default -100, as ``cross_entropy``).
@@ -75,6 +86,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
         :class:`TokenLogprobsOutput` ``(log_probs, entropy)``: ``[*S]`` float32 (float64 for
         float64 logits); 0 at non-counted tokens; NaN for a counted row whose logits hold NaN or
         ``+inf`` or are all ``-inf`` (``-inf`` entries otherwise are a masked vocabulary: fine).
+        Gradients to ``logits``: the ones below times ``d z / d logits``, ``s / T`` (with a cap
+        ``s (1 - tanh^2(s logits / c)) / T``) in place of ``1 / T``.
 
     Example::
 
@@ -89,19 +102,24 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
         >>> out.log_probs.sum().backward()
         >>> logits.grad[0]
         tensor([ 0.2130, -0.1065, -0.1065])
+        >>> capped = token_logprobs(torch.tensor([[40.0, 0.0]]), torch.tensor([1]), softcap=30.0,
+        ...                         logit_scale=0.5)  # z = (30 tanh(0.5 * 40 / 30), 0) = (17.48, 0)
+        >>> capped.log_probs
+        tensor([-17.4835])
     """
     if process_group is not None:
         return _sharded(logits, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
                         ignore_index=ignore_index, inplace_backward=inplace_backward, backend=backend,
-                        process_group=process_group)
+                        process_group=process_group, logit_scale=logit_scale, softcap=softcap)
     problem = build_problem(logits, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
-                            ignore_index=ignore_index, inplace_backward=inplace_backward)
+                            ignore_index=ignore_index, inplace_backward=inplace_backward, logit_scale=logit_scale,
+                            softcap=softcap)
     impl = _dispatch.select(REGISTRY, backend, op="token_logprobs", problem=problem)
     return TokenLogprobsOutput(*impl.run(problem))
 
 
 def _sharded(logits, labels, *, temperature, return_entropy, mask, ignore_index, inplace_backward, backend,
-             process_group) -> TokenLogprobsOutput:
+             process_group, logit_scale, softcap) -> TokenLogprobsOutput:
     """``token_logprobs`` of a vocabulary shard (``process_group``): the checks against the whole
     vocabulary, the row pass's backend by the op's own dispatch, then ``sharded.ShardedRows``."""
     import dataclasses
@@ -120,9 +138,9 @@ def _sharded(logits, labels, *, temperature, return_entropy, mask, ignore_index,
     # every check against the whole vocabulary, on a zero-stride stand-in (no [N, V] memory)
     stand_in = logits.new_zeros(()).expand(*logits.shape[:-1], total)
     p = build_problem(stand_in, labels, temperature=temperature, return_entropy=return_entropy, mask=mask,
-                      ignore_index=ignore_index, inplace_backward=False)
+                      ignore_index=ignore_index, inplace_backward=False, logit_scale=logit_scale, softcap=softcap)
     impl = _dispatch.select(REGISTRY, backend, op="token_logprobs", problem=dataclasses.replace(p, logits=logits))
     fwd, bwd = row_pass(impl.name)
-    lp, ent = sharded.ShardedRows.apply(logits, p.labels, p.counted, p.temperature, return_entropy, fwd, bwd,
-                                        process_group, start)
+    lp, ent = sharded.ShardedRows.apply(logits, p.labels, p.counted, p.temperature, p.softcap, return_entropy, fwd,
+                                        bwd, process_group, start)
     return TokenLogprobsOutput(lp, ent if return_entropy else None)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from ..launching import DTYPE_CODES, EMULATED, ExtensionLauncher, kernel_module, launch_kernel, ptr, resolved
-from ..vocab_rows import row_map, rows_of
+from ..vocab_rows import refuse_softcap, row_map, rows_of
 
 
-def _args(module, logits, labels, counted, temperature):
+def _args(module, logits, labels, counted, temperature, softcap):
     logits, = resolved(logits)
     rows = rows_of(logits)
     a = module.TokenLogprobsArgs()
@@ -22,13 +22,18 @@ def _args(module, logits, labels, counted, temperature):
     labels = labels.contiguous()
     counted = counted.contiguous()
     a.labels, a.counted, a.inv_temperature = ptr(labels), ptr(counted), 1.0 / temperature
+    if softcap:  # (the field's default, 0, is no cap)
+        a.softcap = softcap
     return a, [rows, labels, counted]
 
 
-def forward(logits, labels, counted, temperature: float, want_entropy: bool, *, ext: str | None = None):
+def forward(logits, labels, counted, temperature: float, want_entropy: bool, softcap: float = 0.0, *,
+            ext: str | None = None):
     """``(log_probs [*S], entropy [*S] or [0], lse [N])``, float32 on the logits' device."""
+    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
+        refuse_softcap(softcap, "CUDA token_logprobs")
     module = kernel_module(logits.device, "token_logprobs_forward", "token_logprobs", ext)
-    a, keep = _args(module, logits, labels, counted, temperature)
+    a, keep = _args(module, logits, labels, counted, temperature, softcap)
     n, dev = labels.numel(), logits.device
     lp = torch.empty(labels.shape, dtype=torch.float32, device=dev)
     ent = torch.empty(labels.shape if want_entropy else (0,), dtype=torch.float32, device=dev)
@@ -39,11 +44,14 @@ def forward(logits, labels, counted, temperature: float, want_entropy: bool, *, 
     return lp, ent, lse
 
 
-def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float, lse, entropy, out, *,
+def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float, lse, entropy, out,
+             softcap: float = 0.0, *,
              ext: str | None = None):
     """Write the logits' gradient into ``out`` (the logits' shape and dtype, e.g. the logits themselves)."""
+    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
+        refuse_softcap(softcap, "CUDA token_logprobs")
     module = kernel_module(logits.device, "token_logprobs_backward", "token_logprobs", ext)
-    a, keep = _args(module, logits, labels, counted, temperature)
+    a, keep = _args(module, logits, labels, counted, temperature, softcap)
     g_lp = None if grad_lp is None else grad_lp.reshape(-1).to(torch.float32).contiguous()
     g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).to(torch.float32).contiguous()
     target = out if out.dim() <= 3 else out.view(-1, out.shape[-1])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..launching import resolved
-from ..vocab_rows import row_map, rows_of
+from ..vocab_rows import row_map, rows_of, triton_cap as _cap, triton_cap_flag as _softcap_flag
 
 
 def _kernels():
@@ -23,7 +23,7 @@ def _steps(logits, *rows) -> tuple[int, int, int, bool]:
     return 32 * ROW_WARPS, row_chunk(logits.element_size()), ROW_WARPS, rows_aligned(*rows)
 
 
-def forward(logits, labels, counted, temperature: float, want_entropy: bool):
+def forward(logits, labels, counted, temperature: float, want_entropy: bool, softcap: float = 0.0):
     fwd, _ = _kernels()
     logits, = resolved(logits)
     rows = rows_of(logits)
@@ -36,12 +36,13 @@ def forward(logits, labels, counted, temperature: float, want_entropy: bool):
         flags = counted.contiguous().view(torch.uint8)  # the kernels read the bool mask as bytes
         lanes, chunk, warps, aligned = _steps(rows, (rows, so, si))
         fwd[(n,)](rows, labels.contiguous(), flags, lp, lse, ent if want_entropy else lp, n, rows.shape[-1], inner, so,
-                  si, 1.0 / temperature, WANT_ENTROPY=want_entropy, LANES=lanes, CHUNK=chunk,
-                  ALIGNED=aligned, BLOCK=lanes * chunk, num_warps=warps)
+                  si, 1.0 / temperature, *_cap(temperature, softcap), WANT_ENTROPY=want_entropy, LANES=lanes,
+                  CHUNK=chunk, ALIGNED=aligned, BLOCK=lanes * chunk, **_softcap_flag(softcap), num_warps=warps)
     return lp, ent, lse
 
 
-def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float, lse, entropy, out):
+def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float, lse, entropy, out,
+             softcap: float = 0.0):
     _, bwd = _kernels()
     logits, = resolved(logits)
     rows = rows_of(logits)
@@ -56,6 +57,7 @@ def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float,
         lanes, chunk, warps, _ = _steps(rows)
         bwd[(n,)](rows, labels.contiguous(), flags, lse, entropy if g_ent is not None else lse,
                   g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse, target, n,
-                  rows.shape[-1], inner, so, si, gso, gsi, 1.0 / temperature, HAS_G_LP=g_lp is not None,
-                  HAS_G_ENT=g_ent is not None, BLOCK=lanes * chunk, num_warps=warps)
+                  rows.shape[-1], inner, so, si, gso, gsi, 1.0 / temperature, *_cap(temperature, softcap),
+                  HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None, BLOCK=lanes * chunk,
+                  **_softcap_flag(softcap), num_warps=warps)
     return out

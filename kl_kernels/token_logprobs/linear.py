@@ -34,16 +34,16 @@ from .problem import build_problem
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, chunk, backend, walk, shard,
-                ref_hidden=None, ref_weight=None, ref_bias=None):
+    def forward(ctx, hidden, weight, bias, labels, counted, temperature, softcap, want_entropy, chunk, backend, walk,
+                shard, ref_hidden=None, ref_weight=None, ref_bias=None):
         # (the reference's tensors come detached: its log-probs get no gradient)
         fwd, _ = row_pass(backend)
         if shard:  # a vocabulary shard (process_group): its statistics per token, merged after the loop
             group, start = shard
 
-            def fwd(logits, labels_c, counted_c, temperature, want_entropy, _rows=fwd):
+            def fwd(logits, labels_c, counted_c, temperature, want_entropy, softcap=0.0, _rows=fwd):
                 lse_r, ent_r, zy = sharded.shard_forward(_rows, logits, labels_c, counted_c, start, temperature,
-                                                         want_entropy)
+                                                         want_entropy, softcap)
                 return zy, ent_r, lse_r
         n = labels.numel()
         md = reference.math_dtype(hidden) if backend == "torch" else torch.float32
@@ -55,14 +55,15 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         for c0 in range(0, n, chunk):
             c1 = min(c0 + chunk, n)
             logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
-            lp_c, ent_c, lse_c = fwd(logits, labels[c0:c1], counted[c0:c1], temperature, want_entropy)
+            lp_c, ent_c, lse_c = fwd(logits, labels[c0:c1], counted[c0:c1], temperature, want_entropy,
+                                     softcap=softcap)
             lp[c0:c1], lse[c0:c1] = lp_c, lse_c
             if want_entropy:
                 ent[c0:c1] = ent_c
             if ref_hidden is not None:  # the same chunk of tokens under the reference, while it is at hand
                 del logits
                 ref_logits = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
-                ref_c = fwd(ref_logits, labels[c0:c1], counted[c0:c1], temperature, False)
+                ref_c = fwd(ref_logits, labels[c0:c1], counted[c0:c1], temperature, False, softcap=softcap)
                 ref_lp[c0:c1] = ref_c[0]
                 if shard:
                     ref_lse[c0:c1] = ref_c[2]
@@ -74,6 +75,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         ctx.shard = shard
         ctx.save_for_backward(hidden, weight, bias, labels, counted, lse, ent)
         ctx.temperature, ctx.want_entropy, ctx.chunk, ctx.backend = temperature, want_entropy, chunk, backend
+        ctx.softcap = softcap
         ctx.walk = walk
         ctx.mark_non_differentiable(lse, ref_lp)
         return lp, ent, lse, ref_lp
@@ -86,11 +88,11 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             labels = labels - ctx.shard[1]
         n = labels.numel()
         grad_ent = grad_ent if ctx.want_entropy else None
-        tail = (None,) * 11
+        tail = (None,) * 12
         if ctx.walk == "vocab":
             def slice_grad(v0, v1, logits):  # labels outside [v0, v1) are "not here" to the row pass
                 return bwd(grad_lp, grad_ent, logits, labels - v0, counted, ctx.temperature, lse,
-                           ent if grad_ent is not None else lse[:0], logits)
+                           ent if grad_ent is not None else lse[:0], logits, softcap=ctx.softcap)
 
             width = slice_width(ctx.chunk, n, weight.shape[0], hidden.device)
             return (*vocab_walk_grads(ctx.needs_input_grad, hidden, weight, bias, width, slice_grad), *tail)
@@ -101,15 +103,17 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             # the logits' gradient over the logits themselves (no second [C, V] buffer)
             d = bwd(None if grad_lp is None else grad_lp[c0:c1], None if grad_ent is None else grad_ent[c0:c1],
                     logits, labels[c0:c1], counted[c0:c1], ctx.temperature, lse[c0:c1],
-                    ent[c0:c1] if grad_ent is not None else ent, logits)
+                    ent[c0:c1] if grad_ent is not None else ent, logits, softcap=ctx.softcap)
             add_chunk_grads(c0, c1, d, hidden, weight, grads)
         return (*head_grads_out(grads, weight, bias), *tail)
 
 
 def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False, mask=None,
                           ignore_index=-100, chunk_size=None, backend="auto", ref_hidden=None, ref_weight=None,
-                          ref_bias=None, process_group=None, fused=False):
-    r"""Per-token log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``,
+                          ref_bias=None, process_group=None, fused=False, logit_scale=1.0, softcap=None):
+    r"""Per-token log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``
+    (with ``logit_scale`` ``s`` and ``softcap`` ``c``: of ``softmax(c tanh(s (hidden @ weight.T + bias) / c)
+    / T)``, TRL's fused LM head's order),
     without materializing the ``[N, V]`` logits: tokens go ``chunk_size`` at a time (default: about
     16M logits a chunk), forward and backward (recomputed), so the extra memory is O(chunk x V).
 
@@ -119,6 +123,10 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         labels: ``[*S]`` token ids in ``[0, V)`` where counted.
         bias: optional ``[V]`` (gradients flow).
         temperature, return_entropy, mask, ignore_index: as :func:`kl_kernels.token_logprobs`.
+        logit_scale, softcap: as :func:`kl_kernels.token_logprobs` (default 1.0 and None: the plain
+            logits), applied to the policy's logits and the reference's alike; gradients to ``hidden``,
+            ``weight`` and ``bias`` through ``d z / d logits`` (``s (1 - tanh^2(s logits / c)) / T``).
+            A row-pass backend without the cap declines it (``"auto"`` picks one that has it).
         chunk_size: tokens per forward chunk (an int >= 1); default ``max(1, 2**24 // V)`` on the CPU,
             ``max(1, 2**27 // V)`` on a GPU, rounded down to whole 128s there (1,024 at V = 128k). On a
             GPU's vocabulary walk backward's slices hold as many logits (by default at most ``2**25``:
@@ -173,7 +181,8 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
     """
     r = prepare(hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy, mask=mask,
                 ignore_index=ignore_index, chunk_size=chunk_size, backend=backend, ref_hidden=ref_hidden,
-                ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_token_logprobs", process_group=process_group)
+                ref_weight=ref_weight, ref_bias=ref_bias, caller="linear_token_logprobs", process_group=process_group,
+                logit_scale=logit_scale, softcap=softcap)
     if fused not in (True, False):
         raise TypeError(f"fused must be True or False, got {fused!r}")
     if fused:
@@ -182,11 +191,12 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         if why is not None:
             raise ValueError(f"linear_token_logprobs(fused=True) cannot run: {why}")
         lp, ent, _, ref_lp = linear_fused.FusedLinearTokenLogprobs.apply(
-            r.hidden, r.weight, r.bias, r.labels, r.counted, r.temperature, return_entropy, *r.ref)
+            r.hidden, r.weight, r.bias, r.labels, r.counted, r.temperature, return_entropy,
+            *(r.ref or (None, None, None)), r.softcap)
     else:
         lp, ent, _, ref_lp = _LinearTokenLogprobs.apply(r.hidden, r.weight, r.bias, r.labels, r.counted,
-                                                        r.temperature, return_entropy, r.chunk, r.backend, r.walk,
-                                                        r.shard, *r.ref)
+                                                        r.temperature, r.softcap, return_entropy, r.chunk, r.backend,
+                                                        r.walk, r.shard, *r.ref)
     ent = ent.reshape(r.shape) if return_entropy else None
     if r.ref:
         return LinearTokenLogprobsOutput(lp.reshape(r.shape), ent, ref_lp.reshape(r.shape))
@@ -195,7 +205,8 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
 
 class LinearRows(NamedTuple):
     """A chunk loop's checked inputs: ``hidden [N, H]`` (flattened), the head, ``labels``/``counted`` ``[N]``,
-    the temperature, tokens per chunk, the row pass's backend name, the reference ``(ref_hidden [N, H_ref],
+    the temperature and soft-cap in kernel units (``kl_kernels.vocab_rows.logit_transform``: the logit scale
+    folded into both; soft-cap 0.0: none), tokens per chunk, the row pass's backend name, the reference ``(ref_hidden [N, H_ref],
     ref_weight, ref_bias)`` detached (or ``()``), the token shape ``S``, backward's walk (``"tokens"`` or
     ``"vocab"``, :func:`kl_kernels.lm_head.schedule`) and the vocabulary shard ``(process_group, start)``
     (or ``()``: the whole vocabulary here)."""
@@ -212,11 +223,12 @@ class LinearRows(NamedTuple):
     shape: torch.Size
     walk: str = "tokens"
     shard: tuple = ()
+    softcap: float = 0.0
 
 
 def prepare(hidden, weight, labels, *, bias, temperature, return_entropy, mask, ignore_index, chunk_size, backend,
             ref_hidden, ref_weight, ref_bias, caller: str, process_group=None,
-            group_name="process_group") -> LinearRows:
+            group_name="process_group", logit_scale=1.0, softcap=None) -> LinearRows:
     """Every check of :func:`linear_token_logprobs`' arguments, and the row pass's backend."""
     local_vocab = check_lm_head(hidden, weight, bias)
     with_ref = check_ref_head(hidden, local_vocab, ref_hidden, ref_weight, ref_bias, required=False)
@@ -229,7 +241,8 @@ def prepare(hidden, weight, labels, *, bias, temperature, return_entropy, mask, 
     # labels, mask, temperature, ignore_index: token_logprobs' own checks, on a zero-stride stand-in for
     # the logits (no [N, V] memory)
     p = build_problem(hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab), labels, temperature=temperature,
-                      return_entropy=return_entropy, mask=mask, ignore_index=ignore_index, inplace_backward=False)
+                      return_entropy=return_entropy, mask=mask, ignore_index=ignore_index, inplace_backward=False,
+                      logit_scale=logit_scale, softcap=softcap)
     # The backend: token_logprobs' own dispatch, asked about what the row pass will get, a chunk's fresh
     # contiguous logits [C, V] (one row stands in)
     chunk_rows = dataclasses.replace(p, logits=hidden.new_empty((1, local_vocab)), labels=p.labels[:0],
@@ -238,7 +251,8 @@ def prepare(hidden, weight, labels, *, bias, temperature, return_entropy, mask, 
     ref = (ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(),
            None if ref_bias is None else ref_bias.detach()) if with_ref else ()
     return LinearRows(hidden.reshape(-1, hidden.shape[-1]), weight, bias, p.labels.reshape(-1), p.counted.reshape(-1),
-                      p.temperature, int(chunk_size), name, ref, p.labels.shape, schedule(hidden.device), shard)
+                      p.temperature, int(chunk_size), name, ref, p.labels.shape, schedule(hidden.device), shard,
+                      p.softcap)
 
 
 def linear_loss_one_pass(rows: LinearRows, want_entropy: bool, chunk_loss):
@@ -278,10 +292,10 @@ class _OnePass(torch.autograd.Function):
             if rows.ref:
                 ref_hidden, ref_weight, ref_bias = rows.ref
                 ref_logits = torch.nn.functional.linear(ref_hidden[c0:c1], ref_weight, ref_bias)
-                ref_lp = fwd(ref_logits, labels, counted, rows.temperature, False)[0]
+                ref_lp = fwd(ref_logits, labels, counted, rows.temperature, False, softcap=rows.softcap)[0]
                 del ref_logits
             logits = torch.nn.functional.linear(hidden[c0:c1], weight, bias)
-            lp, ent, lse = fwd(logits, labels, counted, rows.temperature, want_entropy)
+            lp, ent, lse = fwd(logits, labels, counted, rows.temperature, want_entropy, softcap=rows.softcap)
             leaves = [lp.detach().requires_grad_(differentiate)]
             if want_entropy:
                 leaves.append(ent.detach().requires_grad_(differentiate))
@@ -295,7 +309,7 @@ class _OnePass(torch.autograd.Function):
             if differentiate and any(x is not None for x in g):
                 g_lp, g_ent = g[0], (g[1] if want_entropy else None)
                 d = bwd(g_lp, g_ent, logits, labels, counted, rows.temperature, lse,
-                        ent if g_ent is not None else no_entropy, logits)
+                        ent if g_ent is not None else no_entropy, logits, softcap=rows.softcap)
                 add_chunk_grads(c0, c1, d, hidden, weight, grads)
             elif differentiate:  # this chunk's loss does not depend on its tokens (all masked out)
                 if grads[0] is not None:

@@ -70,6 +70,7 @@ from __future__ import annotations
 import torch
 
 from ..launching import resolved
+from ..vocab_rows import triton_cap, triton_cap_flag
 
 # Workspace of the backward's d z buffer: N x V_c entries of the parameters' dtype, V_c a multiple of the
 # tile's BLOCK_V (at least one tile)
@@ -157,10 +158,11 @@ def _shares(rows: int, vocab: int, block_n: int, block_v: int, device) -> int:
     return max(1, min(tiles, -(-2 * sms // blocks)))
 
 
-def forward_rows(hidden, weight, bias, labels, counted, temperature: float, want_entropy: bool):
+def forward_rows(hidden, weight, bias, labels, counted, temperature: float, want_entropy: bool, softcap: float = 0.0):
     """``(log_probs, entropy, lse)`` float32 ``[N]`` (entropy ``[0]`` without ``want_entropy``) of ``softmax((hidden
     @ weight.T + bias) / temperature)`` at ``labels [N]``, 0 where ``counted [N]`` (bool) is False. ``hidden [N,
-    H]``, ``weight [V, H]``, ``bias [V]`` or None, as :func:`fused_reason` accepts them."""
+    H]``, ``weight [V, H]``, ``bias [V]`` or None, as :func:`fused_reason` accepts them. ``softcap`` (kernel units,
+    0.0: none): the logits ``x`` become ``c tanh(x / c)`` before the temperature."""
     fwd, combine, _ = _kernels()
     hidden, weight = resolved(hidden, weight)
     n, hid = hidden.shape
@@ -184,9 +186,10 @@ def forward_rows(hidden, weight, bias, labels, counted, temperature: float, want
     b = bias.contiguous() if bias is not None else lp  # (a valid stand-in pointer, never read)
     fwd[(-(-n // bn), shares)](hidden, weight, b, labels, part_m, part_s, part_w, part_zy, part_nan, n, vocab, hid,
                                hidden.stride(0), weight.stride(0), per_share, 1.0 / temperature,
-                               HAS_BIAS=bias is not None, WANT_ENTROPY=want_entropy,
-                               PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden.dtype), BLOCK_N=bn,
-                               BLOCK_V=bv, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                               *triton_cap(temperature, softcap), HAS_BIAS=bias is not None,
+                               WANT_ENTROPY=want_entropy, PRECISION=_precision(hidden.dtype),
+                               UPCAST=_upcast(hidden.dtype), BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
+                               **triton_cap_flag(softcap), num_warps=warps, num_stages=stages)
     combine[(-(-n // COMBINE_BLOCK),)](part_m, part_s, part_w, part_zy, part_nan, labels, flags, lp, lse,
                                        ent if want_entropy else lp, n, vocab, shares, WANT_ENTROPY=want_entropy,
                                        BLOCK=COMBINE_BLOCK, num_warps=4)
@@ -200,7 +203,7 @@ def vocab_chunk(rows: int, vocab: int, element_size: int, block_v: int) -> int:
 
 
 def backward_rows(grad_lp, grad_entropy, hidden, weight, bias, labels, counted, temperature: float, lse, entropy,
-                  needs=(True, True, True), recompute: str | None = None):
+                  needs=(True, True, True), recompute: str | None = None, softcap: float = 0.0):
     """``(d hidden, d weight, d bias)`` (None where ``needs`` says no, or no bias) of ``sum(grad_lp * log_probs +
     grad_entropy * entropy)`` (either gradient may be None), from :func:`forward_rows`' ``lse`` and ``entropy``,
     in the parameters' dtypes. ``recompute`` (default ``RECOMPUTE``): how a chunk's logits are formed again,
@@ -251,10 +254,15 @@ def backward_rows(grad_lp, grad_entropy, hidden, weight, bias, labels, counted, 
         dlogits[(-(-n // bn), -(-(v1 - v0) // bv))](
             hidden, weight, b, labels, flags, lse, entropy if g_ent is not None else lse,
             g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse, d, n, hid, v0, v1,
-            hidden.stride(0), weight.stride(0), d.stride(0), 1.0 / temperature, HAS_BIAS=bias is not None,
-            HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None, PRECISION=_precision(dtype),
-            UPCAST=_upcast(dtype), FROM_BUFFER=from_buffer, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=warps,
-            num_stages=stages)
+            hidden.stride(0), weight.stride(0), d.stride(0), 1.0 / temperature, *triton_cap(temperature, softcap),
+            HAS_BIAS=bias is not None, HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None,
+            PRECISION=_precision(dtype), UPCAST=_upcast(dtype), FROM_BUFFER=from_buffer, BLOCK_N=bn, BLOCK_V=bv,
+            BLOCK_K=bk, **triton_cap_flag(softcap), num_warps=warps, num_stages=stages)
+        if d.device.type == "cpu" and d.stride(0) != d.shape[1]:
+            # (CPU tensors: Triton's interpreter, tests) torch 2.13's CPU bf16 GEMM reads a strided operand's row
+            # past its last column (the buffer's padding up to the row stride: poison NaN in the tests) into the
+            # product: a contiguous copy. cuBLAS reads only the view.
+            d = d.contiguous()
         if want_w:  # every token's share of these rows in one GEMM: written once, in the weight's dtype
             torch.mm(d.t(), hidden, out=d_weight[v0:v1])
         if want_h:
@@ -290,23 +298,25 @@ def _add_d_hidden(d, w_c, d_hidden, acc, first: bool) -> None:
 
 class FusedLinearTokenLogprobs(torch.autograd.Function):
     """``apply(hidden [N, H], weight [V, H], bias [V] | None, labels [N], counted [N] bool, temperature,
-    want_entropy, ref_hidden=None, ref_weight=None, ref_bias=None)`` -> ``(log_probs [N], entropy [N] or [0],
+    want_entropy, ref_hidden=None, ref_weight=None, ref_bias=None, softcap=0.0)`` (``temperature`` and ``softcap``
+    in kernel units: ``kl_kernels.vocab_rows.logit_transform``; the reference takes the same) ->
+    ``(log_probs [N], entropy [N] or [0],
     lse [N], ref_log_probs [N] or [0])``, float32, as ``linear.py``'s ``_LinearTokenLogprobs`` returns them;
     gradients to ``hidden``, ``weight`` and ``bias`` (none to the reference's tensors; the backward's recompute is
     ``RECOMPUTE`` as it was at the forward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, counted, temperature, want_entropy, ref_hidden=None,
-                ref_weight=None, ref_bias=None):
-        lp, ent, lse = forward_rows(hidden, weight, bias, labels, counted, temperature, want_entropy)
+                ref_weight=None, ref_bias=None, softcap=0.0):
+        lp, ent, lse = forward_rows(hidden, weight, bias, labels, counted, temperature, want_entropy, softcap)
         if ref_hidden is not None:
             ref_lp = forward_rows(ref_hidden.detach(), ref_weight.detach(),
                                   None if ref_bias is None else ref_bias.detach(), labels, counted, temperature,
-                                  False)[0]
+                                  False, softcap)[0]
         else:
             ref_lp = lp.new_empty(0)
         ctx.save_for_backward(hidden, weight, bias, labels, counted, lse, ent)
-        ctx.temperature, ctx.want_entropy, ctx.recompute = temperature, want_entropy, RECOMPUTE
+        ctx.temperature, ctx.want_entropy, ctx.recompute, ctx.softcap = temperature, want_entropy, RECOMPUTE, softcap
         ctx.mark_non_differentiable(lse, ref_lp)
         return lp, ent, lse, ref_lp
 
@@ -315,5 +325,5 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, counted, lse, ent = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         grads = backward_rows(grad_lp, grad_ent if ctx.want_entropy else None, hidden, weight, bias, labels, counted,
-                              ctx.temperature, lse, ent, needs, ctx.recompute)
-        return (*grads, None, None, None, None, None, None, None)
+                              ctx.temperature, lse, ent, needs, ctx.recompute, ctx.softcap)
+        return (*grads, None, None, None, None, None, None, None, None)

@@ -1,7 +1,8 @@
 """``token_logprobs``' ``torch.library`` ops: forward and backward of each backend (the chunked torch math,
 the fused CPU kernel, the CUDA kernel, the same under host emulation, the Triton kernels), with fake
 implementations and autograd, so ``torch.compile(fullgraph=True)`` traces one opaque op instead of
-unrolling the chunk loop. ``temperature`` and ``want_entropy`` are schema arguments:
+unrolling the chunk loop. ``temperature``, ``softcap`` (kernel units, 0.0: none; ``problem.py``) and
+``want_entropy`` are schema arguments:
 changing them never recompiles a kernel (there is none to compile)."""
 
 from __future__ import annotations
@@ -16,22 +17,22 @@ from . import launch, launch_triton, reference
 from .problem import TokenLogprobsProblem
 
 
-def _fake_forward(logits, labels, counted, temperature, want_entropy, inplace_backward):
+def _fake_forward(logits, labels, counted, temperature, softcap, want_entropy, inplace_backward):
     md = reference.math_dtype(logits)  # the fused kernels read fp32/bf16/fp16: float32 there too
     return (logits.new_empty(labels.shape, dtype=md),
             logits.new_empty(labels.shape if want_entropy else (0,), dtype=md),
             logits.new_empty((labels.numel(),), dtype=md))
 
 
-def _fake_backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy):
+def _fake_backward(grad_lp, grad_entropy, logits, labels, counted, temperature, softcap, lse, entropy):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, counted, temperature, want_entropy, inplace = inputs
+    logits, labels, counted, temperature, softcap, want_entropy, inplace = inputs
     _lp, entropy, lse = output
     ctx.save_for_backward(logits, labels, counted, lse, entropy)
-    ctx.temperature, ctx.want_entropy, ctx.inplace = temperature, want_entropy, inplace
+    ctx.temperature, ctx.softcap, ctx.want_entropy, ctx.inplace = temperature, softcap, want_entropy, inplace
     ctx.mark_non_differentiable(lse)
 
 
@@ -44,10 +45,10 @@ def _backward_with(bwd, inplace_write):
             with torch.no_grad():
                 target = logits.detach()  # shares the version counter: a later reader of the logits is told
                 grad = inplace_write(grad_lp, grad_entropy, target, labels, counted, ctx.temperature, lse, entropy,
-                                     target)
+                                     target, softcap=ctx.softcap)
         else:
-            grad = bwd(grad_lp, grad_entropy, logits, labels, counted, ctx.temperature, lse, entropy)
-        return grad, None, None, None, None, None
+            grad = bwd(grad_lp, grad_entropy, logits, labels, counted, ctx.temperature, ctx.softcap, lse, entropy)
+        return grad, None, None, None, None, None, None
     return backward
 
 
@@ -55,19 +56,20 @@ def _define(name: str, launcher, device_types=None):
     """``kl_kernels::{name}_fwd`` / ``_bwd`` around a launcher pair (``reference``, ``launch``,
     ``launch.emulated`` or ``launch_triton``: the same signatures), with fakes and autograd.
 
-    ``{name}_fwd(logits, labels, counted, temperature, want_entropy, inplace_backward)`` gives
+    ``{name}_fwd(logits, labels, counted, temperature, softcap, want_entropy, inplace_backward)`` gives
     ``(log_probs [*S], entropy [*S] or [0], lse [N])`` (``inplace_backward`` is read by the autograd formula
-    only); ``{name}_bwd(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy)`` gives
+    only); ``{name}_bwd(grad_lp, grad_entropy, logits, labels, counted, temperature, softcap, lse, entropy)`` gives
     ``d loss / d logits``, a new contiguous tensor of the logits' shape and dtype."""
 
-    def fwd(logits: Tensor, labels: Tensor, counted: Tensor, temperature: float, want_entropy: bool,
+    def fwd(logits: Tensor, labels: Tensor, counted: Tensor, temperature: float, softcap: float, want_entropy: bool,
             inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
-        return launcher.forward(logits, labels, counted, temperature, want_entropy)
+        return launcher.forward(logits, labels, counted, temperature, want_entropy, softcap=softcap)
 
     def bwd(grad_lp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, labels: Tensor,
-            counted: Tensor, temperature: float, lse: Tensor, entropy: Tensor) -> Tensor:
+            counted: Tensor, temperature: float, softcap: float, lse: Tensor, entropy: Tensor) -> Tensor:
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        return launcher.backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy, out)
+        return launcher.backward(grad_lp, grad_entropy, logits, labels, counted, temperature, lse, entropy, out,
+                                 softcap=softcap)
 
     fwd_op = op_library.define(f"kl_kernels::{name}_fwd", fwd, device_types=device_types)
     bwd_op = op_library.define(f"kl_kernels::{name}_bwd", bwd, device_types=device_types)
@@ -88,15 +90,15 @@ token_logprobs_triton_fwd, token_logprobs_triton_bwd = _define("token_logprobs_t
 
 def run_torch(p: TokenLogprobsProblem) -> tuple[Tensor, Tensor | None]:
     """The torch backend: ``(log_probs, entropy or None)``."""
-    lp, entropy, _lse = token_logprobs_fwd(p.logits, p.labels, p.counted, p.temperature, p.return_entropy,
-                                           p.inplace_backward)
+    lp, entropy, _lse = token_logprobs_fwd(p.logits, p.labels, p.counted, p.temperature, p.softcap,
+                                           p.return_entropy, p.inplace_backward)
     return lp, (entropy if p.return_entropy else None)
 
 
 def run_triton(p: TokenLogprobsProblem) -> tuple[Tensor, Tensor | None]:
     """The Triton backend: ``(log_probs, entropy or None)``, float32."""
-    lp, entropy, _lse = token_logprobs_triton_fwd(p.logits, p.labels, p.counted, p.temperature, p.return_entropy,
-                                                  p.inplace_backward)
+    lp, entropy, _lse = token_logprobs_triton_fwd(p.logits, p.labels, p.counted, p.temperature, p.softcap,
+                                                  p.return_entropy, p.inplace_backward)
     return lp, (entropy if p.return_entropy else None)
 
 
@@ -105,5 +107,6 @@ def run_fused(p: TokenLogprobsProblem, emulated: bool = False) -> tuple[Tensor, 
     tensors): ``(log_probs, entropy or None)``, float32."""
     op = (token_logprobs_cuda_emu_fwd if emulated else
           token_logprobs_cpu_fwd if p.logits.device.type == "cpu" else token_logprobs_cuda_fwd)
-    lp, entropy, _lse = op(p.logits, p.labels, p.counted, p.temperature, p.return_entropy, p.inplace_backward)
+    lp, entropy, _lse = op(p.logits, p.labels, p.counted, p.temperature, p.softcap, p.return_entropy,
+                           p.inplace_backward)
     return lp, (entropy if p.return_entropy else None)

@@ -7,14 +7,13 @@ overwrites the logits during the backward pass, on request, see the API).
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
 import torch
 
 from .. import device_errors, value_checks
-from ..vocab_rows import LOGIT_DTYPES, RowsProblem, check_logits
+from ..vocab_rows import LOGIT_DTYPES, RowsProblem, check_logits, logit_transform
 
 __all__ = ["LOGIT_DTYPES", "TokenLogprobsProblem", "build_problem"]
 
@@ -22,7 +21,9 @@ __all__ = ["LOGIT_DTYPES", "TokenLogprobsProblem", "build_problem"]
 @dataclass
 class TokenLogprobsProblem(RowsProblem):
     """``logits [*S, V]``, ``labels [*S]`` (int64), ``counted [*S]`` (bool: mask and not
-    ``ignore_index``), ``temperature > 0``."""
+    ``ignore_index``), and the logit transform in kernel units (``kl_kernels.vocab_rows.logit_transform``):
+    ``temperature`` the user's over ``logit_scale`` (> 0), ``softcap`` the user's over ``logit_scale``
+    (0.0: no soft-capping)."""
 
     logits: torch.Tensor
     labels: torch.Tensor
@@ -30,10 +31,11 @@ class TokenLogprobsProblem(RowsProblem):
     temperature: float
     return_entropy: bool
     inplace_backward: bool
+    softcap: float = 0.0
 
 
 def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_index,
-                  inplace_backward) -> TokenLogprobsProblem:
+                  inplace_backward, logit_scale=1.0, softcap=None) -> TokenLogprobsProblem:
     check_logits("logits", logits)
     if not isinstance(labels, torch.Tensor) or labels.is_nested or labels.layout != torch.strided:
         raise TypeError(f"labels must be a dense integer tensor [*S], got {type(labels).__name__}")
@@ -51,9 +53,7 @@ def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_i
             raise ValueError(f"mask must have the labels' shape {list(labels.shape)}, got {list(mask.shape)}")
         if mask.device != logits.device:
             raise ValueError(f"mask must be on the logits' device {logits.device}, got {mask.device}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    temperature, softcap = logit_transform(temperature, logit_scale, softcap)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     for name, value in (("return_entropy", return_entropy), ("inplace_backward", inplace_backward)):
@@ -88,5 +88,5 @@ def build_problem(logits, labels, *, temperature, return_entropy, mask, ignore_i
         # kernels give NaN for such a row and never read outside it
         device_errors.raise_pending(labels.device)
         device_errors.record_where(bad, labels, "label_range", "labels", vocab, int(ignore_index))
-    return TokenLogprobsProblem(logits=logits, labels=labels, counted=counted, temperature=float(temperature),
-                                return_entropy=return_entropy, inplace_backward=inplace_backward)
+    return TokenLogprobsProblem(logits=logits, labels=labels, counted=counted, temperature=temperature,
+                                return_entropy=return_entropy, inplace_backward=inplace_backward, softcap=softcap)

@@ -1,8 +1,10 @@
 r"""The math of ``token_logprobs``, chunked over rows: the torch backend and the tests' reference.
 
-For a counted token with logits row ``x`` (``V`` entries), label ``y`` and temperature ``T``::
+For a counted token with logits row ``x`` (``V`` entries), label ``y``, temperature ``T`` and soft-cap ``c``
+(kernel units: ``kl_kernels.vocab_rows.logit_transform`` folds the logit scale into both)::
 
-    z      = x / T
+    z      = x / T                 (with a soft-cap: z = c tanh(x / c) / T, and every d / d x_j below
+                                    is multiplied by 1 - tanh^2(x_j / c))
     lse    = log sum_j exp(z_j)
     lp     = z_y - lse                                   (log softmax(z)[y])
     p_j    = exp(z_j - lse)                              (softmax)
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..vocab_rows import row_blocks, rows_of, rows_per_chunk
+from ..vocab_rows import capped, capped_slope, row_blocks, rows_of, rows_per_chunk
 
 
 def math_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -32,9 +34,9 @@ def math_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def forward(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, temperature: float,
-            want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            want_entropy: bool, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(lp [*S], H [*S] or [0], lse [N])`` in the math dtype (module doc). ``labels`` int64 and
-    ``counted`` bool, both ``[*S]``."""
+    ``counted`` bool, both ``[*S]``; ``softcap`` 0.0: none."""
     md = math_dtype(logits)
     n = labels.numel()
     lab, cnt = labels.reshape(-1), counted.reshape(-1)
@@ -43,7 +45,7 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, t
     lse = torch.zeros(n, dtype=md, device=logits.device)
     nan = torch.full((), float("nan"), dtype=md, device=logits.device)
     for r0, r1, block in row_blocks(rows_of(logits), rows_per_chunk(logits)):
-        z = block.to(md) / temperature
+        z = capped(block.to(md), softcap) / temperature
         top = z.amax(-1)
         undefined = torch.isnan(top) | torch.isinf(top)  # NaN, +inf, or every entry -inf
         l = torch.where(undefined, nan, torch.logsumexp(z, -1))
@@ -65,7 +67,7 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, t
 
 def backward(grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None, logits: torch.Tensor,
              labels: torch.Tensor, counted: torch.Tensor, temperature: float, lse: torch.Tensor,
-             entropy: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+             entropy: torch.Tensor, out: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
     """Write ``d loss / d logits`` into ``out`` (logits' shape and dtype; the logits themselves
     for ``inplace_backward``: each chunk is read before it is overwritten) and return it."""
     md = math_dtype(logits)
@@ -77,7 +79,8 @@ def backward(grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None, lo
     source = rows_of(logits)
     dest = out if source is logits else out.view(source.shape)
     for r0, r1, block, target in row_blocks(source, rows_per_chunk(logits), dest):
-        z = block.to(md) / temperature
+        x = block.to(md)
+        z = capped(x, softcap) / temperature
         u = lse[r0:r1].unsqueeze(1) - z
         p = torch.exp(-u)
         d = torch.zeros_like(z)
@@ -91,6 +94,8 @@ def backward(grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None, lo
             d.scatter_add_(1, torch.where(here.squeeze(1), y, 0).unsqueeze(1), torch.where(here, g, 0.0))
         if gh is not None:
             d = d + gh[r0:r1].unsqueeze(1) * torch.where(p > 0, p * (u - h_all[r0:r1].unsqueeze(1)), 0.0)
-        d = torch.where(cnt[r0:r1].unsqueeze(1), d / temperature, 0.0)
+        slope = capped_slope(x, softcap)
+        d = d / temperature if slope is None else d * slope / temperature
+        d = torch.where(cnt[r0:r1].unsqueeze(1), d, 0.0)
         target.copy_(d)
     return out

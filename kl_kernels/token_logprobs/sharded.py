@@ -82,11 +82,12 @@ def local_labels(labels: torch.Tensor, start: int, local_vocab: int) -> tuple[to
     return here, torch.where(here, labels - start, 0)
 
 
-def shard_forward(fwd, logits, labels, counted, start: int, temperature: float, want_entropy: bool) -> tuple:
+def shard_forward(fwd, logits, labels, counted, start: int, temperature: float, want_entropy: bool,
+                  softcap: float = 0.0) -> tuple:
     """One shard's ``(lse_r, H_r or [0], z_y)`` per token (``z_y`` 0 where the shard lacks the label), from
     the row pass ``fwd`` (``row_pass``'s first) on ``logits [C, V_r]``."""
     here, inside = local_labels(labels, start, logits.shape[-1])
-    lp_r, ent_r, lse_r = fwd(logits, inside, counted, temperature, want_entropy)
+    lp_r, ent_r, lse_r = fwd(logits, inside, counted, temperature, want_entropy, softcap=softcap)
     lp_r = lp_r.reshape(-1)
     zy = torch.where(counted & here, lp_r + lse_r, 0.0)
     return lse_r, ent_r.reshape(-1) if want_entropy else ent_r, zy
@@ -122,13 +123,14 @@ class ShardedRows(torch.autograd.Function):
     rank's own row pass (``fwd``/``bwd`` from ``row_pass``)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, counted, temperature, want_entropy, fwd, bwd, group, start):
+    def forward(ctx, logits, labels, counted, temperature, softcap, want_entropy, fwd, bwd, group, start):
         rows = logits.reshape(-1, logits.shape[-1])
         lab, cnt = labels.reshape(-1), counted.reshape(-1)
-        lse_r, ent_r, zy = shard_forward(fwd, rows, lab, cnt, start, temperature, want_entropy)
+        lse_r, ent_r, zy = shard_forward(fwd, rows, lab, cnt, start, temperature, want_entropy, softcap)
         lp, ent, lse = merge(group, cnt, lse_r, ent_r, zy, want_entropy)
         ctx.save_for_backward(logits, lab, cnt, lse, ent)
         ctx.temperature, ctx.want_entropy, ctx.bwd, ctx.start = temperature, want_entropy, bwd, start
+        ctx.softcap = softcap
         return lp.reshape(labels.shape), (ent.reshape(labels.shape) if want_entropy else ent)
 
     @staticmethod
@@ -140,5 +142,5 @@ class ShardedRows(torch.autograd.Function):
         out = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
         # labels outside the shard (negative or past it) are no entry of it, in every row pass
         ctx.bwd(g_lp, g_ent, rows, lab - ctx.start, cnt, ctx.temperature, lse, ent if g_ent is not None else lse[:0],
-                out)
-        return out.view(logits.shape), None, None, None, None, None, None, None, None
+                out, softcap=ctx.softcap)
+        return out.view(logits.shape), None, None, None, None, None, None, None, None, None

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .row_math import FAR, FOLD, exp_neg_ftz, lane_tile
+from .row_math import FAR, FOLD, exp_neg_ftz, lane_tile, soft_tanh
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -51,9 +51,11 @@ def _sum_terms(x, w, m, n, inv_t, s32, r32, a32):
 
 @triton.jit(do_not_specialize=("rows",))
 def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, rows, vocab, inner, stride_outer,
-                       stride_inner, ref_stride_outer, ref_stride_inner, inv_t, LANES: tl.constexpr,
-                       CHUNK: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product)
+                       stride_inner, ref_stride_outer, ref_stride_inner, inv_t, inv_c, c_inv_t, LANES: tl.constexpr,
+                       CHUNK: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr = False):
+    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product. SOFTCAP: both rows' z =
+    # c tanh(x / c) / T, inv_c = 1 / c, c_inv_t = c / T (row_math.soft_tanh): the maxima capped once (the cap is
+    # monotone), pass 2's entries capped as read and taken at scale 1; without it the code is that of z = x / T)
     r = tl.program_id(0).to(tl.int64)
     xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the rows (int64), then int32 offsets
     rb = r_ptr + (r // inner) * ref_stride_outer + (r % inner) * ref_stride_inner
@@ -75,8 +77,12 @@ def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
         mr = tl.maximum(mr, tl.load(rb + j0 + offs).to(tl.float32))
     mx = tl.maximum(mx, tl.load(xb + full + offs, mask=tail, other=float("-inf")).to(tl.float32))
     mr = tl.maximum(mr, tl.load(rb + full + offs, mask=tail, other=float("-inf")).to(tl.float32))
-    m = tl.max(tl.max(mx, 1), 0) * inv_t
-    n = tl.max(tl.max(mr, 1), 0) * inv_t
+    if SOFTCAP:
+        m = soft_tanh(tl.max(tl.max(mx, 1), 0), inv_c) * c_inv_t
+        n = soft_tanh(tl.max(tl.max(mr, 1), 0), inv_c) * c_inv_t
+    else:
+        m = tl.max(tl.max(mx, 1), 0) * inv_t
+        n = tl.max(tl.max(mr, 1), 0) * inv_t
     bad = (m == float("inf")) | (m == float("-inf")) | (n == float("inf")) | (n == float("-inf"))
     # pass 2: S, R and A against the final maxima (so a -inf reference entry makes the KL +inf only where the
     # policy's probability is positive against the final max: the two-pass rule row_math.h's one pass keeps),
@@ -97,13 +103,25 @@ def full_kl_fwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
         # 4 times gave 3.6 an 8-byte stack frame in fp32 on sm_90), not on unaligned ones, whose scalar loads
         # then took 170 registers instead of 72
         for j0 in tl.range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK, loop_unroll_factor=2 if ALIGNED else 1):
-            s32, r32, a32 = _sum_terms(tl.load(xb + j0 + offs), tl.load(rb + j0 + offs), m_safe, n_safe, inv_t,
-                                       s32, r32, a32)
+            if SOFTCAP:
+                xs = soft_tanh(tl.load(xb + j0 + offs).to(tl.float32), inv_c) * c_inv_t
+                ws = soft_tanh(tl.load(rb + j0 + offs).to(tl.float32), inv_c) * c_inv_t
+                s32, r32, a32 = _sum_terms(xs, ws, m_safe, n_safe, 1.0, s32, r32, a32)
+            else:
+                s32, r32, a32 = _sum_terms(tl.load(xb + j0 + offs), tl.load(rb + j0 + offs), m_safe, n_safe, inv_t,
+                                           s32, r32, a32)
         s64, r64, a64 = s64 + s32.to(tl.float64), r64 + r32.to(tl.float64), a64 + a32.to(tl.float64)
     zero = tl.zeros([LANES], tl.float32)
-    s32, r32, a32 = _sum_terms(tl.load(xb + full + offs, mask=tail, other=float("-inf")),
-                               tl.load(rb + full + offs, mask=tail, other=float("-inf")), m_safe, n_safe, inv_t,
-                               zero, zero, zero)
+    if SOFTCAP:  # (masked entries stay -inf: a capped -inf would be -c / T)
+        xs = tl.where(tail, soft_tanh(tl.load(xb + full + offs, mask=tail, other=0.0).to(tl.float32), inv_c) * c_inv_t,
+                      float("-inf"))
+        ws = tl.where(tail, soft_tanh(tl.load(rb + full + offs, mask=tail, other=0.0).to(tl.float32), inv_c) * c_inv_t,
+                      float("-inf"))
+        s32, r32, a32 = _sum_terms(xs, ws, m_safe, n_safe, 1.0, zero, zero, zero)
+    else:
+        s32, r32, a32 = _sum_terms(tl.load(xb + full + offs, mask=tail, other=float("-inf")),
+                                   tl.load(rb + full + offs, mask=tail, other=float("-inf")), m_safe, n_safe, inv_t,
+                                   zero, zero, zero)
     s64, r64, a64 = s64 + s32.to(tl.float64), r64 + r32.to(tl.float64), a64 + a32.to(tl.float64)
     s = tl.sum(s64, 0)
     rr = tl.sum(r64, 0)
@@ -136,11 +154,22 @@ def _grads(x, w, lse, ref_lse, kl, gx_row, gr_row, inv_t, WANT_X: tl.constexpr, 
     return gx, gr
 
 
+@triton.jit
+def _capped_grads(x, w, lse, ref_lse, kl, g_row, inv_c, c_inv_t, WANT_X: tl.constexpr, WANT_R: tl.constexpr):
+    """_grads of the capped entries z = c tanh(x / c) / T (w likewise), each times its entry's 1 - tanh^2 (d z / d x
+    = (1 - tanh^2) / T, the 1 / T in g_row)."""
+    tx = soft_tanh(x.to(tl.float32), inv_c)
+    tw = soft_tanh(w.to(tl.float32), inv_c)
+    gx, gr = _grads(tx * c_inv_t, tw * c_inv_t, lse, ref_lse, kl, g_row, g_row, 1.0, WANT_X, WANT_R)
+    return gx * ((1.0 - tx) * (1.0 + tx)), gr * ((1.0 - tw) * (1.0 + tw))
+
+
 @triton.jit(do_not_specialize=("rows",))
 def full_kl_bwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, g_ptr, gx_ptr, gr_ptr, rows, vocab,
                        inner, stride_outer, stride_inner, ref_stride_outer, ref_stride_inner, g_stride_outer,
-                       g_stride_inner, gr_stride_outer, gr_stride_inner, inv_t, WANT_X: tl.constexpr,
-                       WANT_R: tl.constexpr, BLOCK: tl.constexpr):
+                       g_stride_inner, gr_stride_outer, gr_stride_inner, inv_t, inv_c, c_inv_t, WANT_X: tl.constexpr,
+                       WANT_R: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr = False):
+    # SOFTCAP: both rows capped (the forward's z), each gradient times its own entry's 1 - tanh^2 (_capped_grads)
     r = tl.program_id(0).to(tl.int64)
     xb = x_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the rows (int64), then int32 offsets
     rb = r_ptr + (r // inner) * ref_stride_outer + (r % inner) * ref_stride_inner
@@ -158,14 +187,23 @@ def full_kl_bwd_kernel(x_ptr, r_ptr, counted_ptr, kl_ptr, lse_ptr, ref_lse_ptr, 
         lse = tl.load(lse_ptr + r)
         ref_lse = tl.load(ref_lse_ptr + r)
         for j0 in range(0, full, BLOCK):
-            gx, gr = _grads(tl.load(xb + j0 + lanes), tl.load(rb + j0 + lanes), lse, ref_lse, kl, g_row, g_row, inv_t,
-                            WANT_X, WANT_R)
+            if SOFTCAP:
+                gx, gr = _capped_grads(tl.load(xb + j0 + lanes), tl.load(rb + j0 + lanes), lse, ref_lse, kl, g_row,
+                                       inv_c, c_inv_t, WANT_X, WANT_R)
+            else:
+                gx, gr = _grads(tl.load(xb + j0 + lanes), tl.load(rb + j0 + lanes), lse, ref_lse, kl, g_row, g_row,
+                                inv_t, WANT_X, WANT_R)
             if WANT_X:
                 tl.store(gxb + j0 + lanes, gx.to(gx_ptr.dtype.element_ty))
             if WANT_R:
                 tl.store(grb + j0 + lanes, gr.to(gr_ptr.dtype.element_ty))
-        gx, gr = _grads(tl.load(xb + full + lanes, mask=tail, other=0.0), tl.load(rb + full + lanes, mask=tail,
-                        other=0.0), lse, ref_lse, kl, g_row, g_row, inv_t, WANT_X, WANT_R)
+        if SOFTCAP:
+            gx, gr = _capped_grads(tl.load(xb + full + lanes, mask=tail, other=0.0),
+                                   tl.load(rb + full + lanes, mask=tail, other=0.0), lse, ref_lse, kl, g_row, inv_c,
+                                   c_inv_t, WANT_X, WANT_R)
+        else:
+            gx, gr = _grads(tl.load(xb + full + lanes, mask=tail, other=0.0), tl.load(rb + full + lanes, mask=tail,
+                            other=0.0), lse, ref_lse, kl, g_row, g_row, inv_t, WANT_X, WANT_R)
         if WANT_X:
             tl.store(gxb + full + lanes, gx.to(gx_ptr.dtype.element_ty), mask=tail)
         if WANT_R:

@@ -34,15 +34,16 @@ import triton
 import triton.language as tl
 
 from .kl_math import exp_row as _exp
-from .row_math import FAR, logprob_rebase, row_shift
+from .row_math import FAR, logprob_rebase, row_shift, soft_tanh
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t,
+def _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t, inv_c, c_inv_t,
                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """z = (hidden[offs_n] @ weight[offs_v].T + bias[offs_v]) * inv_t, [BLOCK_N, BLOCK_V] float32; columns
-    outside the vocabulary (or its share) -inf; rows outside [0, N) read as 0 (their values are never kept)."""
+                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SOFTCAP: tl.constexpr):
+    """z = (hidden[offs_n] @ weight[offs_v].T + bias[offs_v]) * inv_t (SOFTCAP: c tanh(x / c) / T of that x, with
+    inv_c = 1 / c, c_inv_t = c / T, row_math.soft_tanh), [BLOCK_N, BLOCK_V] float32; columns outside the
+    vocabulary (or its share) -inf; rows outside [0, N) read as 0 (their values are never kept)."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     lanes_k = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + offs_n[:, None] * stride_h
@@ -58,15 +59,19 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h,
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_v, mask=in_v, other=0.0).to(tl.float32)[None, :]
-    z = acc * inv_t
+    if SOFTCAP:
+        z = soft_tanh(acc, inv_c) * c_inv_t
+    else:
+        z = acc * inv_t
     return tl.where(in_v[None, :], z, float("-inf"))
 
 
 @triton.jit(do_not_specialize=("rows", "vocab", "v_per_split"))
 def linear_rows_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, part_m_ptr, part_s_ptr, part_w_ptr, part_zy_ptr,
-                           part_nan_ptr, rows, vocab, hid, stride_h, stride_w, v_per_split, inv_t,
+                           part_nan_ptr, rows, vocab, hid, stride_h, stride_w, v_per_split, inv_t, inv_c, c_inv_t,
                            HAS_BIAS: tl.constexpr, WANT_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
-                           UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                           UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SOFTCAP: tl.constexpr = False):
     # the token block varies fastest: programs running together share a share of the weight (L2 reuse)
     pid_n = tl.program_id(0).to(tl.int64)
     share = tl.program_id(1).to(tl.int64)
@@ -84,8 +89,8 @@ def linear_rows_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, part_m_ptr, part_s_p
     for v0 in range(v_lo, v_hi, BLOCK_V):
         offs_v = v0 + lanes_v
         in_v = offs_v < v_hi
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t,
-                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t, inv_c,
+                         c_inv_t, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K, SOFTCAP)
         nan = tl.maximum(nan, tl.max((z != z).to(tl.int32), 1))
         zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z, 0.0), 1)  # one tile of all holds the label
         run_max = tl.max(tl.where(z == z, z, float("-inf")), 1)  # NaN skipped (flagged above)
@@ -143,10 +148,12 @@ def linear_rows_combine_kernel(part_m_ptr, part_s_ptr, part_w_ptr, part_zy_ptr, 
 
 @triton.jit(do_not_specialize=("rows", "v_lo", "v_hi"))
 def linear_rows_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, counted_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,
-                               out_ptr, rows, hid, v_lo, v_hi, stride_h, stride_w, stride_o, inv_t,
+                               out_ptr, rows, hid, v_lo, v_hi, stride_h, stride_w, stride_o, inv_t, inv_c, c_inv_t,
                                HAS_BIAS: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
                                PRECISION: tl.constexpr, UPCAST: tl.constexpr, FROM_BUFFER: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                               SOFTCAP: tl.constexpr = False):
+    # SOFTCAP: z = c tanh(x / c) / T, d z / d x = (1 - tanh^2) / T: the gradient times 1 - t^2, t = z / (c / T)
     pid_n = tl.program_id(0).to(tl.int64)
     pid_v = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -155,10 +162,14 @@ def linear_rows_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, counted_ptr, lse
     in_v = offs_v < v_hi
     out = out_ptr + offs_n[:, None] * stride_o + (offs_v - v_lo)[None, :]
     if FROM_BUFFER:  # the chunk's logits (bias included) are in the buffer already (cuBLAS): read, not formed
-        z = tl.load(out, mask=in_n[:, None] & in_v[None, :], other=0.0).to(tl.float32) * inv_t
+        if SOFTCAP:
+            z = soft_tanh(tl.load(out, mask=in_n[:, None] & in_v[None, :], other=0.0).to(tl.float32),
+                          inv_c) * c_inv_t
+        else:
+            z = tl.load(out, mask=in_n[:, None] & in_v[None, :], other=0.0).to(tl.float32) * inv_t
     else:
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t,
-                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, in_n, offs_v, in_v, hid, stride_h, stride_w, inv_t, inv_c,
+                         c_inv_t, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K, SOFTCAP)
     counted = tl.load(counted_ptr + offs_n, mask=in_n, other=0).to(tl.int32) != 0
     y = tl.load(labels_ptr + offs_n, mask=in_n, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=in_n, other=0.0)
@@ -173,5 +184,8 @@ def linear_rows_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, counted_ptr, lse
     # a counted row without a log-prob (lse NaN: NaN/+inf logits, only -inf ones, a label out of range) gets
     # NaN throughout (exp_row does not carry a NaN argument through)
     g = tl.where((lse != lse)[:, None], float("nan"), g)
+    if SOFTCAP:
+        t = z * (1.0 / c_inv_t)
+        g = g * ((1.0 - t) * (1.0 + t))
     g = tl.where(counted[:, None], g * inv_t, 0.0)
     tl.store(out, g.to(out_ptr.dtype.element_ty), mask=in_n[:, None] & in_v[None, :])

@@ -82,6 +82,22 @@ def exp_neg_ftz(y):
 
 
 @triton.jit
+def soft_tanh(x, inv_c):
+    """``tanh(x / c)`` in float32 (the soft-cap of the row kernels' ``SOFTCAP`` specialization: ``z = c tanh(x / c)
+    / T``, kernel units, ``kl_kernels/vocab_rows.py`` logit_transform): ``(1 - e) / (1 + e)`` with ``e = e^-2|u|``
+    (exp2), signed, and below ``|u| = 1/4``, where ``1 - e`` would cancel, the odd series to ``u^9`` (truncation
+    < 1e-8 relative). +-inf gives +-1, NaN NaN. (Triton's interpreter has no libdevice tanh.)"""
+    u = x * inv_c
+    a = tl.abs(u)
+    e = tl.exp2(a * -2.8853900817779268)  # e^(-2 |u|): 0 beyond |u| ~ 44 (t = 1)
+    t = (1.0 - e) / (1.0 + e)
+    u2 = u * u
+    series = u * (1.0 + u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 + u2 * (-0.05396825396825397
+                                                                                       + u2 * 0.021869488536155203))))
+    return tl.where(a < 0.25, series, tl.where(u < 0.0, -t, t))
+
+
+@triton.jit
 def row_floor(m):
     """``kl::row_floor``: the value terms are taken against for a running max m (-FLT_MAX while m is -inf)."""
     return tl.where(m >= LOWEST, m, LOWEST)

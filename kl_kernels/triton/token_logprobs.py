@@ -24,15 +24,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .row_math import FAR, FOLD, exp_neg_ftz, lane_fold, lane_step, lane_tile
+from .row_math import FAR, FOLD, exp_neg_ftz, lane_fold, lane_step, lane_tile, soft_tanh
 
 
 @triton.jit(do_not_specialize=("rows",))
 def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_ptr, ent_ptr, rows, vocab, inner,
-                              stride_outer, stride_inner, inv_t, WANT_ENTROPY: tl.constexpr, LANES: tl.constexpr,
-                              CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product)
+                              stride_outer, stride_inner, inv_t, inv_c, c_inv_t, WANT_ENTROPY: tl.constexpr,
+                              LANES: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
+                              BLOCK: tl.constexpr, SOFTCAP: tl.constexpr = False):
+    # (BLOCK = LANES * CHUNK, the entries of a step: the launcher passes the product. SOFTCAP: z = c tanh(x / c) / T
+    # with inv_c = 1 / c, c_inv_t = c / T, row_math.soft_tanh; the entries are capped as read and the steps take
+    # them at scale 1; without it inv_c and c_inv_t are unused and the code is that of z = x / T)
+    step_t = inv_t
+    if SOFTCAP:
+        step_t = 1.0
     r = tl.program_id(0).to(tl.int64)
     base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the row (int64), then int32
     counted = tl.load(counted_ptr + r) != 0  # (a uint8 view of the bool mask)
@@ -53,11 +58,16 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
         # unrolled 4 times in Triton's IR: Triton 3.6 (torch 2.11's) left this loop rolled, ~3 instructions an
         # entry more than 3.9, which unrolls it itself (tests/test_triton_static.py ROW_ENTRY_BUDGET)
         for j0 in tl.range(g0, tl.minimum(g0 + FOLD * BLOCK, full), BLOCK, loop_unroll_factor=4):
-            m, s32, w32 = lane_step(m, s32, w32, tl.load(base + j0 + offs).to(tl.float32), inv_t)
+            x = tl.load(base + j0 + offs).to(tl.float32)
+            if SOFTCAP:
+                x = soft_tanh(x, inv_c) * c_inv_t
+            m, s32, w32 = lane_step(m, s32, w32, x, step_t)
         m64, s64, w64, s32, w32 = lane_fold(m64, s64, w64, m, s32, w32)
     if full < n:
         x = tl.load(base + full + offs, mask=offs < n - full, other=float("-inf")).to(tl.float32)
-        m, s32, w32 = lane_step(m, s32, w32, x, inv_t)
+        if SOFTCAP:  # (masked entries stay -inf: a capped -inf would be -c / T)
+            x = tl.where(offs < n - full, soft_tanh(x, inv_c) * c_inv_t, float("-inf"))
+        m, s32, w32 = lane_step(m, s32, w32, x, step_t)
         m64, s64, w64, s32, w32 = lane_fold(m64, s64, w64, m, s32, w32)
     # the lanes merged: each lane's sums moved onto the row's max, added in a fixed order (float64)
     m = tl.max(m64, 0)
@@ -68,7 +78,9 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
     # the label's logit (after the loop: a value live across it was spilled to the stack)
     y = tl.load(labels_ptr + r)
     in_vocab = (y >= 0) & (y < vocab)
-    zy = tl.load(base + tl.where(in_vocab, y, 0)).to(tl.float32) * inv_t  # every row exists: no mask needed
+    zy = tl.load(base + tl.where(in_vocab, y, 0)).to(tl.float32) * step_t  # every row exists: no mask needed
+    if SOFTCAP:
+        zy = soft_tanh(zy, inv_c) * c_inv_t
     m_safe = tl.where(bad, 0.0, m)
     log_s = tl.log(s_total.to(tl.float32))
     lse = m_safe + log_s
@@ -85,7 +97,10 @@ def token_logprobs_fwd_kernel(logits_ptr, labels_ptr, counted_ptr, lp_ptr, lse_p
 @triton.jit(do_not_specialize=("rows",))
 def token_logprobs_bwd_kernel(logits_ptr, labels_ptr, counted_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, out_ptr,
                               rows, vocab, inner, stride_outer, stride_inner, g_stride_outer, g_stride_inner, inv_t,
-                              HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, BLOCK: tl.constexpr):
+                              inv_c, c_inv_t, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, BLOCK: tl.constexpr,
+                              SOFTCAP: tl.constexpr = False):
+    # SOFTCAP: z = c tanh(x / c) / T (the forward's), d z / d x = (1 - tanh^2) / T: each entry's gradient times
+    # 1 - t^2 (the 1 / T is the row's constants')
     r = tl.program_id(0).to(tl.int64)
     base = logits_ptr + (r // inner) * stride_outer + (r % inner) * stride_inner  # the row (int64), then int32
     out = out_ptr + (r // inner) * g_stride_outer + (r % inner) * g_stride_inner
@@ -100,7 +115,12 @@ def token_logprobs_bwd_kernel(logits_ptr, labels_ptr, counted_ptr, lse_ptr, ent_
         y = tl.load(labels_ptr + r)
         # the label's entry, read before the loop overwrites it (an in-place backward writes over the logits)
         label = (y >= 0) & (y < vocab) & (lse == lse)
-        d_y = lse - tl.load(base + tl.where(label, y, 0)).to(tl.float32) * inv_t
+        x_y = tl.load(base + tl.where(label, y, 0)).to(tl.float32)
+        if SOFTCAP:
+            t_y = soft_tanh(x_y, inv_c)
+            d_y = lse - t_y * c_inv_t
+        else:
+            d_y = lse - x_y * inv_t
         # dx_j = p_j (g_H (min(d_j, FAR) - H) - g_lp) / T for every entry, the label's g_lp / T added after the
         # loop: the row's constants folded once (a = g_H / T, b = (g_H H + g_lp) / T). An undefined row (the
         # forward stored a NaN lse: NaN or +inf logits, all -inf, a label outside [0, V)) has d_j and p_j NaN, so a
@@ -109,16 +129,32 @@ def token_logprobs_bwd_kernel(logits_ptr, labels_ptr, counted_ptr, lse_ptr, ent_
         b = (gh * h + gl) * inv_t
         full = vocab - vocab % BLOCK
         for j0 in range(0, full, BLOCK):
-            d = lse - tl.load(base + j0 + lanes).to(tl.float32) * inv_t
-            p = exp_neg_ftz(d)
-            tl.store(out + j0 + lanes, (p * (a * tl.minimum(d, FAR) - b)).to(out_ptr.dtype.element_ty))
+            if SOFTCAP:
+                t = soft_tanh(tl.load(base + j0 + lanes).to(tl.float32), inv_c)
+                d = lse - t * c_inv_t
+                p = exp_neg_ftz(d)
+                g = (p * (a * tl.minimum(d, FAR) - b)) * ((1.0 - t) * (1.0 + t))
+            else:
+                d = lse - tl.load(base + j0 + lanes).to(tl.float32) * inv_t
+                p = exp_neg_ftz(d)
+                g = p * (a * tl.minimum(d, FAR) - b)
+            tl.store(out + j0 + lanes, g.to(out_ptr.dtype.element_ty))
         tail = lanes < vocab - full
-        d = lse - tl.load(base + full + lanes, mask=tail, other=0.0).to(tl.float32) * inv_t
-        p = exp_neg_ftz(d)
-        tl.store(out + full + lanes, (p * (a * tl.minimum(d, FAR) - b)).to(out_ptr.dtype.element_ty), mask=tail)
+        if SOFTCAP:
+            t = soft_tanh(tl.load(base + full + lanes, mask=tail, other=0.0).to(tl.float32), inv_c)
+            d = lse - t * c_inv_t
+            p = exp_neg_ftz(d)
+            g = (p * (a * tl.minimum(d, FAR) - b)) * ((1.0 - t) * (1.0 + t))
+        else:
+            d = lse - tl.load(base + full + lanes, mask=tail, other=0.0).to(tl.float32) * inv_t
+            p = exp_neg_ftz(d)
+            g = p * (a * tl.minimum(d, FAR) - b)
+        tl.store(out + full + lanes, g.to(out_ptr.dtype.element_ty), mask=tail)
         if label:
             p_y = exp_neg_ftz(d_y)
             g_y = (gl * (1.0 - p_y) + gh * (p_y * (tl.minimum(d_y, FAR) - h))) * inv_t
+            if SOFTCAP:
+                g_y = g_y * ((1.0 - t_y) * (1.0 + t_y))
             tl.debug_barrier()  # the loop's store of the label's entry (another thread's) comes first
             tl.store(out + y, g_y.to(out_ptr.dtype.element_ty))
     else:
