@@ -251,6 +251,14 @@ def test_patch_on_a_constructed_trainer_and_a_subclass():
     ours = harness.run({}, patch=patch)
     assert ours.trainer._kl_kernels_plan is not None and not ours.warnings
     _compare(ours, stock)
+    # patching again changes nothing, and warns nothing; the LM-head opt-in is still honoured then
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert patch(ours.trainer) is ours.trainer
+    assert not [w for w in caught if "kl_kernels" in str(w.message)]
+    assert not getattr(ours.trainer.model, "_kl_kernels_lm_head", None)
+    patch(ours.trainer, lm_head="kl_kernels")
+    assert ours.trainer.model._kl_kernels_lm_head
 
     class Mine(trl.GRPOTrainer):
         def _compute_loss(self, model, inputs):

@@ -51,16 +51,15 @@ def patch(trainer, *, lm_head: str = "trl"):
     """
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head must be one of {LM_HEADS}, got {lm_head!r}")
-    if getattr(trainer, "_kl_kernels_patched", False):
-        return trainer
-    fused, reasons = plan(trainer)
-    if fused is None:
-        warnings.warn("kl_kernels: this GRPOTrainer keeps TRL's own loss (not fused by kl_kernels): "
-                      + "; ".join(reasons), TRLFallbackWarning, stacklevel=2)
-    else:
-        trainer._compute_loss = types.MethodType(_fused_compute_loss, trainer)
-    trainer._kl_kernels_plan = fused
-    trainer._kl_kernels_patched = True
+    if not getattr(trainer, "_kl_kernels_patched", False):  # (a second patch: the loss is decided already)
+        fused, reasons = plan(trainer)
+        if fused is None:
+            warnings.warn("kl_kernels: this GRPOTrainer keeps TRL's own loss (not fused by kl_kernels): "
+                          + "; ".join(reasons), TRLFallbackWarning, stacklevel=2)
+        else:
+            trainer._compute_loss = types.MethodType(_fused_compute_loss, trainer)
+        trainer._kl_kernels_plan = fused
+        trainer._kl_kernels_patched = True
     if lm_head == "kl_kernels":
         from ..trl_lm_head import patch_lm_head
 
