@@ -53,6 +53,15 @@ def monkey_patch(monkeypatch):
     kv.unpatch_fused_kernels()
 
 
+@pytest.fixture
+def verl_kernels():
+    """verl's two kernel modules (no model: these import in the main suite too, tests/peers.py's stubs), the
+    switch turned off after the test."""
+    mods = (peers.verl_module(kv._TORCH_MODULE), peers.verl_module(kv._TRITON_MODULE))
+    yield mods
+    kv.unpatch_fused_kernels()
+
+
 def tiny_model(dtype, seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -176,10 +185,10 @@ def test_patched_forward_equals_verl_torch_backend(monkey_patch, backend, dtype,
 
 @pytest.mark.parametrize("grad_of", ["log_probs", "entropy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_for_ppo_2d_equals_verl_with_one_output_differentiated(monkey_patch, dtype, grad_of):
+def test_fused_linear_for_ppo_2d_equals_verl_with_one_output_differentiated(verl_kernels, dtype, grad_of):
     """The classes themselves on 2-D hidden states [N, H] (verl's other accepted shape), with only one output in
     the loss (verl's backward takes a None gradient for the other)."""
-    from verl.utils.experimental import torch_functional as tf
+    tf = verl_kernels[0]
 
     g = torch.Generator().manual_seed(5)
     h0 = torch.randn(37, HIDDEN, generator=g).to(dtype)
@@ -203,9 +212,8 @@ def test_fused_linear_for_ppo_2d_equals_verl_with_one_output_differentiated(monk
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=rel * b.float().abs().max().item())
 
 
-def test_patch_is_idempotent_and_undone(monkey_patch):
-    from verl.utils.experimental import torch_functional as tf
-    from verl.utils.kernel import linear_cross_entropy as lce
+def test_patch_is_idempotent_and_undone(verl_kernels):
+    tf, lce = verl_kernels
 
     verl_cls, verl_fn = tf.FusedLinearForPPO, lce.linear_cross_entropy
     assert verl_cls is not kv.FusedLinearForPPO
@@ -223,9 +231,10 @@ def test_patch_is_idempotent_and_undone(monkey_patch):
     kv.unpatch_fused_kernels()  # nothing patched: no-op
 
 
-def test_patch_refuses_an_unchecked_verl_version(monkey_patch, monkeypatch):
+def test_patch_refuses_an_unchecked_verl_version(verl_kernels, monkeypatch):
     import verl
-    from verl.utils.experimental import torch_functional as tf
+
+    tf = verl_kernels[0]
 
     monkeypatch.setattr(verl, "__version__", "0.10.0")
     with pytest.raises(RuntimeError, match="0.9.1"):
@@ -233,7 +242,7 @@ def test_patch_refuses_an_unchecked_verl_version(monkey_patch, monkeypatch):
     assert tf.FusedLinearForPPO is not kv.FusedLinearForPPO
 
 
-def test_liger_route_and_megatron_options_are_handed_to_verl_with_one_warning(monkey_patch, monkeypatch):
+def test_liger_route_and_megatron_options_are_handed_to_verl_with_one_warning(verl_kernels, monkeypatch):
     """fused_kernels_backend="liger", reduction != "none" and dist_process_group run verl's own code (each with one
     warning naming it), never ours silently."""
     calls = []
