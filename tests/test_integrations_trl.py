@@ -276,3 +276,81 @@ def test_the_docs_option_table_names_every_option_the_switch_reads():
     section = section[:section.index("\n## ", 1)]
     for name in list(options.FUSED) + list(options.TRL_LOSS_ONLY):
         assert f"`{name}`" in section, f"GRPOConfig.{name} is read by the switch but not in the docs' TRL table"
+
+
+def _trainer_pair(grpo, loss_type, level, beta, bonus, adaptive, lp, ent, high):
+    """Two stand-ins of one TRL trainer (TRL's _compute_loss reads one, the switch's the other), with an accelerator
+    that plays a second process: reduce adds 1 to every entry of the stacked totals, gather appends the values
+    plus 0.25 (so a total or a gather that the switch forgot, or built in another order, shows)."""
+    from kl_kernels.integrations.trl.options import Plan
+
+    def reduce(x, reduction="sum"):
+        return x + 1.0
+
+    def gather(x):
+        x = x.reshape(-1)
+        return torch.cat([x, x + 0.25])
+
+    def make(lp_, ent_):
+        return SimpleNamespace(
+            _get_per_token_logps_and_entropies=lambda model, *a, **k: (lp_, ent_, None),
+            get_high_entropy_mask=lambda entropies, m, thr: high, get_off_policy_mask=grpo.GRPOTrainer.get_off_policy_mask,
+            aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+            importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
+            use_vllm=False, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
+            current_gradient_accumulation_steps=3, max_completion_length=lp.shape[1] + 5,
+            _entropy_bonus_enabled=bonus, use_adaptive_entropy=adaptive, entropy_coef=0.01 if bonus else 0.0,
+            _last_world_entropy=float("inf") if not adaptive else 1.0, _entropy_window_stats=None,
+            _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+            accelerator=SimpleNamespace(num_processes=2, gather=gather, gather_for_metrics=gather, reduce=reduce,
+                                        sync_gradients=True),
+            args=SimpleNamespace(use_bias_correction_kl=True, delta=None, steps_per_generation=2, entropy_target=3.0,
+                                 entropy_coef_delta=0.005, entropy_coef_min=0.0, entropy_coef_max=1.0))
+
+    lp_t, ent_t = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    lp_o, ent_o = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    theirs, ours = make(lp_t, ent_t), make(lp_o, ent_o)
+    ours._kl_kernels_plan = Plan(
+        loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, delta=None, importance_sampling_level=level,
+        use_bias_correction_kl=True, vllm_ratio=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        entropy_bonus=bonus, adaptive_entropy=adaptive, aux_loss=False, router_aux_loss_coef=0.0,
+        max_completion_length=lp.shape[1] + 5, steps_per_generation=2)
+    return theirs, ours, (lp_t, ent_t), (lp_o, ent_o)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "luspo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("bonus", ["none", "static", "adaptive"])
+def test_the_switch_logs_trls_metrics(loss_type, level, bonus):
+    """The switch's _compute_loss against TRL's on the same stand-in trainer (two processes played by the
+    accelerator): the loss, its gradients, every metric TRL logs (kl, entropy, clip_ratio/*, policy_loss,
+    entropy_coef) and the adaptive controller's state after the optimizer-step boundary."""
+    from kl_kernels.integrations.trl.trainer import _fused_compute_loss
+
+    grpo = peers.trl_grpo_module()
+    lp, old, ref, adv, ent, high, mask = _masks_batch(3, b=8, t=10)
+    old = lp + (old - lp) * 2  # ratios far enough from 1 to clip both ways
+    beta = 0.04 if level == "token" else 0.0
+    theirs, ours, (lp_t, ent_t), (lp_o, ent_o) = _trainer_pair(
+        grpo, loss_type, level, beta, bonus != "none", bonus == "adaptive", lp, ent, high)
+    b, t = mask.shape
+    inputs = dict(prompt_ids=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.long),
+                  completion_ids=torch.zeros(b, t, dtype=torch.long), completion_mask=mask.long(), advantages=adv,
+                  old_per_token_logps=old, ref_per_token_logps=ref,
+                  num_items_in_batch=torch.tensor(float(mask.sum()) * 3))
+    want = grpo.GRPOTrainer._compute_loss(theirs, None, inputs)
+    got = _fused_compute_loss(ours, None, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for x, y in zip(torch.autograd.grad(got, [lp_o, ent_o], allow_unused=True),
+                    torch.autograd.grad(want, [lp_t, ent_t], allow_unused=True)):
+        x = torch.zeros_like(lp) if x is None else x
+        y = torch.zeros_like(lp) if y is None else y
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6 * (y.abs().max().item() + 1e-3))
+    m_want, m_got = theirs._metrics["train"], ours._metrics["train"]
+    assert m_got.keys() == m_want.keys()
+    assert m_want["clip_ratio/low_mean"][0] > 0.01 or m_want["clip_ratio/high_mean"][0] > 0.01
+    for k in m_want:
+        assert len(m_got[k]) == len(m_want[k]) == 1, k
+        assert math.isclose(m_got[k][0], m_want[k][0], rel_tol=1e-5, abs_tol=1e-7), (k, m_got[k], m_want[k])
+    assert ours.entropy_coef == theirs.entropy_coef and ours._entropy_window_stats is theirs._entropy_window_stats
+    assert math.isclose(ours._last_world_entropy, theirs._last_world_entropy, rel_tol=1e-6)
