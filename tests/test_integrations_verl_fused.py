@@ -259,9 +259,12 @@ def test_liger_route_and_megatron_options_are_handed_to_verl_with_one_warning(ve
         return "verl's kernel"
 
     h, w, ids = torch.randn(4, HIDDEN), torch.randn(VOCAB, HIDDEN), torch.randint(0, VOCAB, (4,))
+    tf, lce = verl_kernels
+    verl_objects = (tf.FusedLinearForPPO, lce.linear_cross_entropy)
     with kv.patch_fused_kernels():
-        monkeypatch.setitem(kv._SWITCHES.on["fused_kernels"], (kv._TORCH_MODULE, "FusedLinearForPPO"), Spy)
-        monkeypatch.setitem(kv._SWITCHES.on["fused_kernels"], (kv._TRITON_MODULE, "linear_cross_entropy"), spy_fn)
+        # verl's objects as the switch hands them over (spies), the switch's own record untouched
+        spies = {"FusedLinearForPPO": Spy, "linear_cross_entropy": spy_fn}
+        monkeypatch.setattr(kv._SWITCHES, "original", lambda switch, module, name: spies[name])
         monkeypatch.setattr(kv, "_WARNED", set())
         with pytest.warns(UserWarning, match="'liger'"):
             assert kv.FusedLinearForPPO(impl_backend="liger").forward(h, w, ids) == "verl's liger"
@@ -274,6 +277,7 @@ def test_liger_route_and_megatron_options_are_handed_to_verl_with_one_warning(ve
         with pytest.warns(UserWarning, match="dist_process_group"):
             assert kv.linear_cross_entropy(h, w, ids, 1.0, "none", group) == "verl's kernel"
     assert calls == [("cls", "liger"), ("cls", "liger"), ("fn", "mean", None), ("fn", "none", group)]
+    assert (tf.FusedLinearForPPO, lce.linear_cross_entropy) == verl_objects  # verl's own back
 
 
 def test_verl_monkey_patch_fails_beside_trl_1_16(monkey_patch, monkeypatch):
