@@ -330,7 +330,8 @@ def _flag_lines(flagged: list[dict]) -> list[str]:
         if not hit:
             continue
         if key == "% of a same-bytes copy":
-            names = ", ".join(f"{g['name']} {_pct(g['pct_copy'])}" if g.get("pct_copy") else g["name"] for g in hit)
+            names = ", ".join(f"{g['name']} in {g['short']} {_pct(g['pct_copy'])}" if g.get("pct_copy") else g["name"]
+                              for g in hit)
         else:
             names = ", ".join(g["name"] for g in hit) if len(hit) <= 3 else f"{len(hit)} rows (tables.txt)"
         lines += _wrapped(f"- {kind}: {names}")
@@ -370,7 +371,7 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
         cells += [_short(_ours_name(best["name"]) if best else "(none ran)", 28 if sizes else 32)]
         if best:
             cells += [ms_text(best["ms"]) + flags.mark(best), x_text(best["x_eager"]), x_text(best["x_compile"]),
-                      _num(best["pct_copy"], "{:.0f}%") + flags.mark(best, "pct")]
+                      ("-" if best["pct_copy"] is None else _pct(best["pct_copy"])) + flags.mark(best, "pct")]
         else:
             cells += ["-"] * 4
         body.append(cells)
