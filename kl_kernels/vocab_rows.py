@@ -104,14 +104,6 @@ def capped_slope(x: torch.Tensor, softcap: float):
     return (1 - t) * (1 + t)
 
 
-def refuse_softcap(softcap: float, kernels: str) -> None:
-    """A ``NotImplementedError`` for a soft-cap handed to ``kernels`` that do not implement it (their backends
-    decline such problems first: ``backends.py``'s ``requires``; this guards direct launcher calls)."""
-    if softcap:
-        raise NotImplementedError(f"softcap is not implemented by the {kernels} kernels yet: use backend='torch' "
-                                  "(backend='auto' picks a backend that implements it)")
-
-
 def triton_cap(temperature: float, softcap: float) -> tuple[float, float]:
     """The Triton row kernels' soft-cap arguments ``(inv_c, c_inv_t)`` = ``(1 / c, c / T)`` in kernel units (both
     0.0 without a cap: unused there)."""

@@ -82,4 +82,4 @@ def effective(x: list, temperature: float, logit_scale: float = 1.0, softcap=Non
 
 # The backends whose row kernels implement the soft-cap (token_logprobs and full_kl alike); the others decline a
 # soft-cap (their backends' ``requires``), which the tests check instead. One place: a backend's kernels land here.
-SOFTCAP_BACKENDS = frozenset({"torch", "triton", "cpu"})
+SOFTCAP_BACKENDS = frozenset({"torch", "triton", "cpu", "cuda-emulated", "cuda"})

@@ -264,6 +264,23 @@ def test_rows_at_every_alignment(backend, dtype, vocab):
             _check(x, r, None, 0.8, backend=backend, shifts=(sx, sr))
 
 
+@pytest.mark.parametrize("backend", ["cpu", CUDA_EMULATED, pytest.param("triton", marks=pytest.mark.triton),
+                                     pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 300, 2049])
+def test_softcapped_row_walks(backend, dtype, vocab):
+    """The soft-capped kernels over the row walks at offsets of the two rows (same and different phases), -inf
+    and +inf entries in either (capped: finite, so the "no reference mass" row has a finite KL)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(3, vocab, generator=g) * 20).to(dtype)
+    r = x + (torch.randn(3, vocab, generator=g) * 5).to(dtype)
+    r[1, vocab // 2] = -INF
+    x[2, vocab // 3] = INF
+    steps = 16 // x.element_size()
+    for sx, sr in ((0, 0), (1, 1), (1, 4), (steps - 1, 2)):
+        _check(x, r, None, 0.8, backend=backend, shifts=(sx, sr), logit_scale=0.5, softcap=7.0)
+
+
 # The C++ kernels at every size and dtype; Triton under the interpreter (~5 s a case) at 3 steps of a row.
 ONE_PASS_CASES = [pytest.param(b, d, v, marks=CUDA_EMULATED.marks if b == "cuda-emulated" else ())
                   for b in ("cpu", "cuda-emulated") for d in (torch.float32, torch.bfloat16) for v in (300, 2500, 5000)]

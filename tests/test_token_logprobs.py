@@ -254,6 +254,24 @@ def test_fused_kernel_row_loops(backend, dtype, vocab):
 @pytest.mark.parametrize("backend", ["cpu", CUDA_EMULATED, pytest.param("triton", marks=pytest.mark.triton),
                                      pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [17, 300, 2049])
+def test_softcapped_row_walks(backend, dtype, vocab):
+    """The soft-capped kernels (a specialization of their own) over the row walks: scalar head and tail entries,
+    vectors, the label's vector (its slope picked out), a -inf and a +inf logit (capped: finite), slabs and an
+    in-place backward's shifted rows."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(3, 5, vocab, generator=g) * 20).to(dtype)
+    x[0, 1, vocab // 2] = -math.inf
+    x[1, 2, vocab // 3] = math.inf
+    y = torch.randint(0, vocab, (3, 5), generator=g)
+    _check(x, y, None, 0.9, backend=backend, logit_scale=0.5, softcap=7.0)
+    _check(x[:, 1:], y[:, 1:], None, 1.0, backend=backend, softcap=30.0)
+    _check(x[0], y[0], None, 1.3, backend=backend, shift=3, logit_scale=2.0, softcap=3.0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", CUDA_EMULATED, pytest.param("triton", marks=pytest.mark.triton),
+                                     pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [5, 300])
 def test_rows_at_every_alignment(backend, dtype, vocab):
     """The CUDA kernels read a row's entries before its first 16-byte boundary one by one, then 8-entry vectors

@@ -65,16 +65,16 @@ __device__ __forceinline__ void full_kl_step(FullKLSums& s, const float (&z)[K][
 }
 
 // Vectors [v0, v0 + kVecs x kRowThreads) of both rows into z and w (-inf past `vecs` unless kFull).
-template <int32_t DT, bool kAligned, bool kFull>
+template <int32_t DT, bool kAligned, bool kFull, class Cap>
 __device__ __forceinline__ void full_kl_load_step(const BitsOf<DT>* vx, const BitsOf<DT>* vy, int64_t v0, int64_t vecs,
-                                                  float inv_t, float (&z)[kRowVecs<BitsOf<DT>, 2>][kRowVec],
+                                                  const Cap& cap, float (&z)[kRowVecs<BitsOf<DT>, 2>][kRowVec],
                                                   float (&w)[kRowVecs<BitsOf<DT>, 2>][kRowVec]) {
 #pragma unroll
   for (int k = 0; k < kRowVecs<BitsOf<DT>, 2>; ++k) {  // 2 x kVecs loads in flight
     const int64_t vi = v0 + int64_t{k} * kRowThreads;
     if (kFull || vi < vecs) {
-      row_load8<DT>(vx + vi * kRowVec, true, inv_t, z[k]);
-      row_load8<DT>(vy + vi * kRowVec, kAligned, inv_t, w[k]);
+      row_load8_z<DT>(vx + vi * kRowVec, true, cap, z[k]);
+      row_load8_z<DT>(vy + vi * kRowVec, kAligned, cap, w[k]);
     } else {
 #pragma unroll
       for (int c = 0; c < kRowVec; ++c) z[k][c] = w[k][c] = -INFINITY;  // past the row: terms of 0
@@ -83,24 +83,25 @@ __device__ __forceinline__ void full_kl_load_step(const BitsOf<DT>* vx, const Bi
 }
 
 // Every vector of a row's walk into s (row_steps).
-template <int32_t DT, bool kAligned>
+template <int32_t DT, bool kAligned, class Cap>
 __device__ __forceinline__ void full_kl_vectors(FullKLSums& s, const BitsOf<DT>* vx, const BitsOf<DT>* vy, int64_t vecs,
-                                                float inv_t) {
+                                                const Cap& cap) {
   constexpr int kVecs = kRowVecs<BitsOf<DT>, 2>;
   row_steps<kVecs>(vecs, [&](auto full, int64_t v0) {
     float z[kVecs][kRowVec], w[kVecs][kRowVec];
-    full_kl_load_step<DT, kAligned, decltype(full)::value>(vx, vy, v0, vecs, inv_t, z, w);
+    full_kl_load_step<DT, kAligned, decltype(full)::value>(vx, vy, v0, vecs, cap, z, w);
     full_kl_step(s, z, w);
   });
 }
 
-template <int32_t DT>
-__global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs a) {
+// The forward of every row of the block's grid stride, both rows through `cap` (NoCap: x / T; SoftCap: capped,
+// common/row_math.h): the body of the two kernels below.
+template <int32_t DT, class Cap>
+__device__ __forceinline__ void full_kl_forward_rows(const FullKLArgs& a, const Cap cap) {
   __shared__ float max_sm[3][kRowWarps];
   __shared__ double sum_sm[3][kRowWarps];
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
-  const float inv_t = a.inv_temperature;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
     if (!row_counted(a, r)) {
       if (threadIdx.x == 0) row_store_all(a, r, 0.0f);
@@ -115,15 +116,15 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
 #pragma unroll
       for (int c = 0; c < kRowVec; ++c) {
         const int64_t j = c < 2 ? row_scalar_entry(sp, c) : -1;
-        z[0][c] = j >= 0 ? from_bits<DT>(x[j]) * inv_t : -INFINITY;
-        w[0][c] = j >= 0 ? from_bits<DT>(y[j]) * inv_t : -INFINITY;
+        z[0][c] = j >= 0 ? cap.z(from_bits<DT>(x[j])) : -INFINITY;
+        w[0][c] = j >= 0 ? cap.z(from_bits<DT>(y[j])) : -INFINITY;
       }
       full_kl_step(sums, z, w);
     }
     if (row_split(y, V).phase == sp.phase) {
-      full_kl_vectors<DT, true>(sums, x + sp.head, y + sp.head, sp.vecs, inv_t);
+      full_kl_vectors<DT, true>(sums, x + sp.head, y + sp.head, sp.vecs, cap);
     } else {
-      full_kl_vectors<DT, false>(sums, x + sp.head, y + sp.head, sp.vecs, inv_t);
+      full_kl_vectors<DT, false>(sums, x + sp.head, y + sp.head, sp.vecs, cap);
     }
     // the block's maxima and lost; every thread's sums moved onto them, then summed in a fixed order
     float mx[3] = {sums.m, sums.n, sums.lost};
@@ -144,11 +145,23 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs
   }
 }
 
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) full_kl_forward_kernel(FullKLArgs a) {
+  full_kl_forward_rows<DT>(a, NoCap{a.inv_temperature});
+}
+
+// The soft-capped forward: a kernel of its own name (the static gates' budgets are the default path's).
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) full_kl_softcap_forward_kernel(FullKLArgs a) {
+  full_kl_forward_rows<DT>(a, soft_cap(a));
+}
+
 // The gradients of vectors [v0, v0 + kVecs x kRowThreads) (those past `vecs` skipped unless kFull).
-template <int32_t DT, bool kAligned, bool kFull>
+template <int32_t DT, bool kAligned, bool kFull, class Cap>
 __device__ __forceinline__ void full_kl_grad_step(const BitsOf<DT>* vx, const BitsOf<DT>* vy, BitsOf<DT>* gx,
-                                                  BitsOf<DT>* gr, int64_t v0, int64_t vecs, float inv_t,
+                                                  BitsOf<DT>* gr, int64_t v0, int64_t vecs, const Cap& cap,
                                                   const FullKLGradRow& in) {
+  const float inv_t = Cap::kOn ? 1.0f : cap.inv_t;  // SoftCap: the entries as read (capped below)
   constexpr int kVecs = kRowVecs<BitsOf<DT>, 2>;
   float u[kVecs][kRowVec], v[kVecs][kRowVec];
 #pragma unroll
@@ -166,25 +179,33 @@ __device__ __forceinline__ void full_kl_grad_step(const BitsOf<DT>* vx, const Bi
     float px[kRowVec], pr[kRowVec];
 #pragma unroll
     for (int c = 0; c < kRowVec; ++c) {
-      const float uc = in.lse - u[k][c], vc = in.ref_lse - v[k][c];
-      px[c] = full_kl_grad_policy(in.g, uc, vc, in.kl, RowExp{});
-      pr[c] = full_kl_grad_ref(in.g, uc, vc, RowExp{});
+      if constexpr (Cap::kOn) {
+        const float uc = in.lse - cap.z(u[k][c]), vc = in.ref_lse - cap.z(v[k][c]);
+        px[c] = full_kl_grad_policy(in.g, uc, vc, in.kl, RowExp{}) * cap.slope(u[k][c]);
+        pr[c] = full_kl_grad_ref(in.g, uc, vc, RowExp{}) * cap.slope(v[k][c]);
+      } else {
+        const float uc = in.lse - u[k][c], vc = in.ref_lse - v[k][c];
+        px[c] = full_kl_grad_policy(in.g, uc, vc, in.kl, RowExp{});
+        pr[c] = full_kl_grad_ref(in.g, uc, vc, RowExp{});
+      }
     }
     if (gx) row_store8<DT>(gx + vi * kRowVec, kAligned, px);
     if (gr) row_store8<DT>(gr + vi * kRowVec, kAligned, pr);
   }
 }
 
-template <int32_t DT, bool kAligned>
+template <int32_t DT, bool kAligned, class Cap>
 __device__ __forceinline__ void full_kl_grad_vectors(const BitsOf<DT>* vx, const BitsOf<DT>* vy, BitsOf<DT>* gx,
-                                                     BitsOf<DT>* gr, int64_t vecs, float inv_t, const FullKLGradRow& in) {
+                                                     BitsOf<DT>* gr, int64_t vecs, const Cap& cap,
+                                                     const FullKLGradRow& in) {
   row_steps<kRowVecs<BitsOf<DT>, 2>>(vecs, [&](auto full, int64_t v0) {
-    full_kl_grad_step<DT, kAligned, decltype(full)::value>(vx, vy, gx, gr, v0, vecs, inv_t, in);
+    full_kl_grad_step<DT, kAligned, decltype(full)::value>(vx, vy, gx, gr, v0, vecs, cap, in);
   });
 }
 
-template <int32_t DT>
-__global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArgs a) {
+// The backward of every row of the block's grid stride, both rows through `cap`: the body of the two kernels below.
+template <int32_t DT, class Cap>
+__device__ __forceinline__ void full_kl_backward_rows(const FullKLArgs& a, const Cap cap) {
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
@@ -206,10 +227,19 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArg
     for (int k = 0; k < 2; ++k) {  // the scalar entries
       const int64_t j = row_scalar_entry(sp, k);
       if (j >= 0) {
-        const float u = in.lse - from_bits<DT>(x[j]) * inv_t, v = in.ref_lse - from_bits<DT>(y[j]) * inv_t;
-        const float px = full_kl_grad_policy(in.g, u, v, in.kl, RowExp{}), pr = full_kl_grad_ref(in.g, u, v, RowExp{});
-        if (gx) gx[j] = to_bits<DT>(px);
-        if (gr) gr[j] = to_bits<DT>(pr);
+        if constexpr (Cap::kOn) {
+          const float xj = from_bits<DT>(x[j]), yj = from_bits<DT>(y[j]);
+          const float u = in.lse - cap.z(xj), v = in.ref_lse - cap.z(yj);
+          const float px = full_kl_grad_policy(in.g, u, v, in.kl, RowExp{}) * cap.slope(xj);
+          const float pr = full_kl_grad_ref(in.g, u, v, RowExp{}) * cap.slope(yj);
+          if (gx) gx[j] = to_bits<DT>(px);
+          if (gr) gr[j] = to_bits<DT>(pr);
+        } else {
+          const float u = in.lse - from_bits<DT>(x[j]) * inv_t, v = in.ref_lse - from_bits<DT>(y[j]) * inv_t;
+          const float px = full_kl_grad_policy(in.g, u, v, in.kl, RowExp{}), pr = full_kl_grad_ref(in.g, u, v, RowExp{});
+          if (gx) gx[j] = to_bits<DT>(px);
+          if (gr) gr[j] = to_bits<DT>(pr);
+        }
       }
     }
     // the common case: the reference and both gradient rows (those wanted) aligned as the policy's row
@@ -218,20 +248,36 @@ __global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArg
     Bits* vgx = gx ? gx + sp.head : nullptr;
     Bits* vgr = gr ? gr + sp.head : nullptr;
     if (aligned) {
-      full_kl_grad_vectors<DT, true>(x + sp.head, y + sp.head, vgx, vgr, sp.vecs, inv_t, in);
+      full_kl_grad_vectors<DT, true>(x + sp.head, y + sp.head, vgx, vgr, sp.vecs, cap, in);
     } else {
-      full_kl_grad_vectors<DT, false>(x + sp.head, y + sp.head, vgx, vgr, sp.vecs, inv_t, in);
+      full_kl_grad_vectors<DT, false>(x + sp.head, y + sp.head, vgx, vgr, sp.vecs, cap, in);
     }
   }
+}
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) full_kl_backward_kernel(FullKLArgs a) {
+  full_kl_backward_rows<DT>(a, NoCap{a.inv_temperature});
+}
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) full_kl_softcap_backward_kernel(FullKLArgs a) {
+  full_kl_backward_rows<DT>(a, soft_cap(a));
 }
 
 }  // namespace
 
 int full_kl_forward_cuda(const FullKLArgs& a, uintptr_t stream) {
+  if (a.softcap > 0.0f) {
+    return launch_rows(a, stream, [](auto dt) { return full_kl_softcap_forward_kernel<decltype(dt)::value>; });
+  }
   return launch_rows(a, stream, [](auto dt) { return full_kl_forward_kernel<decltype(dt)::value>; });
 }
 
 int full_kl_backward_cuda(const FullKLArgs& a, uintptr_t stream) {
+  if (a.softcap > 0.0f) {
+    return launch_rows(a, stream, [](auto dt) { return full_kl_softcap_backward_kernel<decltype(dt)::value>; });
+  }
   return launch_rows(a, stream, [](auto dt) { return full_kl_backward_kernel<decltype(dt)::value>; });
 }
 

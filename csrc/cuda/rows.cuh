@@ -89,6 +89,19 @@ __device__ __forceinline__ void row_load8(const BitsOf<DT>* p, bool aligned, flo
   }
 }
 
+// 8 entries at p as row_load8 reads them, each through the logits' transform (common/row_math.h: NoCap, x / T, is
+// row_load8's scale itself, the code it always was; SoftCap reads them as they are, then caps).
+template <int32_t DT, class Cap>
+__device__ __forceinline__ void row_load8_z(const BitsOf<DT>* p, bool aligned, const Cap& cap, float (&z)[kRowVec]) {
+  if constexpr (Cap::kOn) {
+    row_load8<DT>(p, aligned, 1.0f, z);
+#pragma unroll
+    for (int c = 0; c < kRowVec; ++c) z[c] = cap.z(z[c]);
+  } else {
+    row_load8<DT>(p, aligned, cap.inv_t, z);
+  }
+}
+
 // Store 8 values at p (as row_load8: 128-bit stores where `aligned`).
 template <int32_t DT>
 __device__ __forceinline__ void row_store8(BitsOf<DT>* p, bool aligned, const float (&g)[kRowVec]) {

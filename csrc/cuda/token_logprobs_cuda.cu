@@ -51,16 +51,16 @@ __device__ __forceinline__ void logprob_step(LogprobSums& s, const float (&z)[K]
   s.W += sw;
 }
 
-// Vectors [v0, v0 + kVecs x kRowThreads) of a row's walk (vrow: its first vector) into z, times inv_t (-inf
-// past `vecs` unless kFull: terms of 0).
-template <int32_t DT, bool kFull>
-__device__ __forceinline__ void logprob_load_step(const BitsOf<DT>* vrow, int64_t v0, int64_t vecs, float inv_t,
+// Vectors [v0, v0 + kVecs x kRowThreads) of a row's walk (vrow: its first vector) into z, through the transform
+// (x / T, or capped: row_load8_z) (-inf past `vecs` unless kFull: terms of 0).
+template <int32_t DT, bool kFull, class Cap>
+__device__ __forceinline__ void logprob_load_step(const BitsOf<DT>* vrow, int64_t v0, int64_t vecs, const Cap& cap,
                                                   float (&z)[kRowVecs<BitsOf<DT>>][kRowVec]) {
 #pragma unroll
   for (int k = 0; k < kRowVecs<BitsOf<DT>>; ++k) {
     const int64_t vi = v0 + int64_t{k} * kRowThreads;
     if (kFull || vi < vecs) {
-      row_load8<DT>(vrow + vi * kRowVec, true, inv_t, z[k]);
+      row_load8_z<DT>(vrow + vi * kRowVec, true, cap, z[k]);
     } else {
 #pragma unroll
       for (int c = 0; c < kRowVec; ++c) z[k][c] = -INFINITY;
@@ -68,14 +68,15 @@ __device__ __forceinline__ void logprob_load_step(const BitsOf<DT>* vrow, int64_
   }
 }
 
-template <int32_t DT>
-__global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(TokenLogprobsArgs a) {
+// The forward of every row of the block's grid stride, logits through `cap` (NoCap: z = x / T; SoftCap: the
+// capped z, common/row_math.h): the body of the two kernels below.
+template <int32_t DT, class Cap>
+__device__ __forceinline__ void token_logprobs_forward_rows(const TokenLogprobsArgs& a, const Cap cap) {
   __shared__ float max_sm[1][kRowWarps];
   __shared__ double sum_sm[2][kRowWarps];
   using Bits = BitsOf<DT>;
   constexpr int kVecs = kRowVecs<Bits>;
   const int64_t V = a.vocab;
-  const float inv_t = a.inv_temperature;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {  // the same r for the whole block
     if (!row_counted(a, r)) {
       if (threadIdx.x == 0) row_store_all(a, r, 0.0f);
@@ -89,13 +90,13 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
 #pragma unroll
       for (int c = 0; c < kRowVec; ++c) {
         const int64_t j = c < 2 ? row_scalar_entry(sp, c) : -1;
-        z[0][c] = j >= 0 ? from_bits<DT>(row[j]) * inv_t : -INFINITY;
+        z[0][c] = j >= 0 ? cap.z(from_bits<DT>(row[j])) : -INFINITY;
       }
       logprob_step(sums, z);
     }
     row_steps<kVecs>(sp.vecs, [&](auto full, int64_t v0) {  // kVecs 128-bit loads in flight, then their terms
       float z[kVecs][kRowVec];
-      logprob_load_step<DT, decltype(full)::value>(row + sp.head, v0, sp.vecs, inv_t, z);
+      logprob_load_step<DT, decltype(full)::value>(row + sp.head, v0, sp.vecs, cap, z);
       logprob_step(sums, z);
     });
     // the block's max; every thread's sums moved onto it, then summed in a fixed order
@@ -111,41 +112,66 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(Tok
       } else {
         const double log_s = log(total[0]);
         const float lse = logprob_lse(mx[0], log_s);
-        logprob_store(a, r, from_bits<DT>(row[y]) * inv_t - lse, lse, logprob_entropy(total[0], total[1], log_s));
+        logprob_store(a, r, cap.z(from_bits<DT>(row[y])) - lse, lse, logprob_entropy(total[0], total[1], log_s));
       }
     }
   }
 }
 
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) token_logprobs_forward_kernel(TokenLogprobsArgs a) {
+  token_logprobs_forward_rows<DT>(a, NoCap{a.inv_temperature});
+}
+
+// The soft-capped forward: a kernel of its own name (the static gates' budgets are the default path's).
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) token_logprobs_softcap_forward_kernel(TokenLogprobsArgs a) {
+  token_logprobs_forward_rows<DT>(a, soft_cap(a));
+}
+
 // The gradients of vectors [v0, v0 + kVecs x kRowThreads) of a row's walk (the step's vectors past `vecs`
 // skipped): d = lse - z, then logprob_grad, or logprob_grad_label at the label's entry (yv: counted from the
 // first vector's; in one vector of the row at most). kAligned: the gradient row has the logits row's phase.
-template <int32_t DT, bool kAligned, bool kFull>
+template <int32_t DT, bool kAligned, bool kFull, class Cap>
 __device__ __forceinline__ void logprob_grad_step(const BitsOf<DT>* vrow, BitsOf<DT>* vout, int64_t v0, int64_t vecs,
-                                                  int64_t yv, float inv_t, const LogprobGradRow& in) {
+                                                  int64_t yv, const Cap& cap, const LogprobGradRow& in) {
+  const float inv_t = cap.inv_t;
   constexpr int kVecs = kRowVecs<BitsOf<DT>>;
   float d[kVecs][kRowVec];
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {  // all loads first: kVecs in flight (and each read before it is written)
     const int64_t vi = v0 + int64_t{k} * kRowThreads;
-    if (kFull || vi < vecs) row_load8<DT>(vrow + vi * kRowVec, true, inv_t, d[k]);
+    if (kFull || vi < vecs) row_load8<DT>(vrow + vi * kRowVec, true, Cap::kOn ? 1.0f : inv_t, d[k]);
   }
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t vi = v0 + int64_t{k} * kRowThreads;
     if (!kFull && vi >= vecs) continue;
     float g[kRowVec];
+    float sl[Cap::kOn ? kRowVec : 1];  // the cap's slopes 1 - tanh^2 (SoftCap: d holds the logits as read)
 #pragma unroll
     for (int c = 0; c < kRowVec; ++c) {
-      d[k][c] = in.lse - d[k][c];
-      g[c] = logprob_grad(d[k][c], in.g_lp, in.g_h, in.h, RowExp{}) * inv_t;
+      if constexpr (Cap::kOn) {
+        sl[c] = cap.slope(d[k][c]);
+        d[k][c] = in.lse - cap.z(d[k][c]);
+        g[c] = logprob_grad(d[k][c], in.g_lp, in.g_h, in.h, RowExp{}) * inv_t * sl[c];
+      } else {
+        d[k][c] = in.lse - d[k][c];
+        g[c] = logprob_grad(d[k][c], in.g_lp, in.g_h, in.h, RowExp{}) * inv_t;
+      }
     }
     const uint64_t yl = static_cast<uint64_t>(yv - vi * kRowVec);
     if (yl < kRowVec) {  // the label's vector: its entry's d picked out, its gradient put in (no local memory)
       float dy = d[k][0];
 #pragma unroll
       for (int c = 1; c < kRowVec; ++c) dy = static_cast<uint64_t>(c) == yl ? d[k][c] : dy;
-      const float gy = logprob_grad_label(dy, in.g_lp, in.g_h, in.h, RowExp{}) * inv_t;
+      float gy = logprob_grad_label(dy, in.g_lp, in.g_h, in.h, RowExp{}) * inv_t;
+      if constexpr (Cap::kOn) {
+        float sy = sl[0];
+#pragma unroll
+        for (int c = 1; c < kRowVec; ++c) sy = static_cast<uint64_t>(c) == yl ? sl[c] : sy;
+        gy *= sy;
+      }
 #pragma unroll
       for (int c = 0; c < kRowVec; ++c) g[c] = static_cast<uint64_t>(c) == yl ? gy : g[c];
     }
@@ -154,16 +180,17 @@ __device__ __forceinline__ void logprob_grad_step(const BitsOf<DT>* vrow, BitsOf
 }
 
 // Every vector of a row's walk (row_steps).
-template <int32_t DT, bool kAligned>
+template <int32_t DT, bool kAligned, class Cap>
 __device__ __forceinline__ void logprob_grad_vectors(const BitsOf<DT>* vrow, BitsOf<DT>* vout, int64_t vecs, int64_t yv,
-                                                     float inv_t, const LogprobGradRow& in) {
+                                                     const Cap& cap, const LogprobGradRow& in) {
   row_steps<kRowVecs<BitsOf<DT>>>(vecs, [&](auto full, int64_t v0) {
-    logprob_grad_step<DT, kAligned, decltype(full)::value>(vrow, vout, v0, vecs, yv, inv_t, in);
+    logprob_grad_step<DT, kAligned, decltype(full)::value>(vrow, vout, v0, vecs, yv, cap, in);
   });
 }
 
-template <int32_t DT>
-__global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(TokenLogprobsArgs a) {
+// The backward of every row of the block's grid stride, logits through `cap`: the body of the two kernels below.
+template <int32_t DT, class Cap>
+__device__ __forceinline__ void token_logprobs_backward_rows(const TokenLogprobsArgs& a, const Cap cap) {
   using Bits = BitsOf<DT>;
   const int64_t V = a.vocab;
   const float inv_t = a.inv_temperature;
@@ -181,27 +208,48 @@ __global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(To
     for (int k = 0; k < 2; ++k) {  // the scalar entries
       const int64_t j = row_scalar_entry(sp, k);
       if (j >= 0) {
-        const float d = in.lse - from_bits<DT>(row[j]) * inv_t;
+        const float x = from_bits<DT>(row[j]);
+        const float d = in.lse - cap.z(x);
         const float g = j == y ? logprob_grad_label(d, in.g_lp, in.g_h, in.h, RowExp{})
                                : logprob_grad(d, in.g_lp, in.g_h, in.h, RowExp{});
-        out[j] = to_bits<DT>(g * inv_t);
+        if constexpr (Cap::kOn) {
+          out[j] = to_bits<DT>(g * inv_t * cap.slope(x));
+        } else {
+          out[j] = to_bits<DT>(g * inv_t);
+        }
       }
     }
     if (row_split(out, V).phase == sp.phase) {  // in place (the same row), or a gradient row aligned alike
-      logprob_grad_vectors<DT, true>(row + sp.head, out + sp.head, sp.vecs, y - sp.head, inv_t, in);
+      logprob_grad_vectors<DT, true>(row + sp.head, out + sp.head, sp.vecs, y - sp.head, cap, in);
     } else {
-      logprob_grad_vectors<DT, false>(row + sp.head, out + sp.head, sp.vecs, y - sp.head, inv_t, in);
+      logprob_grad_vectors<DT, false>(row + sp.head, out + sp.head, sp.vecs, y - sp.head, cap, in);
     }
   }
+}
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) token_logprobs_backward_kernel(TokenLogprobsArgs a) {
+  token_logprobs_backward_rows<DT>(a, NoCap{a.inv_temperature});
+}
+
+template <int32_t DT>
+__global__ void __launch_bounds__(kRowThreads) token_logprobs_softcap_backward_kernel(TokenLogprobsArgs a) {
+  token_logprobs_backward_rows<DT>(a, soft_cap(a));
 }
 
 }  // namespace
 
 int token_logprobs_forward_cuda(const TokenLogprobsArgs& a, uintptr_t stream) {
+  if (a.softcap > 0.0f) {
+    return launch_rows(a, stream, [](auto dt) { return token_logprobs_softcap_forward_kernel<decltype(dt)::value>; });
+  }
   return launch_rows(a, stream, [](auto dt) { return token_logprobs_forward_kernel<decltype(dt)::value>; });
 }
 
 int token_logprobs_backward_cuda(const TokenLogprobsArgs& a, uintptr_t stream) {
+  if (a.softcap > 0.0f) {
+    return launch_rows(a, stream, [](auto dt) { return token_logprobs_softcap_backward_kernel<decltype(dt)::value>; });
+  }
   return launch_rows(a, stream, [](auto dt) { return token_logprobs_backward_kernel<decltype(dt)::value>; });
 }
 

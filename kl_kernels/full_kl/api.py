@@ -28,8 +28,8 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, temperature: floa
             finite ``> 0``, applied to both models' logits before the temperature, as
             :func:`kl_kernels.token_logprobs` does (TRL's fused LM head, Gemma's
             ``final_logit_softcapping``): ``x -> c tanh(s x / c) / T`` (``s x / T`` without a cap). The
-            scale folds into the temperature on the host (every backend); a backend whose kernels lack the
-            cap declines it (``"auto"`` picks one that has it; ``"torch"`` always does).
+            scale folds into the temperature on the host; the cap is a compile-time specialization of every
+            backend's kernels.
         mask: optional bool ``[*S]``: tokens where it is False give 0 and no gradient.
         backend: ``"auto"`` (the fused CPU kernel for CPU tensors of fp32/bf16/fp16; on a GPU the fused
             ``"cuda"`` kernel, else ``"triton"``, each once it has passed its first-use self-check there;

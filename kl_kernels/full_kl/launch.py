@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..launching import DTYPE_CODES, EMULATED, ExtensionLauncher, kernel_module, launch_kernel, ptr, resolved
-from ..vocab_rows import refuse_softcap, row_map, rows_of
+from ..vocab_rows import row_map, rows_of
 
 
 def _args(module, logits, ref_logits, counted, temperature, softcap):
@@ -31,8 +31,6 @@ def _args(module, logits, ref_logits, counted, temperature, softcap):
 
 def forward(logits, ref_logits, counted, temperature: float, softcap: float = 0.0, *, ext: str | None = None):
     """``(kl [*S], lse [N], ref_lse [N])``, float32 on the logits' device."""
-    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
-        refuse_softcap(softcap, "CUDA full_kl")
     module = kernel_module(logits.device, "full_kl_forward", "full_kl", ext)
     a, keep = _args(module, logits, ref_logits, counted, temperature, softcap)
     n, dev = counted.numel(), logits.device
@@ -53,8 +51,6 @@ def backward(grad_kl, logits, ref_logits, counted, temperature: float, kl, lse, 
              ext: str | None = None):
     """Write the gradients into ``grad_logits`` / ``grad_ref`` (contiguous, the logits' shape and dtype;
     None: not wanted)."""
-    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
-        refuse_softcap(softcap, "CUDA full_kl")
     module = kernel_module(logits.device, "full_kl_backward", "full_kl", ext)
     a, keep = _args(module, logits, ref_logits, counted, temperature, softcap)
     g = grad_kl.reshape(-1).to(torch.float32).contiguous()

@@ -61,8 +61,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, mas
         softcap: ``c``, ``None`` (default: no soft-capping) or finite ``> 0``: the logits become
             ``c tanh(s logits / c)`` before the temperature (Gemma's ``final_logit_softcapping``); the
             gradient gets the factor ``1 - tanh^2(s logits / c)``. Every rule below applies to the capped
-            logits ``z`` (a capped ``+-inf`` logit is ``+-c / T``: finite). Backends: ``"torch"``; a backend
-            whose kernels lack it declines the call (``"auto"`` then picks one that has it).
+            logits ``z`` (a capped ``+-inf`` logit is ``+-c / T``: finite). Every backend implements it (a
+            compile-time specialization of the kernels: the default path is unchanged).
         return_entropy: also return the per-token entropy (differentiable).
         mask: optional bool ``[*S]``: which tokens count (e.g. assistant tokens); the others give 0.
         ignore_index: labels equal to it do not count (default -100, as ``cross_entropy``).

@@ -42,19 +42,9 @@ def _vocabulary_contiguous(problem) -> list[str]:
     return []
 
 
-def _no_softcap(problem) -> list[str]:
-    """A soft-cap on kernels that do not implement it yet: declined here (so "auto" passes them by)."""
-    return (["softcap is not implemented by this backend's kernels yet (backend='torch' implements it)"]
-            if problem.softcap else [])
-
-
-def _cuda_rows(problem) -> list[str]:
-    return _vocabulary_contiguous(problem) + _no_softcap(problem)
-
-
 REGISTRY: list[Backend] = [
     Backend("cuda", frozenset({"cuda"}), HALF_AND_SINGLE, _ROWS, functools.partial(_cuda_reasons, "token_logprobs_forward"),
-            run_fused, requires=_cuda_rows, self_check_devices=GPU_SELF_CHECK,
+            run_fused, requires=_vocabulary_contiguous, self_check_devices=GPU_SELF_CHECK,
             notes="fused CUDA C++ kernel, one block per row (auto: after its first-use self-check)"),
     Backend("triton", frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}), HALF_AND_SINGLE, _ROWS,
             _triton_reasons, run_triton, requires=_vocabulary_contiguous, auto_devices=frozenset({"cuda"}),
@@ -67,7 +57,7 @@ REGISTRY: list[Backend] = [
     # The CUDA kernel on CPU tensors, for tests: "auto" never takes it (no auto device).
     Backend("cuda-emulated", frozenset({"cpu"}), HALF_AND_SINGLE, _ROWS,
             functools.partial(_extension_reasons, "_cuda_emu", "token_logprobs_forward"),
-            functools.partial(run_fused, emulated=True), requires=_cuda_rows, auto_devices=frozenset(),
+            functools.partial(run_fused, emulated=True), requires=_vocabulary_contiguous, auto_devices=frozenset(),
             notes="the CUDA kernel under a host emulation of CUDA (CPU tensors; a test instrument, slow)"),
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, _ROWS, lambda: [], run_torch,
             notes="chunked torch math (float64-capable)"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..launching import DTYPE_CODES, EMULATED, ExtensionLauncher, kernel_module, launch_kernel, ptr, resolved
-from ..vocab_rows import refuse_softcap, row_map, rows_of
+from ..vocab_rows import row_map, rows_of
 
 
 def _args(module, logits, labels, counted, temperature, softcap):
@@ -30,8 +30,6 @@ def _args(module, logits, labels, counted, temperature, softcap):
 def forward(logits, labels, counted, temperature: float, want_entropy: bool, softcap: float = 0.0, *,
             ext: str | None = None):
     """``(log_probs [*S], entropy [*S] or [0], lse [N])``, float32 on the logits' device."""
-    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
-        refuse_softcap(softcap, "CUDA token_logprobs")
     module = kernel_module(logits.device, "token_logprobs_forward", "token_logprobs", ext)
     a, keep = _args(module, logits, labels, counted, temperature, softcap)
     n, dev = labels.numel(), logits.device
@@ -48,8 +46,6 @@ def backward(grad_lp, grad_entropy, logits, labels, counted, temperature: float,
              softcap: float = 0.0, *,
              ext: str | None = None):
     """Write the logits' gradient into ``out`` (the logits' shape and dtype, e.g. the logits themselves)."""
-    if ext is not None or logits.device.type != "cpu":  # the CUDA kernels (_cuda, _cuda_emu): no soft-cap yet
-        refuse_softcap(softcap, "CUDA token_logprobs")
     module = kernel_module(logits.device, "token_logprobs_backward", "token_logprobs", ext)
     a, keep = _args(module, logits, labels, counted, temperature, softcap)
     g_lp = None if grad_lp is None else grad_lp.reshape(-1).to(torch.float32).contiguous()

@@ -126,7 +126,7 @@ def linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
         logit_scale, softcap: as :func:`kl_kernels.token_logprobs` (default 1.0 and None: the plain
             logits), applied to the policy's logits and the reference's alike; gradients to ``hidden``,
             ``weight`` and ``bias`` through ``d z / d logits`` (``s (1 - tanh^2(s logits / c)) / T``).
-            A row-pass backend without the cap declines it (``"auto"`` picks one that has it).
+            Every row-pass backend and ``fused=True`` take them.
         chunk_size: tokens per forward chunk (an int >= 1); default ``max(1, 2**24 // V)`` on the CPU,
             ``max(1, 2**27 // V)`` on a GPU, rounded down to whole 128s there (1,024 at V = 128k). On a
             GPU's vocabulary walk backward's slices hold as many logits (by default at most ``2**25``:
