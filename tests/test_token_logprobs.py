@@ -399,13 +399,14 @@ def test_opcheck(want_entropy, op, softcap):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compile_fullgraph(backend):
+@pytest.mark.parametrize("transform", [{}, dict(logit_scale=0.5, softcap=3.0)])
+def test_compile_fullgraph(backend, transform):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 5, 40, generator=g).to(backend_device(backend)).requires_grad_()
     y = torch.randint(0, 40, (2, 5), generator=g).to(backend_device(backend))
 
     def f(x, y):
-        out = token_logprobs(x, y, temperature=0.7, return_entropy=True, backend=backend)
+        out = token_logprobs(x, y, temperature=0.7, return_entropy=True, backend=backend, **transform)
         return out.log_probs.sum() + 0.1 * out.entropy.sum()
 
     eager = f(x, y)
