@@ -60,11 +60,12 @@ def _check_logits(rank, sizes, group, backend):
     h, w, b, _, _, y, mask, up, up_ent = _problem(sum(sizes))
     logits = (h @ w.t() + b).detach()
     full = logits.clone().requires_grad_()
-    want = token_logprobs(full, y, temperature=0.8, return_entropy=True, mask=mask, backend=backend)
+    cap = dict(logit_scale=0.7, softcap=4.0)  # (TRL's fused LM head's transform, sharded alike)
+    want = token_logprobs(full, y, temperature=0.8, return_entropy=True, mask=mask, backend=backend, **cap)
     (want.log_probs * up + want.entropy * up_ent).sum().backward()
     mine = _cols(logits, rank, sizes).clone().requires_grad_()
     got = token_logprobs(mine, y, temperature=0.8, return_entropy=True, mask=mask, backend=backend,
-                         process_group=group)
+                         process_group=group, **cap)
     torch.testing.assert_close(got.log_probs, want.log_probs, **TOL)
     torch.testing.assert_close(got.entropy, want.entropy, **TOL)
     (got.log_probs * up + got.entropy * up_ent).sum().backward()
@@ -88,7 +89,7 @@ def _check_linear(rank, sizes, group, backend):
         ww = (_rows(w, rank, sizes) if sharded else w).clone().requires_grad_()
         bb = (_rows(b, rank, sizes) if sharded else b).clone().requires_grad_()
         out = linear_token_logprobs(hh, ww, y, bias=bb, temperature=0.9, return_entropy=True, mask=mask,
-                                    chunk_size=4, backend=backend, ref_hidden=rh,
+                                    chunk_size=4, backend=backend, ref_hidden=rh, logit_scale=1.3, softcap=2.5,
                                     ref_weight=_rows(rw, rank, sizes) if sharded else rw,
                                     process_group=group if sharded else None)
         (out.log_probs * up + out.entropy * up_ent).sum().backward()
