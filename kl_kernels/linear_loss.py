@@ -26,6 +26,7 @@ import torch
 
 from .kl_penalty import KLPenaltyLossOutput, kl_penalty_loss
 from .kl_penalty import problem as loss_problem
+from .kl_penalty.reference import STAT_COLUMNS
 from .reference_math import final_mask, token_frame
 from .token_logprobs import linear_token_logprobs
 from .token_logprobs.linear import linear_loss_one_pass, prepare
@@ -191,7 +192,7 @@ def _one_pass(hidden, weight, labels, counted, args, *, bias, ref_hidden, ref_we
     if tuple(p.log_probs.shape) != tuple(rows.shape):
         raise ValueError(f"old_log_probs must have the token shape of hidden {list(rows.shape)} (the loss' layout), "
                          f"got {list(p.log_probs.shape)}")
-    valid, pos, per_seq, _ = token_frame(p)
+    valid, pos, per_seq, seq = token_frame(p)
     shape = p.log_probs.shape
 
     def per_token(x):  # a per-sequence [B] vector at every token, flat
@@ -219,17 +220,33 @@ def _one_pass(hidden, weight, labels, counted, args, *, bias, ref_hidden, ref_we
         parts = torch.stack([(t.to(torch.float64) * w).sum() for t in (out.loss_objective, out.loss_kl,
                                                                           out.loss_entropy)])
         n = out.num_tokens.to(torch.float64)
-        extras.append((parts, torch.stack([out.kl_mean, out.ratio_mean, out.clip_fraction]).to(torch.float64) * n,
-                       out.num_tokens, out.loss.dtype))
+        means = (out.kl_mean, out.ratio_mean, out.clip_fraction, out.clip_low_fraction, out.clip_high_fraction,
+                 out.entropy_mean)
+        # (each token its own sequence: the per-sequence flags are per token here, summed per sequence below)
+        extras.append((parts, torch.stack(means).to(torch.float64) * n, out.num_tokens, out.loss.dtype,
+                       out.sequence_stats, out.seq_num_tokens))
         return (out.loss.to(torch.float64) * w).sum()
 
     loss, extras = linear_loss_one_pass(rows, want_entropy, chunk_loss)
     md = extras[0][3] if extras else torch.float32
     parts = sum((e[0] for e in extras), torch.zeros(3, dtype=torch.float64, device=hidden.device))
-    diag = sum((e[1] for e in extras), torch.zeros(3, dtype=torch.float64, device=hidden.device))
+    diag = sum((e[1] for e in extras), torch.zeros(6, dtype=torch.float64, device=hidden.device))
     count = sum((e[2] for e in extras), torch.zeros((), dtype=torch.int64, device=hidden.device))
-    means = diag / count.clamp_min(1).to(torch.float64)
-    return KLPenaltyLossOutput(loss.to(md), *parts.to(md).unbind(), *means.to(md).unbind(), count)
+    means = (diag / count.clamp_min(1).to(torch.float64)).to(md).unbind()
+    # the per-token stats and counts (kl_penalty_loss' per-sequence fields of one-token sequences), summed per
+    # sequence
+    if extras:
+        stats, counts = torch.cat([e[4] for e in extras]), torch.cat([e[5] for e in extras])
+    else:
+        stats = torch.zeros(0, len(STAT_COLUMNS), device=hidden.device)
+        counts = torch.zeros(0, dtype=torch.int64, device=hidden.device)
+    if p.layout == "padded":
+        stats, counts = stats.reshape(*shape, -1).sum(1), counts.reshape(shape).sum(1)
+    else:
+        stats = torch.zeros(p.batch_size, stats.shape[1], dtype=stats.dtype, device=stats.device).index_add_(
+            0, seq, stats)
+        counts = torch.zeros(p.batch_size, dtype=torch.int64, device=counts.device).index_add_(0, seq, counts)
+    return KLPenaltyLossOutput(loss.to(md), *parts.to(md).unbind(), *means[:3], count, *means[3:], counts, stats)
 
 
 def _token_weights(old, args) -> torch.Tensor:

@@ -280,6 +280,32 @@ def assert_close_sum(got, want: float, scale: float, dtype, what):
     assert abs(got - want) <= bound, f"{what}: {got} vs oracle {want} (bound {bound})"
 
 
+def check_diagnostics(out, exp, case: LossCase, md):
+    """TRL's metrics from the output (issue 62): the per-sequence counts of counted, low- and high-clipped
+    tokens (exact, a flag within float32 rounding of its bound either way), the clip fractions over counted
+    tokens, and the entropy's mean (0 without entropy)."""
+    n_tok = exp.num_tokens
+    for name in ("seq_clipped_low", "seq_clipped_high"):
+        t = getattr(out, name)
+        assert t.dtype == torch.float32 and t.shape == (case.batch,) and not t.requires_grad, (name, t)
+    assert out.seq_num_tokens.dtype == torch.int64 and out.sequence_stats.shape == (case.batch, 7)
+    assert out.seq_num_tokens.cpu().tolist() == exp.seq_num_tokens
+    for name, want, frac in (("seq_clipped_low", exp.seq_low, "clip_low_fraction"),
+                             ("seq_clipped_high", exp.seq_high, "clip_high_fraction")):
+        got = getattr(out, name).cpu().tolist()
+        assert all(s <= g <= s + near and g == int(g) for g, (s, near) in zip(got, want)), (name, got, want)
+        f = getattr(out, frac)
+        assert f.shape == () and f.dtype == md and not f.requires_grad, frac
+        # the fraction is the counts' sum over the counted tokens (the same float32 counts, summed in float64)
+        assert_close_sum(f.cpu(), sum(got) / max(n_tok, 1), 1.0, md, frac)
+    assert out.entropy_mean.shape == () and out.entropy_mean.dtype == md and not out.entropy_mean.requires_grad
+    if case.ent is None:
+        assert float(out.entropy_mean) == 0.0, "entropy_mean without entropy is 0"
+    else:
+        want = exp.entropy_mean
+        assert_close_sum(out.entropy_mean.cpu(), want, abs(want) + 1.0, md, "entropy_mean")
+
+
 def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=True):
     """Run kl_penalty_loss and compare value, parts, diagnostics and gradients with the oracle."""
     built = build(case, layout, requires_grad=grads)
@@ -332,6 +358,7 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
         want = getattr(exp, name)
         own = abs(want) if math.isfinite(want) else 0.0
         assert_close_sum(getattr(out, name).cpu(), want, term_scale / max(n_tok, 1) + own + 1.0, md, name)
+    check_diagnostics(out, exp, case, md)
 
     if grads:
         loss = out.loss

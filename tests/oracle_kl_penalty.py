@@ -41,6 +41,27 @@ class Result:
     grad_ent: list       # per sequence, per valid token: d loss / d entropy
     token_loss: list     # per sequence, per valid token: loss_t (0 where not counted)
     grad_mag: list = None  # per sequence, per valid token: the sum of |terms| of grad_lp (its rounding scale)
+    # TRL's clip metrics (grpo_trainer.py _compute_loss): a counted token is low-clipped when ratio < 1 - eps_lo and
+    # A < 0, high-clipped when ratio > 1 + eps_hi and A > 0 (never without a clip). Per sequence, (sure, near): the
+    # tokens whose float64 ratio decides the flag, and those within float32 rounding of a bound (either is right)
+    seq_low: list = None
+    seq_high: list = None
+    seq_num_tokens: list = None
+    entropy_mean: float = 0.0  # the mean of the entropy over counted tokens (0 without entropy: the caller's NaN)
+
+
+# |ratio - bound| below this (relative) is within the kernels' float32 rounding of the ratio (GSPO's mean too)
+FLAG_BAND = 3e-5
+
+
+def clip_flags(ratio: float, a: float, clip) -> tuple:
+    """((low, high), (low_near, high_near)) of one counted token: TRL's is_low_clipped / is_high_clipped, and
+    whether the float64 ratio lies so near the bound that float32 math may decide the other way."""
+    if clip is None:
+        return (False, False), (False, False)
+    lo, hi = clip
+    near = [abs(ratio - bound) <= FLAG_BAND * (1.0 + abs(ratio)) for bound in (lo, hi)]
+    return (ratio < lo and a < 0, ratio > hi and a > 0), (near[0] and a < 0, near[1] and a > 0)
 
 
 def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False, clamp_input=None,
@@ -152,14 +173,19 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
                                 global_tokens=global_tokens, global_seqs=global_seqs, num_sequences=num_sequences)
 
     obj_terms, kl_terms, ent_terms, grads, grads_ent, token_loss, mags = [], [], [], [], [], [], []
-    kl_sum = ratio_sum = clip_sum = 0.0
+    kl_sum = ratio_sum = clip_sum = ent_sum = 0.0
+    seq_low, seq_high = [], []
     for b, (s, rows) in enumerate(zip(seqs, per_seq)):
         w, wk, we = weight(b), weight_kl(b), weight_ent(b)
         g, ge, tl, gm = [], [], [], []
-        for r in rows:
+        low, high = [0, 0], [0, 0]  # (sure, near)
+        for t, r in enumerate(rows):
             if r is None:
                 g.append(0.0), ge.append(0.0), tl.append(0.0), gm.append(0.0)
                 continue
+            (is_low, is_high), (low_near, high_near) = clip_flags(r[3], s.adv[t], clip)
+            low[0 if not low_near else 1] += 1 if (is_low or low_near) else 0
+            high[0 if not high_near else 1] += 1 if (is_high or high_near) else 0
             obj, kl, ent, ratio, clipped, dobj, dkl, dkl_mag = r
             obj_terms.append(w * obj)
             kl_terms.append(wk * s.beta * kl)
@@ -171,7 +197,9 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
             kl_sum += kl
             ratio_sum += ratio
             clip_sum += clipped
+            ent_sum += ent
         grads.append(g), grads_ent.append(ge), token_loss.append(tl), mags.append(gm)
+        seq_low.append(tuple(low)), seq_high.append(tuple(high))
 
     def total(xs):
         return math.fsum(xs) if all(map(math.isfinite, xs)) else sum(xs)
@@ -180,4 +208,4 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
     n_local = sum(counts)
     denom = max(n_local, 1)  # diagnostics: over these tokens (the harness passes the union for process groups)
     return Result(lo + lk + le, lo, lk, le, kl_sum / denom, ratio_sum / denom, clip_sum / denom, n_local, grads,
-                  grads_ent, token_loss, mags)
+                  grads_ent, token_loss, mags, seq_low, seq_high, counts, ent_sum / denom)

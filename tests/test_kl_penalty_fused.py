@@ -228,7 +228,9 @@ def test_folded_aggregation_matches_the_tensor_path(aggregation, layout, dtype, 
     assert len(calls) == 1
     got, want = folded[0], tensor_path[0]
     assert got.loss.requires_grad and not any(t.requires_grad for t in got[1:])
-    for name in got._fields:
+    for name in ("seq_num_tokens", "sequence_stats"):  # the same kernel's per-sequence outputs
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in got._fields[:-2]:
         x, y = getattr(got, name), getattr(want, name)
         assert x.dtype == y.dtype and x.shape == y.shape == (), name
         # per-sequence sums in float64 (folded) vs rounded to float32 first (tensor path)
@@ -387,7 +389,10 @@ WORKER = textwrap.dedent("""
         out.loss.backward()
         total = out.loss.detach().clone()
         dist.all_reduce(total)
-        torch.save(dict(loss_sum=total, grad=lp.grad, kl_mean=out.kl_mean, num_tokens=out.num_tokens),
+        torch.save(dict(loss_sum=total, grad=lp.grad, kl_mean=out.kl_mean, num_tokens=out.num_tokens,
+                        clip_low_fraction=out.clip_low_fraction, clip_high_fraction=out.clip_high_fraction,
+                        entropy_mean=out.entropy_mean, seq_num_tokens=out.seq_num_tokens,
+                        seq_clipped_low=out.seq_clipped_low, seq_clipped_high=out.seq_clipped_high),
                    os.path.join(sys.argv[5], f"rank{rank}-{agg}-{backend}.pt"))
     dist.destroy_process_group()
 """)
@@ -412,7 +417,8 @@ def _dp_shards():
         lp = -torch.rand(B, T, generator=g) * 3
         shards.append(dict(log_probs=lp, old_log_probs=lp + torch.randn(B, T, generator=g) * 0.2,
                            advantages=torch.randn(B, generator=g), mask=torch.rand(B, T, generator=g) < 0.7,
-                           lengths=torch.tensor(lens), beta=0.1, estimator="k3", clip_epsilon=0.2))
+                           lengths=torch.tensor(lens), beta=0.1, estimator="k3", clip_epsilon=0.2,
+                           entropy=torch.rand(B, T, generator=g) * 2))
     return shards
 
 
@@ -470,7 +476,11 @@ def test_two_ranks_equal_the_union(aggregation, backend, two_rank_runs):
     if aggregation != "token-mean-n":
         for r in ranks:
             assert int(r["num_tokens"]) == n_global
-            torch.testing.assert_close(r["kl_mean"], want.kl_mean, rtol=1e-6, atol=1e-7)
+            for name in ("kl_mean", "clip_low_fraction", "clip_high_fraction", "entropy_mean"):
+                torch.testing.assert_close(r[name], getattr(want, name), rtol=1e-6, atol=1e-7, msg=name)
+        assert want.clip_low_fraction > 0 and want.clip_high_fraction > 0
+    for name in ("seq_num_tokens", "seq_clipped_low", "seq_clipped_high"):  # each rank's own sequences
+        assert torch.equal(torch.cat([r[name] for r in ranks]), getattr(want, name)), name
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])

@@ -60,6 +60,10 @@ inline void bind_penalty_args(pybind11::module_& m) {
   KL_FIELD(agg_entropy_coef); KL_FIELD(g_loss); KL_FIELD(seq_lr);
   KL_FIELD(kl_ratio);
 #undef KL_FIELD
+  // the layouts of the stats, totals and results (kl_kernels/kl_penalty/launch.py mirrors them; a test compares)
+  m.attr("KL_PENALTY_STAT_COLUMNS") = kStatColumns;
+  m.attr("KL_PENALTY_TOTALS") = kTotals;
+  m.attr("KL_PENALTY_RESULTS") = kResults;
 }
 
 // TokenLogprobsArgs and FullKLArgs (common/row_args.h), for the row kernels of _C and _cuda.

@@ -34,10 +34,10 @@ struct KLPenaltyArgs {
   uintptr_t seq_lr = 0;
   int32_t kl_ratio = 0;          // kl_times_ratio: the KL term times the (differentiable) ratio
 
-  // forward outputs (contiguous); the CPU forward skips seq_loss, stats and count when they are 0
+  // forward outputs (contiguous); the CPU forward skips each of seq_loss, stats and count that is 0
   // (a caller of the totals), the CUDA forward writes them always
   uintptr_t seq_loss = 0;   // float32 [B]
-  uintptr_t stats = 0;      // float32 [B, 5]: objective, kl, entropy, ratio, clipped sums
+  uintptr_t stats = 0;      // float32 [B, kStatColumns]: the sums of kStatColumns' columns
   uintptr_t count = 0;      // int64 [B]
   uintptr_t token_out = 0;  // float32 [4, total] (aggregation "none") or 0
   uintptr_t grad = 0;       // float32 [total]: d loss_t / d lp_t (0 where not counted)
@@ -49,7 +49,7 @@ struct KLPenaltyArgs {
   // w = agg_scale / (agg_per_token ? max(N, 1) : 1), N the token count of all ranks (agg_tokens) or
   // of this batch, and u_b = 1 / max(n_b, 1) with agg_seq_mean (seq-mean-token-mean), else 1.
   // See finalize_aggregation below.
-  uintptr_t result = 0;          // float32 [kResults], or 0: objective/kl/entropy parts, kl/ratio/clip means
+  uintptr_t result = 0;          // float32 [kResults], or 0: the parts and means (see kResults)
   uintptr_t result_loss = 0;     // float32 [1]: the loss (with result; its own tensor, the differentiable one)
   uintptr_t result_count = 0;    // int64 [1]: the counted tokens (with result)
   uintptr_t result_weight = 0;   // float64 [1]: w (with result), read by the backward through g_loss
@@ -70,12 +70,19 @@ struct KLPenaltyArgs {
   uintptr_t g_ent = 0;      // aux dtype [total], or 0
 };
 
-constexpr int kStatColumns = 5;
-// totals: loss, objective, kl, entropy, ratio and clipped sums, then the token count. They spare
-// the caller of a one-weight aggregation (token-mean, sum, ...) its own pass over [B] outputs.
-constexpr int kTotals = 7;
-// result: loss_objective, loss_kl, loss_entropy, kl_mean, ratio_mean, clip_fraction.
-constexpr int kResults = 6;
+// The per-sequence stats, [B, kStatColumns] float32 (kl_kernels/kl_penalty/reference.py's STAT_COLUMNS, the one
+// table; the extensions export these constants and tests/test_kl_penalty_diagnostics.py compares): the sums over
+// counted tokens of the objective, the KL term, the entropy, the ratio, the clipped flag (the clipped branch
+// taken) and TRL's low / high clip flags (ratio < clip_lo and A < 0; ratio > clip_hi and A > 0).
+constexpr int kStatObjective = 0, kStatKL = 1, kStatEntropy = 2, kStatRatio = 3, kStatClipped = 4;
+constexpr int kStatClippedLow = 5, kStatClippedHigh = 6;
+constexpr int kStatColumns = 7;
+// totals: the loss, the sums of the stat columns, then the token count. They spare the caller of a
+// one-weight aggregation (token-mean, sum, ...) its own pass over [B] outputs.
+constexpr int kTotals = 1 + kStatColumns + 1;
+// result: loss_objective, loss_kl, loss_entropy, kl_mean, ratio_mean, clip_fraction, clip_low_fraction,
+// clip_high_fraction, entropy_mean (kl_kernels/kl_penalty/aggregate.py's RESULT_FIELDS).
+constexpr int kResults = 9;
 
 // beta of sequence b.
 KL_HD float beta_of(const KLPenaltyArgs& a, int64_t b) {
@@ -85,8 +92,9 @@ KL_HD float beta_of(const KLPenaltyArgs& a, int64_t b) {
 }
 
 // Sums of the aggregation on the device (CUDA totals kernel), over b in [0, B): u_b * S_b,
-// u_b * objective_b, u_b * beta_b * kl_b, u_b * entropy_b, then kl_b, ratio_b, clipped_b and n_b.
-constexpr int kAggSums = 8;
+// u_b * objective_b, u_b * beta_b * kl_b, u_b * entropy_b, then kl_b, ratio_b, clipped_b, n_b,
+// clipped_low_b, clipped_high_b and entropy_b.
+constexpr int kAggSums = 11;
 
 // 1 / max(n_b, 1) with agg_seq_mean, else 1: u_b of sequence b with n_b counted tokens.
 KL_HD double seq_weight(const KLPenaltyArgs& a, int64_t n_b) {
@@ -98,13 +106,16 @@ KL_HD void add_agg_terms(const KLPenaltyArgs& a, int64_t b, double loss, const f
   const double u = seq_weight(a, n_b);
   const double beta = a.beta_mode == kCoefScalar ? a.agg_beta : static_cast<double>(beta_of(a, b));
   s[0] += u * loss;
-  s[1] += u * static_cast<double>(st[0]);
-  s[2] += u * beta * static_cast<double>(st[1]);
-  s[3] += u * static_cast<double>(st[2]);
-  s[4] += static_cast<double>(st[1]);
-  s[5] += static_cast<double>(st[3]);
-  s[6] += static_cast<double>(st[4]);
+  s[1] += u * static_cast<double>(st[kStatObjective]);
+  s[2] += u * beta * static_cast<double>(st[kStatKL]);
+  s[3] += u * static_cast<double>(st[kStatEntropy]);
+  s[4] += static_cast<double>(st[kStatKL]);
+  s[5] += static_cast<double>(st[kStatRatio]);
+  s[6] += static_cast<double>(st[kStatClipped]);
   s[7] += static_cast<double>(n_b);
+  s[8] += static_cast<double>(st[kStatClippedLow]);
+  s[9] += static_cast<double>(st[kStatClippedHigh]);
+  s[10] += static_cast<double>(st[kStatEntropy]);
 }
 
 // The outputs from the sums s [kAggSums]: loss = w * sum_b u_b S_b, the parts likewise (the entropy
@@ -124,6 +135,9 @@ KL_HD void finalize_aggregation(const KLPenaltyArgs& a, const double* s) {
   r[3] = static_cast<float>(s[4] / denom);
   r[4] = static_cast<float>(s[5] / denom);
   r[5] = static_cast<float>(s[6] / denom);
+  r[6] = static_cast<float>(s[8] / denom);
+  r[7] = static_cast<float>(s[9] / denom);
+  r[8] = static_cast<float>(s[10] / denom);  // (0 without an entropy input: its column is 0)
   *reinterpret_cast<int64_t*>(a.result_count) = static_cast<int64_t>(n);
   *reinterpret_cast<double*>(a.result_weight) = w;
 }

@@ -7,6 +7,7 @@
 //           over its counted tokens, computed before the kernel; either way d lr / d lp = 1
 //   gain  = ratio * A      gain_c = clamp(ratio, clip_lo, clip_hi) * A   (bounds +-inf: no clip)
 //   pg    = -(gain <= gain_c ? gain : gain_c)   clipped = !(gain <= gain_c)
+//   low   = ratio < clip_lo && A < 0            high = ratio > clip_hi && A > 0   (TRL's clip metrics' flags)
 //   dual  = A < 0 && -A * clip_c < pg           (dual clip; clip_c = +inf: never)
 //   obj   = w_obj * (dual ? -A * clip_c : pg)
 //   d     = sign * (lp - other)                 other = ref (sign +1) or old (sign -1)
@@ -30,6 +31,7 @@ namespace kl {
 
 struct PPOToken {
   float obj, kl, ratio, clipped, grad;  // grad: d(obj + beta * kl) / d lp
+  float low, high;                      // TRL's clip flags, 1 or 0 (unused by a caller: compiled out)
 };
 
 // est_value / est_derivative: the estimators of common/kl_math.h (written once for both ops).
@@ -80,6 +82,8 @@ KL_HD PPOToken ppo_token(float lp, float lr_raw, float other, float sign, float 
   t.obj = w_obj * (dual ? cap : pg);
   t.ratio = ratio;
   t.clipped = take ? 0.0f : 1.0f;
+  t.low = (ratio < clip_lo && adv < 0.0f) ? 1.0f : 0.0f;
+  t.high = (ratio > clip_hi && adv > 0.0f) ? 1.0f : 0.0f;
   const float g_obj = dual ? 0.0f : -adv * ratio * w;
   if constexpr (KR) {
     const float kr = bits_f32((f32_bits(ratio) & kl_ratio) | (0x3f800000u & ~kl_ratio));  // ratio, or 1

@@ -32,12 +32,13 @@ using cpu_detail::parallel_tiles;
 using cpu_detail::Run;
 using cpu_detail::tile_count;
 
-constexpr int kSums = 6;  // loss, objective, kl, entropy, ratio, clipped
+constexpr int kSums = 1 + kStatColumns;  // the loss, then the stat columns (common/kl_penalty_args.h)
+static_assert(kTotals == kSums + 1, "totals: the sums, then the count");
 constexpr int64_t kBlock = 256;
 
 struct Sums {
   int64_t seq = -1;
-  double v[kSums] = {0, 0, 0, 0, 0, 0};
+  double v[kSums] = {};
   int64_t count = 0;
 };
 
@@ -164,6 +165,8 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
         o[3][i] = e;
         o[4][i] = t.ratio * mf;
         o[5][i] = t.clipped * mf;
+        o[6][i] = t.low * mf;
+        o[7][i] = t.high * mf;
         // The gradient buffer is exactly +0 where the token does not count (a 0/1 product would
         // leave -0 where the finite math gave a negative value), as the backward pass writes it:
         // an eager backward may scale this buffer in place and hand it over (ops._EagerTotal).
@@ -183,9 +186,9 @@ KL_TARGET_CLONES Sums forward_run(const KLPenaltyArgs& a, const Run& r) {
     }
     // kLanes fixed accumulators: deterministic and vectorizable. Column 0 (the loss) is not summed
     // per token but assembled from the parts below (beta is constant within a run); entropy and
-    // clipped columns are all zero without entropy or clipping.
+    // the clip flags' columns are all zero without entropy or clipping.
     for (int k = 1; k < kSums; ++k) {
-      if ((k == 3 && !ent) || (k == 5 && !clipping)) continue;
+      if ((k == 1 + kStatEntropy && !ent) || (k > 1 + kStatRatio && !clipping)) continue;
       int64_t i = 0;
       for (; i + kLanes <= n; i += kLanes)
         for (int l = 0; l < kLanes; ++l) acc[k][l] += o[k][i + l];
@@ -239,12 +242,12 @@ void forward(const KLPenaltyArgs& a, int threads) {
   float* seq_loss = reinterpret_cast<float*>(a.seq_loss);
   float* stats = reinterpret_cast<float*>(a.stats);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
-  if (seq_loss && stats && count) {  // a caller that takes the totals may skip the per-sequence outputs
-    for (int64_t b = 0; b < g.batch; ++b) {
-      seq_loss[b] = static_cast<float>(per_seq[b].v[0]);
+  // (a caller that takes the totals skips the per-sequence losses)
+  for (int64_t b = 0; b < g.batch; ++b) {
+    if (seq_loss) seq_loss[b] = static_cast<float>(per_seq[b].v[0]);
+    if (stats)
       for (int c = 0; c < kStatColumns; ++c) stats[b * kStatColumns + c] = static_cast<float>(per_seq[b].v[c + 1]);
-      count[b] = per_seq[b].count;
-    }
+    if (count) count[b] = per_seq[b].count;
   }
   if (a.totals) {  // in float64, in sequence order: deterministic, and no float32 rounding of the parts
     double t[kTotals] = {};

@@ -9,10 +9,14 @@
 //   elements per thread; the grid depends on the token count only.
 // * Each counted token writes d loss / d lp to the gradient buffer (the one float tensor kept for
 //   backward) and, for aggregation "none", its four per-token parts.
-// * Six per-sequence sums (loss, objective, kl, entropy, ratio, clipped) and the count without
-//   float atomics: for each sum in turn, a block-wide fp64 segmented scan (restarting at each
-//   sequence's first element, so a NaN or inf stays in its sequence) into one shared array, read
-//   at each segment's last lane. Sequences inside the tile finish there; the tile's first and
+// * Eight per-sequence sums (the loss and the stat columns of common/kl_penalty_args.h: objective, kl,
+//   entropy, ratio, and the clipped, low- and high-clipped flags) and the count without float atomics:
+//   for each sum in turn, a block-wide fp64 segmented scan (restarting at each sequence's first
+//   element, so a NaN or inf stays in its sequence) into one shared array, read at each segment's
+//   last lane. The three flags share one scan: a tile's count of each is below kFlagBase, so
+//   clipped + kFlagBase * low + kFlagBase^2 * high sums exactly in fp64 and is taken apart at the
+//   segment's end (six scans, as before the low / high flags; and the flags ride in one 32-bit
+//   register, not an array of floats). Sequences inside the tile finish there; the tile's first and
 //   last segments go to two slots per tile, which combine adds (combine_sequences, tiles.cuh).
 //
 // Inputs are read with their strides (no vector loads: the loss reads five inputs per token in
@@ -32,8 +36,16 @@
 namespace kl {
 namespace {
 
-constexpr int kSums = 6;       // loss, objective, kl, entropy, ratio, clipped
-constexpr int kSlotStride = 8;  // doubles per slot
+constexpr int kSums = 1 + kStatColumns;  // the loss, then the stat columns: the slots' and combine's sums
+constexpr int kScans = 6;                 // the tile's scans: loss, objective, kl, entropy, ratio, the 3 flags
+constexpr int kSlotStride = 8;            // doubles per slot
+static_assert(kSums <= kSlotStride, "a slot holds every sum");
+static_assert(kStatClipped == kScans - 2 && kStatClippedLow == kStatClipped + 1 &&
+              kStatClippedHigh == kStatClipped + 2, "the flags' scan writes the last three stat columns");
+// A tile's count of one flag is at most kCudaTile < kFlagBase: the packed flag sum below is exact in fp64.
+constexpr double kFlagBase = 4096.0;
+constexpr int kFlagBits = 12;
+static_assert(kCudaTile < 4096, "kFlagBase bounds a tile's count");
 
 __host__ __device__ inline int64_t penalty_tiles(const KLPenaltyArgs& a) {
   return (a.g.total + kCudaTile - 1) / kCudaTile;
@@ -65,7 +77,7 @@ __device__ __forceinline__ float read(uintptr_t base, int64_t s0, int64_t s1, co
 // uniform branch per token, where template parameters made 8x the instantiations of this kernel.
 template <int32_t DT, int32_t AT, bool VEC>
 __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArgs a, uintptr_t ws) {
-  __shared__ double prefix[kCudaTile];  // segmented inclusive sums of one of the six values (fp64)
+  __shared__ double prefix[kCudaTile];  // segmented inclusive sums of one of the kScans values (fp64)
   __shared__ int cprefix[kCudaTile];    // inclusive prefix counts
   __shared__ double wsum[kWarps];
   __shared__ int wflag[kWarps], wcnt[kWarps];
@@ -106,7 +118,8 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
 
   const float sign = a.ref ? 1.0f : -1.0f;
   const float ec = a.entropy_coef;
-  float vals[kSums][kPer];
+  float vals[kScans - 1][kPer];  // loss, objective, kl, entropy, ratio
+  uint32_t flags = 0;            // per element j, 3 bits from 3 * j: clipped, low, high
   float* grad = reinterpret_cast<float*>(a.grad);
   float* tok = reinterpret_cast<float*>(a.token_out);
   // The inputs: on the vector path (a whole 8-element run, every per-token stream flat and 16-byte
@@ -133,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       if (!a.adv_per_seq) advv[j] = read<AT>(a.adv, a.adv_s0, a.adv_s1, e);
       if (a.ent) entv[j] = read<AT>(a.ent, a.ent_s0, a.ent_s1, e);
     }
-    float loss = 0.0f, obj = 0.0f, kl = 0.0f, ent = 0.0f, ratio = 0.0f, clipped = 0.0f, gr = 0.0f, beta = 0.0f;
+    float loss = 0.0f, obj = 0.0f, kl = 0.0f, ent = 0.0f, ratio = 0.0f, gr = 0.0f, beta = 0.0f;
     if (counted) {
       const float other = a.ref ? otherv[j] : oldv[j];
       const float adv = a.adv_per_seq ? load<AT>(reinterpret_cast<const void*>(a.adv), seq * a.adv_s0) : advv[j];
@@ -149,10 +162,11 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       const PPOToken t = ppo_token<kEstimatorAtRunTime, false>(lpv[j], lr, other, sign, adv, beta, a.clip_lo,
                                                                a.clip_hi, a.clip_c, wo, wk, g.est,
                                                                a.kl_ratio ? ~0u : 0u);
-      obj = t.obj, kl = t.kl, ratio = t.ratio, clipped = t.clipped, gr = t.grad;
+      obj = t.obj, kl = t.kl, ratio = t.ratio, gr = t.grad;
+      flags |= ((t.clipped != 0.0f ? 1u : 0u) | (t.low != 0.0f ? 2u : 0u) | (t.high != 0.0f ? 4u : 0u)) << (3 * j);
       loss = obj + beta * kl - ec * ent;
     }
-    vals[0][j] = loss, vals[1][j] = obj, vals[2][j] = kl, vals[3][j] = ent, vals[4][j] = ratio, vals[5][j] = clipped;
+    vals[0][j] = loss, vals[1][j] = obj, vals[2][j] = kl, vals[3][j] = ent, vals[4][j] = ratio;
     if (!full && inb) grad[i0 + j] = gr;
     if (inb && tok) {
       const int64_t i = i0 + j;
@@ -174,8 +188,15 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
   float* seq_loss = reinterpret_cast<float*>(a.seq_loss);
   float* stats = reinterpret_cast<float*>(a.stats);
   int64_t* count = reinterpret_cast<int64_t*>(a.count);
+  // Element j's value in scan v: vals[v][j], or (the last scan) its three flags packed (see kFlagBase)
+  auto value = [&](int v, int j) -> double {
+    if (v < kScans - 1) return static_cast<double>(vals[v][j]);
+    const uint32_t f = flags >> (3 * j);
+    return static_cast<double>(f & 1u) + kFlagBase * static_cast<double>((f >> 1) & 1u) +
+           (kFlagBase * kFlagBase) * static_cast<double>((f >> 2) & 1u);
+  };
 #pragma unroll
-  for (int v = 0; v < kSums; ++v) {  // unrolled: vals[v] stays in registers
+  for (int v = 0; v < kScans; ++v) {  // unrolled: vals[v] stays in registers
     double own[kPer];
     int cown[kPer];
     bool started[kPer];
@@ -185,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const bool st = (bits >> (7 * j)) & 1u;
-      tv = st ? static_cast<double>(vals[v][j]) : tv + static_cast<double>(vals[v][j]);
+      tv = st ? value(v, j) : tv + value(v, j);
       ts = ts || st;
       tc += (bits >> (7 * j + 5)) & 1u;
       own[j] = tv, cown[j] = tc, started[j] = ts;
@@ -208,18 +229,30 @@ __global__ void __launch_bounds__(kThreads, 2) penalty_forward_tile(KLPenaltyArg
       const int64_t seq = seq0 + seq_rel[lane];
       const double seg = prefix[lane];  // the segment's own sum
       const int seg_count = cprefix[lane] - (first > 0 ? cprefix[first - 1] : 0);
+      // the sums this scan finishes: its own, or (the flags' scan) the three flags' counts taken apart
+      double sums[3] = {seg, 0.0, 0.0};
+      if (v == kScans - 1) {
+        const int64_t packed = static_cast<int64_t>(seg);  // an exact integer
+        const int64_t field = (int64_t{1} << kFlagBits) - 1;
+        sums[0] = static_cast<double>(packed & field);
+        sums[1] = static_cast<double>((packed >> kFlagBits) & field);
+        sums[2] = static_cast<double>(packed >> (2 * kFlagBits));
+      }
+      const int n_sums = v == kScans - 1 ? 3 : 1;
       if (f & 4u) {  // the whole sequence is in this tile
         if (v == 0) {
           seq_loss[seq] = static_cast<float>(seg);
           count[seq] = seg_count;
         } else {
-          stats[seq * kStatColumns + (v - 1)] = static_cast<float>(seg);
+#pragma unroll
+          for (int k = 0; k < n_sums; ++k) stats[seq * kStatColumns + (v - 1 + k)] = static_cast<float>(sums[k]);
         }
       }
       for (int s = 0; s < 2; ++s) {
         if (!(f & (s == 0 ? 8u : 16u))) continue;
         const int64_t slot = 2 * tile + s;
-        wsp.slot_sum[slot * kSlotStride + v] = seg;
+#pragma unroll
+        for (int k = 0; k < n_sums; ++k) wsp.slot_sum[slot * kSlotStride + v + k] = sums[k];
         if (v == 0) wsp.slot_count[slot] = seg_count;
       }
     }
@@ -237,17 +270,21 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
   const bool checks = checks_folded(g);
   int64_t first_finding = kNoCheckFinding;  // this thread's sequences' first value-check finding
   auto range = [&](int64_t b, int64_t* lo, int64_t* hi) { flat_range(g, b, lo, hi); };
+  // Two walks over the sequences: the loss and the first stat columns with the count (kFirstSums), then the
+  // low / high flags' columns. One walk of all eight sums took sm_90's combine to a 24-byte stack frame (66
+  // bytes of spill stores, ptxas -v); the second walk re-reads only the spanning rows' slots.
+  constexpr int kFirstSums = 1 + kStatClippedLow;
   auto slot = [&](int64_t i) {
-    SlotTotals<kSums> s;
+    SlotTotals<kFirstSums> s;
 #pragma unroll
-    for (int v = 0; v < kSums; ++v) s.sum[v] = wsp.slot_sum[i * kSlotStride + v];
+    for (int v = 0; v < kFirstSums; ++v) s.sum[v] = wsp.slot_sum[i * kSlotStride + v];
     s.count = wsp.slot_count[i];
     s.last = -1;
     return s;
   };
   // A row inside one tile was finished by its tile; an empty one gets zeros.
-  combine_sequences<kSums>(g.batch, range, slot, [&](int64_t b, int64_t lo, int64_t hi, bool spans,
-                                                     const SlotTotals<kSums>& t) {
+  combine_sequences<kFirstSums>(g.batch, range, slot, [&](int64_t b, int64_t lo, int64_t hi, bool spans,
+                                                          const SlotTotals<kFirstSums>& t) {
     const bool bad = geometry_bad(g, b);
     if (checks) {
       const int64_t key = check_key(g, b);
@@ -257,7 +294,8 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
       if (bad) seq_loss[b] = NAN;
     } else {
       seq_loss[b] = bad ? NAN : static_cast<float>(t.sum[0]);
-      for (int v = 1; v < kSums; ++v) stats[b * kStatColumns + (v - 1)] = static_cast<float>(t.sum[v]);
+#pragma unroll
+      for (int v = 1; v < kFirstSums; ++v) stats[b * kStatColumns + (v - 1)] = static_cast<float>(t.sum[v]);
       count[b] = t.count;
     }
     if (bad) {
@@ -273,6 +311,22 @@ __global__ void __launch_bounds__(kThreads) penalty_combine(KLPenaltyArgs a, uin
       }
     }
   });
+  constexpr int kFlagSums = kSums - kFirstSums;
+  static_assert(kFlagSums == 2, "the second walk: the low and high flags");
+  auto flag_slot = [&](int64_t i) {
+    SlotTotals<kFlagSums> s;
+#pragma unroll
+    for (int v = 0; v < kFlagSums; ++v) s.sum[v] = wsp.slot_sum[i * kSlotStride + kFirstSums + v];
+    s.count = 0;
+    s.last = -1;
+    return s;
+  };
+  combine_sequences<kFlagSums>(g.batch, range, flag_slot, [&](int64_t b, int64_t lo, int64_t hi, bool spans,
+                                                              const SlotTotals<kFlagSums>& t) {
+    if (hi > lo && !spans) return;  // finished by its tile
+#pragma unroll
+    for (int v = 0; v < kFlagSums; ++v) stats[b * kStatColumns + kStatClippedLow + v] = static_cast<float>(t.sum[v]);
+  });
   if (checks) record_first_check(g, first_finding, wsp.checks);
 }
 
@@ -286,7 +340,7 @@ __global__ void __launch_bounds__(kThreads) penalty_totals(KLPenaltyArgs a) {
   const float* seq_loss = reinterpret_cast<const float*>(a.seq_loss);
   const float* stats = reinterpret_cast<const float*>(a.stats);
   const int64_t* count = reinterpret_cast<const int64_t*>(a.count);
-  double s[kAggSums] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double s[kAggSums] = {};
   for (int64_t b = threadIdx.x; b < a.g.batch; b += kThreads) {
     add_agg_terms(a, b, static_cast<double>(seq_loss[b]), stats + b * kStatColumns, count[b], s);
   }

@@ -48,7 +48,12 @@ from dataclasses import replace
 from ..layouts import TokenLayout
 from ..reference_math import final_mask, token_frame
 from .problem import KLPenaltyProblem, _aggregations
-from .reference import RawLoss, per_sequence_sum
+from .reference import STAT_COLUMNS, RawLoss, per_sequence_sum
+
+# The aggregated values of KLPenaltyLossOutput besides the loss and the count, in the order the kernels write
+# them (``kResults``, csrc/common/kl_penalty_args.h's finalize_aggregation; the Triton totals kernel)
+RESULT_FIELDS = ("loss_objective", "loss_kl", "loss_entropy", "kl_mean", "ratio_mean", "clip_fraction",
+                 "clip_low_fraction", "clip_high_fraction", "entropy_mean")
 
 
 class KLPenaltyLossOutput(NamedTuple):
@@ -59,8 +64,22 @@ class KLPenaltyLossOutput(NamedTuple):
     * ``loss_objective``, ``loss_kl``, ``loss_entropy``: its parts (same aggregation, detached):
       ``loss = loss_objective + loss_kl + loss_entropy``.
     * ``kl_mean``, ``ratio_mean``, ``clip_fraction``: means over counted tokens (detached; over all
-      ranks when ``process_group`` is given, else over this call's tokens).
+      ranks when ``process_group`` is given, else over this call's tokens). ``kl_mean`` is the mean
+      of the KL term as the loss weighs it by beta: times the ratio with ``kl_times_ratio``, times
+      the weights with ``weight_kl``, after ``clamp_output``.
     * ``num_tokens``: int64 0-d count of counted tokens (all ranks' with ``process_group``).
+    * ``clip_low_fraction``, ``clip_high_fraction``: means over counted tokens (reduced as
+      ``clip_fraction``) of TRL's clip flags ``[ratio_t < 1 - eps_lo and A_t < 0]`` and
+      ``[ratio_t > 1 + eps_hi and A_t > 0]`` on the unweighted ratio (0 without ``clip_epsilon``).
+    * ``entropy_mean``: the mean of ``entropy`` over counted tokens (reduced likewise), whatever
+      ``entropy_coef``; 0 when no ``entropy`` is given (as ``loss_entropy``).
+    * ``seq_num_tokens``: int64 ``[B]``, each sequence's counted tokens, and ``sequence_stats``:
+      ``[B, len(STAT_COLUMNS)]`` (float32; float64 for the float64 reference), each sequence's sums of
+      :data:`~kl_kernels.kl_penalty.reference.STAT_COLUMNS` over its counted tokens (``objective``,
+      ``kl``, ``entropy``, ``ratio``, ``clipped``, ``clipped_low``, ``clipped_high``), of this call only
+      (never all-reduced). Properties (float32 ``[B]`` views, made when read):
+      ``seq_clipped_low``, ``seq_clipped_high``: each sequence's low / high clipped tokens, what
+      TRL's per-sequence clip metrics (``clip_ratio/low_min``, ``high_max``) are made of.
     """
 
     loss: object
@@ -71,6 +90,35 @@ class KLPenaltyLossOutput(NamedTuple):
     ratio_mean: torch.Tensor
     clip_fraction: torch.Tensor
     num_tokens: torch.Tensor
+    clip_low_fraction: torch.Tensor
+    clip_high_fraction: torch.Tensor
+    entropy_mean: torch.Tensor
+    seq_num_tokens: torch.Tensor
+    sequence_stats: torch.Tensor
+
+    @property
+    def seq_clipped_low(self) -> torch.Tensor:
+        """float32 ``[B]``: each sequence's low-clipped counted tokens (``ratio < 1 - eps_lo``, ``A < 0``)."""
+        return self.sequence_stats.select(1, _LOW).to(torch.float32)
+
+    @property
+    def seq_clipped_high(self) -> torch.Tensor:
+        """float32 ``[B]``: each sequence's high-clipped counted tokens (``ratio > 1 + eps_hi``, ``A > 0``)."""
+        return self.sequence_stats.select(1, _HIGH).to(torch.float32)
+
+
+# Where the clip flags' sums sit in the stats (reference.STAT_COLUMNS)
+_LOW, _HIGH = STAT_COLUMNS.index("clipped_low"), STAT_COLUMNS.index("clipped_high")
+
+
+def make_output(loss, rest: torch.Tensor, num_tokens: torch.Tensor, stats: torch.Tensor,
+                count: torch.Tensor) -> KLPenaltyLossOutput:
+    """The output from the aggregated values: ``rest`` (the :data:`RESULT_FIELDS` in order, [9]),
+    ``num_tokens`` (0-d int64) and this call's per-sequence ``stats`` ([B, len(STAT_COLUMNS)]) and
+    ``count`` ([B] int64)."""
+    obj, kl, ent, kl_mean, ratio_mean, clip, low, high, ent_mean = rest.unbind()
+    return KLPenaltyLossOutput(loss, obj, kl, ent, kl_mean, ratio_mean, clip, num_tokens, low, high, ent_mean, count,
+                               stats)
 
 
 def _all_reduce(vec: torch.Tensor, process_group) -> torch.Tensor:
@@ -221,16 +269,15 @@ def device_weight(p: KLPenaltyProblem, num_global_tokens) -> tuple[float, bool, 
 
 def uniform_parts(p: KLPenaltyProblem, totals, num_global_tokens) -> tuple[float, list[float]]:
     """``(w, parts)`` of a one-weight aggregation (:func:`on_host`) from the batch totals, host
-    floats ``(objective, kl, entropy, ratio, clipped, count)``: the weight and the values of
-    ``loss_objective``, ``loss_kl``, ``loss_entropy``, ``kl_mean``, ``ratio_mean`` and
-    ``clip_fraction``, in float64 arithmetic (the loss itself is ``w`` times the sum of the
-    sequences' losses)."""
-    obj_total, kl_total, ent_total, ratio_total, clip_total, n_tokens = totals
+    floats (the sums of :data:`~kl_kernels.kl_penalty.reference.STAT_COLUMNS`, then the count): the
+    weight and the values of :data:`RESULT_FIELDS`, in float64 arithmetic (the loss itself is ``w``
+    times the sum of the sequences' losses)."""
+    obj_total, kl_total, ent_total, ratio_total, clip_total, low_total, high_total, n_tokens = totals
     n = float(num_global_tokens) if num_global_tokens is not None else n_tokens
     w = _uniform_weight(p, n, float(p.batch_size))
     denom = n_tokens if not n_tokens < 1.0 else 1.0  # (a float: _at_least_one's, inline)
     return w, [obj_total * w, kl_total * w * float(p.beta), ent_total * w * -p.entropy_coef + 0.0, kl_total / denom,
-               ratio_total / denom, clip_total / denom]
+               ratio_total / denom, clip_total / denom, low_total / denom, high_total / denom, ent_total / denom]
 
 
 def _aggregate_on_host(p: KLPenaltyProblem, raw: RawLoss, num_global_tokens) -> KLPenaltyLossOutput:
@@ -241,7 +288,7 @@ def _aggregate_on_host(p: KLPenaltyProblem, raw: RawLoss, num_global_tokens) -> 
     totals = raw.stats.detach().sum(0, dtype=torch.float64).tolist() + [float(count)]
     w, parts = uniform_parts(p, totals, num_global_tokens)
     loss = (raw.seq_loss.sum(dtype=torch.float64) * w).to(md)
-    return KLPenaltyLossOutput(loss, *torch.tensor(parts, dtype=md).unbind(), count)
+    return make_output(loss, torch.tensor(parts, dtype=md), count, raw.stats.detach(), raw.count)
 
 
 def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_global_tokens=None,
@@ -255,44 +302,50 @@ def aggregate(p: KLPenaltyProblem, raw: RawLoss, *, kind: str, offsets, num_glob
     # Few, small ops: at RLHF batch sizes each torch call here costs about as much as a kernel pass.
     # (Tensor methods (select, narrow, unbind) rather than Python indexing throughout: the same ops,
     # and they also run under a fake CUDA mode on a CPU-only torch, tests/test_no_host_sync.py.)
-    col = raw.stats.detach().to(torch.float64).sum(0)  # objective, kl, entropy, ratio, clipped totals
-    _, col_kl, _, col_ratio, col_clip = col.unbind()
+    stats = raw.stats.detach()
+    col = stats.to(torch.float64).sum(0)  # the totals of STAT_COLUMNS
+    _, col_kl, col_ent, col_ratio, col_clip, col_low, col_high = col.unbind()
     if kl_sums is not None:
         col_kl = kl_sums.detach().sum()
+    if entropy_sums is not None:  # the entropy ran apart from the kernel (run_split)
+        col_ent = entropy_sums.detach().sum()
     n_tokens = raw.count.sum().to(torch.float64)
     n_seqs = _sequence_count(p, raw.count)
     if process_group is not None:  # one all-reduce of every count and total
-        n_tokens, n_seqs_all, kl_total, ratio_total, clip_total = _all_reduce(
-            torch.stack([n_tokens, n_seqs, col_kl, col_ratio, col_clip]), process_group).unbind()
+        n_tokens, n_seqs_all, *totals = _all_reduce(
+            torch.stack([n_tokens, n_seqs, col_kl, col_ratio, col_clip, col_low, col_high, col_ent]),
+            process_group).unbind()
         n_seqs = n_seqs_all if _reduces_sequence_count(p) else n_seqs
     else:
-        kl_total, ratio_total, clip_total = col_kl, col_ratio, col_clip
+        totals = [col_kl, col_ratio, col_clip, col_low, col_high, col_ent]
     denom = n_tokens.clamp_min(1.0)
-    diag = [(kl_total / denom).to(md), (ratio_total / denom).to(md), (clip_total / denom).to(md)]
+    # kl_mean, ratio_mean, clip_fraction; then clip_low_fraction, clip_high_fraction, entropy_mean
+    diag = [(t / denom).to(md) for t in totals]
     num_tokens = n_tokens.round().to(torch.int64)
     if p.aggregation == "none":
         tokens = TokenLayout(kind, offsets)._tokens  # back to the caller's layout
-        return KLPenaltyLossOutput(*map(tokens, raw.token_out.unbind(0)), *diag, num_tokens)
+        return KLPenaltyLossOutput(*map(tokens, raw.token_out.unbind(0)), *diag[:3], num_tokens, *diag[3:],
+                                   raw.count, stats)
 
     n_tok = _token_count(num_global_tokens, n_tokens)
     agg_policy, agg_kl, agg_entropy = _aggregations(p)
     w = _weight(p, agg_policy, raw.count, n_tok, n_seqs)
     w_kl = w if agg_kl == agg_policy else _weight(p, agg_kl, raw.count, n_tok, n_seqs)
-    stats = raw.stats.detach().narrow(1, 0, 3).to(torch.float64)
+    terms = stats.narrow(1, 0, 3).to(torch.float64)
     loss = (w * raw.seq_loss.to(torch.float64)).sum()
-    part_objective = (w * stats.select(1, 0)).sum()
+    part_objective = (w * terms.select(1, 0)).sum()
     beta = p.beta.to(torch.float64) if isinstance(p.beta, torch.Tensor) else p.beta
     if kl_sums is None:
-        kl_part = (w_kl * beta * stats.select(1, 1)).sum()
+        kl_part = (w_kl * beta * terms.select(1, 1)).sum()
     else:  # the KL term, summed apart (run_split)
         term = (w_kl * beta * kl_sums).sum()
         loss = loss + term
         kl_part = term.detach()
     if entropy_sums is None:
-        loss_ent = (w * stats.select(1, 2)).sum() * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
+        loss_ent = (w * terms.select(1, 2)).sum() * -p.entropy_coef + 0.0  # + 0.0: no -0.0 when entropy_coef is 0
     else:  # the entropy term, summed apart with its own weights (run_split)
         term = (_weight(p, agg_entropy, raw.count, n_tok, n_seqs) * entropy_sums).sum() * -p.entropy_coef
         loss = loss + term
         loss_ent = term.detach() + 0.0
-    return KLPenaltyLossOutput(loss.to(md), part_objective.to(md), kl_part.to(md), loss_ent.to(md), *diag,
-                               num_tokens)
+    return KLPenaltyLossOutput(loss.to(md), part_objective.to(md), kl_part.to(md), loss_ent.to(md), *diag[:3],
+                               num_tokens, *diag[3:], raw.count, stats)

@@ -8,7 +8,7 @@ from .. import backends as _dispatch
 from .. import full_estimator, plans, ragged, value_checks
 from ..full_kl import full_kl  # estimator="full": the full_kl op's public function (a lower op)
 from ..reference_math import final_mask, token_frame
-from .aggregate import KLPenaltyLossOutput, aggregate, device_weight, on_device, on_host, run_split
+from .aggregate import KLPenaltyLossOutput, aggregate, device_weight, make_output, on_device, on_host, run_split
 from .backends import REGISTRY
 from .launch import AggregatedPlan, TotalsPlan
 from .ops import (PlannedTotals, _fused_args, _PlannedOnDevice, _PlannedTotal, run_fused, run_fused_aggregated,
@@ -145,8 +145,14 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
 
     Returns:
         :class:`KLPenaltyLossOutput` ``(loss, loss_objective, loss_kl, loss_entropy, kl_mean,
-        ratio_mean, clip_fraction, num_tokens)``: ``loss`` is differentiable, the rest detached;
-        float32 (float64 for float64 inputs).
+        ratio_mean, clip_fraction, num_tokens, clip_low_fraction, clip_high_fraction, entropy_mean,
+        seq_num_tokens, seq_clipped_low, seq_clipped_high)``: ``loss`` is differentiable, the rest
+        detached; float32 (float64 for float64 inputs), ``num_tokens`` int64, the ``seq_*`` fields
+        float32 ``[B]`` (this call's, never all-reduced). ``clip_low_fraction`` /
+        ``clip_high_fraction``: the means over counted tokens of TRL's clip flags
+        ``[ratio_t < 1 - eps_lo and A_t < 0]`` / ``[ratio_t > 1 + eps_hi and A_t > 0]`` (the unweighted
+        ratio); ``entropy_mean``: the entropy's mean over counted tokens (0 without ``entropy``);
+        ``kl_mean``: the KL term's mean before beta (with ``kl_times_ratio``, of ``ratio_t kl_t``).
 
     The fused backends keep one float32 gradient buffer (``dloss_t / dlp_t``, written by the forward
     pass) and nothing else for backward; the backward scales it by the incoming gradient (on the
@@ -345,8 +351,10 @@ class _TotalsPlan:
         args = (log_probs, old_log_probs, ref_log_probs, advantages, None, mask, offsets, lengths,
                 beta if tensor_beta else None, 0.0 if tensor_beta else beta, *self.constants)
         # (ops._PlannedTotal applied here, not through a helper: one Python-level call less per step)
-        loss, rest, count = _PlannedTotal.apply(PlannedTotals(self.agg, beta, out), self.launch, log_probs, args)
-        return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+        loss, rest, n, stats, count = _PlannedTotal.apply(PlannedTotals(self.agg, beta, out), self.launch, log_probs,
+                                                          args)
+        r = rest.unbind()  # (aggregate.make_output's fields, written out: one Python-level call less per call)
+        return KLPenaltyLossOutput(loss, *r[:6], n, *r[6:], count, stats)
 
 
 class _DevicePlan:
@@ -385,5 +393,6 @@ class _DevicePlan:
         tensor_beta = type(beta) is torch.Tensor
         args = (log_probs, old_log_probs, ref_log_probs, advantages, mask, offsets, lengths, beta,
                 0.0 if tensor_beta else float(beta))
-        loss, rest, count = _PlannedOnDevice.apply(out, self.launch, log_probs, args)
-        return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+        loss, rest, n, stats, count = _PlannedOnDevice.apply(out, self.launch, log_probs, args)
+        r = rest.unbind()  # (aggregate.make_output's fields, written out: one Python-level call less per call)
+        return KLPenaltyLossOutput(loss, *r[:6], n, *r[6:], count, stats)

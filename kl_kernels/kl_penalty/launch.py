@@ -14,11 +14,17 @@ import math
 import torch
 
 from .. import plans
+from .aggregate import RESULT_FIELDS
+from .reference import STAT_COLUMNS
 from ..launching import (DTYPE_CODES, EMULATED, NO_CLAMP, ExtensionLauncher, as_contiguous, coefficient,
                          geometry_args, kernel_module, launch_kernel, ptr, read_as_is, resolved, strides)
 
-TOTALS = 7  # kTotals (csrc/common/kl_penalty_args.h): 6 sums, then the token count
-RESULTS = 6  # kResults: loss_objective, loss_kl, loss_entropy, kl_mean, ratio_mean, clip_fraction
+# The layouts the kernels write (csrc/common/kl_penalty_args.h's kStatColumns, kTotals, kResults; the extensions
+# export them and tests/test_kl_penalty_diagnostics.py compares): per-sequence stats [B, STATS], the CPU forward's
+# batch totals (the loss, the stats' sums, the token count) and the device aggregation's results.
+STATS = len(STAT_COLUMNS)
+TOTALS = 1 + STATS + 1
+RESULTS = len(RESULT_FIELDS)
 
 
 def _args(module, like, mask, offsets, lengths, layout, left_pad, estimator, straight_through, lp_dtype,
@@ -70,7 +76,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
             weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, kl_ratio=False, ext=None,
             grad_out=None):
-    """Run the fused forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
+    """Run the fused forward; returns (seq_loss [B], stats [B, STATS], count [B], token_out [4, *shape] or
     empty, grad [*shape]), all float32 but count (int64). ``ext``: the extension to run (default:
     ``_C`` or ``_cuda`` by device). ``grad_out``: the caller's float32 buffer for ``grad`` (checked by
     ``problem.py``), written in place and returned. ``weights`` (per token, the aux dtype, or None),
@@ -102,7 +108,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
         clip_c, weight_kl, clamp, seq_lr, kl_ratio, ext)
     dev, batch, shape = log_probs.device, a.g.batch, log_probs.shape
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
-    stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
+    stats = torch.empty(batch, STATS, dtype=torch.float32, device=dev)
     count = torch.empty(batch, dtype=torch.int64, device=dev)
     tok = torch.empty((4, *shape) if token_out else (0,), dtype=torch.float32, device=dev)
     grad = torch.empty(shape, dtype=torch.float32, device=dev) if grad_out is None else grad_out
@@ -134,10 +140,11 @@ def sequence_log_ratio(log_probs, old_log_probs, mask, offsets, lengths, layout,
 
 def forward_with_totals(*forward_args, grad_out=None):
     """The CPU forward (``forward``'s arguments, without per-token outputs) that sums the batch
-    instead of writing per-sequence outputs: returns (grad, totals, args, keep). ``grad`` is the
-    gradient buffer (as ``forward``'s; ``grad_out`` when given). ``totals`` are host floats: the loss,
-    objective, kl, entropy, ratio and clipped sums and the token count, summed in float64 in
-    sequence order by the kernel.
+    instead of writing the per-sequence losses: returns (grad, totals, stats, count, args, keep).
+    ``grad`` is the gradient buffer (as ``forward``'s; ``grad_out`` when given). ``totals`` are host
+    floats: the loss, the sums of the stats columns and the token count, summed in float64 in
+    sequence order by the kernel. ``stats`` [B, STATS] and ``count`` [B]: the per-sequence stats
+    and counts (the output's per-sequence fields).
     ``args`` (the filled argument struct) and ``keep`` (the tensors it points into besides the
     inputs) are for :func:`backward_with_args`."""
     if forward_args[18]:  # token_out
@@ -145,11 +152,13 @@ def forward_with_totals(*forward_args, grad_out=None):
     module, a, keep = _prepare_forward(*forward_args)
     grad = torch.empty(forward_args[0].shape, dtype=torch.float32) if grad_out is None else grad_out
     totals = torch.empty(TOTALS, dtype=torch.float64)
-    a.grad, a.totals = ptr(grad), ptr(totals)  # seq_loss, stats, count stay 0: not written
+    stats = torch.empty(a.g.batch, STATS, dtype=torch.float32)
+    count = torch.empty(a.g.batch, dtype=torch.int64)
+    a.grad, a.totals, a.stats, a.count = ptr(grad), ptr(totals), ptr(stats), ptr(count)  # seq_loss stays 0
     launch_kernel(module, module.kl_penalty_forward, a, grad.device, "kl_penalty_loss",
                   workspace_bytes=lambda a: module.kl_penalty_workspace_bytes(a))
-    a.totals = 0
-    return grad, totals.tolist(), a, keep
+    a.totals = a.stats = a.count = 0
+    return grad, totals.tolist(), stats, count, a, keep
 
 
 def backward_with_args(args, grad, g_uniform, lp_dtype, entropy_grad, aux_dtype):
@@ -180,9 +189,10 @@ def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg
     ``agg_entropy_coef``: beta (a float beta; a tensor beta is read on the device) and entropy_coef
     of the parts, in float64. Nothing is read on the host.
 
-    Returns ``(loss, rest, count, weight, grad, args, keep)`` on the device: ``loss`` float32 0-d,
-    ``rest`` float32 [6] (the parts and means of ``KLPenaltyLossOutput``), ``count`` int64 0-d,
-    ``weight`` float64 [1] (``w``), ``grad`` the gradient buffer; ``args`` (the filled struct) and
+    Returns ``(loss, rest, count, weight, grad, stats, seq_count, args, keep)`` on the device: ``loss``
+    float32 0-d, ``rest`` float32 [RESULTS] (aggregate.RESULT_FIELDS), ``count`` int64 0-d,
+    ``weight`` float64 [1] (``w``), ``grad`` the gradient buffer, ``stats`` [B, STATS] and ``seq_count``
+    [B] the per-sequence stats and counts; ``args`` (the filled struct) and
     ``keep`` (what it points into besides the inputs: the per-sequence counts the backward reads
     with ``agg_seq_mean``) are for :func:`backward_aggregated`."""
     if forward_args[18]:  # token_out
@@ -192,7 +202,7 @@ def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg
     f32 = dict(dtype=torch.float32, device=dev)
     # the per-sequence sums: written by the forward, read by its totals kernel (the counts by the
     # backward too), not returned
-    seq_loss, stats = torch.empty(batch, **f32), torch.empty(batch, 5, **f32)
+    seq_loss, stats = torch.empty(batch, **f32), torch.empty(batch, STATS, **f32)
     seq_count = torch.empty(batch, dtype=torch.int64, device=dev)
     keep.append(seq_count)
     grad = torch.empty(shape, **f32) if grad_out is None else grad_out
@@ -212,7 +222,7 @@ def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg
     # The struct's other per-sequence and result pointers are dead from here (the backward reads the
     # geometry, the mask, the gradient buffer, the counts and w): cleared so that nothing reads them.
     a.seq_loss = a.stats = a.result = a.result_loss = a.result_count = a.agg_tokens = 0
-    return loss, rest, n, weight, grad, a, keep
+    return loss, rest, n, weight, grad, stats, seq_count, a, keep
 
 
 def backward_aggregated(args, grad, weight, g_loss, lp_dtype, entropy_grad, aux_dtype, ext=None):
@@ -323,7 +333,7 @@ class ForwardPlan:
             a.beta_scalar = float(beta_scalar)
         dev, batch, shape = self.device, g.batch, self.shape
         seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
-        stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
+        stats = torch.empty(batch, STATS, dtype=torch.float32, device=dev)
         count = torch.empty(batch, dtype=torch.int64, device=dev)
         tok = torch.empty((4, *shape) if self.token_out else (0,), dtype=torch.float32, device=dev)
         grad = torch.empty(shape, dtype=torch.float32, device=dev)
@@ -396,11 +406,12 @@ class TotalsPlan:
         module, a, _ = _prepare_forward(*forward_args)
         a.g.lp = a.g.mask = a.g.offsets = a.g.lengths = a.old = a.ref = a.adv = a.ent = a.wt = a.beta = 0
         self.module, self.template = module, a  # (no address of the first call's tensors is kept)
-        self.shape = forward_args[0].shape
+        self.shape, self.batch = forward_args[0].shape, a.g.batch
 
     def __call__(self, log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta,
                  weights, grad_out=None):
-        """(grad, totals, args, keep) as :func:`forward_with_totals`; ``beta`` a float or a float32 tensor."""
+        """(grad, totals, stats, count, args, keep) as :func:`forward_with_totals`; ``beta`` a float or a float32
+        tensor."""
         a = self.template.__copy__()
         g = a.g
         g.lp, a.old, a.adv = log_probs.data_ptr(), old_log_probs.data_ptr(), advantages.data_ptr()
@@ -422,11 +433,13 @@ class TotalsPlan:
             a.beta_scalar = beta
         grad = torch.empty(self.shape, dtype=torch.float32) if grad_out is None else grad_out
         totals = torch.empty(TOTALS, dtype=torch.float64)
-        a.grad, a.totals = grad.data_ptr(), totals.data_ptr()
+        stats = torch.empty(self.batch, STATS, dtype=torch.float32)
+        count = torch.empty(self.batch, dtype=torch.int64)
+        a.grad, a.totals, a.stats, a.count = grad.data_ptr(), totals.data_ptr(), stats.data_ptr(), count.data_ptr()
         module = self.module
         launch_kernel(module, module.kl_penalty_forward, a, grad.device, "kl_penalty_loss")
-        a.totals = 0
-        return grad, totals.tolist(), a, [beta]
+        a.totals = a.stats = a.count = 0
+        return grad, totals.tolist(), stats, count, a, [beta]
 
 
 class AggregatedPlan:
@@ -449,7 +462,8 @@ class AggregatedPlan:
 
     def __call__(self, log_probs, old_log_probs, ref_log_probs, advantages, mask, offsets, lengths, beta, agg_beta,
                  grad_out=None):
-        """(loss, rest, count, weight, grad, args, keep) as :func:`forward_aggregated`; ``beta`` a float or a
+        """(loss, rest, count, weight, grad, stats, seq_count, args, keep) as :func:`forward_aggregated`; ``beta``
+        a float or a
         float32 tensor (as the first call's), ``agg_beta`` the parts' beta (0.0 for a tensor beta)."""
         a = self.template.__copy__()
         g = a.g
@@ -469,7 +483,7 @@ class AggregatedPlan:
         a.agg_beta = agg_beta
         dev, batch = self.device, self.batch
         seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
-        stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
+        stats = torch.empty(batch, STATS, dtype=torch.float32, device=dev)
         seq_count = torch.empty(batch, dtype=torch.int64, device=dev)
         grad = torch.empty(self.shape, dtype=torch.float32, device=dev) if grad_out is None else grad_out
         loss = torch.empty((), dtype=torch.float32, device=dev)
@@ -484,7 +498,7 @@ class AggregatedPlan:
         launch_kernel(module, module.kl_penalty_forward, a, dev, "kl_penalty_loss",
                       workspace_bytes=self.workspace_bytes)
         a.seq_loss = a.stats = a.result = a.result_loss = a.result_count = 0  # (dead from here: forward_aggregated)
-        return loss, rest, n, weight, grad, a, [seq_count, beta]
+        return loss, rest, n, weight, grad, stats, seq_count, a, [seq_count, beta]
 
     def backward(self, args, grad, weight, g_loss, lp_dtype, aux_dtype):
         """:func:`backward_aggregated` of a call of this plan (no entropy gradient: the plan takes no entropy)."""

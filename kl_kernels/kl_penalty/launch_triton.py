@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..launching import NO_CLAMP, resolved, strides
+from .launch import RESULTS, STATS
 from ..launching_triton import (COMBINE_BLOCK, COMBINE_CHUNK, MIN_BLOCK, PENALTY_COMBINE_BLOCK, interpreter_block,
                                 kernel_set, launch_tiles, or_dummy, readable_flat, size_bucket, triton_cdiv, tuned)
 
@@ -46,7 +47,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
             adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo, clip_hi, entropy_coef, token_out,
             weights=None, clip_c=math.inf, weight_kl=False, clamp=NO_CLAMP, seq_lr=None, kl_ratio=False,
             grad_out=None):
-    """Run the Triton forward; returns (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or
+    """Run the Triton forward; returns (seq_loss [B], stats [B, STATS], count [B], token_out [4, *shape] or
     empty, grad [*shape]), as ``launch.forward`` (``grad_out``: the caller's buffer for ``grad``;
     ``seq_lr``: float32 [B], the sequences' log-ratios, GSPO; ``kl_ratio``: kl_times_ratio)."""
     (log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths, beta, weights,
@@ -56,7 +57,7 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     dev, shape, total = log_probs.device, log_probs.shape, log_probs.numel()
     packed, batch, width, offsets, lengths, mask_u8, mask_s = _geometry(log_probs, mask, offsets, lengths, layout)
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
-    stats = torch.empty(batch, 5, dtype=torch.float32, device=dev)
+    stats = torch.empty(batch, STATS, dtype=torch.float32, device=dev)
     count = torch.empty(batch, dtype=torch.int64, device=dev)
     tok = torch.empty((4, *shape) if token_out else (0,), dtype=torch.float32, device=dev)
     grad = torch.empty(shape, dtype=torch.float32, device=dev) if grad_out is None else grad_out
@@ -106,7 +107,7 @@ def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg
                        ext=None, grad_out=None):
     """``launch.forward_aggregated`` with the Triton kernels: the forward, then the totals kernel
     (``kl_penalty_totals_kernel``) writes the loss, its parts, the count and the weight on the
-    device. Same arguments (``ext`` unused) and results; ``args`` is what
+    device. Same arguments (``ext`` unused) and results (the per-sequence stats and counts too); ``args`` is what
     :func:`backward_aggregated` needs, ``keep`` empty."""
     if forward_args[18]:  # token_out
         raise ValueError("forward_aggregated: per-token outputs (token_out) are not aggregated")
@@ -116,7 +117,7 @@ def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg
     seq_loss, stats, count, _, grad = forward(*forward_args[:8], beta_t, *forward_args[9:], grad_out=grad_out)
     dev, batch = grad.device, count.shape[0]
     f32 = dict(dtype=torch.float32, device=dev)
-    loss, rest = torch.empty((), **f32), torch.empty(6, **f32)
+    loss, rest = torch.empty((), **f32), torch.empty(RESULTS, **f32)
     n = torch.empty((), dtype=torch.int64, device=dev)
     weight = torch.empty(1, dtype=torch.float64, device=dev)
     tokens = agg_tokens.to(torch.float64).contiguous() if agg_tokens is not None else None
@@ -129,7 +130,7 @@ def forward_aggregated(forward_args, agg_scale, agg_per_token, agg_seq_mean, agg
                                                                 forward_args[11], forward_args[12], forward_args[17])
     args = dict(mask=mask, offsets=offsets, lengths=lengths, layout=layout, left_pad=left_pad,
                 entropy_coef=entropy_coef, count=count, seq_mean=bool(agg_seq_mean))
-    return loss, rest, n, weight, grad, args, []
+    return loss, rest, n, weight, grad, stats, count, args, []
 
 
 def backward_aggregated(args, grad, weight, g_loss, lp_dtype, entropy_grad, aux_dtype, ext=None):

@@ -22,7 +22,7 @@ from .. import op_library
 from .._compat import torch as torch_compat
 from ..launching import ESTIMATOR_CODES, LAYOUT_CODES, clamp_bounds
 from . import launch, launch_triton
-from .aggregate import KLPenaltyLossOutput, device_weight, uniform_parts
+from .aggregate import KLPenaltyLossOutput, device_weight, make_output, uniform_parts
 from .problem import KLPenaltyProblem
 from .reference import RawLoss, sequence_log_ratio
 
@@ -68,7 +68,8 @@ def _define(name: str, launcher):
             token_out: bool, weights: Optional[Tensor], clip_c: float, weight_kl: bool,
             clamp: Sequence[float], seq_lr: Optional[Tensor],
             kl_ratio: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Fused forward: (seq_loss [B], stats [B, 5], count [B], token_out [4, *shape] or [0], grad [*shape])."""
+        """Fused forward: (seq_loss [B], stats [B, S], count [B], token_out [4, *shape] or [0], grad [*shape])
+        (S: len(reference.STAT_COLUMNS))."""
         return launcher.forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, offsets, lengths,
                                 beta, beta_scalar, adv_per_seq, layout, left_pad, estimator, straight_through, clip_lo,
                                 clip_hi, entropy_coef, token_out, weights, clip_c, weight_kl, clamp, seq_lr, kl_ratio)
@@ -80,7 +81,7 @@ def _define(name: str, launcher):
         batch = offsets.shape[0] - 1 if layout == 0 else log_probs.shape[0]
         shape = log_probs.shape
         f32 = dict(dtype=torch.float32)
-        return (log_probs.new_empty((batch,), **f32), log_probs.new_empty((batch, 5), **f32),
+        return (log_probs.new_empty((batch,), **f32), log_probs.new_empty((batch, launch.STATS), **f32),
                 log_probs.new_empty((batch,), dtype=torch.int64),
                 log_probs.new_empty((4, *shape) if token_out else (0,), **f32), log_probs.new_empty(shape, **f32))
 
@@ -212,7 +213,7 @@ class _EagerTotal(torch.autograd.Function):
         return _total_forward(ctx, p, planned, None, args, num_global_tokens)
 
     @staticmethod
-    def backward(ctx, g_loss, _g_rest, _g_count):
+    def backward(ctx, g_loss, _g_rest, _g_count, _g_stats, _g_seq_count):
         lp_dtype, entropy_grad, aux_dtype = ctx.dtypes
         g_lp = g_ent = None
         if g_loss is not None:
@@ -235,10 +236,10 @@ def _total_forward(ctx, p, planned, log_probs, args, num_global_tokens=None):
     ``args[0]`` (unused here: _PlannedTotal's differentiable input)."""
     ctx.planned = planned is not None
     if planned is None:
-        grad, totals, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
+        grad, totals, stats, seq_count, kernel_args, keep = launch.forward_with_totals(*args, grad_out=p.grad_out)
     else:
-        grad, totals, kernel_args, keep = planned(*args[:8], args[9] if args[8] is None else args[8], args[19],
-                                                  grad_out=p.grad_out)
+        grad, totals, stats, seq_count, kernel_args, keep = planned(
+            *args[:8], args[9] if args[8] is None else args[8], args[19], grad_out=p.grad_out)
     if p.grad_out is not None:  # (tested here: no call per step without out=)
         _claim(p.grad_out)
     w, parts = uniform_parts(p, totals[1:], num_global_tokens)
@@ -251,8 +252,8 @@ def _total_forward(ctx, p, planned, log_probs, args, num_global_tokens=None):
     loss = torch.scalar_tensor(totals[0] * w, dtype=torch.float32)
     rest = torch.frombuffer(array.array("f", parts), dtype=torch.float32)  # rounded as torch.tensor would
     count = torch.scalar_tensor(int(totals[-1]), dtype=torch.int64)  # the last total: the token count
-    ctx.mark_non_differentiable(rest, count)
-    return loss, rest, count
+    ctx.mark_non_differentiable(rest, count, stats, seq_count)
+    return loss, rest, count, stats, seq_count
 
 
 def _may_scale_in_place(ctx, lp_dtype, entropy_grad, scale: float) -> bool:
@@ -275,8 +276,7 @@ def run_fused_aggregated(p: KLPenaltyProblem, num_global_tokens) -> KLPenaltyLos
     (:func:`~kl_kernels.kl_penalty.aggregate.on_host`), through the C++ kernel with the aggregation
     folded in (:class:`_EagerTotal`). Same values as ``aggregate(p, run_fused(p))`` up to the
     rounding of the per-sequence sums (summed in float64 here, float32 there)."""
-    loss, rest, count = _EagerTotal.apply(p, num_global_tokens, None, *_fused_args(p, cpu_kernel=True))
-    return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+    return make_output(*_EagerTotal.apply(p, num_global_tokens, None, *_fused_args(p, cpu_kernel=True)))
 
 
 class _PlannedTotal(torch.autograd.Function):
@@ -317,16 +317,16 @@ class _EagerOnDevice(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, agg, launcher, ext, *args):
-        loss, rest, count, weight, grad, kernel_args, keep = launcher.forward_aggregated(args, *agg, ext=ext,
-                                                                                         grad_out=p.grad_out)
+        loss, rest, count, weight, grad, stats, seq_count, kernel_args, keep = launcher.forward_aggregated(
+            args, *agg, ext=ext, grad_out=p.grad_out)
         _claim(p.grad_out)
         _save_folded(ctx, args, (grad, weight), kernel_args, keep)
         ctx.launcher, ctx.ext = launcher, ext
-        ctx.mark_non_differentiable(rest, count)
-        return loss, rest, count
+        ctx.mark_non_differentiable(rest, count, stats, seq_count)
+        return loss, rest, count, stats, seq_count
 
     @staticmethod
-    def backward(ctx, g_loss, _g_rest, _g_count):
+    def backward(ctx, g_loss, _g_rest, _g_count, _g_stats, _g_seq_count):
         lp_dtype, entropy_grad, aux_dtype = ctx.dtypes
         g_lp = g_ent = None
         if g_loss is not None:
@@ -345,7 +345,7 @@ class _PlannedOnDevice(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, grad_out, planned, log_probs, args):
-        loss, rest, count, weight, grad, kernel_args, keep = planned(*args, grad_out=grad_out)
+        loss, rest, count, weight, grad, stats, seq_count, kernel_args, keep = planned(*args, grad_out=grad_out)
         if grad_out is not None:
             _claim(grad_out)
         # (as _save_folded: what the struct points into stays alive, and modified in place it fails loudly)
@@ -353,11 +353,11 @@ class _PlannedOnDevice(torch.autograd.Function):
         ctx.kernel_args, ctx.keep, ctx.planned = kernel_args, keep, planned
         ctx.dtypes = (log_probs.dtype, args[3].dtype)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(rest, count)
-        return loss, rest, count
+        ctx.mark_non_differentiable(rest, count, stats, seq_count)
+        return loss, rest, count, stats, seq_count
 
     @staticmethod
-    def backward(ctx, g_loss, _g_rest, _g_count):
+    def backward(ctx, g_loss, _g_rest, _g_count, _g_stats, _g_seq_count):
         if g_loss is None:
             return None, None, None, None
         grad, weight = ctx.saved_tensors[:2]
@@ -374,5 +374,4 @@ def run_fused_on_device(p: KLPenaltyProblem, num_global_tokens, emulated: bool =
     beta = 0.0 if isinstance(p.beta, torch.Tensor) else float(p.beta)
     agg = (scale, per_token, seq_mean, tokens, beta, float(p.entropy_coef))
     launcher, ext = (launch_triton, None) if triton else (launch, launch.EMULATED if emulated else None)
-    loss, rest, count = _EagerOnDevice.apply(p, agg, launcher, ext, *_fused_args(p))
-    return KLPenaltyLossOutput(loss, *rest.unbind(), count)
+    return make_output(*_EagerOnDevice.apply(p, agg, launcher, ext, *_fused_args(p)))

@@ -20,9 +20,11 @@ Per token ``t`` of sequence ``b`` with ``m_t`` the final mask (valid and in ``ma
     q_t      = ratio_t with ``kl_times_ratio`` (differentiated), else 1
     loss_t   = m_t * (obj_t + beta_b * kl_t - entropy_coef * entropy_t)
 
-and per sequence the sums of ``loss_t``, ``obj_t``, ``kl_t``, ``entropy_t``, ``ratio_t`` and of the
+and per sequence the sums of ``loss_t``, ``obj_t``, ``kl_t``, ``entropy_t``, ``ratio_t``, of the
 clipped indicator ``[not gain_t <= clip_t]`` (the token took the clipped branch; a NaN gain counts as
-clipped) over counted tokens (accumulated in float64), with the count.
+clipped) and of TRL's low / high clip flags ``[ratio_t < 1 - eps_lo and A_t < 0]`` /
+``[ratio_t > 1 + eps_hi and A_t > 0]`` over counted tokens (accumulated in float64), with the count
+(:data:`STAT_COLUMNS`).
 ``aggregate.py`` turns these into the loss. The gradient reaching ``lp_t`` (what the fused kernels
 store in their one gradient buffer) is::
 
@@ -45,14 +47,19 @@ from ..reference_math import (checked_frame, estimate, final_mask, poison, strai
                               value_with_gradient_of)
 from .problem import LOG_RATIO_BOUND, KLPenaltyProblem
 
-STAT_COLUMNS = ("objective", "kl", "entropy", "ratio", "clipped")
+# The per-sequence sums every backend returns next to the loss (``RawLoss.stats``), in this order: the table the
+# kernels' ``kStatColumns`` (csrc/common/kl_penalty_args.h; the extensions export it, tests/test_kl_penalty_diagnostics.py
+# compares) and the Triton kernels' ``STATS`` stride follow. ``clipped``: the clipped branch was taken
+# (``not gain <= clip``, a NaN gain counts); ``clipped_low`` / ``clipped_high``: TRL's is_low_clipped
+# (``ratio < 1 - eps_lo and A < 0``) / is_high_clipped (``ratio > 1 + eps_hi and A > 0``), on the unweighted ratio.
+STAT_COLUMNS = ("objective", "kl", "entropy", "ratio", "clipped", "clipped_low", "clipped_high")
 
 
 class RawLoss(NamedTuple):
     """What a backend returns, before aggregation.
 
     * ``seq_loss [B]``: per-sequence sum of ``loss_t`` (math dtype; carries the gradient).
-    * ``stats [B, 5]``: per-sequence sums of :data:`STAT_COLUMNS` (no gradient).
+    * ``stats [B, len(STAT_COLUMNS)]``: per-sequence sums of :data:`STAT_COLUMNS` (no gradient).
     * ``count [B]``: int64 counted tokens.
     * ``token_out``: ``None``, or (``aggregation="none"``) ``[4, *shape]`` per-token ``loss_t``
       (carries the gradient), ``obj_t``, ``beta_b * kl_t``, ``-entropy_coef * entropy_t``.
@@ -96,9 +103,11 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
         take = gain <= gain_clipped  # NaN: False, as the kernels
         obj = -torch.where(take, gain, gain_clipped)
         clipped = ~take
+        clipped_low = (ratio < p.clip[0]) & (adv < 0)
+        clipped_high = (ratio > p.clip[1]) & (adv > 0)
     else:
         obj = -gain
-        clipped = torch.zeros_like(m)
+        clipped = clipped_low = clipped_high = torch.zeros_like(m)
     if p.dual_clip is not None:  # for A < 0, at most -A * c; the cap carries no gradient
         cap = -adv * p.dual_clip
         obj = torch.where((adv < 0) & (cap < obj), cap.detach(), obj)
@@ -136,7 +145,8 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
     with torch.no_grad():
         ent_sum = sums(ent) if ent is not None else torch.zeros(p.batch_size, dtype=md, device=p.device)
         ratio_m = torch.where(m, ratio, zero)
-        stats = torch.stack([sums(obj), sums(kl), ent_sum, sums(ratio_m), sums((clipped & m).to(md))], dim=1)
+        stats = torch.stack([sums(obj), sums(kl), ent_sum, sums(ratio_m)]
+                            + [sums((flag & m).to(md)) for flag in (clipped, clipped_low, clipped_high)], dim=1)
         count = m.sum(1) if p.layout == "padded" else torch.zeros(
             p.batch_size, dtype=torch.int64, device=p.device).index_add_(0, seq, m.to(torch.int64))
     token_out = None

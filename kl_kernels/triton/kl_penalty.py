@@ -12,9 +12,11 @@ token (``csrc/common/kl_penalty_math.h``)::
     grad  = -A * ratio * [|lr| <= 20] * (gain <= gain_c ? 1 : [lo <= ratio <= hi]) + beta * sign * est'(d)
 
 The forward writes ``grad`` (the one float32 buffer kept for backward), optional per-token parts
-(aggregation ``"none"``) and six per-sequence sums (loss, objective, kl, entropy, ratio, clipped)
-plus the count, deterministically: fp64 segmented scans inside a tile, two boundary slots per tile,
-and ``combine`` adds the slots of sequences that span tiles (as ``kl_reward``).
+(aggregation ``"none"``) and eight per-sequence sums (the loss and the stat columns,
+``reference.STAT_COLUMNS``: objective, kl, entropy, ratio, clipped, and TRL's low / high clip flags
+``ratio < lo and A < 0`` / ``ratio > hi and A > 0``) plus the count, deterministically: fp64
+segmented scans inside a tile (integer prefix sums for the flags and the count), two boundary slots
+per tile, and ``combine`` adds the slots of sequences that span tiles (as ``kl_reward``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ import triton
 import triton.language as tl
 
 from .. import codes
+from ..kl_penalty.reference import STAT_COLUMNS
 
 from .kl_math import clamp, exp_bounded, inside, kl_grad, kl_value, segment_sum
 from .tiles import coef_of, combine_rows, frame, geometry_bad, later_tiles, segment_places
 
-# Slots hold 8 fp64 values per tile boundary (6 used: loss, objective, kl, entropy, ratio,
-# clipped; 8 for the combine's power-of-two 2-D block).
+# Slots hold 8 fp64 values per tile boundary: the loss and the stat columns (a power of two: the combine's
+# 2-D block). STATS: the stat columns (the per-sequence stats' row stride).
 SLOT_STRIDE = 8
+STATS = tl.constexpr(len(STAT_COLUMNS))
+assert 1 + len(STAT_COLUMNS) == SLOT_STRIDE
 # The PPO log-ratio bound, from the one table (kl_kernels/codes.py; kLogRatioBound in the C++ kernels).
 LOG_RATIO_BOUND = tl.constexpr(codes.LOG_RATIO_BOUND)
 
@@ -173,18 +178,25 @@ def kl_penalty_fwd_kernel(
     clipped = (counted & ~take).to(tl.int32)
     cclip = tl.cumsum(clipped, 0)
     s_clip = (cclip - tl.gather(cclip - clipped, first, 0)).to(tl.float64)
+    # TRL's clip flags in one int32 prefix sum: a tile's count of each is at most BLOCK < 2^16
+    low_high = (counted & (ratio < clip_lo) & (adv < 0.0)).to(tl.int32) + \
+        ((counted & (ratio > clip_hi) & (adv > 0.0)).to(tl.int32) << 16)
+    clh = tl.cumsum(low_high, 0)
+    s_lh = clh - tl.gather(clh - low_high, first, 0)
     slot = (tl.zeros_like(seq) + 2 * pid) * 8  # slot 2*pid's row of 8 (tail: the next row)
     # Each sum is written as soon as it is scanned, so one fp64 scan result is live at a time.
     _put_sum(_segment(loss, first), seq_loss_ptr + seq, slot_sum_ptr + slot, whole, head, tail)
-    _put_sum(_segment(obj, first), stats_ptr + seq * 5 + 0, slot_sum_ptr + slot + 1, whole, head, tail)
-    _put_sum(_segment(kl, first), stats_ptr + seq * 5 + 1, slot_sum_ptr + slot + 2, whole, head, tail)
+    _put_sum(_segment(obj, first), stats_ptr + seq * STATS + 0, slot_sum_ptr + slot + 1, whole, head, tail)
+    _put_sum(_segment(kl, first), stats_ptr + seq * STATS + 1, slot_sum_ptr + slot + 2, whole, head, tail)
     if HAS_ENT:
         s_ent = _segment(ent, first)
     else:
         s_ent = tl.zeros_like(first).to(tl.float64)
-    _put_sum(s_ent, stats_ptr + seq * 5 + 2, slot_sum_ptr + slot + 3, whole, head, tail)
-    _put_sum(_segment(ratio, first), stats_ptr + seq * 5 + 3, slot_sum_ptr + slot + 4, whole, head, tail)
-    _put_sum(s_clip, stats_ptr + seq * 5 + 4, slot_sum_ptr + slot + 5, whole, head, tail)
+    _put_sum(s_ent, stats_ptr + seq * STATS + 2, slot_sum_ptr + slot + 3, whole, head, tail)
+    _put_sum(_segment(ratio, first), stats_ptr + seq * STATS + 3, slot_sum_ptr + slot + 4, whole, head, tail)
+    _put_sum(s_clip, stats_ptr + seq * STATS + 4, slot_sum_ptr + slot + 5, whole, head, tail)
+    _put_sum((s_lh & 0xFFFF).to(tl.float64), stats_ptr + seq * STATS + 5, slot_sum_ptr + slot + 6, whole, head, tail)
+    _put_sum((s_lh >> 16).to(tl.float64), stats_ptr + seq * STATS + 6, slot_sum_ptr + slot + 7, whole, head, tail)
     tl.store(count_ptr + seq, s_cnt.to(tl.int64), mask=whole)
     # Slot 2*pid: the segment holding the tile's first element; 2*pid+1: the one holding its last.
     tl.store(slot_count_ptr + 2 * pid + tl.zeros_like(first), s_cnt, mask=head)
@@ -201,7 +213,7 @@ def kl_penalty_combine_kernel(offsets_ptr, lengths_ptr, seq_loss_ptr, stats_ptr,
     row of the gradient and of the per-token loss)."""
     b, inb, lo, hi, n, k0, k1, spans = combine_rows(offsets_ptr, batch, width, total, PACKED, TILE, BLOCK_B)
     c = tl.arange(0, 8)
-    used = c < 6
+    used = c < 1 + STATS
     m2 = spans[:, None] & used[None, :]
     # The sequence is the last segment of its first tile, then the first segment of the others.
     acc = tl.load(slot_sum_ptr + (2 * k0 + 1)[:, None] * 8 + c[None, :], mask=m2, other=0.0)
@@ -231,7 +243,7 @@ def kl_penalty_combine_kernel(offsets_ptr, lengths_ptr, seq_loss_ptr, stats_ptr,
         if TOKEN_OUT:
             tl.store(tok_ptr + t, nan, mask=m)
     stat = write[:, None] & (c[None, :] >= 1) & used[None, :]
-    tl.store(stats_ptr + b[:, None] * 5 + (c[None, :] - 1), acc, mask=stat)
+    tl.store(stats_ptr + b[:, None] * STATS + (c[None, :] - 1), acc, mask=stat)
     tl.store(count_ptr + b, tl.where(spans, cnt, 0), mask=write)
 
 
@@ -250,6 +262,7 @@ def kl_penalty_totals_kernel(seq_loss_ptr, stats_ptr, count_ptr, beta_ptr, token
     zero = tl.zeros((BLOCK_B,), dtype=tl.float64)
     one = tl.sum(zero, axis=0) + 1.0  # a float64 scalar: the float arguments promoted to float64 through it
     s_loss, s_obj, s_klb, s_ent, s_kl, s_ratio, s_clip = zero, zero, zero, zero, zero, zero, zero
+    s_low, s_high, s_ent_all = zero, zero, zero
     s_n = tl.zeros((BLOCK_B,), dtype=tl.int64)
     for start in range(0, batch, BLOCK_B):
         b = start + offs
@@ -265,15 +278,19 @@ def kl_penalty_totals_kernel(seq_loss_ptr, stats_ptr, count_ptr, beta_ptr, token
             beta = zero + tl.load(beta_ptr).to(tl.float64)
         else:
             beta = tl.load(beta_ptr + b, mask=inb, other=0.0).to(tl.float64)
-        at = stats_ptr + b * 5
+        at = stats_ptr + b * STATS
         s_loss += tl.where(inb, u * tl.load(seq_loss_ptr + b, mask=inb, other=0.0).to(tl.float64), 0.0)
         s_obj += tl.where(inb, u * tl.load(at, mask=inb, other=0.0).to(tl.float64), 0.0)
         kl_b = tl.load(at + 1, mask=inb, other=0.0).to(tl.float64)
         s_klb += tl.where(inb, u * beta * kl_b, 0.0)
-        s_ent += tl.where(inb, u * tl.load(at + 2, mask=inb, other=0.0).to(tl.float64), 0.0)
+        ent_b = tl.load(at + 2, mask=inb, other=0.0).to(tl.float64)
+        s_ent += tl.where(inb, u * ent_b, 0.0)
+        s_ent_all += ent_b
         s_kl += kl_b
         s_ratio += tl.load(at + 3, mask=inb, other=0.0).to(tl.float64)
         s_clip += tl.load(at + 4, mask=inb, other=0.0).to(tl.float64)
+        s_low += tl.load(at + 5, mask=inb, other=0.0).to(tl.float64)
+        s_high += tl.load(at + 6, mask=inb, other=0.0).to(tl.float64)
         s_n += n_b
     n = tl.sum(s_n, axis=0)
     n_f = n.to(tl.float64)
@@ -293,6 +310,9 @@ def kl_penalty_totals_kernel(seq_loss_ptr, stats_ptr, count_ptr, beta_ptr, token
     tl.store(rest_ptr + 3, (tl.sum(s_kl, axis=0) / denom).to(tl.float32))
     tl.store(rest_ptr + 4, (tl.sum(s_ratio, axis=0) / denom).to(tl.float32))
     tl.store(rest_ptr + 5, (tl.sum(s_clip, axis=0) / denom).to(tl.float32))
+    tl.store(rest_ptr + 6, (tl.sum(s_low, axis=0) / denom).to(tl.float32))
+    tl.store(rest_ptr + 7, (tl.sum(s_high, axis=0) / denom).to(tl.float32))
+    tl.store(rest_ptr + 8, (tl.sum(s_ent_all, axis=0) / denom).to(tl.float32))  # (0 without entropy)
     tl.store(n_ptr, n)
     tl.store(weight_ptr, w)
 
