@@ -224,7 +224,7 @@ def _tiles(g, case):
             case["name"] = f"{str(dtype)[6:]}-{layout}-aggregated"
             args = (mk(), mk(), mk(), mk(torch.float32), mk(torch.float32), mask, offsets, lengths, coef, 0.05, False,
                     lay, True, 3, False, 0.8, 1.2, 0.01, False)
-            _, _, _, weight, grad_a, back, _ = P.forward_aggregated(args, 1.0, True, True, None, 0.0, 0.01)
+            _, _, _, weight, grad_a, _, _, back, _ = P.forward_aggregated(args, 1.0, True, True, None, 0.0, 0.01)
             P.backward_aggregated(back, grad_a, weight, torch.ones(()), dtype, True, torch.float32)
             case["name"] = f"{str(dtype)[6:]}-{layout}"
             P.backward(grad, torch.randn(B), None, mask, offsets, lengths, lay, True, dtype, True, torch.float32,
