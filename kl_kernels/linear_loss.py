@@ -208,7 +208,8 @@ def _one_pass(hidden, weight, labels, counted, args, *, bias, ref_hidden, ref_we
     flat_w = None if p.weights is None else p.weights.reshape(-1)
     w_tok = _token_weights(old, args).reshape(-1)
     per_token_args = {k: args[k] for k in ("estimator", "clip_epsilon", "dual_clip", "weight_kl", "clamp_input",
-                                           "clamp_output", "kl_times_ratio", "entropy_coef", "backend")}
+                                           "clamp_output", "kl_times_ratio", "entropy_coef", "backend", "objective",
+                                           "ratio_cap", "sapo_temperatures")}
 
     def chunk_loss(c0, c1, lp, ent, ref_lp, extras):
         beta_c = beta[c0:c1] if isinstance(beta, torch.Tensor) and beta.dim() == 1 else beta

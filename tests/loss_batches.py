@@ -48,6 +48,9 @@ class LossCase:
     clamp_output: tuple | None = None
     importance_sampling_level: str = "token"
     kl_times_ratio: bool = False
+    objective: str = "ppo"                  # "ppo", "cispo" (with ratio_cap) or "sapo" (with sapo_temperatures)
+    ratio_cap: float | None = None
+    sapo_temperatures: tuple = (1.0, 1.05)
     kl_aggregation: str | None = None       # None: as aggregation
     entropy_aggregation: str | None = None
     num_sequences: object = None            # None, "nonempty" or an int
@@ -173,6 +176,8 @@ def build(case: LossCase, layout: str, *, requires_grad=True) -> BuiltLoss:
         kw["importance_sampling_level"] = case.importance_sampling_level
     if case.kl_times_ratio:
         kw["kl_times_ratio"] = True
+    if case.objective != "ppo":
+        kw.update(objective=case.objective, ratio_cap=case.ratio_cap, sapo_temperatures=case.sapo_temperatures)
     for name in ("kl_aggregation", "entropy_aggregation", "num_sequences"):
         if getattr(case, name) is not None:
             kw[name] = getattr(case, name)
@@ -326,6 +331,7 @@ def check_loss(case: LossCase, layout: str, backend: str, device="cpu", grads=Tr
                       dual_clip=case.dual_clip, weight_kl=case.weight_kl, clamp_input=case.clamp_input,
                       clamp_output=case.clamp_output, importance_sampling_level=case.importance_sampling_level,
                       kl_times_ratio=case.kl_times_ratio, kl_aggregation=case.kl_aggregation,
+                      objective=case.objective, ratio_cap=case.ratio_cap, sapo_temperatures=case.sapo_temperatures,
                       entropy_aggregation=case.entropy_aggregation, num_sequences=case.num_sequences)
     md = torch.float64 if case.dtype == torch.float64 else torch.float32
     lengths = case.lengths

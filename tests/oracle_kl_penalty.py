@@ -65,7 +65,8 @@ def clip_flags(ratio: float, a: float, clip) -> tuple:
 
 
 def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=False, clamp_input=None,
-                clamp_output=None, lr=None, kl_times_ratio=False):
+                clamp_output=None, lr=None, kl_times_ratio=False, objective="ppo", ratio_cap=None,
+                sapo_temperatures=(1.0, 1.05)):
     """(obj, kl, ent, ratio, clipped, dobj/dlp, dkl/dlp, |terms of dkl/dlp|) of one counted token. ``lr``: the log-ratio
     to use instead of the token's lp - old (GSPO: its sequence's), with d lr / d lp = 1 (GSPO-token)."""
     lr = s.lp[t] - s.old[t] if lr is None else lr
@@ -86,6 +87,13 @@ def token_terms(s: Seq, t: int, *, estimator, clip, dual_clip=None, weight_kl=Fa
     dobj = -a * ratio * inside_lr * w
     if dual_clip is not None and a < 0 and -a * dual_clip < obj:  # dual-clip PPO: a constant cap, no gradient
         obj, dobj = -a * dual_clip, 0.0
+    if objective == "cispo":  # TRL 1.16: -clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
+        c = min(ratio, ratio_cap)
+        obj, dobj, clipped = -c * a * s.lp[t], -c * a, ratio > ratio_cap and a > 0
+    elif objective == "sapo":  # TRL 1.16: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * advantages, tau by A's sign
+        tau = sapo_temperatures[0] if a > 0 else sapo_temperatures[1]
+        sg = 1.0 / (1.0 + math.exp(-tau * (ratio - 1.0)))
+        obj, dobj, clipped = -sg * 4.0 / tau * a, -4.0 * a * ratio * sg * (1.0 - sg) * inside_lr, False
     wt = s.w[t] if s.w is not None else 1.0
     obj, dobj = wt * obj, wt * dobj
     if s.ref is not None:
@@ -142,7 +150,8 @@ def oracle_weights(counts: list, aggregation: str, *, norm_length=None, global_t
 def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggregation="token-mean",
                 norm_length=None, global_tokens=None, global_seqs=None, dual_clip=None, weight_kl=False,
                 clamp_input=None, clamp_output=None, importance_sampling_level="token",
-                kl_times_ratio=False, kl_aggregation=None, entropy_aggregation=None, num_sequences=None) -> Result:
+                kl_times_ratio=False, kl_aggregation=None, entropy_aggregation=None, num_sequences=None,
+                objective="ppo", ratio_cap=None, sapo_temperatures=(1.0, 1.05)) -> Result:
     """The loss of a batch. ``global_tokens`` / ``global_seqs`` replace the local counts (data parallel).
     ``kl_aggregation`` / ``entropy_aggregation`` weigh the KL / entropy terms their own way (None: as
     ``aggregation``); ``num_sequences`` is B: None (every sequence), ``"nonempty"`` or a count.
@@ -162,7 +171,8 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
                 continue
             rows.append(token_terms(s, t, estimator=estimator, clip=clip, dual_clip=dual_clip, weight_kl=weight_kl,
                                     clamp_input=clamp_input, clamp_output=clamp_output, lr=lr,
-                                    kl_times_ratio=kl_times_ratio))
+                                    kl_times_ratio=kl_times_ratio, objective=objective, ratio_cap=ratio_cap,
+                                    sapo_temperatures=sapo_temperatures))
         per_seq.append(rows)
     counts = [sum(r is not None for r in rows) for rows in per_seq]
     weight = oracle_weights(counts, aggregation, norm_length=norm_length, global_tokens=global_tokens,
@@ -183,7 +193,8 @@ def oracle_loss(seqs: list, *, estimator="k1", clip=None, entropy_coef=0.0, aggr
             if r is None:
                 g.append(0.0), ge.append(0.0), tl.append(0.0), gm.append(0.0)
                 continue
-            (is_low, is_high), (low_near, high_near) = clip_flags(r[3], s.adv[t], clip)
+            flag_bounds = (-math.inf, ratio_cap) if objective == "cispo" else None if objective == "sapo" else clip
+            (is_low, is_high), (low_near, high_near) = clip_flags(r[3], s.adv[t], flag_bounds)
             low[0 if not low_near else 1] += 1 if (is_low or low_near) else 0
             high[0 if not high_near else 1] += 1 if (is_high or high_near) else 0
             obj, kl, ent, ratio, clipped, dobj, dkl, dkl_mag = r

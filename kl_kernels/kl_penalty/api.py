@@ -25,7 +25,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                     weight_kl=False, clamp_input=None, clamp_output=None,
                     importance_sampling_level="token", kl_times_ratio=False, kl_aggregation=None,
                     entropy_aggregation=None, num_sequences=None, logits=None, ref_logits=None,
-                    temperature=1.0) -> KLPenaltyLossOutput:
+                    temperature=1.0, objective="ppo", ratio_cap=None,
+                    sapo_temperatures=(1.0, 1.05)) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
@@ -105,6 +106,16 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             a sequence it is GSPO-token's, by design (the paper's variant for per-token advantages).
             ``s_b`` is computed before the kernels (a few torch ops on the device, no host read); the
             KL term stays per token.
+        objective: the policy term ``obj_t`` (default ``"ppo"``, the clipped surrogate above). ``"cispo"``
+            (TRL's): ``-min(ratio_t, ratio_cap).detach() * A_t * lp_t``, gradient ``-min(ratio_t, ratio_cap) A_t``
+            (REINFORCE weighted by a capped ratio; ``ratio_cap`` is TRL's ``epsilon_high``, e.g. 5.0); its
+            ``clip_high_fraction`` / ``seq_clipped_high`` count ``ratio_t > ratio_cap and A_t > 0`` (TRL's
+            ``cispo_clip_ratio``). ``"sapo"`` (TRL's): ``-sigmoid(tau (ratio_t - 1)) * 4 / tau * A_t`` with
+            ``tau = sapo_temperatures[0]`` where ``A_t > 0``, else ``[1]`` (default ``(1.0, 1.05)``, TRL's),
+            differentiated through the ratio. Neither takes ``clip_epsilon`` or ``dual_clip``; ``weights``
+            multiply ``obj_t`` as for PPO, and GSPO's sequence ratio applies. So far the torch backend runs
+            them (``"auto"`` picks it; the fused backends say they cannot).
+        ratio_cap, sapo_temperatures: see ``objective``.
         kl_times_ratio: multiply the KL term by the token's ratio, differentiated through both:
             ``d (ratio_t kl_t) / d lp_t = ratio_t kl_t' + ratio_t kl_t`` (the ratio's part 0 outside its
             +-20 clamp). The unbiased reverse-KL gradient of off-policy samples (DeepSeek-V3.2; TRL's
@@ -187,6 +198,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         try:
             key = (estimator, aggregation, padding_side, clip_epsilon, entropy_coef, dual_clip, weight_kl, clamp_input,
                    clamp_output, importance_sampling_level, kl_times_ratio, kl_aggregation, entropy_aggregation,
+                   objective, ratio_cap, type(ratio_cap),
+                   tuple(sapo_temperatures) if type(sapo_temperatures) in (tuple, list) else sapo_temperatures,
                    num_sequences, norm_length, num_global_tokens, process_group, backend, temperature,
                    tuple(map(type, clip_epsilon)) if type(clip_epsilon) is tuple else type(clip_epsilon),
                    tuple(map(type, clamp_input)) if type(clamp_input) is tuple else None,
@@ -226,7 +239,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         offsets=offsets, lengths=lengths, padding_side=padding_side, clip_epsilon=clip_epsilon, entropy=entropy,
         entropy_coef=entropy_coef, aggregation=aggregation, norm_length=norm_length, out=out, dual_clip=dual_clip,
         weights=weights, weight_kl=weight_kl, clamp_input=clamp_input, clamp_output=clamp_output,
-        importance_sampling_level=importance_sampling_level, kl_times_ratio=kl_times_ratio,
+        importance_sampling_level=importance_sampling_level, kl_times_ratio=kl_times_ratio, objective=objective,
+        ratio_cap=ratio_cap, sapo_temperatures=sapo_temperatures,
         kl_aggregation=kl_aggregation, entropy_aggregation=entropy_aggregation, num_sequences=num_sequences,
         process_group=process_group)
     if full:

@@ -39,6 +39,17 @@ def _same_logprob_dtype(problem) -> list[str]:
     return []
 
 
+def _ppo_objective(problem) -> list[str]:
+    if problem.objective != "ppo":
+        return [f"objective={problem.objective!r} is not in the fused kernels' formula table yet (the torch "
+                "backend runs it)"]
+    return []
+
+
+def _fused_requirements(problem) -> list[str]:
+    return _same_logprob_dtype(problem) + _ppo_objective(problem)
+
+
 def _no_gradient_buffer(problem) -> list[str]:
     if problem.grad_out is not None:
         return ["out= is the fused kernels' gradient buffer; the torch reference differentiates by autograd and "
@@ -46,7 +57,7 @@ def _no_gradient_buffer(problem) -> list[str]:
     return []
 
 
-REGISTRY: list[Backend] = fused_backends("kl_penalty_forward", run_fused, _same_logprob_dtype) + [
+REGISTRY: list[Backend] = fused_backends("kl_penalty_forward", run_fused, _fused_requirements) + [
     Backend("torch", frozenset({"cpu", "cuda"}), HALF_AND_SINGLE | {torch.float64}, BOTH_LAYOUTS, lambda: [],
             kl_penalty_reference, notes="vectorized torch reference (float64-capable)",
             requires=_no_gradient_buffer),

@@ -20,6 +20,9 @@ from ..codes import ESTIMATORS
 from ..layouts import NativeLayout, check_device, check_logprob_tensor, normalize_layout, pack_ragged_arg, same_device
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# The policy term's formula (reference.py): PPO's clipped surrogate, TRL's cispo (a capped, detached ratio times
+# A times the log-prob) and sapo (a soft, sigmoid-gated ratio).
+OBJECTIVES = ("ppo", "cispo", "sapo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                 "token-sum-norm", "sum", "none")
 # The aggregations whose weight divides by a sequence count B (num_sequences applies to them) and those
@@ -73,6 +76,9 @@ class KLPenaltyProblem(NativeLayout):
     # means its way (reference.sequence_log_ratio, or the CPU kernel's pre-pass) and its kernels read them
     importance_sampling_level: str = "token"
     kl_times_ratio: bool = False         # the KL term times the (differentiable) ratio (TRL's use_bias_correction_kl)
+    objective: str = "ppo"               # OBJECTIVES: the policy term's formula
+    ratio_cap: float | None = None       # cispo: the cap of the detached ratio (TRL's epsilon_high)
+    sapo_temperatures: tuple = (1.0, 1.05)  # sapo: (tau for A > 0, tau otherwise) (TRL's defaults)
     # The KL and entropy terms' own aggregations (None: the policy term's, ``aggregation``), and the sequence
     # count B of the seq-mean aggregations: None (every sequence), "nonempty" (those with a counted token),
     # or the caller's count (int or 0-d tensor: data parallel's global count).
@@ -205,6 +211,29 @@ def _beta(beta, batch, device):
         # a coefficient, read on device (values checked on the CPU only: no host sync), no gradient
         return _checks.finite_coefficient_tensor("beta", beta.detach())
     return _checks.finite_scalar("beta", _real("beta", beta))
+
+
+def _check_objective(objective, ratio_cap, sapo_temperatures, clip, dual_clip):
+    """``(ratio_cap, sapo_temperatures)`` checked against ``objective``: cispo needs ``ratio_cap`` (> 0), sapo
+    two temperatures > 0; the clip and the dual clip are PPO's (the other objectives refuse them)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(map(repr, OBJECTIVES))}; got {objective!r}")
+    if objective != "ppo":
+        for name, value in (("clip_epsilon", clip), ("dual_clip", dual_clip)):
+            if value is not None:
+                raise ValueError(f"{name} is PPO's clip; objective={objective!r} has none (cispo caps the ratio at "
+                                 "ratio_cap, sapo gates it softly): pass None")
+    if objective == "cispo":
+        if ratio_cap is None:
+            raise ValueError("objective='cispo' needs ratio_cap (the cap of the detached ratio: TRL's epsilon_high, "
+                             "e.g. 5.0)")
+        ratio_cap = _real("ratio_cap", ratio_cap, lo=0.0, lo_open=True)
+    elif ratio_cap is not None:
+        raise ValueError(f"ratio_cap is cispo's cap; objective={objective!r} (pass None)")
+    if not isinstance(sapo_temperatures, (tuple, list)) or len(sapo_temperatures) != 2:
+        raise ValueError(f"sapo_temperatures must be a pair (tau for A > 0, tau for A <= 0); got {sapo_temperatures!r}")
+    taus = tuple(_real("sapo_temperatures", t, lo=0.0, lo_open=True) for t in sapo_temperatures)
+    return ratio_cap, taus
 
 
 def _check_process_group(process_group) -> None:
@@ -344,7 +373,8 @@ def _build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta,
                   padding_side, clip_epsilon, entropy, entropy_coef, aggregation, norm_length, out=None,
                   dual_clip=None, weights=None, weight_kl=False, clamp_input=None, clamp_output=None,
                   importance_sampling_level="token", kl_times_ratio=False, kl_aggregation=None,
-                  entropy_aggregation=None, num_sequences=None, process_group=None):
+                  entropy_aggregation=None, num_sequences=None, process_group=None, objective="ppo", ratio_cap=None,
+                  sapo_temperatures=(1.0, 1.05)):
     """Validate everything; return ``(KLPenaltyProblem, kind, offsets_of_kind)``.
 
     ``kind`` is the caller's layout (``"packed"``, ``"padded"``, ``"list"``, ``"nested_jagged"``,
@@ -371,6 +401,7 @@ def _build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta,
         raise TypeError(f"weight_kl must be a bool, got {type(weight_kl).__name__}")
     if not isinstance(kl_times_ratio, bool):
         raise TypeError(f"kl_times_ratio must be a bool, got {type(kl_times_ratio).__name__}")
+    ratio_cap, sapo_temperatures = _check_objective(objective, ratio_cap, sapo_temperatures, clip, dual_clip)
     if weight_kl and weights is None:
         raise ValueError("weight_kl=True weights the KL term by `weights`: pass weights too")
     if isinstance(log_probs, (list, tuple)) != isinstance(old_log_probs, (list, tuple)):
@@ -445,6 +476,7 @@ def _build_problem(log_probs, old_log_probs, advantages, *, ref_log_probs, beta,
         clamp_input=clamp_input, clamp_output=clamp_output)
     problem.importance_sampling_level = importance_sampling_level
     problem.kl_times_ratio = kl_times_ratio
+    problem.objective, problem.ratio_cap, problem.sapo_temperatures = objective, ratio_cap, sapo_temperatures
     problem.kl_aggregation = kl_aggregation
     problem.entropy_aggregation = entropy_aggregation
     problem.num_sequences = num_sequences

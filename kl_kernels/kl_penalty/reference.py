@@ -98,7 +98,15 @@ def kl_penalty_reference(p: KLPenaltyProblem) -> RawLoss:
         log_ratio = value_with_gradient_of(torch.where(m, per_seq(sequence_log_ratio(p)), 0.0), log_ratio)
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     gain = ratio * adv
-    if p.clip is not None:
+    if p.objective == "cispo":  # TRL's: -min(ratio, cap).detach() * A * lp (the log-prob's own gradient)
+        obj = -torch.clamp(ratio, max=p.ratio_cap).detach() * adv * torch.where(m, lp, 0.0)
+        clipped = clipped_high = (ratio > p.ratio_cap) & (adv > 0)  # TRL's cispo_clip_ratio flag
+        clipped_low = torch.zeros_like(m)
+    elif p.objective == "sapo":  # TRL's: -sigmoid(tau (ratio - 1)) * 4 / tau * A, tau by the sign of A
+        tau = torch.where(adv > 0, adv.new_tensor(p.sapo_temperatures[0]), adv.new_tensor(p.sapo_temperatures[1]))
+        obj = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+        clipped = clipped_low = clipped_high = torch.zeros_like(m)
+    elif p.clip is not None:
         gain_clipped = torch.clamp(ratio, *p.clip) * adv
         take = gain <= gain_clipped  # NaN: False, as the kernels
         obj = -torch.where(take, gain, gain_clipped)
