@@ -171,18 +171,13 @@ def kl_penalty_fwd_kernel(
     # first and last lanes and its place (whole / head slot / tail slot).
     first, _, end, whole, head, tail = segment_places(seq_lo, seq_hi, t0, t_last, inb)
     whole, head, tail = end & whole, end & head, end & tail
-    # counts (integers: exact as prefix-sum differences, and no NaN to contain)
-    cnt = counted.to(tl.int32)
-    ccnt = tl.cumsum(cnt, 0)
-    s_cnt = ccnt - tl.gather(ccnt - cnt, first, 0)
-    clipped = (counted & ~take).to(tl.int32)
-    cclip = tl.cumsum(clipped, 0)
-    s_clip = (cclip - tl.gather(cclip - clipped, first, 0)).to(tl.float64)
-    # TRL's clip flags in one int32 prefix sum: a tile's count of each is at most BLOCK < 2^16
-    low_high = (counted & (ratio < clip_lo) & (adv < 0.0)).to(tl.int32) + \
-        ((counted & (ratio > clip_hi) & (adv > 0.0)).to(tl.int32) << 16)
-    clh = tl.cumsum(low_high, 0)
-    s_lh = clh - tl.gather(clh - low_high, first, 0)
+    # Each token's four count flags (counted; clipped; TRL's low and high clip flags, ratio < lo and A < 0 /
+    # ratio > hi and A > 0) in one int32, bits 0-3; their prefix sums come after the fp64 scans, so no
+    # scan result of theirs is live across those (registers: the two extra flags took the fp32 configs
+    # from <= 128 to 136-144 registers when their sums were scanned here)
+    flags = counted.to(tl.int32) | ((counted & ~take).to(tl.int32) << 1) | \
+        ((counted & (ratio < clip_lo) & (adv < 0.0)).to(tl.int32) << 2) | \
+        ((counted & (ratio > clip_hi) & (adv > 0.0)).to(tl.int32) << 3)
     slot = (tl.zeros_like(seq) + 2 * pid) * 8  # slot 2*pid's row of 8 (tail: the next row)
     # Each sum is written as soon as it is scanned, so one fp64 scan result is live at a time.
     _put_sum(_segment(loss, first), seq_loss_ptr + seq, slot_sum_ptr + slot, whole, head, tail)
@@ -194,9 +189,19 @@ def kl_penalty_fwd_kernel(
         s_ent = tl.zeros_like(first).to(tl.float64)
     _put_sum(s_ent, stats_ptr + seq * STATS + 2, slot_sum_ptr + slot + 3, whole, head, tail)
     _put_sum(_segment(ratio, first), stats_ptr + seq * STATS + 3, slot_sum_ptr + slot + 4, whole, head, tail)
-    _put_sum(s_clip, stats_ptr + seq * STATS + 4, slot_sum_ptr + slot + 5, whole, head, tail)
-    _put_sum((s_lh & 0xFFFF).to(tl.float64), stats_ptr + seq * STATS + 5, slot_sum_ptr + slot + 6, whole, head, tail)
-    _put_sum((s_lh >> 16).to(tl.float64), stats_ptr + seq * STATS + 6, slot_sum_ptr + slot + 7, whole, head, tail)
+    # The four counts in one int64 prefix sum, 16 bits each (integers: exact as prefix-sum differences, and
+    # no NaN to contain; a tile's count of each is at most BLOCK < 2^15, so no field carries into the next)
+    tl.static_assert(BLOCK < 32768)
+    f = flags.to(tl.int64)
+    packed = (f & 1) | (((f >> 1) & 1) << 16) | (((f >> 2) & 1) << 32) | ((f >> 3) << 48)
+    cp = tl.cumsum(packed, 0)
+    s_p = cp - tl.gather(cp - packed, first, 0)
+    s_cnt = (s_p & 0xFFFF).to(tl.int32)
+    _put_sum(((s_p >> 16) & 0xFFFF).to(tl.float64), stats_ptr + seq * STATS + 4, slot_sum_ptr + slot + 5, whole,
+             head, tail)
+    _put_sum(((s_p >> 32) & 0xFFFF).to(tl.float64), stats_ptr + seq * STATS + 5, slot_sum_ptr + slot + 6, whole,
+             head, tail)
+    _put_sum((s_p >> 48).to(tl.float64), stats_ptr + seq * STATS + 6, slot_sum_ptr + slot + 7, whole, head, tail)
     tl.store(count_ptr + seq, s_cnt.to(tl.int64), mask=whole)
     # Slot 2*pid: the segment holding the tile's first element; 2*pid+1: the one holding its last.
     tl.store(slot_count_ptr + 2 * pid + tl.zeros_like(first), s_cnt, mask=head)
