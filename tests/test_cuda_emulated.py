@@ -194,17 +194,19 @@ def test_the_backend_runs_the_emulated_kernels():
     assert out.count.tolist() == [2500, 500]
 
 
-def test_row_kernel_outputs_are_poisoned_before_the_kernels():
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_row_kernel_outputs_are_poisoned_before_the_kernels(softcap):
     """The row kernels' emulated entry points (token_logprobs, full_kl) poison their outputs too: seen through
     a dtype code the kernels refuse (1), so nothing overwrites the poison; the gradient rows of a slab layout
-    are poisoned row by row (the slab's gap keeps its value), and inplace_backward's target, the logits, not."""
+    are poisoned row by row (the slab's gap keeps its value), and inplace_backward's target, the logits, not;
+    with and without a soft cap (the capped kernels are entry points of their own)."""
     from kl_kernels.full_kl import launch as fkl_launch
     from kl_kernels.token_logprobs import launch as tlp_launch
 
     emu = _emu()
     x, r = torch.randn(2, 4, 6), torch.randn(2, 4, 6)
     labels, counted = torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.bool)
-    a, _keep = tlp_launch._args(emu, x[:, :-1], labels, counted, 1.0)
+    a, _keep = tlp_launch._args(emu, x[:, :-1], labels, counted, 1.0, softcap)
     outs = [torch.zeros(6) for _ in range(3)]
     a.log_probs, a.lse, a.entropy = (t.data_ptr() for t in outs)
     a.dtype = 7  # poisoned as a 2-byte dtype: the gradients below are bf16
@@ -218,7 +220,7 @@ def test_row_kernel_outputs_are_poisoned_before_the_kernels():
     before = x.clone()
     assert emu.token_logprobs_backward(a, 0) == 1 and torch.equal(x, before)
 
-    f, _keep = fkl_launch._args(emu, x, r, torch.ones(2, 4, dtype=torch.bool), 1.0)
+    f, _keep = fkl_launch._args(emu, x, r, torch.ones(2, 4, dtype=torch.bool), 1.0, softcap)
     outs = [torch.zeros(8) for _ in range(3)]
     f.kl, f.lse, f.ref_lse = (t.data_ptr() for t in outs)
     f.dtype = 7
