@@ -364,27 +364,15 @@ def test_peft_model(lh):
 # ------------------------------------------------------------------ inside TRL's GRPOTrainer
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", additional_special_tokens=specials)
-
-
 def _save(tmp_path_factory, moe=False):
     """A tiny Qwen2 (or Qwen2-MoE) and the byte-level tokenizer saved to a folder (the trainer loads it by path;
     no hub)."""
     pytest.importorskip("datasets")
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    tok = _tokenizer()
+    from trl_trainer_harness import tokenizer
+
+    tok = tokenizer()
     torch.manual_seed(0)
     kw = dict(**{**TINY, "vocab_size": len(tok)}, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
