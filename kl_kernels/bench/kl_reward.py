@@ -30,7 +30,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..kl_reward import kl_reward
 from ..kl_reward.backends import REGISTRY
 from ..kl_reward.problem import build_problem
-from .batches import RLHFBatch, cached_batch
+from .batches import RLHFBatch
 from .contenders import Contender, is_copy, set_speedup, time_rows
 from .timing import cold_compile_seconds
 
@@ -228,13 +228,7 @@ def _time_rows(batch, task, candidates, refs, nbytes_of, copy_gbs, repeats, budg
 
 def run_task(ctx) -> list[dict]:
     """The ``kl_reward`` task of ``kl-kernels bench`` (:mod:`kl_kernels.bench.tasks`): :func:`run` per size."""
-    rows = []
-    for name in ctx.plan.sizes:
-        batch = cached_batch(name, ctx.dtype, ctx.device, ctx.seed)
-        rows += run(batch, copy_gbs=ctx.copy_gbs, with_compile=ctx.plan.with_compile, repeats=ctx.plan.repeats,
-                    budget_s=ctx.plan.budget_s, progress=lambda m, n=name: ctx.progress(f"[{n}] {m}"),
-                    retime=ctx.plan.retime)
-    return rows
+    return ctx.per_size(run, with_compile=ctx.plan.with_compile)
 
 
 def run(batch: RLHFBatch, *, copy_gbs: float, with_compile: bool = True, repeats: int = 10, budget_s: float = 3.0,

@@ -75,6 +75,18 @@ class Context:
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
 
+    def per_size(self, run: Callable, **extra) -> list[dict]:
+        """A table task's rows: ``run(batch, copy_gbs=, repeats=, budget_s=, progress=, retime=, **extra)`` on the
+        plan's batch of each size (:func:`kl_kernels.bench.batches.cached_batch`), the rows joined."""
+        from .batches import cached_batch
+
+        rows = []
+        for name in self.plan.sizes:
+            batch = cached_batch(name, self.dtype, self.device, self.seed)
+            rows += run(batch, copy_gbs=self.copy_gbs, repeats=self.plan.repeats, budget_s=self.plan.budget_s,
+                        progress=lambda m, n=name: self.progress(f"[{n}] {m}"), retime=self.plan.retime, **extra)
+        return rows
+
 
 # Rounds per table in the full run (each round times every contender once, in a shuffled order), within a budget
 # of 3 s per contender: a median of 10 moved by +-15% between runs on the 2-core CI VM.

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from .. import ragged
-from .batches import RLHFBatch, cached_batch
+from .batches import RLHFBatch
 from .contenders import Contender, is_copy, set_speedup
 from .kl_reward import COEF, _time_rows
 
@@ -60,12 +60,7 @@ def _with_action_key(cls):
 
 def run_task(ctx) -> list[dict]:
     """The ``torchrl`` task of ``kl-kernels bench`` (:mod:`kl_kernels.bench.tasks`): :func:`run` per size."""
-    rows = []
-    for name in ctx.plan.sizes:
-        batch = cached_batch(name, ctx.dtype, ctx.device, ctx.seed)
-        rows += run(batch, copy_gbs=ctx.copy_gbs, repeats=ctx.plan.repeats, budget_s=ctx.plan.budget_s,
-                    progress=lambda m, n=name: ctx.progress(f"[{n}] {m}"), retime=ctx.plan.retime)
-    return rows
+    return ctx.per_size(run)
 
 
 def run(batch: RLHFBatch, *, copy_gbs: float, repeats: int, budget_s: float, progress=None,
