@@ -23,7 +23,7 @@ from kl_kernels.bench import gpu_model
 FAMILIES = {"forward_tile", "combine", "backward_tile", "penalty_forward_tile", "penalty_combine",
             "penalty_totals", "penalty_backward_tile", "offsets_valid", "lengths_valid",
             "token_logprobs_forward_kernel", "token_logprobs_backward_kernel", "full_kl_forward_kernel",
-            "full_kl_backward_kernel"}
+            "full_kl_backward_kernel", *gpu_model.ROW_SOFTCAP}
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +159,19 @@ ROW_BUDGET = {  # family -> {dtype: (whole, steady)}, the most on any arch; meas
     "token_logprobs_backward_kernel": {"bf16": (20, 14), "fp32": (19, 14)},
     "full_kl_forward_kernel": {"bf16": (57, 35), "fp32": (55, 33)},
     "full_kl_backward_kernel": {"bf16": (23, 21), "fp32": (20, 20)},
+    # softcap= (gpu_model.ROW_SOFTCAP): the same walks with c tanh(s x / c) per entry, an accurate tanh (~16
+    # instructions; MUFU.TANH's approximation would not meet the float32 oracle): 26.6 steady per bf16 entry in
+    # token_logprobs' forward where the uncapped one issues 10.2, 64 where full_kl's issues 32 (two rows capped)
+    "token_logprobs_softcap_forward_kernel": {"bf16": (34, 29.5), "fp32": (39.5, 29.5)},
+    "token_logprobs_softcap_backward_kernel": {"bf16": (42.5, 36), "fp32": (42, 36)},
+    "full_kl_softcap_forward_kernel": {"bf16": (92, 70.5), "fp32": (90, 69)},
+    "full_kl_softcap_backward_kernel": {"bf16": (67, 65), "fp32": (64, 64)},
 }
 # Inner loading loops per kernel: one per (reference/gradient row aligned or not) variant of the walk; a forward
 # that read its row twice (a max pass, then a sums pass) would have twice as many.
 ROW_LOOPS = {"token_logprobs_forward_kernel": 1, "token_logprobs_backward_kernel": 2, "full_kl_forward_kernel": 2,
              "full_kl_backward_kernel": 2}
+ROW_LOOPS.update({capped: ROW_LOOPS[plain] for capped, plain in gpu_model.ROW_SOFTCAP.items()})
 
 
 @pytest.fixture(scope="module")

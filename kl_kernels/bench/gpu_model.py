@@ -97,7 +97,9 @@ class Usage:
 
 _FAMILY = re.compile(r"(penalty_forward_tile|penalty_combine|penalty_totals|penalty_backward_tile|forward_tile|combine|"
                      r"backward_tile|offsets_valid|lengths_valid|token_logprobs_forward_kernel|"
-                     r"token_logprobs_backward_kernel|full_kl_forward_kernel|full_kl_backward_kernel)"
+                     r"token_logprobs_backward_kernel|full_kl_forward_kernel|full_kl_backward_kernel|"
+                     r"token_logprobs_softcap_forward_kernel|token_logprobs_softcap_backward_kernel|"
+                     r"full_kl_softcap_forward_kernel|full_kl_softcap_backward_kernel)"
                      r"(I.*)?E")
 
 
@@ -230,6 +232,13 @@ ISSUE_LANES_PER_CYCLE = 128
 SFU_LANES_PER_CYCLE = 16
 CLOCK_GHZ = 1.98
 ROW_DTYPE_CODE = {"bf16": "ILi1E", "fp32": "ILi0E"}  # the logits dtype as the kernels' template argument
+# The soft-capped entry points (softcap=: c tanh(s x / c) / T per entry) walk the same rows as their uncapped
+# kernels (the same template body, csrc/cuda/rows.cuh, with the cap as its argument): same streams, one tanh more
+# per entry. The static gate holds their loops to budgets of their own; the page's time model is the uncapped one's.
+ROW_SOFTCAP = {"token_logprobs_softcap_forward_kernel": "token_logprobs_forward_kernel",
+               "token_logprobs_softcap_backward_kernel": "token_logprobs_backward_kernel",
+               "full_kl_softcap_forward_kernel": "full_kl_forward_kernel",
+               "full_kl_softcap_backward_kernel": "full_kl_backward_kernel"}
 
 
 def row_loops(so_path: str, tool: str) -> dict[tuple[str, str, str], list[sass.Loop]]:
@@ -243,7 +252,7 @@ def row_loops(so_path: str, tool: str) -> dict[tuple[str, str, str], list[sass.L
             continue
         for name, instrs in sass.functions(block).items():
             fam = _FAMILY.search(name)
-            if fam is None or fam.group(1) not in {k for k, _, _ in ROW_KERNELS.values()}:
+            if fam is None or fam.group(1) not in {k for k, _, _ in ROW_KERNELS.values()} | set(ROW_SOFTCAP):
                 continue
             loops[(m.group(1), fam.group(1), fam.group(2) or "")] = sass.inner_loading_loops(instrs)
     return loops
@@ -252,7 +261,7 @@ def row_loops(so_path: str, tool: str) -> dict[tuple[str, str, str], list[sass.L
 def row_instructions_per_entry(loops: dict, arch: str, family: str, dtype: str, steady: bool = False) -> float | None:
     """The main loop's instructions per entry of `family` for logits of `dtype` ("bf16"/"fp32") on `arch`: the
     whole loop's, or (steady) its shortest path's (``sass.Loop.per_entry``); the most of the kernel's variants."""
-    streams = next(st for k, st, _ in ROW_KERNELS.values() if k == family)
+    streams = next(st for k, st, _ in ROW_KERNELS.values() if k == ROW_SOFTCAP.get(family, family))
     code = ROW_DTYPE_CODE[dtype]
     found = [sass.pick_main(inner).per_entry(16 if dtype == "bf16" else 32, streams, steady)
              for (a, f, v), inner in loops.items() if a == arch and f == family and v.startswith(code) and inner]
