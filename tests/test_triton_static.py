@@ -156,6 +156,17 @@ ROW_ENTRY_BUDGET = {
     ("full_kl_fwd_kernel", "bfloat16"): 24.0, ("full_kl_fwd_kernel", "float32"): 19.5,
     ("full_kl_bwd_kernel", "bfloat16"): 21.5, ("full_kl_bwd_kernel", "float32"): 19.5,
 }
+# softcap= (the SOFTCAP specialization, aot's "<dtype>-rows-softcap" cases: c tanh(x / c) / T per entry, an
+# accurate tanh, ~15-20 instructions an entry a capped row): measured on sm_90 with Triton 3.6, 3.8 and 3.9 at
+# most 30.6 / 30.6 (token_logprobs forward, bf16 / fp32), 32.4 / 31.0 (backward), 60.4 / 56.4 (full_kl forward),
+# 65.5 / 63.0 (backward, both gradients); ~10 % over. (Issue-bound at these counts: a capped model pays for its
+# tanh; the uncapped kernels are separate specializations, untouched.)
+ROW_ENTRY_BUDGET_SOFTCAP = {
+    ("token_logprobs_fwd_kernel", "bfloat16"): 33.5, ("token_logprobs_fwd_kernel", "float32"): 33.5,
+    ("token_logprobs_bwd_kernel", "bfloat16"): 35.5, ("token_logprobs_bwd_kernel", "float32"): 34.0,
+    ("full_kl_fwd_kernel", "bfloat16"): 66.0, ("full_kl_fwd_kernel", "float32"): 62.0,
+    ("full_kl_bwd_kernel", "bfloat16"): 72.0, ("full_kl_bwd_kernel", "float32"): 69.0,
+}
 # Rows not 16-byte aligned (odd V: scalar loads) cost more and are held to a looser bound, which still keeps the
 # lanes' state in one thread each (row_math.lane_tile; the 8-thread layout cost ~42 for the forward)
 UNALIGNED_ENTRY_BUDGET = 33.0
@@ -165,15 +176,17 @@ def _row_loops(records, case):
     return [r for r in records if r["kernel"] in ROWS and r["case"] == case]
 
 
-@pytest.mark.parametrize("case", ["bfloat16-rows", "float32-rows"])
+@pytest.mark.parametrize("case", ["bfloat16-rows", "float32-rows", "bfloat16-rows-softcap", "float32-rows-softcap"])
 def test_row_kernels_main_loops_within_the_instruction_budget(records, case):
     loops = _row_loops(records, case)
     assert {r["kernel"] for r in loops} == set(ROWS)
     assert all(r["row_loop"] is not None and len(r["row_loop"]["passes"]) == aot.ROW_KERNELS[r["kernel"]][1]
                for r in loops)
     dtype = case.split("-")[0]
+    budget = ROW_ENTRY_BUDGET_SOFTCAP if case.endswith("-softcap") else ROW_ENTRY_BUDGET
+    assert all(("SOFTCAP" in r["flags"].split(",")) == case.endswith("-softcap") for r in loops)
     over = sorted((r["kernel"], r["flags"], r["row_loop"]["per_entry"]) for r in loops if r["arch"] == 90
-                  and r["row_loop"]["per_entry"] > ROW_ENTRY_BUDGET[(r["kernel"], dtype)])
+                  and r["row_loop"]["per_entry"] > budget[(r["kernel"], dtype)])
     assert not over, f"instructions per entry over ROW_ENTRY_BUDGET on sm_90: {over}"
     # the gate counts what it should: the entries a loop's loads bring in, one or two rows side by side
     assert all(r["row_loop"]["entry_bits"] == (16 if dtype == "bfloat16" else 32) for r in loops)
@@ -182,7 +195,7 @@ def test_row_kernels_main_loops_within_the_instruction_budget(records, case):
     assert unaligned and not [u for u in unaligned if u[3] > UNALIGNED_ENTRY_BUDGET], unaligned
 
 
-@pytest.mark.parametrize("case", ["bfloat16-rows", "float32-rows"])
+@pytest.mark.parametrize("case", ["bfloat16-rows", "float32-rows", "bfloat16-rows-softcap", "float32-rows-softcap"])
 def test_row_kernels_read_aligned_rows_with_128_bit_loads(records, case):
     """Every global load in a row kernel's main loop(s) is 128 bits wide on 16-byte aligned rows (the forward's
     lane tiles, row_math.lane_tile; the backward's BLOCK of 8 bf16 / 4 fp32 entries a thread), every target."""

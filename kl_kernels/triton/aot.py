@@ -16,7 +16,8 @@ in the Triton wheel.
 
 Coverage: every autotune config for fp32 and bf16 inputs, packed and padded, forward and
 backward of both ops, plus the combine kernels and the loss's totals kernel; the row kernels of
-token_logprobs and full_kl (fp32 and bf16 rows 16-byte aligned, bf16 rows at an odd V), every variant.
+token_logprobs and full_kl (fp32 and bf16 rows 16-byte aligned, bf16 rows at an odd V), every variant, and their softcap=
+specializations on aligned rows (cases "<dtype>-rows-softcap").
 
 The row kernels' main loops (issue 48): ``python -m kl_kernels.triton.aot --ops token_logprobs,full_kl
 --rows`` prints, for each, the instructions and loaded bits per iteration of its pass(es) over a row
@@ -246,6 +247,12 @@ def _token_logprobs(g, case):
             _, ent, lse = T.forward(logits, labels, counted, 0.7, entropy)
             T.backward(torch.randn(6), torch.randn(6) if entropy else None, logits, labels, counted, 0.7, lse, ent,
                        torch.empty_like(logits))
+            if vocab % 16 == 0:  # softcap= (the SOFTCAP specialization), on aligned rows: "<dtype>-rows-softcap"
+                name, case["name"] = case["name"], case["name"] + "-softcap"
+                _, ent, lse = T.forward(logits, labels, counted, 0.7, entropy, 30.0)
+                T.backward(torch.randn(6), torch.randn(6) if entropy else None, logits, labels, counted, 0.7, lse,
+                           ent, torch.empty_like(logits), 30.0)
+                case["name"] = name
 
 
 def _full_kl(g, case):
@@ -262,6 +269,13 @@ def _full_kl(g, case):
         for want_ref in (False, True):
             F.backward(torch.randn(6), logits, ref, counted, 0.7, kl, lse, ref_lse, torch.empty_like(logits),
                        torch.empty_like(ref) if want_ref else None)
+        if vocab % 16 == 0:  # softcap= (the SOFTCAP specialization), on aligned rows: "<dtype>-rows-softcap"
+            name, case["name"] = case["name"], case["name"] + "-softcap"
+            kl, lse, ref_lse = F.forward(logits, ref, counted, 0.7, 30.0)
+            for want_ref in (False, True):
+                F.backward(torch.randn(6), logits, ref, counted, 0.7, kl, lse, ref_lse, torch.empty_like(logits),
+                           torch.empty_like(ref) if want_ref else None, 30.0)
+            case["name"] = name
 
 
 # --------------------------------------------------------------------------- the parent
