@@ -26,15 +26,20 @@ import torch
 FULL = "full"
 
 
-def check_temperature(temperature, estimator: str) -> float:
-    """``temperature``: a finite number > 0, and other than 1 only with ``estimator="full"`` (the
-    sampled estimators read log-probs the caller already computed at its temperature)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if estimator != FULL and temperature != 1.0:
-        raise ValueError(f"temperature applies to estimator='full' (it divides the logits); got temperature="
-                         f"{temperature} with estimator={estimator!r}, whose log-probs carry their own temperature")
+def check_temperature(temperature, estimator: str, logit_scale=1.0, softcap=None) -> float:
+    """``temperature``, ``logit_scale`` and ``softcap``: the exact KL's logit transform, ``x -> c tanh(s x / c) / T``
+    (:func:`full_kl`'s; its rules, once: ``vocab_rows.logit_transform``), each other than its default (1.0, 1.0,
+    None) only with ``estimator="full"`` (the sampled estimators read log-probs the caller already computed with
+    its own). Returns the temperature as a float."""
+    from .vocab_rows import logit_transform
+
+    logit_transform(temperature, logit_scale, softcap)  # (a ValueError naming the argument)
+    if estimator != FULL:
+        for name, value, default in (("temperature", temperature, 1.0), ("logit_scale", logit_scale, 1.0),
+                                     ("softcap", softcap, None)):
+            if value != default:
+                raise ValueError(f"{name} applies to estimator='full' (it transforms the logits); got {name}="
+                                 f"{value} with estimator={estimator!r}, whose log-probs carry their own")
     return float(temperature)
 
 

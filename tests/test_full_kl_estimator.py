@@ -43,8 +43,11 @@ def batches(draw, dtypes=(torch.float32, torch.bfloat16)):
         if flat.shape[0]:
             flat[int(torch.randint(0, flat.shape[0], (), generator=g)), 0] = NAN
     side = draw(st.sampled_from(["left", "right"]))
+    # logit_scale= / softcap= (full_kl's transform, passed through): none half the time
+    scale, cap = draw(st.sampled_from([(1.0, None), (1.0, None), (2.0, None), (0.5, 5.0), (1.0, 10.0)]))
+    transform = {} if (scale, cap) == (1.0, None) else dict(logit_scale=scale, softcap=cap)
     return dict(logits=x.to(dtype), ref=r.to(dtype), lens=lens, layout=layout, mask=mask, side=side,
-                temperature=draw(st.sampled_from([1.0, 0.7])))
+                temperature=draw(st.sampled_from([1.0, 0.7])), transform=transform)
 
 
 def _layout_args(b, device="cpu"):
@@ -77,7 +80,7 @@ def _oracle_rows(b):
     vocab = b["logits"].shape[-1]
     xs = b["logits"].double().reshape(-1, vocab).tolist()
     rs = b["ref"].double().reshape(-1, vocab).tolist()
-    out = [oracle_row(x, r, b["temperature"]) for x, r in zip(xs, rs)]
+    out = [oracle_row(x, r, b["temperature"], -math.inf, **b["transform"]) for x, r in zip(xs, rs)]
     return [o[0] for o in out], [o[1] for o in out]
 
 
@@ -110,7 +113,7 @@ def test_kl_reward_matches_the_oracle(b, backend):
     score = torch.randn(len(b["lens"]), dtype=torch.float32)
     out = kl_reward(logits, ref, score.to(logits.device), coef=coef.to(logits.device), estimator="full",
                     mask=dev_b["mask"], reward_placement="last_valid", detach=False, backend=backend,
-                    temperature=b["temperature"], **_layout_args(b, logits.device))
+                    temperature=b["temperature"], **b["transform"], **_layout_args(b, logits.device))
     assert out.kl.dtype == torch.float32 and out.kl.shape == logits.shape[:-1]
     assert out.ref_log_probs is None
     up = torch.randn(out.kl.shape, generator=torch.Generator().manual_seed(1))
@@ -180,7 +183,7 @@ def test_kl_penalty_loss_adds_the_exact_kl_term(b, backend, aggregation, weight_
                   **_layout_args(b, dev))
     out = kl_penalty_loss(lp, old, adv, beta=beta, estimator="full", logits=logits, ref_logits=dev_b["ref"],
                           temperature=b["temperature"], weight_kl=weight_kl, clamp_output=clamp_output,
-                          backend=backend, **common)
+                          backend=backend, **b["transform"], **common)
     base = kl_penalty_loss(lp, old, adv, beta=0.0, backend="torch", **common)
 
     kls, dkls = _oracle_rows(b)
@@ -294,6 +297,14 @@ def test_prompt_lens_and_out_buffers():
     (lambda x, r: kl_reward(list(x), list(r), estimator="full"), TypeError, "dense logits"),
     (lambda x, r: kl_reward(x[..., 0], r[..., 0], estimator="k1", temperature=0.5), ValueError, "temperature"),
     (lambda x, r: kl_reward(x, r, estimator="full", temperature=0.0), ValueError, "temperature"),
+    (lambda x, r: kl_reward(x[..., 0], r[..., 0], estimator="k3", softcap=30.0), ValueError,
+     "softcap applies to estimator='full'"),
+    (lambda x, r: kl_reward(x, r, estimator="full", softcap=0.0), ValueError, "softcap must be None"),
+    (lambda x, r: kl_reward(x, r, estimator="full", logit_scale=float("inf")), ValueError, "logit_scale must be"),
+    (lambda x, r: kl_penalty_loss(x[..., 0], x[..., 0], torch.ones(2), logit_scale=2.0), ValueError,
+     "logit_scale applies to estimator='full'"),
+    (lambda x, r: kl_penalty_loss(x[..., 0], x[..., 0], torch.ones(2), estimator="full", logits=x, ref_logits=r,
+                                  softcap=-1.0), ValueError, "softcap must be None"),
     (lambda x, r: kl_reward(x, r[:, :-1], estimator="full"), ValueError, "ref_logits"),
     (lambda x, r: kl_reward(x[0, 0], r[0, 0], estimator="full"), ValueError, r"log_probs must be logits \[N, V\]"),
     (lambda x, r: kl_penalty_loss(x[..., 0], x[..., 0], torch.ones(2), estimator="full"), ValueError,

@@ -26,7 +26,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                     importance_sampling_level="token", kl_times_ratio=False, kl_aggregation=None,
                     entropy_aggregation=None, num_sequences=None, logits=None, ref_logits=None,
                     temperature=1.0, objective="ppo", ratio_cap=None,
-                    sapo_temperatures=(1.0, 1.05)) -> KLPenaltyLossOutput:
+                    sapo_temperatures=(1.0, 1.05), logit_scale=1.0, softcap=None) -> KLPenaltyLossOutput:
     r"""PPO policy loss with a KL penalty, on ragged, assistant-masked token batches, fused.
 
     Per counted token ``t`` of sequence ``b`` (math in float32; float64 for float64 inputs)::
@@ -80,6 +80,9 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
             every aggregation apply as for the sampled estimators. The KL term is summed apart from the
             kernel's other terms (as a differently aggregated term is).
         temperature: ``T`` of ``estimator="full"`` (default 1.0; other values need ``"full"``).
+        logit_scale, softcap: ``s`` (default 1.0) and ``c`` (default ``None``: no cap) of ``estimator="full"``:
+            both models' logits read as ``c tanh(s x / c) / T`` (``s x / T`` without a cap), as
+            :func:`kl_kernels.full_kl` takes them (other values need ``"full"``).
         entropy_coef: weight of the entropy bonus (the loss subtracts ``entropy_coef * entropy``).
         dual_clip: ``None`` (default) or ``c > 1``: dual-clip PPO (Ye et al. 2020; verl's
             ``clip_ratio_c``, default 3.0 there): where ``A_t < 0`` the objective is at most
@@ -205,7 +208,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                    tuple(map(type, clamp_input)) if type(clamp_input) is tuple else None,
                    tuple(map(type, clamp_output)) if type(clamp_output) is tuple else None,
                    type(entropy_coef), type(dual_clip), type(weight_kl), type(kl_times_ratio), type(norm_length),
-                   type(temperature), logits is None, ref_logits is None, torch.is_grad_enabled(),
+                   type(temperature), logit_scale, type(logit_scale), softcap, type(softcap), logits is None,
+                   ref_logits is None, torch.is_grad_enabled(),
                    plans.ENVIRON.get(plans.ENV_KEY),
                    plans.facts(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, entropy,
                                weights, beta, out))
@@ -217,7 +221,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                 key = None  # (seen: no plan for it)
             else:
                 return plan(log_probs, old_log_probs, advantages, ref_log_probs, mask, offsets, lengths, beta, out)
-    temperature = full_estimator.check_temperature(temperature, estimator)
+    temperature = full_estimator.check_temperature(temperature, estimator, logit_scale, softcap)
     full = estimator == full_estimator.FULL
     if full:
         full_estimator.check_unused(estimator, ref_log_probs=ref_log_probs, clamp_input=clamp_input,
@@ -244,7 +248,8 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
         kl_aggregation=kl_aggregation, entropy_aggregation=entropy_aggregation, num_sequences=num_sequences,
         process_group=process_group)
     if full:
-        problem.kl_values = _full_kl_term(problem, kind, logits, ref_logits, temperature, backend)
+        problem.kl_values = _full_kl_term(problem, kind, logits, ref_logits, temperature, backend, logit_scale,
+                                          softcap)
     num_global_tokens = _num_global_tokens(num_global_tokens, problem, process_group, problem.device)
     impl = _dispatch.select(REGISTRY, backend, op="kl_penalty_loss", problem=problem)
     if key is not None and impl.name in ("cuda", "cuda-emulated") and on_device(problem, process_group):
@@ -284,7 +289,7 @@ def kl_penalty_loss(log_probs, old_log_probs, advantages, *, ref_log_probs=None,
                      process_group=process_group)
 
 
-def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend):
+def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend, logit_scale=1.0, softcap=None):
     """``estimator="full"``'s ``kl_t`` per token in the problem's layout: the exact KL of counted tokens
     (the others are never computed: NaN there stays out of the gradients), then ``clamp_output`` and
     (``weight_kl``) the weights, as the kernels apply them to a sampled estimate."""
@@ -295,7 +300,8 @@ def _full_kl_term(problem, kind, logits, ref_logits, temperature, backend):
     full_estimator.check_logits("logits", logits, problem.log_probs.shape, problem.device)
     full_estimator.check_logits("ref_logits", ref_logits, problem.log_probs.shape, problem.device)
     counted = final_mask(problem, *token_frame(problem)[:3])
-    kl = full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend)
+    kl = full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend, logit_scale=logit_scale,
+                 softcap=softcap)
     if problem.clamp_output is not None:
         lo, hi = problem.clamp_output
         kl = kl.clamp(min=lo, max=hi)

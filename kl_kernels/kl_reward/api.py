@@ -24,7 +24,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
               offsets=None, lengths=None, padding_side="left", prompt_lens=None,
               reward_placement="auto", clamp_input=None, clamp_output=None, return_ref=False,
               detach=True, mask_nan=False, backend="auto", out=None, kl_dtype=None,
-              temperature=1.0) -> KLRewardOutput:
+              temperature=1.0, logit_scale=1.0, softcap=None) -> KLRewardOutput:
     r"""Assistant-masked, ragged-batch KL estimate and KL-penalized reward, in one call.
 
     Per token ``t`` of sequence ``b``, with ``d = log_probs - ref_log_probs`` (math in float32,
@@ -108,6 +108,9 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
             (``detach=True`` or no input requiring grad). The fused ``cpu`` and ``cuda`` kernels
             write into them; the other backends copy. The result holds these very tensors.
         temperature: ``estimator="full"`` only: both models' logits are divided by it (default 1.0).
+        logit_scale, softcap: ``estimator="full"`` only: ``s`` (default 1.0) and ``c`` (default ``None``: no cap),
+            both models' logits read as ``c tanh(s x / c) / T`` (``s x / T`` without a cap), as
+            :func:`kl_kernels.full_kl` takes them (Gemma's ``final_logit_softcapping``, a model's logit scale).
 
     Returns:
         :class:`KLRewardOutput` ``(kl, reward, ref_log_probs, kl_sum, count)``: ``kl`` in the
@@ -147,6 +150,7 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
         try:
             key = (estimator, reward_placement, padding_side, clamp_input, clamp_output, return_ref, detach, mask_nan,
                    type(return_ref), type(detach), type(mask_nan), backend, kl_dtype, temperature, type(temperature),
+                   logit_scale, type(logit_scale), softcap, type(softcap),
                    tuple(map(type, clamp_input)) if type(clamp_input) is tuple else None,
                    tuple(map(type, clamp_output)) if type(clamp_output) is tuple else None,
                    type(out), torch.is_grad_enabled(), plans.ENVIRON.get(plans.ENV_KEY),
@@ -164,7 +168,8 @@ def kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1"
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_input=clamp_input, clamp_output=clamp_output,
                       return_ref=return_ref, detach=detach, mask_nan=mask_nan, backend=backend, out=out,
-                      kl_dtype=kl_dtype, temperature=temperature, plan_key=key)
+                      kl_dtype=kl_dtype, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                      plan_key=key)
 
 
 def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_log_probs, reward=None, *, coef=1.0,
@@ -185,14 +190,15 @@ def kl_reward_storing(store: Callable[[KLRewardOutput], None], log_probs, ref_lo
 def _kl_reward(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1", mask=None, offsets=None,
                lengths=None, padding_side="left", prompt_lens=None, reward_placement="auto", clamp_input=None,
                clamp_output=None, return_ref=False, detach=True, mask_nan=False, backend="auto",
-               store=None, out=None, kl_dtype=None, temperature=1.0, plan_key=None) -> KLRewardOutput:
-    temperature = full_estimator.check_temperature(temperature, estimator)
+               store=None, out=None, kl_dtype=None, temperature=1.0, logit_scale=1.0, softcap=None,
+               plan_key=None) -> KLRewardOutput:
+    temperature = full_estimator.check_temperature(temperature, estimator, logit_scale, softcap)
     if estimator == full_estimator.FULL:
         return _full(log_probs, ref_log_probs, reward, coef=coef, mask=mask, offsets=offsets, lengths=lengths,
                      padding_side=padding_side, prompt_lens=prompt_lens, reward_placement=reward_placement,
                      clamp_input=clamp_input, clamp_output=clamp_output, return_ref=return_ref, detach=detach,
                      mask_nan=mask_nan, backend=backend, store=store, out=out, kl_dtype=kl_dtype,
-                     temperature=temperature)
+                     temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     # A list/tuple subclass is read once, here, so that every backend sees the same items.
     log_probs = ragged.plain_sequence(log_probs, "log_probs")
     ref_log_probs = ragged.plain_sequence(ref_log_probs, "ref_log_probs")
@@ -251,7 +257,7 @@ def _general(log_probs, ref_log_probs, reward=None, *, coef=1.0, estimator="k1",
 
 def _full(logits, ref_logits, reward, *, coef, mask, offsets, lengths, padding_side, prompt_lens, reward_placement,
           clamp_input, clamp_output, return_ref, detach, mask_nan, backend, store, out, kl_dtype,
-          temperature) -> KLRewardOutput:
+          temperature, logit_scale, softcap) -> KLRewardOutput:
     """``estimator="full"``: the exact KL per counted token from the logits (full_kl), then the same
     call with ``k1`` of ``d = KL - 0`` (exactly ``KL``; gradient 1 to it): masks, ``clamp_output``,
     ``coef``, the reward and its placement as for every estimator."""
@@ -269,7 +275,8 @@ def _full(logits, ref_logits, reward, *, coef, mask, offsets, lengths, padding_s
         clamp_output=clamp_output, return_ref=False, detach=detach, mask_nan=False, out=None)
     counted = final_mask(problem, *token_frame(problem)[:3]).reshape(tokens.shape)
     with torch.no_grad() if detach else nullcontext():
-        kl = full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend)
+        kl = full_kl(logits, ref_logits, temperature=temperature, mask=counted, backend=backend,
+                     logit_scale=logit_scale, softcap=softcap)
     return _kl_reward(kl, torch.zeros_like(kl), reward, coef=coef, estimator="k1", mask=mask, offsets=offsets,
                       lengths=lengths, padding_side=padding_side, prompt_lens=prompt_lens,
                       reward_placement=reward_placement, clamp_output=clamp_output, detach=detach, backend=backend,
