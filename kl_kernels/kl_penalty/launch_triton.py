@@ -56,6 +56,9 @@ def forward(log_probs, old_log_probs, ref_log_probs, advantages, entropy, mask, 
     fwd, combine, _ = _kernels()
     dev, shape, total = log_probs.device, log_probs.shape, log_probs.numel()
     packed, batch, width, offsets, lengths, mask_u8, mask_s = _geometry(log_probs, mask, offsets, lengths, layout)
+    if packed and batch >= 2 ** 31:  # (a tile's counts are stored at its first sequence + an int32 offset)
+        raise ValueError(f"offsets: the Triton kl_penalty kernels take at most 2^31 - 1 packed sequences a call, got "
+                         f"{batch} (split the batch, or backend='cuda')")
     seq_loss = torch.empty(batch, dtype=torch.float32, device=dev)
     stats = torch.empty(batch, STATS, dtype=torch.float32, device=dev)
     count = torch.empty(batch, dtype=torch.int64, device=dev)

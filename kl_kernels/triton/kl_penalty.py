@@ -202,9 +202,11 @@ def kl_penalty_fwd_kernel(
     _put_sum(((s_p >> 32) & 0xFFFF).to(tl.float64), stats_ptr + seq * STATS + 5, slot_sum_ptr + slot + 6, whole,
              head, tail)
     _put_sum((s_p >> 48).to(tl.float64), stats_ptr + seq * STATS + 6, slot_sum_ptr + slot + 7, whole, head, tail)
-    # Addressed from the tile's first sequence plus a small int32 offset, not as count_ptr + seq: that offset
+    # Addressed from the tile's first sequence plus an int32 offset, not as count_ptr + seq: that offset
     # (seq * 8) is the packed frame's offsets_ptr + seq, which the compiler then kept live from the frame to
-    # here (Triton 3.8, sm_80, fp32 1024x8 with weights: 128 registers and an 8-byte spill).
+    # here (Triton 3.8, sm_80, fp32 1024x8 with weights: 128 registers and an 8-byte spill; an int64 offset
+    # behind a select spilled on Triton 3.6 instead). The offset is at most BLOCK padded, below the batch size
+    # packed: the launcher refuses 2^31 packed sequences or more.
     seq_first = tl.min(seq, axis=0)
     tl.store(count_ptr + seq_first + (seq - seq_first).to(tl.int32), s_cnt.to(tl.int64), mask=whole)
     # Slot 2*pid: the segment holding the tile's first element; 2*pid+1: the one holding its last.
