@@ -341,6 +341,7 @@ def _flag_lines(flagged: list[dict]) -> list[str]:
 # ------------------------------------------------------------------ the screen
 
 
+SLOWER_TITLE = "Where one of ours is slower than another contender ([torch] reference rows aside):"
 LEGEND = [
     "ms: median per call. x eager, x compile: speed-up over the table's eager baseline and torch.compile.",
     f"% copy: bandwidth over a same-bytes copy timed in the same rounds. {flags.MARK}: flagged, not a result.",
@@ -354,6 +355,33 @@ def _wrapped(text: str, lines: int = 2) -> list[str]:
 
 def _ours_name(name: str) -> str:
     return name.replace("kl_kernels.torchrl.", "torchrl.").replace(" (default)", "")
+
+
+# The screen's share of the two lists a loaded machine lengthens (each slower row or kind of flag one line or
+# two): one screen in all, whatever the noise; tables.txt has every slower row (and each row's flag). At most
+# SLOWER_LINES and FLAGGED_LINES lines each, the last of them then "... and N more".
+SLOWER_LINES = 6
+FLAGGED_LINES = 3
+
+
+def _capped(lines: list[str], cap: int, what: str) -> list[str]:
+    """``lines`` (entries of one line or two: an entry starts with "- ") within ``cap`` lines: whole entries,
+    then one line counting those left out."""
+    entries = []
+    for line in lines:
+        if line.startswith("- ") or not entries:
+            entries.append([line])
+        else:
+            entries[-1].append(line)
+    if sum(map(len, entries)) <= cap:
+        return lines
+    shown = []
+    for e in entries:
+        if len(shown) + len(e) > cap - 1:
+            break
+        shown += e
+    left = len(entries) - sum(1 for x in shown if x.startswith("- "))
+    return shown + [f"- ... and {left} more {what} (tables.txt lists every one)"]
 
 
 def summary_lines(groups: list[dict], other_label: str | None = None) -> list[str]:
@@ -385,9 +413,10 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
         lines += ["", "Peak extra memory of one forward + backward (MiB):"] + memory
     slow, flagged, not_run = notes(groups)
     if slow:
-        lines += ["", "Where one of ours is slower than another contender ([torch] reference rows aside):"] + slow
+        lines += ["", SLOWER_TITLE] + _capped(slow, SLOWER_LINES, "rows")
     if flagged:
-        lines += ["", f"Flagged ({flags.MARK}; each row's reason: results.json's `flag`, tables.txt):"] + flagged
+        lines += ["", f"Flagged ({flags.MARK}; each row's reason: results.json's `flag`, tables.txt):"] + _capped(
+            flagged, FLAGGED_LINES, "kinds")
     if not_run:
         lines += ["", "Not run here:"] + not_run
     return lines
@@ -449,6 +478,9 @@ def details(out_dir: Path) -> str:
         lines += ["", title] + grid
         lines += [f"  {flags.MARK} {g['name']}: {g['flag']}" for g in sel if g.get("flag")]
         lines += [f"  not run: {g['name']}: {g['error']}" for g in sel if g.get("error")]
+    slow = notes(groups)[0]
+    if slow:  # every one (the summary shows SLOWER_LINES of them)
+        lines += ["", SLOWER_TITLE] + slow
     return "\n".join(lines)
 
 
