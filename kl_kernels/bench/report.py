@@ -360,7 +360,7 @@ def _ours_name(name: str) -> str:
 # The screen's share of the two lists a loaded machine lengthens (each slower row or kind of flag one line or
 # two): one screen in all, whatever the noise; tables.txt has every slower row (and each row's flag). At most
 # SLOWER_LINES and FLAGGED_LINES lines each, the last of them then "... and N more". (The rest of the default
-# run's summary is 36 lines on the 2-core CI machine: header, legend, the nine tables, memory, "not run".)
+# run's summary is 35 lines on the 2-core CI machine: header, legend, the nine tables, memory, "not run".)
 SLOWER_LINES = 5
 FLAGGED_LINES = 3
 
