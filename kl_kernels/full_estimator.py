@@ -18,9 +18,6 @@ temperature.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 FULL = "full"

@@ -387,8 +387,9 @@ def _capped(lines: list[str], cap: int, what: str) -> list[str]:
 
 def summary_lines(groups: list[dict], other_label: str | None = None) -> list[str]:
     """One line per table (the fastest of ours against the table's eager baseline and torch.compile), the peak
-    memory of the log-prob tables, then every row of ours slower than another contender, the flagged rows and
-    the contenders not run. (``other_label``: the second allocator's ms is in tables.txt, not here.)"""
+    memory of the log-prob tables, then the rows of ours slower than another contender and the flagged rows
+    (``SLOWER_LINES`` / ``FLAGGED_LINES`` of each at most, then a count; tables.txt lists every slower row) and the
+    contenders not run. (``other_label``: the second allocator's ms is in tables.txt, not here.)"""
     sizes = len({g["size"] for g in groups if g.get("size")}) > 1
     head = ["table"] + (["size"] if sizes else []) + ["fastest of ours", "ms", "x eager", "x compile", "% copy"]
     body, memory = [], []
