@@ -30,17 +30,21 @@ runtime is linked statically, so importing ``_cuda`` needs no libcudart on the t
 no driver (the driver is only dlopen'ed by the first CUDA call).
 
 Compilation runs in parallel: the extensions build side by side, nvcc compiles its .cu files
-concurrently and, with ``--threads``, its architectures concurrently.
+concurrently and, with ``--threads``, its architectures concurrently. A .cu compile whose tool was killed (the
+OOM killer, on a machine short of memory) runs once more, alone; a failed one's error ends with nvcc's words and
+the machine's memory and free disk.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +53,7 @@ from pathlib import Path
 import pybind11
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 ROOT = Path(__file__).parent.resolve()
 DEFAULT_CUDA_ARCHS = "80;86;89;90;100;120"
@@ -347,25 +352,75 @@ class BuildExt(build_ext):
                 + self.compiler.compile([s for s in sources if s not in cu], **common))
 
     def _nvcc_compile(self, ext, sources):
-        nvcc = ext.nvcc
-        out_dir = Path(self.build_temp) / "nvcc"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        includes = [f"-I{d}" for d in ext.include_dirs]
-        # No --use_fast_math: k3's expm1 must stay accurate near 0.
-        flags = ["-std=c++17", "-O3",
-                 "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
-                 "--threads", str(max(1, os.cpu_count() or 1)), *ext.cuda_arch_flags]
-        flags += shlex.split(os.environ.get("KL_KERNELS_NVCC_FLAGS", ""))
+        return _nvcc_objects(ext.nvcc, sources, Path(self.build_temp) / "nvcc",
+                             [f"-I{d}" for d in ext.include_dirs], ext.cuda_arch_flags)
 
-        def compile_one(src):
-            obj = out_dir / (Path(src).stem + ".o")
-            cmd = [str(nvcc), "-c", src, "-o", str(obj), *includes, *flags]
-            print("nvcc:", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True)
-            return str(obj)
 
-        with ThreadPoolExecutor(max_workers=max(1, len(sources))) as pool:
-            return list(pool.map(compile_one, sources))
+# nvcc's words when one of its tools (cicc, ptxas) was killed, by the kernel's OOM killer mostly: the shell it runs
+# them through prints "Killed" (CUDA 13) or nvcc says "'cicc' died due to signal 9"; it exits 255 either way.
+NVCC_KILLED = re.compile(r"^Killed\b|died due to signal", re.MULTILINE)
+
+
+def _resources(build_dir: Path) -> str:
+    """The machine's memory and free disk (where nvcc writes its temporary files, where the objects go) for a
+    failed compile's message: a compiler killed or out of space says little of why itself."""
+    parts = []
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        kib = {k: int(v.split()[0]) for k, v in info.items() if k in ("MemAvailable", "MemTotal")}
+        parts.append(f"memory: {kib['MemAvailable'] // 1024:,} MiB available of {kib['MemTotal'] // 1024:,} MiB")
+    except (OSError, ValueError, KeyError, IndexError):
+        pass  # no /proc (macOS): the disk alone
+    for what, where in (("nvcc's temporary files", Path(tempfile.gettempdir())), ("the objects", build_dir)):
+        try:
+            parts.append(f"{shutil.disk_usage(where).free // 2**20:,} MiB free in {where} ({what})")
+        except OSError:
+            pass
+    return "; ".join(parts)
+
+
+def _nvcc_objects(nvcc, sources, out_dir: Path, includes, arch_flags) -> list[str]:
+    """Compile ``sources`` (.cu) with nvcc into ``out_dir``, side by side, each with ``--threads`` = the cores
+    (its architectures concurrently); the objects' paths. nvcc's output is printed (warnings included) and, when
+    a compile fails, ends the error's message with the machine's memory and free disk. A compile whose tool was
+    killed (NVCC_KILLED: on a machine short of memory the OOM killer picks a compiler) is compiled once more, alone
+    and with ``--threads 1``, after the others; a compile error is never retried."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # No --use_fast_math: k3's expm1 must stay accurate near 0.
+    flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", *arch_flags]
+    flags += shlex.split(os.environ.get("KL_KERNELS_NVCC_FLAGS", ""))
+
+    def compile_one(src, threads):
+        obj = out_dir / (Path(src).stem + ".o")
+        cmd = [str(nvcc), "-c", src, "-o", str(obj), *includes, "--threads", str(threads), *flags]
+        print("nvcc:", " ".join(cmd), flush=True)
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        if done.stdout:
+            print(done.stdout, end="" if done.stdout.endswith("\n") else "\n", flush=True)
+        return str(obj), done.returncode, done.stdout or ""
+
+    def failure(src, code, output, again=False):
+        tail = "\n".join(output.rstrip().splitlines()[-30:]) or "(nvcc printed nothing)"
+        return (f"kl_kernels build: nvcc failed on {src} (exit {code}"
+                f"{', killed again when compiled alone with --threads 1' if again else ''}):\n{tail}\n"
+                f"{_resources(out_dir)}")
+
+    threads = max(1, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=max(1, len(sources))) as pool:
+        results = list(pool.map(lambda src: compile_one(src, threads), sources))
+    for src, (_, code, output) in zip(sources, results):
+        if code != 0 and not (code < 0 or NVCC_KILLED.search(output)):
+            raise CompileError(failure(src, code, output))
+    objects = []
+    for src, (obj, code, output) in zip(sources, results):
+        if code != 0:
+            _announce(f"kl_kernels build: nvcc was killed compiling {src} (exit {code}; {_resources(out_dir)}): "
+                      "compiling it again, alone, with --threads 1")
+            obj, code, output = compile_one(src, 1)
+            if code != 0:
+                raise CompileError(failure(src, code, output, again=True))
+        objects.append(obj)
+    return objects
 
 
 def _extensions() -> list[Extension]:

@@ -324,3 +324,76 @@ def test_gpu_prebuild_stamp_follows_the_sources_the_arch_and_the_python(tmp_path
     assert stamp() == first
     (tmp_path / "csrc" / "cuda" / "new_kernel.cu").write_text("// a new file\n")
     assert stamp() != first
+
+
+def _fake_nvcc(tmp_path, behaviour: dict[str, str]) -> Path:
+    """An ``nvcc`` that logs each call (source and ``--threads``) and, per source name, behaves as told: ``ok``
+    (writes the object), ``error`` (a compile error, exit 2), ``killed`` (CUDA 13 nvcc's words when the OOM
+    killer took its cicc: ``Killed``, exit 255), ``killed-once`` (that, then ``ok``)."""
+    log = tmp_path / "calls"
+    cases = "\n".join(f"  *{name}) mode={mode} ;;" for name, mode in behaviour.items())
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(f"""#!/bin/sh
+src=$2; obj=$4; threads=?
+prev=; for a in "$@"; do [ "$prev" = --threads ] && threads=$a; prev=$a; done
+echo "$(basename "$src") $threads" >> {log}
+case "$src" in
+{cases}
+esac
+if [ "$mode" = killed-once ]; then
+  if [ -e "{tmp_path}/$(basename "$src").seen" ]; then mode=ok; else touch "{tmp_path}/$(basename "$src").seen"; mode=killed; fi
+fi
+case $mode in
+  ok) echo "a warning of $src"; : > "$obj"; exit 0 ;;
+  error) echo "$src(1): error: expected an expression"; exit 2 ;;
+  killed) echo "Killed"; exit 255 ;;
+esac
+""")
+    nvcc.chmod(0o755)
+    return nvcc
+
+
+def _nvcc_calls(tmp_path) -> list[str]:
+    return (tmp_path / "calls").read_text().splitlines()
+
+
+def test_a_killed_nvcc_compiles_again_alone(tmp_path, monkeypatch, capsys):
+    """The CI failure of 2026-12-02 (stop 66): nvcc exited 255 on kl_reward_cuda.cu after ~4 minutes of a build
+    sharing 2 cores and 24 GiB with three torch installs, its only words a "Killed" lost in pip's output. A compile
+    whose tool was killed is compiled once more, alone with --threads 1, after the others; the build says so with
+    the machine's memory and disk, and goes on."""
+    monkeypatch.setenv("KL_KERNELS_BUILD_QUIET", "1")
+    monkeypatch.delenv("KL_KERNELS_NVCC_FLAGS", raising=False)
+    nvcc = _fake_nvcc(tmp_path, {"a.cu": "ok", "b.cu": "killed-once", "c.cu": "ok"})
+    objects = _setup_function("_nvcc_objects", "_resources", "_announce")(
+        nvcc, ["a.cu", "b.cu", "c.cu"], tmp_path / "out", ["-Iinc"], ["-gencode=arch=compute_90,code=sm_90"])
+    assert objects == [str(tmp_path / "out" / f"{n}.o") for n in "abc"]
+    assert all(Path(o).exists() for o in objects)
+    threads = str(max(1, os.cpu_count() or 1))
+    calls = _nvcc_calls(tmp_path)
+    assert sorted(calls[:3]) == [f"{n}.cu {threads}" for n in "abc"] and calls[3:] == ["b.cu 1"]
+    out = capsys.readouterr()
+    assert "a warning of a.cu" in out.out  # nvcc's own words still reach the log
+    said = [line for line in out.err.splitlines() if "killed" in line]
+    assert len(said) == 1 and said[0].startswith("kl_kernels build: nvcc was killed compiling b.cu (exit 255; ")
+    assert "again, alone, with --threads 1" in said[0] and "MiB free in" in said[0]
+
+
+@pytest.mark.parametrize("behaviour, calls, says", [
+    # a compile error: its words and the machine's state end the message; nothing is compiled again
+    ({"a.cu": "error", "b.cu": "killed"}, 2, r"nvcc failed on a\.cu \(exit 2\):\na\.cu\(1\): error: expected an "
+                                               r"expression\n.*MiB free in"),
+    # killed alone too: the build fails, saying so
+    ({"a.cu": "ok", "b.cu": "killed"}, 3, r"nvcc failed on b\.cu \(exit 255, killed again when compiled alone with "
+                                          r"--threads 1\):\nKilled\n.*MiB free in"),
+], ids=["compile-error", "killed-twice"])
+def test_a_failed_nvcc_says_why_at_the_end(tmp_path, monkeypatch, behaviour, calls, says):
+    """pip shows a failed build's last lines: the error's message carries nvcc's words (not only its exit code, as
+    CalledProcessError did) and the memory and free disk, which tell an OOM kill or a full /tmp from a bug."""
+    monkeypatch.setenv("KL_KERNELS_BUILD_QUIET", "1")
+    nvcc = _fake_nvcc(tmp_path, behaviour)
+    compile_all = _setup_function("_nvcc_objects", "_resources", "_announce")
+    with pytest.raises(Exception, match=says) as failed:
+        compile_all(nvcc, sorted(behaviour), tmp_path / "out", [], [])
+    assert type(failed.value).__name__ == "CompileError"
+    assert len(_nvcc_calls(tmp_path)) == calls
