@@ -358,10 +358,10 @@ def _nvcc_calls(tmp_path) -> list[str]:
 
 
 def test_a_killed_nvcc_compiles_again_alone(tmp_path, monkeypatch, capsys):
-    """The CI failure of 2026-12-02 (stop 66): nvcc exited 255 on kl_reward_cuda.cu after ~4 minutes of a build
-    sharing 2 cores and 24 GiB with three torch installs, its only words a "Killed" lost in pip's output. A compile
-    whose tool was killed is compiled once more, alone with --threads 1, after the others; the build says so with
-    the machine's memory and disk, and goes on."""
+    """The CI failure of 2026-12-02 (stop 65's second CI run): nvcc exited 255 on kl_reward_cuda.cu ~4 minutes into
+    a build sharing 2 cores and 24 GiB with three torch installs, its only words a "Killed" (nvcc's when the kernel
+    kills its cicc: reproduced here) lost in pip's output. A compile whose tool was killed is compiled once more,
+    alone with --threads 1, after the others; the build says so with the machine's memory and disk, and goes on."""
     monkeypatch.setenv("KL_KERNELS_BUILD_QUIET", "1")
     monkeypatch.delenv("KL_KERNELS_NVCC_FLAGS", raising=False)
     nvcc = _fake_nvcc(tmp_path, {"a.cu": "ok", "b.cu": "killed-once", "c.cu": "ok"})

@@ -20,17 +20,10 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 def tiny():
     """(model, tokenizer): a 1-layer Qwen2 with random weights and a byte-level BPE tokenizer without merges."""
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl_trainer_harness import tokenizer  # (tokenizers and transformers only: TRL's is not imported)
 
-    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", additional_special_tokens=specials)
+    tok = tokenizer()
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(tok), max_position_embeddings=512, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
