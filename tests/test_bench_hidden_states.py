@@ -87,8 +87,8 @@ def test_a_contender_failing_after_its_first_step_is_a_row(monkeypatch):
     real = hs._logprobs_fn
     calls = []
 
-    def flaky(name):
-        fn = real(name)
+    def flaky(name, device):
+        fn = real(name, device)
         if name != "eager":
             return fn
 
@@ -170,3 +170,15 @@ def test_cpu_bench_has_a_row_for_every_verl_route():
             assert "not installed" in rows[name]["error"]
         else:
             assert rows[name]["ms"] > 0 and "error" not in rows[name], rows[name]
+
+
+def test_verls_triton_route_says_cuda_before_looking_for_verl(monkeypatch):
+    """On a CPU, verl's Triton route cannot run whether verl is installed or not: with the device given, it says so
+    first (a fresh machine's bench said "verl is not installed", and installing it would not have helped)."""
+    import pytest
+
+    from kl_kernels.bench import hidden_states as hs
+
+    monkeypatch.setattr(hs, "_verl_module", lambda name: pytest.fail(f"{name} looked for"))
+    with pytest.raises(RuntimeError, match="CUDA tensors only"):
+        hs.peer_logprobs("verl", device="cpu")

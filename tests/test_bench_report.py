@@ -229,3 +229,39 @@ def test_plot_labels_fit_their_panels(folder):
     path = report.plot(folder)
     width, height = Image.open(path).size
     assert width <= 1400 and height < 2200
+
+
+def test_a_fresh_machine_without_the_peers_keeps_one_screen():
+    """The README's first command on a fresh machine (no verl, Liger or TRL: 2026-12-02, 898b054): ten "not run"
+    rows, one line each, made the tiny bench's screen 49 lines (tests/test_cli.py allows 45). The rows that share a
+    reason are one line (the short run's leave-outs one more), each reason whole with its pip command, at most
+    NOT_RUN_LINES lines; tables.txt keeps a line per row."""
+    from kl_kernels.bench.logprob_tasks import DEFAULT_SKIPS
+
+    def row(table, name, error):
+        return dict(table=table, short=table, size="", name=name, impl=name, layout="", error=error, ms=None,
+                    ms_other=None, x_eager=None, x_compile=None, pct_copy=None, eager="eager")
+
+    verl = "verl is not installed (pip install --no-deps verl==0.9.1)"
+    liger = "liger-kernel is not installed (pip install --no-deps liger-kernel==0.8.5)"
+    trl = "trl is not installed (pip install --no-deps trl==1.16.0)"
+    cuda = "verl's fused kernel is Triton for CUDA tensors only"
+    groups = [row("token_logprobs", "token_logprobs[torch]", DEFAULT_SKIPS["token_logprobs[torch]"]),
+              row("linear_token_logprobs", "compile", DEFAULT_SKIPS["compile"]),
+              row("linear_token_logprobs", "linear_token_logprobs[torch]", DEFAULT_SKIPS["linear_token_logprobs[torch]"]),
+              row("linear_token_logprobs", "verl[torch]", verl), row("linear_token_logprobs", "verl[triton]", cuda),
+              row("linear_token_logprobs", "liger[ce]", liger), row("GRPO loss (hidden states)", "liger", liger),
+              row("TRL GRPO step (hidden)", "trl", trl), row("TRL GRPO step (hidden)", "trl head + kl_kernels loss", trl),
+              row("TRL GRPO step (hidden)", "kl_kernels head + trl loss", trl)]
+    lines = report.summary_lines(groups)
+    shown = lines[lines.index("Not run here:") + 1:]
+    assert len(shown) == 5 <= report.NOT_RUN_LINES, shown
+    assert max(map(len, lines)) <= report.WIDTH
+    for reason in (verl, liger, trl, cuda):
+        assert sum(line.startswith(f"- {reason}: ") for line in shown) == 1, (reason, shown)
+    assert f"- {liger}: liger[ce], liger" in shown and f"- {verl}: verl[torch]" in shown
+    assert "- --full runs them: token_logprobs[torch], compile, linear_token_logprobs[torch]" in shown
+    assert len(report.notes(groups)[2]) == 5  # (the same lines: tables.txt has each row's own)
+    many = groups + [row("token_logprobs", f"peer{i}", f"reason {i}") for i in range(4)]
+    shown = report.summary_lines(many)[-report.NOT_RUN_LINES:]
+    assert len(shown) == report.NOT_RUN_LINES and shown[-1] == "- ... and 5 more reasons (tables.txt lists every one)"

@@ -101,10 +101,16 @@ def _verl_module(name):
         return importlib.import_module(name)
 
 
-def peer_logprobs(name, temperature=1.0):
+VERL_TRITON_CUDA_ONLY = "verl's fused kernel is Triton for CUDA tensors only"
+LIGER_MISSING = "liger-kernel is not installed (pip install --no-deps liger-kernel==0.8.5)"
+
+
+def peer_logprobs(name, temperature=1.0, device=None):
     """A peer's per-token log-probs and entropy from hidden states, as ``(h [N, H], w [V, H], labels [N]) ->
     (log_probs, entropy)`` of ``softmax(h @ w.T / temperature)``, or raises ImportError/RuntimeError saying why it
-    cannot run here. The routes verl's ``use_fused_kernels=True`` offers:
+    cannot run here; with ``device`` (where the tensors will be), a route that cannot run there says so first,
+    before its package is looked for (installing verl would not run its Triton kernel on a CPU). The routes verl's
+    ``use_fused_kernels=True`` offers:
 
     * ``"verl"``: ``fused_kernels_backend="triton"``, ``verl.utils.kernel.linear_cross_entropy`` (NVIDIA's Triton
       kernel; CUDA tensors only);
@@ -113,11 +119,13 @@ def peer_logprobs(name, temperature=1.0):
     * ``"liger"``: ``"liger"``, Liger-Kernel 0.8.5's ``LigerFusedLinearScaledCrossEntropyFunction`` (its SM90
       kernel on an H100/H200, its torch fallback elsewhere), called as verl calls it."""
     if name == "verl":
+        if device is not None and torch.device(device).type != "cuda":
+            raise RuntimeError(VERL_TRITON_CUDA_ONLY)
         fn = _verl_module("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
 
         def run(h, w, labels):
             if h.device.type != "cuda":
-                raise RuntimeError("verl's fused kernel is Triton for CUDA tensors only")
+                raise RuntimeError(VERL_TRITON_CUDA_ONLY)
             return fn(h, w, labels, float(temperature), "none")
         return run
     if name == "verl_torch":
@@ -125,7 +133,7 @@ def peer_logprobs(name, temperature=1.0):
         return lambda h, w, labels: fused(h, w, labels, temperature)
     if name == "liger":
         if importlib.util.find_spec("liger_kernel") is None:
-            raise ImportError("liger-kernel is not installed (pip install --no-deps liger-kernel==0.8.5)")
+            raise ImportError(LIGER_MISSING)
         from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction as liger_fn
 
         def run(h, w, labels):
@@ -135,7 +143,7 @@ def peer_logprobs(name, temperature=1.0):
     raise ValueError(f"unknown peer {name!r}")
 
 
-def _logprobs_fn(name):
+def _logprobs_fn(name, device):
     if name == "ours":
         return _ours_logprobs
     if name == "eager":
@@ -143,7 +151,7 @@ def _logprobs_fn(name):
     if name == "compile":
         return torch.compile(_eager_logprobs)
     if name in ("verl", "verl_torch", "liger"):
-        return peer_logprobs(name)
+        return peer_logprobs(name, device=device)
     raise ValueError(f"unknown logprobs contender {name!r}")
 
 
@@ -179,7 +187,7 @@ def _grpo_fn(name, device):
         return _eager_grpo
     if name == "liger":
         if importlib.util.find_spec("liger_kernel") is None:
-            raise ImportError("liger-kernel is not installed (pip install --no-deps liger-kernel==0.8.5)")
+            raise ImportError(LIGER_MISSING)
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         loss_fn = LigerFusedLinearGRPOLoss(beta=BETA, loss_type="grpo", epsilon_low=CLIP, epsilon_high=CLIP,
@@ -271,7 +279,7 @@ def _rel(a, e):
 def _stepper(task, name, x, device):
     """``(step, state)``: one forward + backward of a contender on ``x``; ``state`` keeps what the last step
     left (the loss, the inputs with their gradients, log-probs and entropy) until it is cleared."""
-    fn = _logprobs_fn(name) if task == "logprobs" else _grpo_fn(name, device)
+    fn = _logprobs_fn(name, device) if task == "logprobs" else _grpo_fn(name, device)
     state = {}
 
     def step():

@@ -120,8 +120,10 @@ def measure_one(name: str, n: int, hid: int, vocab: int, dtype: str, repeats: in
         if name == "liger":
             try:
                 from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-            except ImportError as e:
-                return dict(row, error=f"liger-kernel not installed ({e})")
+            except ImportError:
+                from .hidden_states import LIGER_MISSING
+
+                return dict(row, error=LIGER_MISSING)
             liger_fn = LigerFusedLinearGRPOLoss(beta=0.04, compiled=False, loss_type="grpo", temperature=TEMPERATURE)
 
         def step():
@@ -135,9 +137,9 @@ def measure_one(name: str, n: int, hid: int, vocab: int, dtype: str, repeats: in
             from .hidden_states import peer_logprobs
 
             try:
-                fn = peer_logprobs(PEERS[name], TEMPERATURE)
-            except (ImportError, RuntimeError) as e:  # a row saying why, never silently absent
-                return dict(row, error=f"{type(e).__name__}: {e}")
+                fn = peer_logprobs(PEERS[name], TEMPERATURE, device="cpu")  # (the CPU bench)
+            except (ImportError, RuntimeError) as e:  # a row saying why (our own words), never silently absent
+                return dict(row, error=str(e))
 
         def step():
             _step(name, hidden, weight, labels, fn)

@@ -303,12 +303,23 @@ def notes(groups: list[dict]) -> tuple[list[str], list[str], list[str]]:
             line = f"- {_where(g)}: {g['name']} {ms_text(g['ms'])}{mark} ms vs {o['name']} {ms_text(o['ms'])} ms"
             # (a known reason may take a second line; "not known" and the small-size guess stay on one)
             slow += _wrapped(f"{line}: {s['why']}") if s["known"] else [_short(line, WIDTH)]
-        for g in sel:
-            if g.get("error"):
-                not_run.append(_short(f"- {_where(g)}: {g['name']}: {g['error']}", WIDTH))
-            elif g.get("flag"):
-                flagged.append(g)
-    return slow, _flag_lines(flagged), not_run
+        not_run += [g for g in sel if g.get("error")]
+        flagged += [g for g in sel if g.get("flag") and not g.get("error")]
+    return slow, _flag_lines(flagged), _not_run_lines(not_run)
+
+
+def _not_run_lines(rows: list[dict]) -> list[str]:
+    """The rows that did not run, one line per reason, the reason first (a peer's pip command whole), then the
+    contenders: a fresh machine without the peers has ten such rows but five reasons. The short run's leave-outs
+    (logprob_tasks.DEFAULT_SKIPS: each says why and that --full runs it) are one line; tables.txt has each row with
+    its table and its own reason."""
+    from .logprob_tasks import DEFAULT_SKIPS
+
+    by_reason: dict[str, list[str]] = {}
+    for g in rows:
+        reason = "--full runs them" if g["error"] in DEFAULT_SKIPS.values() else g["error"]
+        by_reason.setdefault(reason, []).append(g["name"])
+    return [_short(f"- {reason}: {', '.join(dict.fromkeys(names))}", WIDTH) for reason, names in by_reason.items()]
 
 
 _FLAG_KINDS = (  # (what a reason starts with or holds, how the summary names the kind)
@@ -357,12 +368,15 @@ def _ours_name(name: str) -> str:
     return name.replace("kl_kernels.torchrl.", "torchrl.").replace(" (default)", "")
 
 
-# The screen's share of the two lists a loaded machine lengthens (each slower row or kind of flag one line or
-# two): one screen in all, whatever the noise; tables.txt has every slower row (and each row's flag). At most
-# SLOWER_LINES and FLAGGED_LINES lines each, the last of them then "... and N more". (The rest of the default
-# run's summary is 35 lines on the 2-core CI machine: header, legend, the nine tables, memory, "not run".)
+# The screen's share of the lists a loaded machine (slower rows, kinds of flag: one line or two each) or a machine
+# without the peers (reasons not run) lengthens: one screen in all, whatever the noise; tables.txt has every
+# slower row, each row's flag and each row not run. At most SLOWER_LINES, FLAGGED_LINES and NOT_RUN_LINES lines
+# each, the last of them then "... and N more". The rest of the default run's summary is 32 lines on the 2-core
+# CI machine (header, legend, the nine tables, memory, the lists' titles, the files), so at most 45. (A fresh
+# machine without verl, Liger and TRL has five reasons not run; CI's, with them, two.)
 SLOWER_LINES = 5
 FLAGGED_LINES = 3
+NOT_RUN_LINES = 5
 
 
 def _capped(lines: list[str], cap: int, what: str) -> list[str]:
@@ -389,7 +403,8 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
     """One line per table (the fastest of ours against the table's eager baseline and torch.compile), the peak
     memory of the log-prob tables, then the rows of ours slower than another contender and the flagged rows
     (``SLOWER_LINES`` / ``FLAGGED_LINES`` of each at most, then a count; tables.txt lists every slower row) and the
-    contenders not run. (``other_label``: the second allocator's ms is in tables.txt, not here.)"""
+    contenders not run, a line per reason (``NOT_RUN_LINES`` at most). (``other_label``: the second allocator's ms
+    is in tables.txt, not here.)"""
     sizes = len({g["size"] for g in groups if g.get("size")}) > 1
     head = ["table"] + (["size"] if sizes else []) + ["fastest of ours", "ms", "x eager", "x compile", "% copy"]
     body, memory = [], []
@@ -420,7 +435,7 @@ def summary_lines(groups: list[dict], other_label: str | None = None) -> list[st
         lines += ["", f"Flagged ({flags.MARK}; each row's reason: results.json's `flag`, tables.txt):"] + _capped(
             flagged, FLAGGED_LINES, "kinds")
     if not_run:
-        lines += ["", "Not run here:"] + not_run
+        lines += ["", "Not run here:"] + _capped(not_run, NOT_RUN_LINES, "reasons")
     return lines
 
 
